@@ -1,0 +1,243 @@
+"""Advantage and return estimators.
+
+Shapes: scalar rewards are ``[B]`` with each prompt's group of samples contiguous
+(``B = num_prompts · group_size``); per-token tensors are padded ``[B, T]`` with a
+``mask`` (1 on response tokens that are trained). Masked positions of every per-token
+output are 0. Nothing here whitens unless asked (:func:`whiten`).
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from rl_core.registry import Registry
+
+
+def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``[B]`` -> ``[B / group_size, group_size]``, refusing a ragged batch."""
+    if rewards.dim() != 1:
+        raise ValueError(f"scalar rewards must be 1-D [B], got shape {tuple(rewards.shape)}")
+    if group_size < 1 or rewards.numel() % group_size:
+        raise ValueError(
+            f"{rewards.numel()} rewards do not split into groups of {group_size} "
+            "(samples of one prompt must be contiguous and complete)"
+        )
+    return rewards.float().view(-1, group_size)
+
+
+def group_normalize(
+    rewards: torch.Tensor, *, group_size: int, std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
+    """GRPO advantages: (r - group mean) / (group std + eps), std unbiased.
+
+    ``std=False`` only subtracts the mean (Dr.GRPO). A group of one has zero advantage.
+    Returns ``[B]``.
+    """
+    groups = _grouped(rewards, group_size)
+    centred = groups - groups.mean(dim=1, keepdim=True)
+    if std:
+        group_std = groups.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(groups)
+        centred = centred / (group_std + eps)
+    return centred.reshape(-1)
+
+
+def rloo(rewards: torch.Tensor, *, group_size: int) -> torch.Tensor:
+    """Leave-one-out baseline: r_i - mean of the other samples of the group. Returns ``[B]``."""
+    if group_size < 2:
+        raise ValueError("rloo needs group_size >= 2 (the baseline is the other samples)")
+    groups = _grouped(rewards, group_size)
+    others_mean = (groups.sum(dim=1, keepdim=True) - groups) / (group_size - 1)
+    return (groups - others_mean).reshape(-1)
+
+
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, *, gamma: float) -> torch.Tensor:
+    """G_t = r_t + gamma · G_(next valid t), computed right to left over valid tokens.
+
+    ``rewards``, ``mask``: ``[B, T]``. Masked positions are skipped (a masked tool output
+    between two turns neither adds reward nor discounts). Returns ``[B, T]``.
+    """
+    weights = mask.float()
+    rewards = rewards.float() * weights
+    returns = torch.zeros_like(rewards)
+    running = rewards.new_zeros(rewards.shape[0])
+    for t in reversed(range(rewards.shape[1])):
+        valid = weights[:, t]
+        running = valid * (rewards[:, t] + gamma * running) + (1.0 - valid) * running
+        returns[:, t] = running
+    return returns * weights
+
+
+def gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over valid tokens, not whitened.
+
+    delta_t = r_t + gamma·V_(next valid) - V_t; A_t = delta_t + gamma·lam·A_(next valid);
+    the value after a row's last valid token is 0. ``rewards``, ``values``, ``mask``:
+    ``[B, T]``. Returns ``(advantages, returns)`` each ``[B, T]``, returns = A + V.
+    """
+    weights = mask.float()
+    rewards, values = rewards.float() * weights, values.float() * weights
+    advantages = torch.zeros_like(rewards)
+    next_value = rewards.new_zeros(rewards.shape[0])
+    next_advantage = rewards.new_zeros(rewards.shape[0])
+    for t in reversed(range(rewards.shape[1])):
+        valid = weights[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        advantage = delta + gamma * lam * next_advantage
+        next_advantage = valid * advantage + (1.0 - valid) * next_advantage
+        next_value = valid * values[:, t] + (1.0 - valid) * next_value
+        advantages[:, t] = advantage
+    advantages = advantages * weights
+    return advantages, (advantages + values) * weights
+
+
+def last_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Place each row's scalar reward on its last valid token: ``[B]`` -> ``[B, T]``."""
+    weights = mask.float()
+    positions = torch.arange(weights.shape[1], device=weights.device).expand_as(weights)
+    last = torch.where(weights > 0, positions, -1).max(dim=1).values
+    token_rewards = torch.zeros_like(weights)
+    has_token = last >= 0
+    rows = torch.nonzero(has_token).squeeze(-1)
+    token_rewards[rows, last[has_token]] = rewards.float()[has_token]
+    return token_rewards
+
+
+def reinforce_pp_returns(
+    rewards: torch.Tensor,
+    *,
+    kl: torch.Tensor,
+    mask: torch.Tensor,
+    kl_coef: float,
+    gamma: float = 1.0,
+) -> torch.Tensor:
+    """REINFORCE++ returns: token rewards -kl_coef·kl, plus the scalar reward on each row's
+    last valid token, discounted with ``gamma``. ``rewards`` ``[B]``; ``kl``, ``mask``
+    ``[B, T]``. Returns ``[B, T]`` (whiten them over the batch to get advantages).
+    """
+    token_rewards = -kl_coef * kl.float() * mask.float() + last_token_rewards(rewards, mask)
+    return discounted_returns(token_rewards, mask, gamma=gamma)
+
+
+def reinforce_pp_baseline(
+    rewards: torch.Tensor,
+    *,
+    group_size: int,
+    kl: torch.Tensor,
+    mask: torch.Tensor,
+    kl_coef: float,
+) -> torch.Tensor:
+    """REINFORCE++-baseline: (r - group mean) on every token, minus kl_coef·kl.
+
+    ``rewards`` ``[B]``; ``kl``, ``mask`` ``[B, T]``. Returns ``[B, T]`` (not whitened).
+    """
+    centred = group_normalize(rewards, group_size=group_size, std=False)
+    return (centred.unsqueeze(-1) - kl_coef * kl.float()) * mask.float()
+
+
+def whiten(values: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True) -> torch.Tensor:
+    """(v - masked mean) / sqrt(unbiased masked variance + 1e-8), over all valid tokens.
+
+    With ``shift_mean=False`` the mean is added back (scale only). Masked positions are 0.
+    """
+    weights = mask.float()
+    count = weights.sum()
+    mean = (values.float() * weights).sum() / count.clamp(min=1.0)
+    variance = ((values.float() - mean).square() * weights).sum() / (count - 1.0).clamp(min=1.0)
+    whitened = (values.float() - mean) * torch.rsqrt(variance + 1e-8)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened * weights
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdvantageInputs:
+    """Everything an estimator may read; each uses what it needs.
+
+    rewards: ``[B]`` scalar rewards, groups contiguous. mask: ``[B, T]`` response tokens.
+    values: ``[B, T]`` critic values (GAE). kl: ``[B, T]`` per-token KL to the reference.
+    """
+
+    rewards: torch.Tensor
+    mask: torch.Tensor
+    group_size: int = 1
+    values: torch.Tensor | None = None
+    kl: torch.Tensor | None = None
+    gamma: float = 1.0
+    lam: float = 1.0
+    kl_coef: float = 0.0
+
+
+# fn(inputs) -> (advantages [B, T], returns [B, T])
+AdvantageFn = Callable[[AdvantageInputs], tuple[torch.Tensor, torch.Tensor]]
+ADVANTAGE_ESTIMATORS: Registry[AdvantageFn] = Registry("advantage estimator")
+
+
+def _broadcast(per_seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return per_seq.unsqueeze(-1) * mask.float()
+
+
+@ADVANTAGE_ESTIMATORS.register("grpo")
+def _grpo(inputs: AdvantageInputs):
+    adv = _broadcast(group_normalize(inputs.rewards, group_size=inputs.group_size), inputs.mask)
+    return adv, adv
+
+
+@ADVANTAGE_ESTIMATORS.register("dr_grpo")
+def _dr_grpo(inputs: AdvantageInputs):
+    centred = group_normalize(inputs.rewards, group_size=inputs.group_size, std=False)
+    adv = _broadcast(centred, inputs.mask)
+    return adv, adv
+
+
+@ADVANTAGE_ESTIMATORS.register("rloo")
+def _rloo(inputs: AdvantageInputs):
+    adv = _broadcast(rloo(inputs.rewards, group_size=inputs.group_size), inputs.mask)
+    return adv, adv
+
+
+def _kl_or_zero(inputs: AdvantageInputs) -> torch.Tensor:
+    return torch.zeros_like(inputs.mask, dtype=torch.float32) if inputs.kl is None else inputs.kl
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus")
+def _reinforce_pp(inputs: AdvantageInputs):
+    returns = reinforce_pp_returns(
+        inputs.rewards,
+        kl=_kl_or_zero(inputs),
+        mask=inputs.mask,
+        kl_coef=inputs.kl_coef,
+        gamma=inputs.gamma,
+    )
+    return whiten(returns, inputs.mask), returns
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus_baseline")
+def _reinforce_pp_baseline(inputs: AdvantageInputs):
+    adv = reinforce_pp_baseline(
+        inputs.rewards,
+        group_size=inputs.group_size,
+        kl=_kl_or_zero(inputs),
+        mask=inputs.mask,
+        kl_coef=inputs.kl_coef,
+    )
+    return whiten(adv, inputs.mask), adv
+
+
+@ADVANTAGE_ESTIMATORS.register("gae")
+def _gae(inputs: AdvantageInputs):
+    if inputs.values is None:
+        raise ValueError("the 'gae' estimator needs critic values (PPO with a critic)")
+    token_rewards = last_token_rewards(inputs.rewards, inputs.mask)
+    token_rewards = token_rewards - inputs.kl_coef * _kl_or_zero(inputs) * inputs.mask.float()
+    adv, returns = gae(
+        token_rewards, inputs.values, inputs.mask, gamma=inputs.gamma, lam=inputs.lam
+    )
+    return whiten(adv, inputs.mask), returns

@@ -1,0 +1,102 @@
+"""Reduce per-token losses to one scalar, with explicit global denominators.
+
+Shapes: ``per_token`` and ``mask`` are padded ``[B, T]`` or packed ``[N]``; packed input
+also takes ``cu_seqlens`` ``[B + 1]`` (int). ``mask`` is float or bool, 1 where a token counts.
+
+Why explicit denominators: a micro-batch, a data-parallel shard or a context-parallel
+slice only sees part of the batch. Passing the *global* counts (valid tokens, valid
+sequences) makes the sum of the parts' losses equal the full-batch loss exactly, so
+gradient accumulation and parallel layout never change the result.
+"""
+
+import torch
+
+AGGREGATION_MODES = (
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
+
+
+def aggregate(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    mode: str = "token-mean",
+    cu_seqlens: torch.Tensor | None = None,
+    num_tokens: float | torch.Tensor | None = None,
+    num_seqs: float | torch.Tensor | None = None,
+    norm_length: float | None = None,
+) -> torch.Tensor:
+    """Aggregate a per-token loss into a scalar.
+
+    Modes:
+        - ``token-mean``: sum(x·m) / num_tokens (default: valid tokens here).
+        - ``seq-mean-token-sum``: sum over sequences of (row sum) / num_seqs.
+        - ``seq-mean-token-mean``: sum over sequences of (row sum / row count) / num_seqs.
+        - ``seq-mean-token-sum-norm``: sum over sequences of (row sum / norm_length) / num_seqs,
+          norm_length defaulting to T (the padded width; required for packed input).
+    ``num_seqs`` defaults to the number of sequences with at least one valid token here;
+    fully masked rows contribute nothing and are not counted.
+
+    Returns:
+        Scalar tensor (float32 or wider), differentiable in ``per_token``.
+    """
+    if mode not in AGGREGATION_MODES:
+        raise ValueError(
+            f"unknown aggregation mode {mode!r}; choose one of: {', '.join(AGGREGATION_MODES)}"
+        )
+    weights = mask.to(torch.float32)
+    masked = per_token.float() * weights
+    if mode == "token-mean":
+        denominator = weights.sum() if num_tokens is None else num_tokens
+        return masked.sum() / _at_least_one(denominator)
+
+    row_sums, row_counts = row_sums_and_counts(masked, weights, cu_seqlens)
+    valid_rows = row_counts > 0
+    if mode == "seq-mean-token-sum":
+        per_seq = row_sums
+    elif mode == "seq-mean-token-mean":
+        per_seq = row_sums / row_counts.clamp(min=1.0)
+    else:
+        if norm_length is None:
+            if cu_seqlens is not None:
+                raise ValueError("seq-mean-token-sum-norm on packed input needs norm_length")
+            norm_length = per_token.shape[-1]
+        per_seq = row_sums / float(norm_length)
+    denominator = valid_rows.sum() if num_seqs is None else num_seqs
+    return (per_seq * valid_rows).sum() / _at_least_one(denominator)
+
+
+def row_sums_and_counts(
+    values: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence sums of ``values·mask`` and of ``mask``, each ``[B]``.
+
+    ``values``/``mask`` are ``[B, T]``, or packed ``[N]`` with ``cu_seqlens`` ``[B + 1]``.
+    """
+    weights = mask.to(values.dtype) if values.is_floating_point() else mask.float()
+    if cu_seqlens is None:
+        return (values * weights).sum(-1), weights.sum(-1)
+    seq_ids = segment_ids(cu_seqlens, values.shape[0]).to(values.device)
+    num_seqs = cu_seqlens.numel() - 1
+    sums = values.new_zeros(num_seqs).index_add(0, seq_ids, values * weights)
+    counts = weights.new_zeros(num_seqs).index_add(0, seq_ids, weights)
+    return sums, counts
+
+
+def segment_ids(cu_seqlens: torch.Tensor, num_tokens: int | None = None) -> torch.Tensor:
+    """Sequence index of every packed token: ``[N]`` int64 from ``cu_seqlens`` ``[B + 1]``."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    ids = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
+    if num_tokens is not None and ids.numel() != num_tokens:
+        raise ValueError(f"cu_seqlens covers {ids.numel()} tokens but the tensor has {num_tokens}")
+    return ids
+
+
+def _at_least_one(denominator: float | torch.Tensor) -> torch.Tensor | float:
+    """Guard an empty batch: 0 / max(0, 1) = 0 instead of NaN."""
+    if isinstance(denominator, torch.Tensor):
+        return denominator.float().clamp(min=1.0)
+    return max(float(denominator), 1.0)

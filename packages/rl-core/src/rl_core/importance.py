@@ -1,0 +1,74 @@
+"""Train/rollout mismatch correction: importance weights of the trainer's old policy
+against the log-probs the rollout engine reported for the same tokens.
+
+Engines (bf16 kernels, other batching) and the trainer never agree exactly, and in
+asynchronous loops the rollout policy is older than the trainer's. Multiplying the
+per-token loss by these weights corrects for it.
+
+Shapes: ``[B, T]`` with ``mask``, or packed ``[N]`` with ``cu_seqlens`` ``[B + 1]`` for
+sequence-level weights. Weights are detached float32 of the input shape, 0 on masked tokens.
+
+- ``mode="truncate"`` (TIS): w = min(ratio, cap).
+- ``mode="mask"`` (MIS): w = ratio where lower <= ratio <= cap, else 0 (token dropped).
+- ``level="sequence"``: the ratio is exp(sum of the sequence's log-ratios), shared by
+  every token of that sequence.
+"""
+
+import torch
+
+from rl_core.aggregation import row_sums_and_counts, segment_ids
+
+IS_LEVELS = ("token", "sequence")
+IS_MODES = ("truncate", "mask")
+_MAX_LOG_RATIO = 20.0
+
+
+def rollout_importance_weights(
+    old_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    level: str = "token",
+    mode: str = "truncate",
+    cap: float = 2.0,
+    lower: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Importance weights pi_old / pi_rollout and the metrics users watch.
+
+    Returns ``(weights, metrics)``; metrics: ``mismatch/abs_log_ratio_mean`` (mean
+    |Δ log-prob| over valid tokens), ``mismatch/frac_capped`` (fraction of valid tokens
+    whose weight was truncated or masked), ``mismatch/weight_mean``.
+    """
+    if level not in IS_LEVELS:
+        raise ValueError(f"unknown IS level {level!r}; choose one of: {', '.join(IS_LEVELS)}")
+    if mode not in IS_MODES:
+        raise ValueError(f"unknown IS mode {mode!r}; choose one of: {', '.join(IS_MODES)}")
+    if cap <= 0:
+        raise ValueError(f"cap must be positive, got {cap}")
+    weights_mask = mask.float()
+    log_ratio = (old_log_probs.float() - rollout_log_probs.float()) * weights_mask
+    if level == "sequence":
+        seq_log_ratio, _ = row_sums_and_counts(log_ratio, weights_mask, cu_seqlens)
+        if cu_seqlens is None:
+            token_log_ratio = seq_log_ratio.unsqueeze(-1).expand_as(log_ratio)
+        else:
+            token_log_ratio = seq_log_ratio[segment_ids(cu_seqlens, log_ratio.shape[0])]
+    else:
+        token_log_ratio = log_ratio
+    ratio = torch.exp(token_log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    if mode == "truncate":
+        weights = ratio.clamp(max=cap)
+        outside = ratio > cap
+    else:
+        lower_bound = 1.0 / cap if lower is None else lower
+        outside = (ratio > cap) | (ratio < lower_bound)
+        weights = torch.where(outside, torch.zeros_like(ratio), ratio)
+    weights = (weights * weights_mask).detach()
+    num_valid = weights_mask.sum().clamp(min=1.0)
+    metrics = {
+        "mismatch/abs_log_ratio_mean": float(log_ratio.abs().sum() / num_valid),
+        "mismatch/frac_capped": float((outside.float() * weights_mask).sum() / num_valid),
+        "mismatch/weight_mean": float(weights.sum() / num_valid),
+    }
+    return weights, metrics

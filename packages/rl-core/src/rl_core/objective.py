@@ -1,0 +1,103 @@
+"""The full RL training loss of one micro-batch: policy loss, KL to the reference, entropy
+bonus and rollout importance correction, aggregated with the step's global denominators.
+
+Backends call this with the tensors they computed; it reads no config object. Every value
+in the returned metrics is this micro-batch's share of the step-wide mean (computed with
+the same global denominators), so summing metrics over micro-batches and data-parallel
+ranks gives the step's metric.
+"""
+
+import torch
+
+from rl_core.aggregation import aggregate
+from rl_core.kl import approx_kl
+from rl_core.losses import POLICY_LOSSES, entropy_loss, sft_loss
+
+
+def policy_objective(
+    *,
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    loss_name: str = "ppo",
+    clip_low: float = 0.2,
+    clip_high: float | None = None,
+    dual_clip: float | None = None,
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+    ref_log_probs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_kind: str = "low_var_kl",
+    importance_weights: torch.Tensor | None = None,
+    agg_mode: str = "token-mean",
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    norm_length: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Loss = agg(pg · w) + kl_coef · agg(kl) - entropy_coef · agg(entropy).
+
+    Shapes: every per-token tensor ``[B, T]`` (or packed ``[N]`` with ``cu_seqlens``).
+    ``importance_weights`` (e.g. from :func:`rl_core.importance.rollout_importance_weights`)
+    multiply the per-token policy loss. Returns ``(loss, metrics)``.
+    """
+    policy_loss_fn = POLICY_LOSSES.get(loss_name)
+    pg_loss, clipfrac = policy_loss_fn(
+        log_probs,
+        old_log_probs,
+        advantages,
+        mask,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        dual_clip=dual_clip,
+        cu_seqlens=cu_seqlens,
+    )
+    if importance_weights is not None:
+        pg_loss = pg_loss * importance_weights
+
+    def agg(per_token: torch.Tensor) -> torch.Tensor:
+        return aggregate(
+            per_token,
+            mask,
+            mode=agg_mode,
+            cu_seqlens=cu_seqlens,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            norm_length=norm_length,
+        )
+
+    loss = agg(pg_loss)
+    metrics = {"loss/pg": float(loss.detach()), "pg/clipfrac": float(agg(clipfrac))}
+    if ref_log_probs is not None and kl_coef != 0.0:
+        kl_term = agg(approx_kl(log_probs, ref_log_probs, kind=kl_kind))
+        loss = loss + kl_coef * kl_term
+        metrics["loss/kl"] = float(kl_term.detach())
+    if entropy is not None:
+        entropy_term = agg(entropy)
+        if entropy_coef != 0.0:
+            loss = loss + entropy_coef * agg(entropy_loss(entropy))
+        metrics["actor/entropy"] = float(entropy_term.detach())
+    metrics["loss/total"] = float(loss.detach())
+    return loss, metrics
+
+
+def sft_objective(
+    *,
+    log_probs: torch.Tensor,
+    mask: torch.Tensor,
+    agg_mode: str = "token-mean",
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Supervised fine-tuning: aggregated negative log-likelihood of the masked tokens."""
+    loss = aggregate(
+        sft_loss(log_probs),
+        mask,
+        mode=agg_mode,
+        cu_seqlens=cu_seqlens,
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+    )
+    return loss, {"loss/sft": float(loss.detach()), "loss/total": float(loss.detach())}

@@ -1,0 +1,122 @@
+import math
+
+import pytest
+import torch
+
+from rl_core.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageInputs,
+    discounted_returns,
+    gae,
+    group_normalize,
+    reinforce_pp_baseline,
+    reinforce_pp_returns,
+    rloo,
+    whiten,
+)
+
+
+def test_group_normalize_by_hand():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0])
+    out = group_normalize(rewards, group_size=3)
+    # group 1: mean 1/3, unbiased std sqrt(1/3)
+    std = math.sqrt(1 / 3)
+    expected = [(1 - 1 / 3) / (std + 1e-6), -1 / 3 / (std + 1e-6), -1 / 3 / (std + 1e-6)]
+    torch.testing.assert_close(out[:3], torch.tensor(expected))
+    torch.testing.assert_close(out[3:], torch.zeros(3))  # identical rewards
+    dr = group_normalize(rewards, group_size=3, std=False)
+    torch.testing.assert_close(dr[:3], torch.tensor([2 / 3, -1 / 3, -1 / 3]))
+
+
+def test_group_normalize_rejects_ragged_groups():
+    with pytest.raises(ValueError, match="groups of 4"):
+        group_normalize(torch.zeros(6), group_size=4)
+    with pytest.raises(ValueError, match="1-D"):
+        group_normalize(torch.zeros(2, 3), group_size=3)
+
+
+def test_group_of_one_has_zero_advantage():
+    torch.testing.assert_close(group_normalize(torch.tensor([3.0]), group_size=1), torch.zeros(1))
+
+
+def test_rloo_by_hand():
+    out = rloo(torch.tensor([1.0, 0.0, 0.0, 2.0]), group_size=4)
+    torch.testing.assert_close(out, torch.tensor([1 - 2 / 3, -1.0, -1.0, 2 - 1 / 3]))
+    with pytest.raises(ValueError, match="group_size >= 2"):
+        rloo(torch.zeros(2), group_size=1)
+
+
+def test_discounted_returns_by_hand_and_skips_masked():
+    rewards = torch.tensor([[1.0, 0.0, 2.0, 0.0], [0.0, 5.0, 1.0, 7.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 1.0, 1.0]])
+    out = discounted_returns(rewards, mask, gamma=0.5)
+    # row 0: G2 = 2, G1 = 0 + 0.5·2 = 1, G0 = 1 + 0.5 = 1.5
+    # row 1 (position 1 masked): G3 = 7, G2 = 1 + 3.5 = 4.5, G0 = 0 + 0.5·4.5 = 2.25
+    torch.testing.assert_close(out, torch.tensor([[1.5, 1.0, 2.0, 0.0], [2.25, 0.0, 4.5, 7.0]]))
+
+
+def test_gae_by_hand():
+    rewards = torch.tensor([[0.0, 1.0]])
+    values = torch.tensor([[0.5, 0.25]])
+    mask = torch.ones(1, 2)
+    adv, ret = gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    delta1 = 1.0 - 0.25
+    delta0 = 0.0 + 0.9 * 0.25 - 0.5
+    expected = torch.tensor([[delta0 + 0.9 * 0.8 * delta1, delta1]])
+    torch.testing.assert_close(adv, expected)
+    torch.testing.assert_close(ret, expected + values)
+
+
+def test_gae_with_lambda_one_is_discounted_returns_minus_values():
+    torch.manual_seed(0)
+    rewards, values = torch.randn(4, 7), torch.randn(4, 7)
+    mask = (torch.rand(4, 7) > 0.3).float()
+    adv, ret = gae(rewards, values, mask, gamma=0.95, lam=1.0)
+    expected = (discounted_returns(rewards, mask, gamma=0.95) - values) * mask
+    torch.testing.assert_close(adv, expected)
+    torch.testing.assert_close(ret, discounted_returns(rewards, mask, gamma=0.95))
+
+
+def test_reinforce_pp_returns_by_hand():
+    rewards = torch.tensor([1.0, 0.0])
+    kl = torch.tensor([[0.1, 0.2, 0.3], [0.5, 0.5, 0.5]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    out = reinforce_pp_returns(rewards, kl=kl, mask=mask, kl_coef=0.1, gamma=1.0)
+    # row 0 token rewards: -0.01, -0.02 + 1 -> returns 0.97, 0.98
+    # row 1: -0.05 each -> returns -0.15, -0.10, -0.05
+    torch.testing.assert_close(out, torch.tensor([[0.97, 0.98, 0.0], [-0.15, -0.10, -0.05]]))
+
+
+def test_reinforce_pp_baseline_by_hand():
+    rewards = torch.tensor([1.0, 0.0])
+    kl = torch.tensor([[0.1, 0.2], [0.0, 0.4]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    out = reinforce_pp_baseline(rewards, group_size=2, kl=kl, mask=mask, kl_coef=0.5)
+    torch.testing.assert_close(out, torch.tensor([[0.45, 0.40], [-0.5, 0.0]]))
+
+
+def test_whiten_by_hand():
+    values = torch.tensor([[1.0, 2.0, 3.0, 100.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    out = whiten(values, mask)
+    # mean 2, unbiased var 1
+    torch.testing.assert_close(out, torch.tensor([[-1.0, 0.0, 1.0, 0.0]]), atol=1e-6, rtol=0)
+    scaled = whiten(values, mask, shift_mean=False)
+    torch.testing.assert_close(scaled, torch.tensor([[1.0, 2.0, 3.0, 0.0]]), atol=1e-6, rtol=0)
+
+
+def test_registry_estimators_run_and_match_functions():
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0], [0.0, 1.0]])
+    inputs = AdvantageInputs(rewards=rewards, mask=mask, group_size=2, values=torch.zeros(4, 2))
+    for name in ADVANTAGE_ESTIMATORS:
+        adv, ret = ADVANTAGE_ESTIMATORS.get(name)(inputs)
+        assert adv.shape == mask.shape and ret.shape == mask.shape
+        assert (adv[mask == 0] == 0).all()
+    grpo, _ = ADVANTAGE_ESTIMATORS.get("grpo")(inputs)
+    expected = group_normalize(rewards, group_size=2).unsqueeze(-1) * mask
+    torch.testing.assert_close(grpo, expected)
+    with pytest.raises(ValueError, match="unknown advantage estimator 'ppo2'"):
+        ADVANTAGE_ESTIMATORS.get("ppo2")
+    with pytest.raises(ValueError, match="critic values"):
+        ADVANTAGE_ESTIMATORS.get("gae")(AdvantageInputs(rewards=rewards, mask=mask))

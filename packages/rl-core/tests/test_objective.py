@@ -1,0 +1,125 @@
+import pytest
+import torch
+
+from rl_core.aggregation import aggregate
+from rl_core.importance import rollout_importance_weights
+from rl_core.kl import approx_kl
+from rl_core.losses import ppo_policy_loss
+from rl_core.objective import policy_objective, sft_objective
+from rl_core.packing import cu_seqlens_from_lengths, first_fit_pack
+
+
+def random_packed(num_seqs=6, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, 9, (num_seqs,), generator=generator).tolist()
+    n = sum(lengths)
+    return {
+        "lengths": lengths,
+        "cu_seqlens": cu_seqlens_from_lengths(lengths),
+        "log_probs": -torch.rand(n, generator=generator),
+        "old_log_probs": -torch.rand(n, generator=generator),
+        "ref_log_probs": -torch.rand(n, generator=generator),
+        "advantages": torch.randn(n, generator=generator),
+        "entropy": torch.rand(n, generator=generator),
+        "mask": (torch.rand(n, generator=generator) > 0.25).float(),
+    }
+
+
+def test_composition_by_parts():
+    data = random_packed()
+    log_probs = data["log_probs"].clone().requires_grad_()
+    loss, metrics = policy_objective(
+        log_probs=log_probs,
+        old_log_probs=data["old_log_probs"],
+        advantages=data["advantages"],
+        mask=data["mask"],
+        entropy=data["entropy"],
+        entropy_coef=0.01,
+        ref_log_probs=data["ref_log_probs"],
+        kl_coef=0.1,
+        kl_kind="k3",
+    )
+    pg, _ = ppo_policy_loss(log_probs, data["old_log_probs"], data["advantages"])
+    kl = approx_kl(log_probs, data["ref_log_probs"], kind="k3")
+    expected = (
+        aggregate(pg, data["mask"])
+        + 0.1 * aggregate(kl, data["mask"])
+        - 0.01 * aggregate(data["entropy"], data["mask"])
+    )
+    torch.testing.assert_close(loss, expected)
+    assert metrics["loss/total"] == pytest.approx(float(expected))
+    assert set(metrics) >= {"loss/pg", "pg/clipfrac", "loss/kl", "actor/entropy"}
+
+
+@pytest.mark.parametrize("loss_name", ["ppo", "gspo", "cispo"])
+@pytest.mark.parametrize("agg_mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_micro_batches_sum_to_full_batch(loss_name, agg_mode):
+    data = random_packed(num_seqs=8, seed=3)
+    cu = data["cu_seqlens"]
+    weights, _ = rollout_importance_weights(
+        data["old_log_probs"], data["log_probs"] - 0.05, data["mask"], cu_seqlens=cu
+    )
+
+    def objective(index, num_tokens, num_seqs, log_probs):
+        sub_cu = cu_seqlens_from_lengths([data["lengths"][i] for i in index])
+        token_index = torch.cat([torch.arange(int(cu[i]), int(cu[i + 1])) for i in index])
+        loss, metrics = policy_objective(
+            log_probs=log_probs[token_index],
+            old_log_probs=data["old_log_probs"][token_index],
+            advantages=data["advantages"][token_index],
+            mask=data["mask"][token_index],
+            loss_name=loss_name,
+            clip_high=0.28,
+            entropy=data["entropy"][token_index],
+            ref_log_probs=data["ref_log_probs"][token_index],
+            kl_coef=0.05,
+            importance_weights=weights[token_index],
+            agg_mode=agg_mode,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            cu_seqlens=sub_cu,
+        )
+        return loss, metrics
+
+    log_probs = data["log_probs"].clone().requires_grad_()
+    everything = list(range(8))
+    full, full_metrics = objective(everything, None, None, log_probs)
+    (full_grad,) = torch.autograd.grad(full, log_probs)
+
+    num_tokens = float(data["mask"].sum())
+    per_seq_valid = torch.zeros(8).index_add(
+        0, torch.repeat_interleave(torch.arange(8), torch.tensor(data["lengths"])), data["mask"]
+    )
+    num_seqs = float((per_seq_valid > 0).sum())
+    micro_batches = first_fit_pack(data["lengths"], max_tokens=12)
+    assert len(micro_batches) > 1
+    total, metric_sums = 0.0, {}
+    for index in micro_batches:
+        part, metrics = objective(index, num_tokens, num_seqs, log_probs)
+        total = total + part
+        for key, value in metrics.items():
+            metric_sums[key] = metric_sums.get(key, 0.0) + value
+    (part_grad,) = torch.autograd.grad(total, log_probs)
+    torch.testing.assert_close(total, full)
+    torch.testing.assert_close(part_grad, full_grad)
+    for key, value in full_metrics.items():
+        assert metric_sums[key] == pytest.approx(value, abs=1e-5), key
+
+
+def test_sft_objective():
+    log_probs = torch.tensor([-1.0, -2.0, -3.0])
+    loss, metrics = sft_objective(log_probs=log_probs, mask=torch.tensor([1.0, 1.0, 0.0]))
+    assert loss.item() == pytest.approx(1.5)
+    assert metrics["loss/sft"] == pytest.approx(1.5)
+
+
+def test_unknown_loss_name():
+    data = random_packed()
+    with pytest.raises(ValueError, match="unknown policy loss 'grpo'"):
+        policy_objective(
+            log_probs=data["log_probs"],
+            old_log_probs=data["old_log_probs"],
+            advantages=data["advantages"],
+            mask=data["mask"],
+            loss_name="grpo",
+        )

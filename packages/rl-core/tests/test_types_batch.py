@@ -1,0 +1,71 @@
+import pytest
+import torch
+
+from rl_core.batch import TrainBatch, batch_from_samples, next_token_targets
+from rl_core.types import Sample, SampleStatus
+
+
+def make_samples():
+    return [
+        Sample(
+            prompt="1+1=",
+            tokens=[5, 6, 7, 8, 9],
+            response="2",
+            response_length=2,
+            loss_mask=[1, 0],
+            reward=1.0,
+            status="completed",
+            rollout_log_probs=[-0.1, -0.2],
+            weight_versions=["3"],
+            group_index=0,
+            index=0,
+            label="2",
+            metadata={"source": "toy"},
+        ),
+        Sample(tokens=[1, 2, 3], response_length=1, rollout_log_probs=[-0.3], index=1),
+    ]
+
+
+def test_sample_json_round_trip():
+    sample = make_samples()[0]
+    restored = Sample.from_json(sample.to_json())
+    assert restored == sample
+    assert restored.status is SampleStatus.COMPLETED
+    assert restored.prompt_length == 3
+    with pytest.raises(ValueError, match="unknown Sample fields"):
+        Sample.from_dict({"tokens": [], "colour": 1})
+
+
+def test_sample_validate():
+    with pytest.raises(ValueError, match="loss_mask has 1 entries for 2 response tokens"):
+        Sample(tokens=[1, 2, 3], response_length=2, loss_mask=[1]).validate()
+    with pytest.raises(ValueError, match="response_length 4"):
+        Sample(tokens=[1, 2, 3], response_length=4).validate()
+
+
+def test_batch_from_samples_alignment_by_hand():
+    batch = batch_from_samples(make_samples(), advantages=[2.0, [-1.0]])
+    assert batch.tokens.tolist() == [5, 6, 7, 8, 9, 1, 2, 3]
+    assert batch.cu_seqlens.tolist() == [0, 5, 8]
+    # position t predicts token t+1: sample 0's response tokens 8, 9 are predicted at 2, 3
+    assert batch.loss_mask.tolist() == [0, 0, 1, 0, 0, 0, 1, 0]
+    assert batch.advantages.tolist() == [0, 0, 2, 2, 0, 0, -1, 0]
+    torch.testing.assert_close(
+        batch.rollout_log_probs, torch.tensor([0, 0, -0.1, -0.2, 0, 0, -0.3, 0])
+    )
+    assert (batch.global_num_tokens, batch.global_num_seqs) == (2.0, 2.0)
+    targets = next_token_targets(batch.tokens, batch.cu_seqlens)
+    assert targets.tolist() == [6, 7, 8, 9, 0, 2, 3, 0]
+
+
+def test_select_keeps_global_denominators_and_validates():
+    batch = batch_from_samples(make_samples(), advantages=[1.0, 1.0])
+    part = batch.select([1])
+    assert part.tokens.tolist() == [1, 2, 3]
+    assert part.cu_seqlens.tolist() == [0, 3]
+    assert part.global_num_tokens == 2.0
+    assert batch.select([]).num_tokens == 0
+    with pytest.raises(ValueError, match="loss_mask has shape"):
+        TrainBatch(tokens=torch.zeros(3), cu_seqlens=torch.tensor([0, 3]), loss_mask=torch.ones(2))
+    with pytest.raises(ValueError, match="cu_seqlens ends at 2"):
+        TrainBatch(tokens=torch.zeros(3), cu_seqlens=torch.tensor([0, 2]), loss_mask=torch.ones(3))
