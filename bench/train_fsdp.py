@@ -1,0 +1,287 @@
+"""Training-step throughput of the rl-fsdp backend against a plain Hugging Face loop.
+
+One optimizer step (forward + backward + AdamW) over the same batch of sequences, both
+measured in this run: rl-fsdp (FSDP2, packed micro-batches of --max-tokens, the RL loss
+through rl_core) vs a plain HF loop (padded rows, no packing, SDPA, HF's cross-entropy,
+activation checkpointing, fused AdamW; rl-fsdp checkpoints only with --checkpointing).
+MFU (model FLOPs, recomputation not counted) is relative to the bf16 matmul rate measured
+here. rl-fsdp runs first (its warm-up step includes compiling FlexAttention / the layers),
+then the plain loop (fewer measured steps: it is the slower one). Progress goes to stderr;
+prints one JSON object.
+
+    python bench/train_fsdp.py                                  # CPU, tiny shape
+    python bench/train_fsdp.py --shape 1.5b --data full         # GPU: 4 x 2048 tokens
+    python bench/train_fsdp.py --shape 1.5b --data varlen       # GPU: lengths 128..4096
+"""
+
+import argparse
+import gc
+import itertools
+import json
+import platform
+import sys
+import time
+from datetime import UTC, datetime
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from rl_core.batch import TrainBatch
+from rl_core.packing import cu_seqlens_from_lengths
+from rl_fsdp import FSDPBackend, FSDPConfig
+from rl_fsdp.metrics import train_flops
+from rl_fsdp.modeling import enable_activation_checkpointing
+
+QWEN_COMMON = {"vocab_size": 151936, "tie_word_embeddings": True, "rope_theta": 1e6}
+SHAPES = {
+    "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512},
+    "0.5b": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+             "num_attention_heads": 14, "num_key_value_heads": 2, **QWEN_COMMON},
+    "1.5b": {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
+             "num_attention_heads": 12, "num_key_value_heads": 2, **QWEN_COMMON},
+}  # fmt: skip
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument("--data", choices=["full", "varlen"], default="varlen")
+    parser.add_argument("--num-seqs", type=int, default=None, help="sequences per step")
+    parser.add_argument("--max-len", type=int, default=None, help="longest sequence")
+    parser.add_argument("--max-tokens", type=int, default=None, help="packed micro-batch budget")
+    parser.add_argument("--steps", type=int, default=2, help="measured steps (after 1 warm-up)")
+    parser.add_argument("--baseline-steps", type=int, default=1, help="measured plain steps")
+    parser.add_argument(
+        "--checkpointing", action="store_true", help="activation checkpointing in rl-fsdp too"
+    )
+    parser.add_argument(
+        "--baseline-no-checkpointing", action="store_true", help="plain loop without it"
+    )
+    parser.add_argument("--attention", default="auto")
+    parser.add_argument(
+        "--compile-layers", action="store_true", help="torch.compile each rl-fsdp layer"
+    )
+    return parser.parse_args(argv)
+
+
+def lengths_for(args, gen: torch.Generator) -> list[int]:
+    """full: num_seqs x max_len; varlen: uniform in [max_len / 32, max_len]."""
+    if args.data == "full":
+        return [args.max_len] * args.num_seqs
+    low = max(args.max_len // 32, 2)
+    return torch.randint(low, args.max_len + 1, (args.num_seqs,), generator=gen).tolist()
+
+
+def make_batch(lengths: list[int], vocab: int, gen: torch.Generator) -> TrainBatch:
+    cu = cu_seqlens_from_lengths(lengths)
+    tokens = torch.randint(0, vocab, (int(cu[-1]),), generator=gen)
+    mask = torch.ones(tokens.shape[0])
+    mask[cu[1:].long() - 1] = 0.0
+    advantages = torch.randn(tokens.shape[0], generator=gen)
+    batch = TrainBatch(tokens=tokens, cu_seqlens=cu, loss_mask=mask, advantages=advantages)
+    return batch.with_global_denominators()
+
+
+def matmul_tflops(device: torch.device) -> float:
+    """Measured dense matmul rate (bf16 on GPU, fp32 on CPU), TFLOP/s."""
+    n, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (512, torch.float32)
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    iters = 20 if device.type == "cuda" else 5
+    start = _now(device)
+    for _ in range(iters):
+        a @ b
+    return 2 * n**3 * iters / (_now(device) - start) / 1e12
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def plain_hf_loop(args, model_config: dict, batch: TrainBatch, device) -> float:
+    """Seconds per step of the plain padded loop (model freed afterwards)."""
+    step = _plain_hf_step(args, model_config, batch, device)
+    _log("baseline built")
+    seconds = _timed(step, args.baseline_steps, device, "baseline")
+    del step
+    _free(device)
+    return seconds
+
+
+def _free(device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+_START = time.perf_counter()
+
+
+def _log(message: str) -> None:
+    print(f"[{time.perf_counter() - _START:6.1f} s] {message}", file=sys.stderr, flush=True)
+
+
+def _plain_hf_step(args, model_config: dict, batch: TrainBatch, device):
+    """One step of the plain loop; rows grouped in order, as many per micro-batch as fit
+    ``max_tokens`` at the longest length, padded to the micro-batch's longest row."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(model_config)
+    cfg = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with torch.device(device):  # random init on the GPU: seconds, not a minute
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=dtype)
+    if not args.baseline_no_checkpointing:
+        enable_activation_checkpointing(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=device.type == "cuda")
+    bounds = batch.cu_seqlens.tolist()
+    rows = [batch.tokens[a:b] for a, b in itertools.pairwise(bounds)]
+    per_micro = max(1, args.max_tokens // args.max_len)
+    micro = [rows[i : i + per_micro] for i in range(0, len(rows), per_micro)]
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        for group in micro:
+            ids = pad_sequence(group, batch_first=True).to(device)
+            ones = [torch.ones_like(r) for r in group]
+            attn = pad_sequence(ones, batch_first=True).to(device)
+            labels = ids.masked_fill(attn == 0, -100)
+            loss = model(input_ids=ids, attention_mask=attn, labels=labels, use_cache=False).loss
+            (loss * len(group) / len(rows)).backward()
+        optimizer.step()
+
+    return step
+
+
+def fsdp_step(args, model_config: dict, batch: TrainBatch, device) -> tuple[float, FSDPBackend]:
+    """Seconds per rl-fsdp step. On a GPU, a failure is recorded in ``FALLBACK_ERRORS``
+    and the step measured again: without --compile-layers, then with sdpa_per_doc."""
+    fallbacks = [("compile_layers", False), ("attention", "sdpa_per_doc")]
+    while True:
+        try:
+            return _fsdp_step(args, model_config, batch, device)
+        except Exception as err:  # recorded in the JSON, then measured the simpler way
+            fallbacks = [(k, v) for k, v in fallbacks if getattr(args, k) != v]
+            if device.type != "cuda" or not fallbacks:
+                raise
+            FALLBACK_ERRORS.append(f"{args.compile_layers=} {args.attention=}: {err!r}"[:400])
+        name, value = fallbacks.pop(0)
+        _log(f"failed ({FALLBACK_ERRORS[-1]}); measuring again with {name}={value}")
+        setattr(args, name, value)
+        _free(device)
+
+
+FALLBACK_ERRORS: list[str] = []
+
+
+def _fsdp_step(args, model_config: dict, batch: TrainBatch, device):
+    config = FSDPConfig(
+        model_config=model_config,
+        device=device.type,
+        precision="bf16" if device.type == "cuda" else "fp32",
+        attention=args.attention,
+        activation_checkpointing=args.checkpointing,
+        compile_layers=args.compile_layers,
+        max_tokens_per_micro_batch=args.max_tokens,
+        lr=1e-6,
+    )
+    backend = FSDPBackend(config)
+    _log(f"rl-fsdp built (attention {backend.attention})")
+    step_s = _timed(lambda: backend.train_step(batch), args.steps, device, "figure")
+    return step_s, backend
+
+
+PEAK_MEMORY_GIB: dict[str, float] = {}
+
+
+def _timed(step, steps: int, device, name: str) -> float:
+    """Seconds per step after one warm-up step; records the peak GPU memory under ``name``."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    step()  # warm-up: allocator, kernels, lazy state, compilation
+    _log(f"{name}: warm-up step done")
+    start = _now(device)
+    for _ in range(steps):
+        step()
+    seconds = (_now(device) - start) / steps
+    if device.type == "cuda":
+        PEAK_MEMORY_GIB[name] = torch.cuda.max_memory_allocated(device) / 2**30
+    _log(f"{name}: {seconds:.3f} s per step")
+    return seconds
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() and args.shape != "tiny" else "cpu")
+    big = args.shape != "tiny"
+    full = args.data == "full"
+    if args.max_len is None:
+        args.max_len = (2048 if full else 4096) if big else 64
+    if args.num_seqs is None:
+        args.num_seqs = (4 if full else 16) if big else 8
+    if args.max_tokens is None:
+        args.max_tokens = 8192 if big else 256
+    gen = torch.Generator().manual_seed(0)
+    model_config = {"model_type": "qwen2", **SHAPES[args.shape]}
+    batch = make_batch(lengths_for(args, gen), model_config["vocab_size"], gen)
+    peak = matmul_tflops(device)
+    _log(f"matmul rate {peak:.0f} TFLOP/s")
+    fsdp_s, backend = fsdp_step(args, model_config, batch, device)
+    flops = train_flops(
+        backend.model_config,
+        num_tokens=batch.num_tokens,
+        attn_tokens_sq=sum(n * n for n in batch.seq_lengths()),
+    )
+    attention = backend.attention
+    del backend
+    _free(device)
+    baseline_s = plain_hf_loop(args, model_config, batch, device)
+    result = {
+        "bench": "train_fsdp",
+        "shape": args.shape,
+        "data": args.data,
+        "num_tokens": batch.num_tokens,
+        "seq_lengths": {"min": min(batch.seq_lengths()), "max": max(batch.seq_lengths())},
+        "figure": {
+            "tokens_per_s": batch.num_tokens / fsdp_s,
+            "mfu": flops / fsdp_s / (peak * 1e12),
+            "attention": attention,
+            "activation_checkpointing": args.checkpointing,
+            "compile_layers": args.compile_layers,
+            "fallback_errors": FALLBACK_ERRORS,
+            "steps": args.steps,
+            "peak_memory_gib": PEAK_MEMORY_GIB.get("figure"),
+        },
+        "baseline": {
+            "name": "plain HF loop (padded, SDPA, HF cross-entropy, fused AdamW)",
+            "activation_checkpointing": not args.baseline_no_checkpointing,
+            "steps": args.baseline_steps,
+            "tokens_per_s": batch.num_tokens / baseline_s,
+            "mfu": flops / baseline_s / (peak * 1e12),
+            "peak_memory_gib": PEAK_MEMORY_GIB.get("baseline"),
+        },
+        "ratio": baseline_s / fsdp_s,
+        "matmul_tflops": peak,
+        "hardware": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or platform.machine(),
+        "versions": {"torch": torch.__version__, "transformers": _transformers_version()},
+        "command": " ".join(["python", *sys.argv]),
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+    print(json.dumps(result, indent=2))
+    return result
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+if __name__ == "__main__":
+    main()

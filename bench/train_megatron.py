@@ -1,0 +1,260 @@
+"""Training-step throughput of rl-megatron's MegatronBackend against a plain HF loop.
+
+Same model shapes (Qwen2.5-0.5B / 1.5B architecture, random weights) and the same batch as
+bench/train_fsdp.py (--data full: 4 × 2048 tokens; varlen: 16 sequences of 128..4096;
+micro-batches of --max-tokens). Both sides run one PPO step per iteration with rl_core's
+objective and torch AdamW on fp32 weights with bf16 autocast: the figure is Megatron's
+tokens/s, the baseline a plain HF loop (padded rows, no activation checkpointing) measured in
+the same run, plus MFU against the bf16 matmul rate measured here. Prints one JSON object.
+
+  python bench/train_megatron.py --shape tiny --device cpu               # CPU smoke run (shim)
+  python bench/train_megatron.py --shape 1.5b --device cuda --data full  # one GPU
+  python bench/train_megatron.py --shape 1.5b --device cuda --tp 2       # TP=2 (+SP), 2 GPUs
+"""
+
+import argparse
+import json
+import os
+import platform
+import socket
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+QWEN_COMMON = {"vocab_size": 151936, "tie_word_embeddings": True, "rope_theta": 1e6}
+SHAPES = {  # as bench/train_fsdp.py
+    "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512},
+    "0.5b": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+             "num_attention_heads": 14, "num_key_value_heads": 2, **QWEN_COMMON},
+    "1.5b": {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
+             "num_attention_heads": 12, "num_key_value_heads": 2, **QWEN_COMMON},
+}  # fmt: skip
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallel (cuda: GPUs used)")
+    parser.add_argument("--data", choices=["full", "varlen"], default="varlen")
+    parser.add_argument("--num-seqs", type=int, default=None, help="sequences per step")
+    parser.add_argument("--max-len", type=int, default=None, help="longest sequence")
+    parser.add_argument("--max-tokens", type=int, default=None, help="micro-batch token budget")
+    parser.add_argument("--steps", type=int, default=3, help="measured steps")
+    parser.add_argument("--warmup", type=int, default=1)
+    args = parser.parse_args()
+    big, full = args.shape != "tiny", args.data == "full"
+    args.max_len = args.max_len or ((2048 if full else 4096) if big else 64)
+    args.num_seqs = args.num_seqs or ((4 if full else 16) if big else 8)
+    args.max_tokens = args.max_tokens or (8192 if big else 256)
+    return args
+
+
+def make_batch(args, vocab_size: int):
+    """The batch of bench/train_fsdp.py (same generator use), with advantages for PPO."""
+    from rl_core.batch import TrainBatch
+    from rl_core.packing import cu_seqlens_from_lengths
+
+    gen = torch.Generator().manual_seed(0)
+    if args.data == "full":
+        lengths = [args.max_len] * args.num_seqs
+    else:
+        low = max(args.max_len // 32, 2)
+        lengths = torch.randint(low, args.max_len + 1, (args.num_seqs,), generator=gen).tolist()
+    cu = cu_seqlens_from_lengths(lengths)
+    tokens = torch.randint(0, vocab_size, (int(cu[-1]),), generator=gen)
+    mask = torch.ones(tokens.shape[0])
+    mask[cu[1:].long() - 1] = 0.0
+    advantages = torch.randn(tokens.shape[0], generator=gen)
+    batch = TrainBatch(tokens=tokens, cu_seqlens=cu, loss_mask=mask, advantages=advantages)
+    return batch.with_global_denominators()
+
+
+def matmul_flops_per_s(device: str) -> float:
+    """Measured dense matmul rate: bf16 8192³ on GPU, fp32 1024³ on CPU."""
+    size, dtype = (8192, torch.bfloat16) if device == "cuda" else (1024, torch.float32)
+    a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    _sync(device)
+    reps = 20 if device == "cuda" else 5
+    start = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    _sync(device)
+    return 2 * size**3 * reps / (time.perf_counter() - start)
+
+
+def step_flops(config, lengths: list[int]) -> float:
+    """6 × matmul parameters × tokens (LM head in, embeddings out) + causal attention."""
+    h, layers = config.hidden_size, config.num_hidden_layers
+    head_dim = h // config.num_attention_heads
+    qkv = h * (config.num_attention_heads + 2 * config.num_key_value_heads) * head_dim
+    matmul_params = layers * (qkv + h * h + 3 * h * config.intermediate_size)
+    matmul_params += h * config.vocab_size
+    attention = 6 * layers * h * sum(n * n for n in lengths)  # 3 × (2 · 2·n²·h / 2, causal)
+    return 6 * matmul_params * sum(lengths) + attention
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def seconds_per_step(step, args) -> float:
+    for _ in range(args.warmup):
+        step()
+    _sync(args.device)
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    _sync(args.device)
+    return (time.perf_counter() - start) / args.steps
+
+
+def hf_baseline(model, batch, args) -> float:
+    """Seconds per step of a plain loop: padded rows (max_tokens // max_len per forward),
+    HF forward with bf16 autocast on GPU, rl_core log-probs and objective, AdamW."""
+    from rl_core.logprobs import log_probs_from_logits
+    from rl_core.objective import policy_objective
+    from rl_core.packing import pad_packed
+
+    model = model.to(args.device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    batch = batch.to(args.device)
+    tokens, valid = pad_packed(batch.tokens, batch.cu_seqlens)
+    mask, _ = pad_packed(batch.loss_mask, batch.cu_seqlens)
+    advantages, _ = pad_packed(batch.advantages, batch.cu_seqlens)
+    rows = max(1, args.max_tokens // args.max_len)
+
+    def step():
+        for start in range(0, tokens.shape[0], rows):
+            part = slice(start, start + rows)
+            width = int(valid[part].sum(1).max())
+            ids = tokens[part, :width]
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.device == "cuda"):
+                logits = model(ids, attention_mask=valid[part, :width].long()).logits
+            log_probs = log_probs_from_logits(logits, torch.roll(ids, -1, dims=1))
+            loss, _ = policy_objective(
+                log_probs=log_probs,
+                old_log_probs=log_probs.detach(),
+                advantages=advantages[part, :width],
+                mask=mask[part, :width],
+                num_tokens=batch.global_num_tokens,
+            )
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return seconds_per_step(step, args)
+
+
+def megatron_worker(rank: int, args, hf_dir: str, port: int, out_path: str) -> None:
+    from rl_megatron.backend import MegatronBackend
+    from rl_megatron.config import MegatronConfig
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
+    if args.device == "cpu":
+        from rl_megatron.testing import cpu_shim
+
+        cpu_shim.install()
+    else:
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        "nccl" if args.device == "cuda" else "gloo", rank=rank, world_size=args.tp
+    )
+    config = MegatronConfig(
+        hf_path=hf_dir,
+        tp=args.tp,
+        device=args.device,
+        lr=1e-6,
+        max_tokens_per_micro_batch=args.max_tokens,
+        sequence_parallel=args.tp > 1,
+    )
+    backend = MegatronBackend(config)
+    batch = make_batch(args, backend.shape.vocab_size)
+    seconds = seconds_per_step(lambda: backend.train_step(batch), args)
+    if rank == 0:
+        peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None
+        with open(out_path, "w") as f:
+            json.dump({"seconds": seconds, "peak_memory_gib": peak}, f)
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def hardware(device: str, num_gpus: int) -> str:
+    if device == "cuda":
+        return f"{num_gpus}× {torch.cuda.get_device_name()}"
+    return f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores"
+
+
+def main():
+    import transformers
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    args = parse_args()
+    torch.manual_seed(0)
+    config = Qwen2Config(max_position_embeddings=max(32768, args.max_len), **SHAPES[args.shape])
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    batch = make_batch(args, config.vocab_size)
+    rate = matmul_flops_per_s(args.device)
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        baseline_s = hf_baseline(model, batch, args)
+        baseline_peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None
+        del model
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+        out_path = os.path.join(tmp, "megatron.json")
+        mp.spawn(
+            megatron_worker, args=(args, tmp, free_port(), out_path), nprocs=args.tp, join=True
+        )
+        with open(out_path) as f:
+            figure = json.load(f)
+    flops = step_flops(config, batch.seq_lengths())
+    gpus = args.tp if args.device == "cuda" else 1
+    print(
+        json.dumps(
+            {
+                "bench": "train_megatron",
+                "shape": args.shape,
+                "data": args.data,
+                "tp": args.tp,
+                "num_tokens": batch.num_tokens,
+                "figure": {
+                    "name": "MegatronBackend train_step",
+                    "tokens_per_s": batch.num_tokens / figure["seconds"],
+                    "mfu": flops / figure["seconds"] / (rate * gpus),
+                    "peak_memory_gib": figure["peak_memory_gib"],
+                },
+                "baseline": {
+                    "name": "plain HF loop (padded rows, SDPA, rl_core PPO, AdamW), one device",
+                    "tokens_per_s": batch.num_tokens / baseline_s,
+                    "mfu": flops / baseline_s / rate,
+                    "peak_memory_gib": baseline_peak,
+                },
+                "ratio": baseline_s / figure["seconds"],
+                "matmul_tflops": rate / 1e12,
+                "hardware": hardware(args.device, gpus),
+                "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+                "command": "python " + " ".join(sys.argv),
+                "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+            },
+            indent=2,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""Attention over packed sequences that never crosses a document boundary.
+
+Hugging Face models call a registered attention function per layer with
+``query [1, H, N, D]``, ``key/value [1, H_kv, N, D]``; the extra keyword ``rl_layout``
+(a :class:`PackedLayout`) given to the model's forward reaches it untouched. Four
+implementations, all equal to running each sequence alone:
+
+- ``flash_varlen``: flash-attn's ``flash_attn_varlen_func`` with cu_seqlens (GPU, fastest);
+- ``flex``: FlexAttention with a document-causal block mask (:mod:`rl_fsdp.flex`),
+  compiled once on CUDA (GPU without flash-attn);
+- ``sdpa_mask``: one SDPA call with a block-diagonal causal mask ``[N, N]`` (CPU, short N);
+- ``sdpa_per_doc``: one causal SDPA call per sequence (keeps SDPA's flash kernel, no
+  ``[N, N]`` mask, but one launch per sequence and layer).
+Without ``rl_layout`` (ordinary padded calls) it falls back to Hugging Face's SDPA path.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from rl_fsdp.flex import bucket_length, document_block_mask, flex_available, flex_packed_attention
+
+PACKED_ATTENTION = "rl_packed"
+
+
+@dataclass  # not frozen: torch.compile would guard on every field (recompiles)
+class PackedLayout:
+    """Boundaries of the packed sequences of one forward pass.
+
+    cu_seqlens ``[B + 1]`` int32 on the compute device; lengths on the host; for
+    ``impl="flex"`` the FlexAttention ``BlockMask`` (built once, shared by all layers).
+    """
+
+    cu_seqlens: torch.Tensor
+    lengths: tuple[int, ...]
+    impl: str
+    block_mask: object = None
+
+    @classmethod
+    def from_cu_seqlens(
+        cls, cu_seqlens: torch.Tensor, impl: str, device, *, pad_to: int = 0
+    ) -> "PackedLayout":
+        """From host (no sync) or device cu_seqlens (one sync for the host lengths).
+        ``pad_to``: FlexAttention pads to the bucket of ``max(N, pad_to)`` (pass the
+        micro-batch budget: every micro-batch then shares one compiled shape)."""
+        host = cu_seqlens.cpu()
+        lengths = tuple((host[1:] - host[:-1]).tolist())
+        on_device = host.to(device=device, dtype=torch.int32, non_blocking=True)
+        mask = None
+        if impl == "flex":
+            mask = document_block_mask(on_device, bucket_length(max(int(host[-1]), pad_to)))
+        return cls(on_device, lengths, impl, mask)
+
+    @property
+    def max_seqlen(self) -> int:
+        return max(self.lengths, default=0)
+
+
+def flash_attn_available() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_attention(impl: str, device: torch.device, precision: str = "fp32") -> str:
+    """Name of the implementation to use; "auto" picks the fastest available on ``device``
+    for ``precision`` (flash-attn computes in bf16 on CUDA only)."""
+    flash_ok = device.type == "cuda" and precision == "bf16"
+    if impl == "flash_varlen" and not flash_ok:
+        raise ValueError("attention='flash_varlen' needs device='cuda' and precision='bf16'")
+    if impl == "flash_varlen" and not flash_attn_available():
+        raise ValueError("attention='flash_varlen' needs flash-attn: pip install flash-attn")
+    if impl == "flex" and device.type != "cuda":
+        raise ValueError("attention='flex' needs device='cuda' (FlexAttention has no CPU backward)")
+    if impl == "flex" and not flex_available(device):
+        raise ValueError("attention='flex' needs torch>=2.5 with FlexAttention and triton")
+    if impl != "auto":
+        return impl
+    if device.type != "cuda":
+        return "sdpa_mask"
+    if flash_ok and flash_attn_available():
+        return "flash_varlen"
+    # Measured on an H200 (docs/benchmarks.md): flex was slower than one SDPA per sequence
+    # (0.5b full 0.73x vs 0.94x of the plain loop), so flex stays opt-in.
+    return "sdpa_per_doc"
+
+
+def block_causal_mask(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """``[N, N]`` bool, True where query i may attend key j (same sequence, j <= i)."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    seq_ids = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
+    same_seq = seq_ids.unsqueeze(0) == seq_ids.unsqueeze(1)
+    causal = torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=lengths.device).tril()
+    return same_seq & causal
+
+
+def packed_attention(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs
+):
+    """The registered attention function; returns ``([1, N, H, D], None)``."""
+    layout: PackedLayout | None = kwargs.pop("rl_layout", None)
+    if layout is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
+    if query.shape[0] != 1:
+        raise ValueError(f"packed attention takes one packed row, got batch {query.shape[0]}")
+    if layout.impl == "flash_varlen":
+        return _flash_varlen(query, key, value, layout, scaling, dropout), None
+    if layout.impl == "flex":
+        out = flex_packed_attention(query, key, value, layout.block_mask, scaling, dropout)
+        return out.transpose(1, 2).contiguous(), None
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    if layout.impl == "sdpa_mask":
+        mask = block_causal_mask(layout.cu_seqlens, query.shape[2])
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling
+        )
+    elif len(layout.lengths) == 1:
+        out = F.scaled_dot_product_attention(
+            query, key, value, dropout_p=dropout, scale=scaling, is_causal=True
+        )
+    else:
+        out = torch.cat(
+            [
+                F.scaled_dot_product_attention(
+                    q, k, v, dropout_p=dropout, scale=scaling, is_causal=True
+                )
+                for q, k, v in zip(
+                    query.split(layout.lengths, dim=2),
+                    key.split(layout.lengths, dim=2),
+                    value.split(layout.lengths, dim=2),
+                    strict=True,
+                )
+            ],
+            dim=2,
+        )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _flash_varlen(query, key, value, layout: PackedLayout, scaling, dropout) -> torch.Tensor:
+    from flash_attn import flash_attn_varlen_func
+
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [N, H, D]
+    out = flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        layout.cu_seqlens,
+        layout.cu_seqlens,
+        layout.max_seqlen,
+        layout.max_seqlen,
+        dropout_p=dropout,
+        softmax_scale=scaling,
+        causal=True,
+    )
+    return out.unsqueeze(0)
+
+
+def _packed_mask(*args, **kwargs):
+    """Mask builder: none for packed calls (boundaries come from ``rl_layout``); padded
+    calls with an ``attention_mask`` get Hugging Face's SDPA mask."""
+    if kwargs.get("attention_mask") is None:
+        return None
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(*args, **kwargs)
+
+
+def register_packed_attention() -> str:
+    """Register the implementation with transformers (idempotent); returns its name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(PACKED_ATTENTION, packed_attention)
+    AttentionMaskInterface.register(PACKED_ATTENTION, _packed_mask)
+    return PACKED_ATTENTION

@@ -1,0 +1,169 @@
+"""The one configuration object of the FSDP backend (actor, reference and critic alike).
+
+Keyword-only, every field documented, validated once in ``__post_init__`` with a
+ValueError that names the field and says how to fix it.
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+from rl_core.aggregation import AGGREGATION_MODES
+from rl_core.importance import IS_LEVELS, IS_MODES
+from rl_core.kl import KL_KINDS
+from rl_core.losses import POLICY_LOSSES
+
+ATTENTION_IMPLS = ("auto", "flash_varlen", "flex", "sdpa_mask", "sdpa_per_doc")
+PRECISIONS = ("fp32", "bf16")
+LR_DECAYS = ("constant", "linear", "cosine")
+MODES = ("rl", "sft")
+
+
+@dataclass(kw_only=True)
+class FSDPConfig:
+    # --- model -------------------------------------------------------------------------
+    model_path: str | None = None
+    """Local Hugging Face directory to load (config + safetensors). Exactly one of
+    ``model_path`` / ``model_config`` must be set."""
+    model_config: dict[str, Any] | None = None
+    """HF config fields incl. ``model_type`` (qwen2, qwen3, llama, ...): random init."""
+    seed: int = 0
+    """Seed of the random init (identical on every rank) and of the RNG afterwards."""
+    device: str = "auto"
+    """"cpu", "cuda" or "auto" (cuda when available). CPU uses gloo, cuda uses nccl."""
+    precision: str = "fp32"
+    """"fp32" (everything fp32) or "bf16" (bf16 compute and all-gather, fp32 master
+    weights and fp32 gradient reduction)."""
+    attention: str = "auto"
+    """Packed attention: "flash_varlen" (flash-attn), "flex" (FlexAttention with a
+    document-causal block mask, compiled on cuda), "sdpa_mask" (one SDPA call with a
+    block-diagonal causal mask), "sdpa_per_doc" (one causal SDPA per sequence) or "auto"
+    (on cuda flash_varlen if installed, else sdpa_per_doc; sdpa_mask on cpu; flex is opt-in
+    until it measures faster)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer in the backward pass (less memory, ~1/3 more compute)."""
+    compile_layers: bool = False
+    """torch.compile each decoder layer (fuses norms, rotary, SwiGLU; CUDA only; not with
+    activation_checkpointing). The first steps compile (tens of seconds); best with
+    attention "flex" (other implementations break the graph or recompile per layout)."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state on CPU (FSDP2 offload policy)."""
+    reshard_after_forward: bool = True
+    """Free gathered layer weights after forward (ZeRO-3); False keeps them (ZeRO-2-like)."""
+    reference: bool = False
+    """Build a frozen reference copy of the initial weights (for ``model="ref"`` log-probs)."""
+    ref_offload: bool = False
+    """Keep the reference model's shards on CPU between uses (moved in for each call)."""
+    # --- batching ----------------------------------------------------------------------
+    max_tokens_per_micro_batch: int = 8192
+    """Token budget of one packed micro-batch (rl_core.packing.first_fit_pack)."""
+    log_prob_max_tokens: int | None = None
+    """Token budget for no-grad log-prob passes; None = ``max_tokens_per_micro_batch``."""
+    logits_chunk_size: int = 1024
+    """Rows per chunk of the log-softmax over the vocabulary (rl_core.logprobs)."""
+    temperature: float = 1.0
+    """Sampling temperature of the rollout; logits are divided by it as engines do."""
+    # --- loss --------------------------------------------------------------------------
+    mode: str = "rl"
+    """"rl" (policy objective) or "sft" (negative log-likelihood of loss-masked tokens)."""
+    loss_name: str = "ppo"
+    """Policy loss from rl_core.losses.POLICY_LOSSES (ppo, gspo, cispo, ...)."""
+    clip_low: float = 0.2
+    clip_high: float | None = None
+    """Upper ratio clip; None = ``clip_low`` (set higher for DAPO clip-higher)."""
+    dual_clip: float | None = None
+    agg_mode: str = "token-mean"
+    """Loss aggregation (rl_core.aggregation.AGGREGATION_MODES)."""
+    norm_length: float | None = None
+    """Divisor of "seq-mean-token-sum-norm" (required for that mode)."""
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0
+    """Weight of KL(actor || ref) in the loss; needs ``ref_log_probs`` in the batch."""
+    kl_kind: str = "low_var_kl"
+    rollout_is: str | None = None
+    """Rollout importance correction: None, "truncate" (TIS) or "mask" (MIS)."""
+    rollout_is_level: str = "token"
+    rollout_is_cap: float = 2.0
+    value_clip: float | None = 0.2
+    """Critic only: clip range of the PPO value loss (None = unclipped)."""
+    # --- optimizer ---------------------------------------------------------------------
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    """Linear warmup from 0 to ``lr`` over this many optimizer steps."""
+    lr_decay: str = "constant"
+    """After warmup: "constant", "linear" or "cosine" down to ``min_lr_ratio * lr``."""
+    total_steps: int | None = None
+    """Length of the schedule; required by linear and cosine decay."""
+    min_lr_ratio: float = 0.0
+    max_grad_norm: float | None = 1.0
+    """Clip the global gradient norm to this; None disables clipping."""
+    # --- export and metrics ------------------------------------------------------------
+    export_dtype: str | None = None
+    """dtype of exported weights ("bf16", "fp32"); None = the master weights' dtype."""
+    peak_tflops: float | None = None
+    """Measured or nominal bf16 matmul rate per GPU, for the MFU metric (None: no MFU)."""
+
+    def __post_init__(self):
+        self._check_model()
+        self._check_choices()
+        self._check_numbers()
+
+    def _check_model(self):
+        if (self.model_path is None) == (self.model_config is None):
+            raise ValueError(
+                "set exactly one of model_path (a local HF directory) or model_config "
+                "(HF config fields with model_type, for a random init)"
+            )
+        if self.model_config is not None and "model_type" not in self.model_config:
+            raise ValueError("model_config needs a model_type, e.g. {'model_type': 'qwen2', ...}")
+
+    def _check_choices(self):
+        choices = {
+            "device": ("auto", "cpu", "cuda"),
+            "precision": PRECISIONS,
+            "attention": ATTENTION_IMPLS,
+            "mode": MODES,
+            "loss_name": tuple(POLICY_LOSSES.names()),
+            "agg_mode": AGGREGATION_MODES,
+            "kl_kind": KL_KINDS,
+            "rollout_is": (None, *IS_MODES),
+            "rollout_is_level": IS_LEVELS,
+            "lr_decay": LR_DECAYS,
+            "export_dtype": (None, *PRECISIONS),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r}; choose one of: {allowed}")
+
+    def _check_numbers(self):
+        positive = ["max_tokens_per_micro_batch", "logits_chunk_size", "temperature"]
+        positive += ["lr", "eps", "rollout_is_cap"]
+        for name in positive:
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.log_prob_max_tokens is not None and self.log_prob_max_tokens < 1:
+            raise ValueError(f"log_prob_max_tokens must be >= 1, got {self.log_prob_max_tokens}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.lr_decay != "constant" and not self.total_steps:
+            raise ValueError(f"lr_decay={self.lr_decay!r} needs total_steps (the schedule length)")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ValueError(f"max_grad_norm must be positive or None, got {self.max_grad_norm}")
+        if self.agg_mode == "seq-mean-token-sum-norm" and self.norm_length is None:
+            raise ValueError("agg_mode='seq-mean-token-sum-norm' needs norm_length (packed input)")
+        if self.ref_offload and not self.reference:
+            raise ValueError("ref_offload=True needs reference=True")
+        if self.compile_layers and self.activation_checkpointing:
+            raise ValueError(
+                "compile_layers=True with activation_checkpointing=True runs the layers "
+                "uncompiled (torch.compile falls back to eager at Hugging Face's checkpoint "
+                "call inside each layer); choose one of them"
+            )
+
+    @property
+    def micro_batch_tokens_for_log_probs(self) -> int:
+        return self.log_prob_max_tokens or self.max_tokens_per_micro_batch

@@ -1,0 +1,63 @@
+"""The PPO critic: the same architecture with a one-output value head per position,
+trained with rl_core's clipped value loss and the step's global denominators.
+
+Alignment: ``values[t]`` is the value of the state that predicts token t + 1 (the
+"prediction at position" convention), so it lines up with ``returns`` / ``old_values`` /
+``loss_mask`` of the TrainBatch without shifting.
+"""
+
+import torch
+
+from rl_core.aggregation import aggregate
+from rl_core.batch import TrainBatch
+from rl_core.losses import value_loss
+from rl_fsdp.engine import ShardedTrainer
+from rl_fsdp.forward import micro_batch, packed_values, token_indices
+
+
+class FSDPCritic(ShardedTrainer):
+    head = "value"
+
+    def compute_values(self, batch: TrainBatch) -> torch.Tensor:
+        """Values ``[N]`` float32 of this rank's batch, no graph built."""
+        self.onload()
+        batch = batch.to(self.device)
+        out = torch.zeros(batch.num_tokens, dtype=torch.float32, device=self.device)
+        budget = self.config.micro_batch_tokens_for_log_probs
+        with torch.no_grad():
+            for seqs in self.plan(batch, budget):
+                mb = micro_batch(batch, seqs)
+                values = packed_values(self.model, mb, impl=self.attention, pad_to=budget)
+                if seqs:
+                    out[token_indices(batch, seqs).to(self.device)] = values
+            self.model.reshard()
+        return out
+
+    def micro_batch_loss(self, mb: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        if mb.returns is None:
+            raise ValueError("the critic needs batch.returns (e.g. from rl_core.advantages.gae)")
+        budget = self.config.max_tokens_per_micro_batch
+        values = packed_values(self.model, mb, impl=self.attention, pad_to=budget)
+        old_values = mb.old_values if mb.old_values is not None else values.detach()
+        per_token, clipfrac = value_loss(
+            values, old_values, mb.returns, clip=self.config.value_clip
+        )
+
+        def agg(x: torch.Tensor) -> torch.Tensor:
+            return aggregate(
+                x,
+                mb.loss_mask,
+                mode=self.config.agg_mode,
+                cu_seqlens=mb.cu_seqlens,
+                num_tokens=mb.global_num_tokens,
+                num_seqs=mb.global_num_seqs,
+                norm_length=self.config.norm_length,
+            )
+
+        loss = agg(per_token)
+        metrics = {
+            "loss/value": float(loss.detach()),
+            "critic/clipfrac": float(agg(clipfrac)),
+            "critic/values_mean": float(agg(values.detach())),
+        }
+        return loss, metrics

@@ -1,0 +1,142 @@
+"""What the actor and the critic share: a sharded model, its optimizer, the micro-batched
+optimizer step, checkpoints and offloading. Subclasses supply the per-micro-batch loss.
+
+Loss scaling: every micro-batch loss is its share of the whole step's loss (global
+denominators from rl_core), so the step's gradient is the *sum* over micro-batches and
+ranks. FSDP averages gradients over ranks, hence the backward of ``loss · world_size``.
+"""
+
+import math
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from rl_core.batch import TrainBatch
+from rl_fsdp import checkpoint
+from rl_fsdp.attention import resolve_attention
+from rl_fsdp.config import FSDPConfig
+from rl_fsdp.distributed import (
+    DistInfo,
+    all_reduce_max_int,
+    all_reduce_sum,
+    global_denominators,
+    init_distributed,
+)
+from rl_fsdp.forward import micro_batch, plan_micro_batches
+from rl_fsdp.metrics import train_flops
+from rl_fsdp.modeling import build_model, shard_model
+from rl_fsdp.optim import build_optimizer
+
+
+class ShardedTrainer:
+    head = "causal_lm"
+
+    def __init__(self, config: FSDPConfig, *, dist_info: DistInfo | None = None):
+        self.config = config
+        self.dist = dist_info or init_distributed(device=config.device)
+        self.device = self.dist.device
+        self.attention = resolve_attention(config.attention, self.device, config.precision)
+        model = build_model(config, head=self.head)
+        self.model_config = model.config
+        self.model = shard_model(model, config, self.device)
+        self.optimizer, self.scheduler = build_optimizer(self.model, config)
+        self.step = 0
+        self.offloaded = False
+
+    # --- to be provided by subclasses --------------------------------------------------
+    def micro_batch_loss(self, mb: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        """Loss of one micro-batch (its share of the step's loss) and its metric shares."""
+        raise NotImplementedError
+
+    # --- the step ----------------------------------------------------------------------
+    def plan(self, batch: TrainBatch, max_tokens: int) -> list[list[int]]:
+        """Micro-batches of this rank, padded to the largest count over ranks."""
+        plan = plan_micro_batches(batch, max_tokens)
+        return plan_micro_batches(batch, max_tokens, all_reduce_max_int(len(plan), self.device))
+
+    def forward_backward(self, batch: TrainBatch) -> dict[str, float]:
+        """Accumulate this step's gradients over micro-batches; metrics summed over ranks."""
+        batch = global_denominators(batch.to(self.device), self.device)
+        sums: dict[str, float] = defaultdict(float)
+        for seq_indices in self.plan(batch, self.config.max_tokens_per_micro_batch):
+            loss, metrics = self.micro_batch_loss(micro_batch(batch, seq_indices))
+            (loss * self.dist.world_size).backward()
+            for key, value in metrics.items():
+                sums[key] += value
+        sums["perf/num_tokens"] = float(batch.num_tokens)
+        sums["perf/attn_tokens_sq"] = float(sum(n * n for n in batch.seq_lengths()))
+        return all_reduce_sum(dict(sums), self.device)
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """zero_grad, micro-batched forward/backward, clip, AdamW step, schedule step."""
+        self.onload()
+        start = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics = self.forward_backward(batch)
+        grad_norm = self.clip_gradients()
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        metrics["train/skipped_step"] = float(not math.isfinite(grad_norm))
+        metrics["train/grad_norm"] = grad_norm
+        metrics["train/lr"] = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        self.step += 1
+        metrics["train/step"] = float(self.step)
+        metrics.update(self._throughput(metrics, time.perf_counter() - start))
+        return metrics
+
+    def clip_gradients(self) -> float:
+        """Global gradient norm (all shards) before clipping; clips to max_grad_norm."""
+        max_norm = self.config.max_grad_norm or math.inf
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    def _throughput(self, metrics: dict[str, float], seconds: float) -> dict[str, float]:
+        tokens = metrics.pop("perf/num_tokens")
+        attn_sq = metrics.pop("perf/attn_tokens_sq")
+        out = {"perf/tokens_per_s": tokens / seconds, "perf/step_s": seconds}
+        if self.config.peak_tflops:
+            flops = train_flops(self.model_config, num_tokens=tokens, attn_tokens_sq=attn_sq)
+            peak = self.config.peak_tflops * 1e12 * self.dist.world_size
+            out["perf/mfu"] = flops / seconds / peak
+        return out
+
+    # --- checkpoints and memory --------------------------------------------------------
+    def save_checkpoint(self, path: Path) -> None:
+        checkpoint.save(Path(path), self.model, self.optimizer, self.scheduler, self.step)
+
+    def load_checkpoint(self, path: Path) -> None:
+        self.onload()
+        self.step = checkpoint.load(Path(path), self.model, self.optimizer, self.scheduler)
+
+    def offload(self) -> None:
+        """Parameters, gradients and optimizer state to CPU (a no-op on a CPU run)."""
+        if self.device.type != "cpu" and not self.offloaded:
+            _move_all(self.model, self.optimizer, torch.device("cpu"))
+            torch.cuda.empty_cache()
+        self.offloaded = True
+
+    def onload(self) -> None:
+        if self.device.type != "cpu" and self.offloaded and not self.config.cpu_offload:
+            _move_all(self.model, self.optimizer, self.device)
+        self.offloaded = False
+
+
+def _move_all(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device):
+    model.to(device)
+    for param in model.parameters():
+        if param.grad is not None:
+            param.grad = param.grad.to(device)
+    # Unfused AdamW keeps its step counters on CPU; fused keeps them with the parameters.
+    move_steps = bool(optimizer.defaults.get("fused"))
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and (key != "step" or move_steps):
+                state[key] = value.to(device, non_blocking=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize()

@@ -1,0 +1,109 @@
+"""Hugging Face models: load or build (seeded random init), then shard with FSDP2.
+
+Sharding is ``fully_shard`` on every decoder layer and once on the root (embeddings,
+final norm, head), over one data-parallel mesh of all ranks. Tested families: Qwen2,
+Qwen3, Llama; any HF decoder whose layers are listed in ``_no_split_modules`` works.
+"""
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from rl_fsdp.attention import register_packed_attention
+from rl_fsdp.config import FSDPConfig
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def hf_config(config: FSDPConfig, **overrides):
+    """The transformers config of ``config``'s model (from its directory or its fields)."""
+    from transformers import AutoConfig
+
+    if config.model_path is not None:
+        path = Path(config.model_path)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model_path={str(path)!r} has no config.json; give a local HF dir")
+        return AutoConfig.from_pretrained(path, **overrides)
+    fields = dict(config.model_config)
+    return AutoConfig.for_model(fields.pop("model_type"), **fields, **overrides)
+
+
+def build_model(config: FSDPConfig, *, head: str = "causal_lm") -> nn.Module:
+    """Unsharded fp32 model on CPU with packed attention: ``head`` is "causal_lm" or
+    "value" (token classification with one label: the critic's value head)."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    attn = register_packed_attention()
+    auto = AutoModelForCausalLM if head == "causal_lm" else AutoModelForTokenClassification
+    # The value head must be deterministic: no classifier dropout.
+    overrides = {"num_labels": 1, "classifier_dropout": 0.0} if head == "value" else {}
+    cfg = hf_config(config, **overrides)
+    torch.manual_seed(config.seed)
+    if config.model_path is None:
+        model = auto.from_config(cfg, attn_implementation=attn, dtype=torch.float32)
+    else:
+        model = auto.from_pretrained(
+            config.model_path, config=cfg, attn_implementation=attn, dtype=torch.float32
+        )
+    model.config.use_cache = False
+    return model
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks (one FSDP unit each), found by the model's no-split classes."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"{type(model).__name__}: no decoder layers found to shard")
+    return layers
+
+
+def shard_model(model: nn.Module, config: FSDPConfig, device: torch.device) -> nn.Module:
+    """Apply FSDP2 per decoder layer and on the root; parameters end on ``device``
+    (or on CPU with ``cpu_offload``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    if config.cpu_offload and device.type != "cuda":
+        raise ValueError("cpu_offload=True offloads from a GPU; use device='cuda' or drop it")
+    if config.compile_layers and device.type != "cuda":
+        raise ValueError("compile_layers=True compiles for a GPU; use device='cuda' or drop it")
+    mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+    if config.activation_checkpointing:
+        enable_activation_checkpointing(model)
+    mixed = MixedPrecisionPolicy(param_dtype=DTYPES[config.precision], reduce_dtype=torch.float32)
+    kwargs = {"mesh": mesh, "mp_policy": mixed}
+    if config.cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    elif device.type == "cuda":
+        model.to(device)
+    for layer in decoder_layers(model):
+        if config.compile_layers:
+            # In place (parameter names unchanged); dynamic: micro-batch lengths vary.
+            layer.compile(dynamic=True)
+        fully_shard(layer, reshard_after_forward=config.reshard_after_forward, **kwargs)
+    # The root (embeddings, head) is needed again first thing in backward: keep it gathered.
+    fully_shard(model, reshard_after_forward=False, **kwargs)
+    return model
+
+
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute every decoder layer in backward (non-reentrant), on transformers versions
+    before and after ``gradient_checkpointing_enable`` was renamed."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def freeze(model: nn.Module) -> nn.Module:
+    model.eval()
+    for param in model.parameters():
+        param.requires_grad_(False)
+    return model
+
+
+def num_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,42 @@
+"""AdamW and its learning-rate schedule: linear warmup, then constant, linear or cosine
+decay to ``min_lr_ratio · lr`` at ``total_steps``."""
+
+import math
+
+import torch
+from torch import nn
+
+from rl_fsdp.config import FSDPConfig
+
+
+def lr_multiplier(step: int, config: FSDPConfig) -> float:
+    """Factor on ``config.lr`` for optimizer step ``step`` (0-based)."""
+    if step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    if config.lr_decay == "constant":
+        return 1.0
+    decay_steps = max(config.total_steps - config.warmup_steps, 1)
+    progress = min((step - config.warmup_steps) / decay_steps, 1.0)
+    if config.lr_decay == "linear":
+        shape = 1.0 - progress
+    else:
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * shape
+
+
+def build_optimizer(model: nn.Module, config: FSDPConfig):
+    """AdamW over the trainable parameters and a LambdaLR with :func:`lr_multiplier`."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    on_cuda = any(p.is_cuda for p in params)
+    optimizer = torch.optim.AdamW(
+        params,
+        lr=config.lr,
+        betas=config.betas,
+        eps=config.eps,
+        weight_decay=config.weight_decay,
+        fused=True if on_cuda else None,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_multiplier(step, config)
+    )
+    return optimizer, scheduler

@@ -1,0 +1,101 @@
+"""Weights out of the sharded model: byte-bounded buckets of full HF-named tensors, and a
+plain Hugging Face directory written from them.
+
+Each parameter is all-gathered alone (``DTensor.full_tensor``), so a rank never holds
+more than the bucket being filled plus one tensor. Tied weights appear once (under the
+name ``named_parameters`` gives them, e.g. ``model.embed_tokens.weight``); the HF config's
+``tie_word_embeddings`` restores the tie on load.
+"""
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rl_core.protocols import WeightBucket
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "generation_config.json",
+    "chat_template.jinja",
+)
+
+
+def full_tensor(param: torch.Tensor) -> torch.Tensor:
+    """The unsharded value of a (possibly DTensor) parameter, detached."""
+    value = param.detach()
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
+def iter_weight_buckets(
+    model: nn.Module, *, bucket_bytes: int, dtype: torch.dtype | None = None
+) -> Iterator[WeightBucket]:
+    """Buckets ``[(hf_name, full tensor)]`` of at most ``bucket_bytes`` each (a larger
+    tensor travels alone). Collective: every rank must iterate to the end."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    bucket: WeightBucket = []
+    filled = 0
+    for name, param in model.named_parameters():
+        tensor = full_tensor(param)
+        tensor = tensor if dtype is None else tensor.to(dtype)
+        size = tensor.numel() * tensor.element_size()
+        if bucket and filled + size > bucket_bytes:
+            yield bucket
+            bucket, filled = [], 0
+        bucket.append((name, tensor))
+        filled += size
+    if bucket:
+        yield bucket
+
+
+def write_hf_dir(
+    path: Path,
+    buckets: Iterator[WeightBucket],
+    hf_config,
+    *,
+    source_dir: str | None = None,
+) -> None:
+    """Write a loadable HF directory: one safetensors shard per bucket, its index,
+    config.json and the tokenizer files of ``source_dir``. Rank 0 writes to ``<path>.tmp``
+    and renames it; the other ranks only drain the (collective) iterator."""
+    from safetensors.torch import save_file
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    tmp = path.with_name(path.name + ".tmp")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    weight_map: dict[str, str] = {}
+    for index, bucket in enumerate(buckets):
+        if rank != 0:
+            continue
+        shard = f"model-{index + 1:05d}.safetensors"
+        tensors = {name: t.contiguous().cpu() for name, t in bucket}
+        save_file(tensors, str(tmp / shard), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, shard))
+    if rank == 0:
+        _write_metadata(tmp, weight_map, hf_config, source_dir)
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _write_metadata(tmp: Path, weight_map: dict[str, str], hf_config, source_dir) -> None:
+    index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    hf_config.save_pretrained(tmp)
+    for name in TOKENIZER_FILES if source_dir else ():
+        if (Path(source_dir) / name).is_file():
+            shutil.copy2(Path(source_dir) / name, tmp / name)

@@ -1,0 +1,145 @@
+"""On a CUDA machine (skipped elsewhere): a bf16 mixed-precision training step over nccl,
+log-prob parity with the plain Hugging Face forward, and real offload/onload moves (all
+through the default attention on CUDA: FlexAttention unless flash-attn is installed);
+compiled FlexAttention's logits and gradients against per-sequence SDPA; compiled layers
+against eager ones."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+from fsdp_tiny import padded_log_probs, plain_model, tokens_batch
+
+pytestmark = pytest.mark.gpu
+GPU_MODEL = {
+    "model_type": "qwen2",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 512,
+}
+
+
+@pytest.fixture(scope="module")
+def backend():
+    import torch.distributed as dist
+
+    from rl_fsdp import FSDPBackend, FSDPConfig
+
+    config = FSDPConfig(
+        model_config=GPU_MODEL,
+        device="cuda",
+        precision="bf16",
+        lr=1e-3,
+        reference=True,
+        ref_offload=True,
+        activation_checkpointing=True,
+        peak_tflops=100.0,
+    )
+    yield FSDPBackend(config)
+    dist.destroy_process_group()
+
+
+def _rl_batch():
+    batch = tokens_batch(lengths=[37, 120, 64, 9])
+    batch.advantages = torch.randn(batch.num_tokens, generator=torch.Generator().manual_seed(0))
+    return batch.with_global_denominators()
+
+
+def test_log_probs_match_plain_hf_forward(backend):
+    batch = _rl_batch()
+    model = plain_model(GPU_MODEL).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        expected = padded_log_probs(model, batch.to("cuda"))
+    got = backend.compute_log_probs(batch)
+    assert backend.attention in ("sdpa_per_doc", "flash_varlen")  # "auto" on CUDA
+    mask = batch.loss_mask.cuda().bool()
+    diff = (got - expected)[mask].abs()
+    assert diff.mean() < 2e-2 and diff.max() < 0.15
+    ref = backend.compute_log_probs(batch, model="ref")
+    assert next(backend.ref_model.parameters()).device.type == "cpu"
+    torch.testing.assert_close(ref, got, rtol=1e-3, atol=1e-3)
+
+
+def test_bf16_step_trains_and_offload_moves_memory(backend):
+    batch = _rl_batch()
+    batch.old_log_probs = backend.compute_log_probs(batch).cpu()
+    first = backend.train_step(batch)
+    for _ in range(3):
+        last = backend.train_step(batch)
+    assert torch.isfinite(torch.tensor(first["train/grad_norm"]))
+    assert last["loss/total"] < first["loss/total"]
+    assert 0 < last["perf/mfu"] < 1
+    backend.offload()
+    assert next(backend.model.parameters()).device.type == "cpu"
+    state = next(iter(backend.optimizer.state.values()))
+    assert state["exp_avg"].device.type == "cpu"
+    backend.onload()
+    assert next(backend.model.parameters()).device.type == "cuda"
+    assert torch.isfinite(torch.tensor(backend.train_step(batch)["loss/total"]))
+
+
+def test_cpu_offload_policy_step(backend):
+    from rl_fsdp import FSDPBackend, FSDPConfig
+
+    config = FSDPConfig(model_config=GPU_MODEL, device="cuda", precision="bf16", cpu_offload=True)
+    offloaded = FSDPBackend(config, dist_info=backend.dist)
+    assert next(offloaded.model.parameters()).device.type == "cpu"
+    metrics = offloaded.train_step(_rl_batch())
+    assert torch.isfinite(torch.tensor(metrics["train/grad_norm"]))
+
+
+def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((got - expected).norm() / expected.norm().clamp(min=1e-12))
+
+
+@pytest.mark.parametrize("lengths", [[37, 120, 64, 9], [500, 400, 3, 300, 200]])
+def test_flex_logits_and_grads_equal_per_sequence_sdpa(lengths):
+    """Compiled FlexAttention (fp32, buckets 1024 and 2048) against one causal SDPA per
+    sequence (proven equal to the padded forward on CPU), forward and backward."""
+    from rl_fsdp.attention import register_packed_attention
+    from rl_fsdp.forward import packed_forward
+
+    batch = tokens_batch(lengths=lengths).to("cuda")
+    grads, logits = {}, {}
+    weights = torch.randn(batch.num_tokens, 512, device="cuda")
+    for impl in ("sdpa_per_doc", "flex"):
+        model = plain_model(GPU_MODEL).cuda()
+        model.config._attn_implementation = register_packed_attention()
+        logits[impl] = packed_forward(model, batch.tokens, batch.cu_seqlens, impl)
+        (logits[impl] * weights).sum().backward()
+        grads[impl] = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert _relative_error(logits["flex"], logits["sdpa_per_doc"]) < 5e-3
+    assert _relative_error(grads["flex"], grads["sdpa_per_doc"]) < 5e-3
+
+
+@pytest.mark.xfail(
+    reason="compile_layers is experimental: failed on an H200 with torch 2.11 (2026-11-21); "
+    "inductor could not lower flex attention with dynamic shapes",
+    strict=False,
+)
+def test_compiled_layers_match_eager_layers(backend):
+    """compile_layers=True: same log-probs as the eager backend (same seed, bf16), state
+    dict names unchanged, and a training step over micro-batches of several lengths."""
+    from rl_fsdp import FSDPBackend, FSDPConfig
+
+    config = FSDPConfig(
+        model_config=GPU_MODEL,
+        device="cuda",
+        precision="bf16",
+        compile_layers=True,
+        max_tokens_per_micro_batch=160,
+    )
+    compiled = FSDPBackend(config, dist_info=backend.dist)
+    assert set(compiled.model.state_dict()) == set(backend.model.state_dict())
+    batch = _rl_batch()
+    eager = FSDPBackend(replace(config, compile_layers=False), dist_info=backend.dist)
+    expected = eager.compute_log_probs(batch)
+    got = compiled.compute_log_probs(batch)
+    mask = batch.loss_mask.cuda().bool()
+    assert (got - expected)[mask].abs().mean() < 2e-2
+    metrics = compiled.train_step(batch)
+    assert torch.isfinite(torch.tensor(metrics["train/grad_norm"]))

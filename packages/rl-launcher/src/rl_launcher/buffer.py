@@ -1,0 +1,151 @@
+"""The data buffer: scored samples in, per-rank training batches of one step out.
+
+Samples arrive in any order; the buffer groups them by prompt (``Sample.group_index``),
+and once a group is complete it drops it when a sample was aborted or when the
+dynamic-sampling filter (rl_core ``GROUP_FILTERS``, by name) rejects its rewards. A step
+takes the oldest ready groups, computes advantages with the named estimator
+(rl_core ``ADVANTAGE_ESTIMATORS``), packs every sample into one :class:`TrainBatch` (so
+the loss denominators cover the whole step) and splits it across ranks with near-equal
+token counts (``balanced_partitions``).
+"""
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from rl_core.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs
+from rl_core.batch import TrainBatch, batch_from_samples
+from rl_core.filters import GROUP_FILTERS
+from rl_core.metrics import summarize
+from rl_core.packing import balanced_partitions
+from rl_core.types import Sample, SampleStatus
+
+
+@dataclass(kw_only=True)
+class StepBatch:
+    """One training step: ``rank_batches[r]`` holds ``samples[i]`` for i in ``partitions[r]``."""
+
+    samples: list[Sample]
+    rank_batches: list[TrainBatch]
+    partitions: list[list[int]]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def scalar_reward(sample: Sample, reward_key: str | None = None) -> float:
+    """The reward the advantage uses; a mapping reward needs ``reward_key``."""
+    reward = sample.reward
+    if reward is None:
+        raise ValueError(
+            f"sample {sample.group_index}/{sample.index} has no reward; score it first"
+        )
+    if isinstance(reward, dict):
+        if reward_key is None or reward_key not in reward:
+            raise ValueError(
+                f"reward is a mapping with keys {sorted(reward)}; set algorithm.reward_key to one"
+            )
+        return float(reward[reward_key])
+    return float(reward)
+
+
+class DataBuffer:
+    """Groups, filters and batches samples (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        group_size: int,
+        num_ranks: int,
+        advantage_estimator: str = "grpo",
+        group_filter: str = "keep_all",
+        reward_key: str | None = None,
+        gamma: float = 1.0,
+        lam: float = 1.0,
+    ):
+        self._estimator = ADVANTAGE_ESTIMATORS.get(advantage_estimator)
+        self._filter = GROUP_FILTERS.get(group_filter)
+        self.group_size, self.num_ranks, self.reward_key = group_size, num_ranks, reward_key
+        self.gamma, self.lam = gamma, lam
+        self._pending: dict[int, list[Sample]] = {}
+        self._ready: list[list[Sample]] = []
+        self._counts = {"groups_filtered": 0, "groups_aborted": 0}
+        self._rewards_seen: list[float] = []
+
+    @classmethod
+    def from_config(cls, config, *, num_ranks: int) -> "DataBuffer":
+        algorithm = config.algorithm
+        return cls(
+            group_size=config.rollout.group_size,
+            num_ranks=num_ranks,
+            advantage_estimator=algorithm.advantage_estimator,
+            group_filter=algorithm.group_filter,
+            reward_key=algorithm.reward_key,
+            gamma=algorithm.gamma,
+            lam=algorithm.lam,
+        )
+
+    @property
+    def num_ready_groups(self) -> int:
+        return len(self._ready)
+
+    def add(self, samples: Iterable[Sample]) -> None:
+        for sample in samples:
+            if sample.group_index is None:
+                raise ValueError("a sample without group_index cannot be grouped by prompt")
+            group = self._pending.setdefault(sample.group_index, [])
+            group.append(sample)
+            if len(group) == self.group_size:
+                self._complete(self._pending.pop(sample.group_index))
+
+    def _complete(self, group: list[Sample]) -> None:
+        group.sort(key=lambda s: (s.index is None, s.index))
+        if any(s.status == SampleStatus.ABORTED for s in group):
+            self._counts["groups_aborted"] += 1
+            return
+        rewards = [scalar_reward(s, self.reward_key) for s in group]
+        self._rewards_seen.extend(rewards)
+        if self._filter(rewards):
+            self._ready.append(group)
+        else:
+            self._counts["groups_filtered"] += 1
+
+    def pop_step(self, num_groups: int) -> StepBatch:
+        """The next step made of the ``num_groups`` oldest ready groups."""
+        if num_groups > len(self._ready):
+            raise ValueError(f"asked for {num_groups} groups, {len(self._ready)} are ready")
+        groups, self._ready = self._ready[:num_groups], self._ready[num_groups:]
+        samples = [s for group in groups for s in group]
+        advantages = self.advantages(samples)
+        full = batch_from_samples(samples, advantages)
+        partitions = balanced_partitions([len(s.tokens) for s in samples], self.num_ranks)
+        return StepBatch(
+            samples=samples,
+            rank_batches=[full.select(part) for part in partitions],
+            partitions=partitions,
+            metrics=self._step_metrics(samples),
+        )
+
+    def advantages(self, samples: list[Sample]) -> list[list[float]]:
+        """Per-response-token advantages of contiguous complete groups."""
+        rewards = torch.tensor([scalar_reward(s, self.reward_key) for s in samples])
+        width = max((s.response_length for s in samples), default=0)
+        mask = torch.zeros(len(samples), width)
+        for i, sample in enumerate(samples):
+            mask[i, : sample.response_length] = torch.tensor(
+                sample.effective_loss_mask(), dtype=torch.float32
+            )
+        inputs = AdvantageInputs(
+            rewards=rewards, mask=mask, group_size=self.group_size, gamma=self.gamma, lam=self.lam
+        )
+        per_token, _ = self._estimator(inputs)
+        return [per_token[i, : s.response_length].tolist() for i, s in enumerate(samples)]
+
+    def _step_metrics(self, samples: list[Sample]) -> dict[str, float]:
+        metrics = summarize(self._rewards_seen, "rollout/reward")
+        metrics |= summarize([s.response_length for s in samples], "rollout/response_length")
+        metrics["rollout/truncated_frac"] = sum(
+            s.status == SampleStatus.TRUNCATED for s in samples
+        ) / max(len(samples), 1)
+        metrics |= {f"buffer/{name}": float(count) for name, count in self._counts.items()}
+        self._rewards_seen, self._counts = [], dict.fromkeys(self._counts, 0)
+        return metrics

@@ -1,0 +1,326 @@
+"""The typed configuration tree of a run: one keyword-only dataclass per section.
+
+Every field carries its meaning in ``metadata["help"]`` (docs/config.md is generated from
+it), and optionally ``choices`` (a tuple or an rl_core registry) and ``low`` (smallest
+allowed number). The defaults run the CPU quickstart: a tiny model built from a config,
+one embedded engine, the FSDP backend over gloo and GRPO, colocated on one CPU bundle.
+Loading, overrides and validation live in :mod:`rl_launcher.config_loader`.
+"""
+
+from dataclasses import MISSING, dataclass, field
+from typing import Any
+
+from rl_core.advantages import ADVANTAGE_ESTIMATORS
+from rl_core.aggregation import AGGREGATION_MODES
+from rl_core.filters import GROUP_FILTERS
+from rl_core.importance import IS_LEVELS, IS_MODES
+from rl_core.kl import KL_KINDS
+from rl_core.losses import POLICY_LOSSES
+
+
+def meta(help: str, *, choices=None, low=None) -> dict[str, Any]:
+    """Field metadata: its documentation and validation rules."""
+    return {"help": help, "choices": choices, "low": low}
+
+
+def option(default: Any = MISSING, *, help: str, choices=None, low=None) -> Any:
+    """A field with an immutable default (or none: required) and its metadata."""
+    return field(default=default, metadata=meta(help, choices=choices, low=low))
+
+
+@dataclass(kw_only=True)
+class ClusterConfig:
+    """Where the run executes: Ray cluster and device pool."""
+
+    ray_address: str | None = option(
+        None, help="Ray cluster to attach to; null reads RAY_ADDRESS, else starts a local Ray."
+    )
+    device: str = option("cpu", help="Device kind of every bundle.", choices=("cpu", "cuda"))
+    num_nodes: int = option(1, help="Nodes in the placement group.", low=1)
+    devices_per_node: int = option(
+        1, help="GPUs per node (cuda) or CPU bundles per node (cpu).", low=1
+    )
+    cpus_per_bundle: float = option(1.0, help="CPUs reserved with each bundle.", low=0)
+    colocate: bool = option(
+        True,
+        help="Training and engines share the devices and take turns; false gives each its own pool.",
+    )
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """The policy model and its tokenizer."""
+
+    path: str | None = option(
+        None, help="Hugging Face model directory; null builds a tiny model from init_config."
+    )
+    tokenizer_path: str | None = option(
+        None, help="Tokenizer directory; null uses model.path (or the example's tokenizer)."
+    )
+    init_config: dict[str, Any] = field(
+        metadata=meta("Model config used when path is null (a transformers config as a mapping)."),
+        default_factory=lambda: {
+            "model_type": "qwen2",
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 512,
+            "max_position_embeddings": 512,
+        },
+    )
+    dtype: str = option(
+        "float32", help="Parameter dtype.", choices=("float32", "bfloat16", "float16")
+    )
+    gradient_checkpointing: bool = option(False, help="Recompute activations in backward.")
+
+
+@dataclass(kw_only=True)
+class BackendConfig:
+    """The training backend and its parallel layout."""
+
+    name: str = option("fsdp", help="Training backend.", choices=("fsdp", "megatron"))
+    num_ranks: int | None = option(
+        None,
+        help="Training ranks; null = every device when colocated, the devices engines leave otherwise.",
+        low=1,
+    )
+    micro_batch_tokens: int = option(4096, help="Token budget of one micro-batch.", low=1)
+    offload_when_idle: bool = option(
+        True, help="Colocated mode: move training state off the device while engines generate."
+    )
+    tensor_parallel: int = option(1, help="Megatron tensor-parallel size.", low=1)
+    pipeline_parallel: int = option(1, help="Megatron pipeline-parallel size.", low=1)
+    context_parallel: int = option(1, help="Context-parallel size.", low=1)
+    expert_parallel: int = option(1, help="Megatron expert-parallel size.", low=1)
+    extra_args: list[str] = field(
+        default_factory=list,
+        metadata=meta(
+            "Backend-specific options passed through verbatim (--megatron-* on the command line)."
+        ),
+    )
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    """Optimizer and learning-rate schedule (the critic reuses them unless told)."""
+
+    name: str = option("adamw", help="Optimizer.", choices=("adamw", "sgd"))
+    lr: float = option(1e-4, help="Peak learning rate.", low=0)
+    critic_lr: float | None = option(None, help="Critic learning rate; null = lr.", low=0)
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999], metadata=meta("Adam betas."))
+    eps: float = option(1e-8, help="Adam epsilon.", low=0)
+    weight_decay: float = option(0.0, help="Decoupled weight decay.", low=0)
+    grad_clip: float = option(1.0, help="Clip the global gradient norm to this; 0 disables.", low=0)
+    schedule: str = option(
+        "constant", help="Learning-rate schedule.", choices=("constant", "linear", "cosine")
+    )
+    warmup_steps: int = option(0, help="Linear warm-up steps.", low=0)
+    min_lr_ratio: float = option(0.0, help="Final lr / peak lr for linear and cosine.", low=0)
+
+
+@dataclass(kw_only=True)
+class AlgorithmConfig:
+    """What is optimised: advantages, policy loss, KL, entropy, filtering."""
+
+    advantage_estimator: str = option(
+        "grpo", help="Advantage estimator (gae trains a critic).", choices=ADVANTAGE_ESTIMATORS
+    )
+    policy_loss: str = option("ppo", help="Policy loss.", choices=POLICY_LOSSES)
+    loss_agg_mode: str = option(
+        "token-mean", help="How per-token losses become one number.", choices=AGGREGATION_MODES
+    )
+    clip_low: float = option(0.2, help="Lower ratio clip (1 - clip_low).", low=0)
+    clip_high: float | None = option(
+        None, help="Upper ratio clip (1 + clip_high); null = clip_low.", low=0
+    )
+    dual_clip: float | None = option(None, help="Dual-clip bound c > 1 for negative advantages.")
+    kl_coef: float = option(0.0, help="KL-to-reference loss weight; 0 skips the reference.", low=0)
+    kl_kind: str = option("low_var_kl", help="KL estimator.", choices=KL_KINDS)
+    entropy_coef: float = option(0.0, help="Entropy bonus weight.", low=0)
+    gamma: float = option(1.0, help="Discount (gae, reinforce_plus_plus).", low=0)
+    lam: float = option(1.0, help="GAE lambda.", low=0)
+    group_filter: str = option(
+        "keep_all", help="Dynamic-sampling filter applied per prompt group.", choices=GROUP_FILTERS
+    )
+    reward_key: str | None = option(
+        None, help="Key of the scalar reward when a reward function returns a mapping."
+    )
+    num_minibatches: int = option(1, help="Optimizer steps per rollout batch.", low=1)
+    rollout_is_level: str | None = option(
+        None,
+        help="Rollout importance correction level; null disables it.",
+        choices=IS_LEVELS,
+    )
+    rollout_is_mode: str = option(
+        "truncate", help="Rollout importance correction.", choices=IS_MODES
+    )
+    rollout_is_cap: float = option(2.0, help="Upper bound of the importance weight.", low=0)
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    """How samples are produced and how generation overlaps training."""
+
+    batch_size: int = option(8, help="Prompts per training step.", low=1)
+    group_size: int = option(4, help="Samples per prompt.", low=1)
+    max_response_tokens: int = option(32, help="Response length limit.", low=1)
+    temperature: float = option(1.0, help="Sampling temperature.", low=0)
+    top_p: float = option(1.0, help="Nucleus sampling mass.", low=0)
+    top_k: int = option(-1, help="Top-k sampling; -1 disables.")
+    stop: list[str] = field(default_factory=list, metadata=meta("Stop strings."))
+    function: str = option(
+        "default", help="Rollout function: a name in rl-sglang or a dotted path module:function."
+    )
+    reward: str = option(
+        "math", help="Reward function: a name in rl-rewards or a dotted path module:function."
+    )
+    loop: str = option("sync", help="Training loop.", choices=("sync", "one_step_async", "async"))
+    max_staleness: int = option(
+        1, help="Async loop: samples older than this many weight versions are stale.", low=0
+    )
+    stale_policy: str = option(
+        "drop", help="What happens to stale samples.", choices=("drop", "importance")
+    )
+    partial_rollout: bool = option(
+        False, help="Resume aborted generations after a weight update instead of restarting."
+    )
+    over_sampling: float = option(
+        1.0, help="Prompts requested per needed prompt, to refill groups a filter drops.", low=1
+    )
+    dump_dir: str | None = option(None, help="Write every rollout's samples here.")
+    replay_dir: str | None = option(None, help="Train only, replaying rollouts dumped earlier.")
+    rollout_only: bool = option(False, help="Generate and score without training.")
+
+
+@dataclass(kw_only=True)
+class EngineConfig:
+    """Generation engines and weight sync."""
+
+    kind: str = option(
+        "embedded",
+        help="Engine server: embedded (CPU or GPU) or sglang.",
+        choices=("embedded", "sglang"),
+    )
+    num_engines: int = option(1, help="Engine servers.", low=1)
+    devices_per_engine: int = option(
+        1, help="Devices per engine (its tensor-parallel size).", low=1
+    )
+    use_router: bool = option(True, help="Put sglang-router in front of the engines.")
+    host: str = option("127.0.0.1", help="Address the servers bind to.")
+    mem_fraction: float = option(0.8, help="Engine memory fraction (sglang).", low=0)
+    weight_sync: str = option(
+        "auto",
+        help="Weight transport; auto picks tensor (colocated) or distributed (disaggregated).",
+        choices=("auto", "tensor", "distributed", "disk"),
+    )
+    weight_bucket_bytes: int = option(512 << 20, help="Bytes per weight-sync bucket.", low=1)
+    sync_every: int = option(1, help="Sync weights every N training steps.", low=1)
+    sglang_args: list[str] = field(
+        default_factory=list,
+        metadata=meta("Server options passed through verbatim (--sglang-* on the command line)."),
+    )
+
+
+@dataclass(kw_only=True)
+class DatasetConfig:
+    """One prompt dataset (JSONL or Parquet)."""
+
+    path: str = option(help="File path, optionally sliced by rows: data.jsonl@[100:200].")
+    weight: float = option(1.0, help="Mixing weight among the datasets of a list.", low=0)
+    name: str | None = option(None, help="Name in metrics; null = file stem.")
+    prompt_key: str = option("prompt", help="Column with the prompt (text or chat messages).")
+    label_key: str | None = option("label", help="Column with the label; null = none.")
+    metadata_key: str | None = option("metadata", help="Column with a metadata mapping.")
+    tools_key: str | None = option("tools", help="Column with tool schemas for the chat template.")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Prompt datasets and how they are read."""
+
+    train: list[DatasetConfig] = field(
+        default_factory=lambda: [DatasetConfig(path="examples/quickstart/data/train.jsonl")],
+        metadata=meta("Training datasets, mixed by weight."),
+    )
+    apply_chat_template: bool = option(
+        True, help="Format prompts with the tokenizer's chat template."
+    )
+    max_prompt_tokens: int = option(256, help="Longer prompts are filtered out and counted.", low=1)
+    on_malformed: str = option(
+        "skip", help="Malformed rows: skip (counted, reported) or raise.", choices=("skip", "raise")
+    )
+    shuffle: bool = option(True, help="Shuffle each epoch (seeded by the run's seed).")
+    read_batch_rows: int = option(1024, help="Rows per record batch when streaming files.", low=1)
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    """Periodic evaluation."""
+
+    datasets: list[DatasetConfig] = field(
+        default_factory=list, metadata=meta("Evaluation datasets.")
+    )
+    interval: int = option(0, help="Evaluate every N steps; 0 disables.", low=0)
+    samples_per_prompt: int = option(1, help="Samples per eval prompt.", low=1)
+    pass_k: list[int] = field(default_factory=lambda: [1], metadata=meta("k values of pass@k."))
+    temperature: float = option(0.0, help="Eval sampling temperature.", low=0)
+    max_response_tokens: int | None = option(
+        None, help="Eval response limit; null = rollout.max_response_tokens.", low=1
+    )
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Saving and resuming."""
+
+    dir: str | None = option(None, help="Checkpoint directory; null = <run_dir>/checkpoints.")
+    interval: int = option(0, help="Save every N steps; 0 saves only at the end.", low=0)
+    keep_last: int = option(2, help="Checkpoints kept on disk.", low=1)
+    resume: bool = option(False, help="Resume from the newest complete checkpoint.")
+    save_hf: bool = option(False, help="Also export Hugging Face weights with each checkpoint.")
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    """What a person reads: progress, metrics, charts."""
+
+    run_dir: str = option("runs/quickstart", help="Run directory (metrics.jsonl, plots, dumps).")
+    progress: bool = option(True, help="Print a progress line per step.")
+    tensorboard: bool = option(False, help="Write TensorBoard events to <run_dir>/tensorboard.")
+    wandb: bool = option(False, help="Log to Weights & Biases.")
+    wandb_project: str = option("rl", help="wandb project.")
+    wandb_mode: str = option(
+        "offline", help="wandb mode.", choices=("online", "offline", "disabled")
+    )
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """A whole run."""
+
+    mode: str = option(
+        "rl", help="rl trains on rewards; sft on labelled responses.", choices=("rl", "sft")
+    )
+    seed: int = option(42, help="Seed of data order, sampling and initialisation.")
+    num_steps: int = option(20, help="Training steps.", low=1)
+    cluster: ClusterConfig = field(
+        default_factory=ClusterConfig, metadata=meta("Ray cluster and devices.")
+    )
+    model: ModelConfig = field(default_factory=ModelConfig, metadata=meta("Policy model."))
+    backend: BackendConfig = field(
+        default_factory=BackendConfig, metadata=meta("Training backend.")
+    )
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig, metadata=meta("Optimizer."))
+    algorithm: AlgorithmConfig = field(
+        default_factory=AlgorithmConfig, metadata=meta("RL algorithm.")
+    )
+    rollout: RolloutConfig = field(default_factory=RolloutConfig, metadata=meta("Rollout."))
+    engine: EngineConfig = field(default_factory=EngineConfig, metadata=meta("Engines."))
+    data: DataConfig = field(default_factory=DataConfig, metadata=meta("Prompt data."))
+    eval: EvalConfig = field(default_factory=EvalConfig, metadata=meta("Evaluation."))
+    checkpoint: CheckpointConfig = field(
+        default_factory=CheckpointConfig, metadata=meta("Checkpoints.")
+    )
+    logging: LoggingConfig = field(default_factory=LoggingConfig, metadata=meta("Logging."))

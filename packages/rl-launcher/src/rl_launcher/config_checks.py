@@ -1,0 +1,71 @@
+"""Checks that span several fields of a :class:`TrainConfig` (single fields are checked
+while it is built). Each raises ValueError naming the fields involved and a fix."""
+
+from rl_launcher.config import TrainConfig
+from rl_launcher.placement import plan_from_config
+
+
+def check_consistency(config: TrainConfig) -> None:
+    for check in (_check_algorithm, _check_rollout, _check_devices, _check_data, _check_eval):
+        check(config)
+    plan_from_config(config)  # raises when the device pool cannot hold the layout
+
+
+def _check_algorithm(config: TrainConfig) -> None:
+    algorithm, group_size = config.algorithm, config.rollout.group_size
+    if algorithm.advantage_estimator == "rloo" and group_size < 2:
+        raise ValueError(
+            "algorithm.advantage_estimator=rloo needs rollout.group_size >= 2 "
+            f"(got {group_size}); the baseline is the other samples of the prompt"
+        )
+    if algorithm.dual_clip is not None and algorithm.dual_clip <= 1.0:
+        raise ValueError(f"algorithm.dual_clip must be > 1 or null, got {algorithm.dual_clip}")
+    if len(config.optimizer.betas) != 2:
+        raise ValueError(f"optimizer.betas needs two numbers, got {config.optimizer.betas}")
+
+
+def _check_rollout(config: TrainConfig) -> None:
+    rollout = config.rollout
+    if rollout.loop == "async" and rollout.max_staleness < 1:
+        raise ValueError(
+            "rollout.loop=async with rollout.max_staleness=0 is the synchronous loop; "
+            "set rollout.loop=sync or rollout.max_staleness >= 1"
+        )
+    if rollout.replay_dir is not None and rollout.rollout_only:
+        raise ValueError(
+            "rollout.replay_dir (train only) and rollout.rollout_only exclude each other"
+        )
+
+
+def _check_devices(config: TrainConfig) -> None:
+    if config.engine.kind == "sglang" and config.cluster.device != "cuda":
+        raise ValueError(
+            "engine.kind=sglang needs cluster.device=cuda; on CPU use engine.kind=embedded"
+        )
+    backend = config.backend
+    model_parallel = backend.tensor_parallel * backend.pipeline_parallel * backend.context_parallel
+    num_ranks = plan_from_config(config).num_train_ranks
+    if num_ranks % model_parallel:
+        raise ValueError(
+            f"backend.num_ranks={num_ranks} is not a multiple of tensor_parallel x "
+            f"pipeline_parallel x context_parallel = {model_parallel}"
+        )
+
+
+def _check_data(config: TrainConfig) -> None:
+    if not config.data.train and config.rollout.replay_dir is None:
+        raise ValueError("data.train is empty; give at least one dataset (path: file.jsonl)")
+    if config.data.train and sum(d.weight for d in config.data.train) <= 0:
+        raise ValueError("data.train weights sum to 0; give at least one dataset a positive weight")
+
+
+def _check_eval(config: TrainConfig) -> None:
+    evaluation = config.eval
+    for k in evaluation.pass_k:
+        if not 1 <= k <= evaluation.samples_per_prompt:
+            raise ValueError(
+                f"eval.pass_k contains {k}; every k must be in 1..eval.samples_per_prompt "
+                f"({evaluation.samples_per_prompt})"
+            )
+    if evaluation.interval and not evaluation.datasets:
+        raise ValueError("eval.interval is set but eval.datasets is empty; add a dataset or set 0")

@@ -1,0 +1,90 @@
+"""The run directory's ``metrics.jsonl`` (one JSON object per step) and the progress line.
+
+Each record is written with a single ``os.write`` on a file opened with ``O_APPEND``, so a
+record is never interleaved with another writer's and a crash leaves at most one partial
+last line, which :func:`read_metrics` skips. Non-finite numbers are stored as null.
+
+Metric names the progress line and ``rl-plot`` read (all optional):
+``rollout/reward/mean``, ``rollout/response_length/mean``, ``train/kl``, ``train/entropy``,
+``eval/<dataset>/pass@<k>``, ``time/step``, ``time/rollout``, ``time/log_probs``,
+``time/train``, ``time/sync``.
+"""
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+TIME_PARTS = ("rollout", "log_probs", "train", "sync")
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if hasattr(value, "item"):  # numpy / torch scalars
+        return _clean(value.item())
+    return value
+
+
+class MetricsLog:
+    """Appends one record per step to ``<run_dir>/metrics.jsonl``."""
+
+    def __init__(self, run_dir: str | Path):
+        self.path = Path(run_dir) / METRICS_FILE
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def append(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
+        """Write ``{"step": step, "time": now, **metrics}`` as one line; returns the record."""
+        record = {"step": step, "time": time.time(), **{k: _clean(v) for k, v in metrics.items()}}
+        line = (json.dumps(record, allow_nan=False) + "\n").encode()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            written = os.write(fd, line)
+        finally:
+            os.close(fd)
+        assert written == len(line), "short write to metrics.jsonl"
+        return record
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """Records of a metrics.jsonl (or of the one in a run directory), skipping a torn last line."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / METRICS_FILE
+    if not path.is_file():
+        raise ValueError(f"no metrics file at {str(path)!r}; is this a run directory?")
+    records = []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number != len(lines):
+                raise ValueError(f"{path}:{number}: not a JSON record") from None
+    return records
+
+
+def format_progress(step: int, num_steps: int, metrics: dict[str, Any]) -> str:
+    """``step 3/20 | reward 0.412 | len 17.3 | kl 0.0012 | 1.23s (rollout 0.80 ...)``."""
+    parts = [f"step {step}/{num_steps}"]
+    for label, key, spec in (
+        ("reward", "rollout/reward/mean", ".3f"),
+        ("len", "rollout/response_length/mean", ".1f"),
+        ("kl", "train/kl", ".4g"),
+        ("entropy", "train/entropy", ".3f"),
+    ):
+        if metrics.get(key) is not None:
+            parts.append(f"{label} {metrics[key]:{spec}}")
+    if metrics.get("time/step") is not None:
+        split = " ".join(
+            f"{name} {metrics[f'time/{name}']:.2f}"
+            for name in TIME_PARTS
+            if metrics.get(f"time/{name}") is not None
+        )
+        parts.append(f"{metrics['time/step']:.2f}s" + (f" ({split})" if split else ""))
+    return " | ".join(parts)

@@ -1,0 +1,115 @@
+"""Data buffer: grouping, filtering, advantages and per-rank batches, with hand values."""
+
+import math
+
+import pytest
+import torch
+
+from rl_core.types import Sample, SampleStatus
+from rl_launcher.buffer import DataBuffer
+
+A = 0.5 / (math.sqrt(0.5) + 1e-6)  # GRPO advantage of a {1, 0} pair: 0.5 / (unbiased std + eps)
+
+
+def sample(group, index, tokens, response_length, reward, status="completed"):
+    return Sample(
+        tokens=tokens, response_length=response_length, reward=reward,
+        group_index=group, index=index, status=SampleStatus(status),
+    )  # fmt: skip
+
+
+def grpo_samples():
+    return [
+        sample(2, 1, [5, 6], 1, 1.0),
+        sample(0, 0, [1, 2, 3, 4, 5], 2, 1.0),
+        sample(1, 0, [7, 8, 9, 9, 9], 3, 1.0),
+        sample(1, 1, [7, 8, 9], 1, 1.0),  # completes group 1: all rewards equal, filtered
+        sample(0, 1, [1, 2, 3, 6], 1, 0.0),
+        sample(2, 0, [5, 6, 7, 8, 9, 10], 5, 0.0),
+    ]
+
+
+def test_grpo_step_with_filter_and_two_ranks():
+    buffer = DataBuffer(
+        group_size=2, num_ranks=2, advantage_estimator="grpo", group_filter="nonzero_std"
+    )
+    buffer.add(grpo_samples())
+    assert buffer.num_ready_groups == 2
+    step = buffer.pop_step(2)
+    assert [(s.group_index, s.index) for s in step.samples] == [(0, 0), (0, 1), (2, 0), (2, 1)]
+    # token counts 5, 4, 6, 2 -> {5, 4} and {6, 2}: 9 and 8 tokens
+    assert step.partitions == [[0, 1], [2, 3]]
+    rank0, rank1 = step.rank_batches
+    assert rank0.tokens.tolist() == [1, 2, 3, 4, 5, 1, 2, 3, 6]
+    assert rank0.loss_mask.tolist() == [0, 0, 1, 1, 0, 0, 0, 1, 0]
+    torch.testing.assert_close(rank0.advantages, torch.tensor([0, 0, A, A, 0, 0, 0, -A, 0]))
+    assert rank1.tokens.tolist() == [5, 6, 7, 8, 9, 10, 5, 6]
+    torch.testing.assert_close(rank1.advantages, torch.tensor([-A] * 5 + [0, A, 0]))
+    for batch in step.rank_batches:  # denominators of the whole step: 2 + 1 + 5 + 1 tokens
+        assert (batch.global_num_tokens, batch.global_num_seqs) == (9.0, 4.0)
+    assert step.metrics["rollout/reward/mean"] == pytest.approx(4 / 6)  # every scored sample
+    assert step.metrics["buffer/groups_filtered"] == 1.0
+    assert step.metrics["rollout/response_length/mean"] == pytest.approx(9 / 4)
+    assert buffer.num_ready_groups == 0
+
+
+def test_rloo_and_reward_mapping():
+    buffer = DataBuffer(group_size=4, num_ranks=1, advantage_estimator="rloo", reward_key="acc")
+    rewards = [1.0, 0.0, 0.0, 1.0]
+    buffer.add(sample(0, i, [1, 2, 3], 2, {"acc": r, "fmt": 1.0}) for i, r in enumerate(rewards))
+    (batch,) = buffer.pop_step(1).rank_batches
+    third = 2 / 3  # r_i - mean of the other three
+    expected = [
+        v for s in (third, -third, -third, third) for v in (s, s, 0)
+    ]  # prediction at position
+    torch.testing.assert_close(batch.advantages, torch.tensor(expected))
+    with pytest.raises(ValueError, match=r"set algorithm\.reward_key"):
+        DataBuffer(group_size=1, num_ranks=1).add([sample(0, 0, [1, 2], 1, {"acc": 1.0})])
+
+
+def test_loss_mask_of_tool_tokens_zeroes_their_advantage():
+    buffer = DataBuffer(group_size=2, num_ranks=1, advantage_estimator="dr_grpo")
+    first = sample(0, 0, [1, 2, 3, 4, 5], 3, 1.0)
+    first.loss_mask = [1, 0, 1]  # the middle token came from a tool
+    buffer.add([first, sample(0, 1, [1, 2, 3], 1, 0.0)])
+    (batch,) = buffer.pop_step(1).rank_batches
+    assert batch.advantages.tolist() == [0, 0.5, 0, 0.5, 0, 0, -0.5, 0]  # r - group mean
+    assert batch.global_num_tokens == 3.0
+
+
+def test_aborted_groups_are_dropped_and_counted():
+    buffer = DataBuffer(group_size=2, num_ranks=3)
+    buffer.add([sample(0, 0, [1, 2], 1, 1.0), sample(0, 1, [1, 2], 1, 0.0, status="aborted")])
+    buffer.add([sample(1, 0, [1, 2], 1, 1.0), sample(1, 1, [1, 2, 3], 2, 0.0, status="truncated")])
+    step = buffer.pop_step(1)
+    assert (
+        step.metrics["buffer/groups_aborted"] == 1.0
+        and step.metrics["rollout/truncated_frac"] == 0.5
+    )
+    assert sorted(i for part in step.partitions for i in part) == [0, 1]  # third rank gets nothing
+    assert sum(b.num_seqs for b in step.rank_batches) == 2
+    with pytest.raises(ValueError, match=r"asked for 1 groups, 0 are ready"):
+        buffer.pop_step(1)
+
+
+def test_rank_split_keeps_every_token_once_and_balances():
+    buffer = DataBuffer(group_size=2, num_ranks=4)
+    lengths = [9, 3, 7, 7, 2, 4, 8, 6]
+    buffer.add(
+        sample(i // 2, i % 2, list(range(n)), 1, float(i % 2)) for i, n in enumerate(lengths)
+    )
+    step = buffer.pop_step(4)
+    assert sorted(i for part in step.partitions for i in part) == list(range(8))
+    assert sum(b.num_tokens for b in step.rank_batches) == sum(lengths)
+    assert (
+        max(b.num_tokens for b in step.rank_batches) == 13
+    )  # optimum: 9, 8, 7, 7 need a rank each and 6 joins one
+    full_sum = sum(float((b.advantages * b.loss_mask).sum()) for b in step.rank_batches)
+    assert full_sum == pytest.approx(0.0, abs=1e-5)  # GRPO advantages of each group sum to 0
+
+
+def test_unknown_names_are_refused():
+    with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'"):
+        DataBuffer(group_size=2, num_ranks=1, advantage_estimator="ppo")
+    with pytest.raises(ValueError, match="unknown group filter"):
+        DataBuffer(group_size=2, num_ranks=1, group_filter="nope")

@@ -1,0 +1,76 @@
+"""Device layout on paper: colocated and disaggregated plans, 1 and 2 nodes of 8 GPUs."""
+
+import pytest
+
+from rl_launcher.config import TrainConfig
+from rl_launcher.config_loader import load_config
+from rl_launcher.placement import Slot, plan_from_config, plan_layout
+
+
+def test_one_node_colocated_shares_every_device():
+    plan = plan_layout(
+        num_nodes=1, devices_per_node=8, num_engines=4, devices_per_engine=2, colocate=True
+    )
+    assert plan.num_bundles == 8 and plan.train_bundles == tuple(range(8))
+    assert plan.engine_bundles == ((0, 1), (2, 3), (4, 5), (6, 7))
+    assert plan.describe() == "node 0: T0+E0 T1+E0 T2+E1 T3+E1 T4+E2 T5+E2 T6+E3 T7+E3"
+
+
+def test_two_nodes_of_eight_disaggregated_layout():
+    plan = plan_layout(
+        num_nodes=2, devices_per_node=8, num_engines=4, devices_per_engine=2, colocate=False
+    )
+    assert plan.num_train_ranks == 8 and plan.train_bundles == tuple(range(8))
+    assert [plan.slots[b] for b in plan.train_bundles] == [Slot(0, d) for d in range(8)]
+    assert plan.engine_bundles == ((8, 9), (10, 11), (12, 13), (14, 15))
+    assert {plan.slots[b].node for e in plan.engine_bundles for b in e} == {1}
+    assert plan.describe().splitlines() == [
+        "node 0: T0 T1 T2 T3 T4 T5 T6 T7",
+        "node 1: E0 E0 E1 E1 E2 E2 E3 E3",
+    ]
+
+
+def test_two_nodes_of_eight_colocated_with_node_wide_engines():
+    plan = plan_layout(
+        num_nodes=2, devices_per_node=8, num_engines=2, devices_per_engine=8, colocate=True
+    )
+    assert plan.num_train_ranks == 16
+    assert [plan.slots[b] for b in plan.engine_bundles[1]] == [Slot(1, d) for d in range(8)]
+    wide = plan_layout(
+        num_nodes=2, devices_per_node=8, num_engines=1, devices_per_engine=16, colocate=True
+    )
+    assert wide.engine_bundles == (tuple(range(16)),)  # one engine spanning both whole nodes
+
+
+def test_disaggregated_with_explicit_ranks_leaves_spare_devices_unreserved():
+    plan = plan_layout(
+        num_nodes=1, devices_per_node=8, num_engines=1, devices_per_engine=2, colocate=False, num_train_ranks=4
+    )  # fmt: skip
+    assert plan.num_bundles == 6 and plan.engine_bundles == ((4, 5),)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(num_nodes=1, devices_per_node=8, num_engines=4, devices_per_engine=2, colocate=False), "split between 0 training ranks"),
+        (dict(num_nodes=1, devices_per_node=8, num_engines=5, devices_per_engine=2, colocate=True), "10 engine devices"),
+        (dict(num_nodes=2, devices_per_node=8, num_engines=2, devices_per_engine=4, colocate=False, num_train_ranks=6), "engine 0 would straddle nodes [0, 1]"),
+    ],
+)  # fmt: skip
+def test_impossible_layouts_say_why(kwargs, message):
+    with pytest.raises(ValueError, match=r"add devices|straddle") as error:
+        plan_layout(**kwargs)
+    assert message in str(error.value)
+
+
+def test_plan_from_config():
+    assert plan_from_config(TrainConfig()).describe() == "node 0: T0+E0"
+    config, _ = load_config(
+        ["cluster.num_nodes=2", "cluster.devices_per_node=8", "cluster.device=cuda", "cluster.colocate=false",
+         "engine.num_engines=4", "engine.devices_per_engine=2", "backend.tensor_parallel=2"]
+    )  # fmt: skip
+    assert plan_from_config(config).num_train_ranks == 8
+    with pytest.raises(ValueError, match="not a multiple of tensor_parallel"):
+        load_config(
+            ["cluster.devices_per_node=8", "backend.num_ranks=6", "backend.tensor_parallel=4"]
+        )

@@ -1,0 +1,107 @@
+"""Core attention through ``torch.nn.functional.scaled_dot_product_attention``, with
+context parallelism by all-gathering keys and values.
+
+A drop-in for megatron's local ``DotProductAttention`` (same constructor arguments, same
+``[s, b, heads, head_dim]`` inputs and ``[s, b, heads · head_dim]`` output) that lets torch
+pick a fused kernel (flash / memory-efficient on GPU) instead of materialising the fp32
+``[b, heads, s, s]`` score tensor. GQA is handled by SDPA's ``enable_gqa``.
+
+Context parallel (cp > 1): each rank holds the zigzag chunks r and 2·cp-1-r of every row
+(:mod:`rl_core.cp`; megatron's rotary embedding uses the same layout). Keys and values are
+all-gathered and put back in sequence order, and the causal mask compares the original
+positions of this rank's queries with all key positions. Exact; memory of K/V is full length.
+"""
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core.transformer.module import MegatronModule
+
+from rl_core.cp import zigzag_gather, zigzag_positions
+
+
+class SDPAttention(MegatronModule):
+    """Megatron core attention computed by torch SDPA (no dropout, no attention bias)."""
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type=None,
+        attention_type: str = "self",
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+    ):
+        super().__init__(config=config)
+        del layer_number, attn_mask_type, attention_type, attention_dropout, cp_comm_type
+        self.softmax_scale = softmax_scale or config.kv_channels**-0.5
+        self.cp_group = None
+        if config.context_parallel_size > 1:
+            from megatron.core import parallel_state as ps
+
+            self.cp_group = pg_collection.cp if pg_collection else ps.get_context_parallel_group()
+
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("SDPAttention takes padded rows, not packed_seq_params or a bias")
+        allowed = None if attention_mask is None else ~attention_mask
+        if self.cp_group is not None:
+            key, value, allowed = _gather_context(key, value, self.cp_group)
+        # [s, b, n, d] -> [b, n, s, d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if allowed is not None and k.shape[1] != q.shape[1]:  # fused masked kernels want MHA
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=allowed,
+            is_causal=allowed is None,
+            scale=self.softmax_scale,
+            enable_gqa=k.shape[1] != q.shape[1],
+        )
+        seq, batch = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+
+
+def _gather_context(key, value, group):
+    """Full-length K/V ``[L, b, g, d]`` in sequence order and the causal mask
+    ``[s_local, L]`` (True = may attend) of this rank's zigzag queries."""
+    cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
+    keys = zigzag_gather(_AllGather.apply(key, group), dim=0)
+    values = zigzag_gather(_AllGather.apply(value, group), dim=0)
+    length = keys.shape[0]
+    q_pos = zigzag_positions(length, cp_size=cp_size, cp_rank=cp_rank).to(key.device)
+    allowed = q_pos[:, None] >= torch.arange(length, device=key.device)[None, :]
+    return keys, values, allowed
+
+
+class _AllGather(torch.autograd.Function):
+    """All-gather along dim 0 returning every rank's shard; the backward sums the
+    gradient over ranks (all-reduce, which gloo supports) and keeps this rank's part."""
+
+    @staticmethod
+    def forward(ctx, shard, group):
+        ctx.group = group
+        shards = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(shards, shard.contiguous(), group=group)
+        return tuple(shards)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        rank = dist.get_rank(ctx.group)
+        mine = [g if g is not None else torch.zeros(()) for g in grads]
+        total = torch.stack([torch.zeros_like(mine[rank]) + g for g in mine])
+        dist.all_reduce(total, group=ctx.group)
+        return total[rank], None

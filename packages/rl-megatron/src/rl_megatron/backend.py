@@ -1,0 +1,322 @@
+"""``MegatronBackend``: rl_core's TrainingBackend on a megatron-core GPTModel.
+
+One instance per rank; all ranks call each method together with their data-parallel share
+of the batch (TP ranks of one DP rank get the same batch). Maths comes from rl_core:
+per-token losses aggregated with the step's global denominators, so micro-batching and the
+TP/DP/EP layout leave the loss and gradients unchanged.
+"""
+
+import contextlib
+from collections import defaultdict
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from rl_core.batch import TrainBatch
+from rl_megatron import optim, pipeline
+from rl_megatron.config import MegatronConfig
+from rl_megatron.cp import restrict_batch
+from rl_megatron.forward import (
+    forward_logits,
+    held_targets,
+    log_probs_and_entropy,
+    padded_micro_batches,
+    padded_shape,
+)
+from rl_megatron.models import build_critic_model, build_gpt_model, model_shape
+from rl_megatron.moe import ep_common_shape, ep_synced_groups
+from rl_megatron.objective import actor_loss, critic_loss
+from rl_megatron.parallel import current_layout, initialize_parallel
+from rl_megatron.state import WeightsAndStateMixin
+from rl_megatron.weights import SafetensorsReader, hf_config_of, load_hf_weights, read_shards
+
+
+class MegatronBackend(WeightsAndStateMixin):
+    """Actor, reference and SFT model (``mode`` "policy"/"sft") or critic ("critic").
+
+    Forward passes and training live here; weight export, checkpoints and offload in
+    :class:`rl_megatron.state.WeightsAndStateMixin`."""
+
+    def __init__(self, config: MegatronConfig):
+        from megatron.core import parallel_state as ps
+
+        self.config = config
+        self.layout = _parallel_layout(config)
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.dp_group = ps.get_data_parallel_group()  # ranks with different data
+        self.dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True)  # grads
+        self.cp_group = ps.get_context_parallel_group()
+        self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.ep_group = ps.get_expert_model_parallel_group()
+        self.expert_groups = (ps.get_expert_tensor_parallel_group(), self.ep_group)
+        self.expert_dp_group = ps.get_expert_data_parallel_group()
+        self.device = torch.device("cpu" if config.device == "cpu" else torch.cuda.current_device())
+        self.hf_config = hf_config_of(config.hf_path)
+        self.shape = model_shape(self.hf_config, tp_size=config.tp)
+        if self.shape.num_experts and config.tp > 1 and not config.sequence_parallel:
+            raise ValueError("megatron needs sequence_parallel=True for MoE models with tp > 1")
+        self.model = self._build_model()
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        self.expert_params = [p for n, p in named if ".mlp.experts." in n]
+        self.optimizer = optim.make_optimizer(self.params, config, self.layout, self.dp_cp_group)
+        self.ref_shards = None
+        if config.ref_path is not None:
+            reader = SafetensorsReader(config.ref_path)
+            self.ref_shards = read_shards(self.model, reader, self.shape, self.layout)
+        self.step = 0
+
+    def _build_model(self):
+        build = build_critic_model if self.config.mode == "critic" else build_gpt_model
+        model = build(
+            self.hf_config,
+            tp_size=self.config.tp,
+            ep_size=self.config.ep,
+            cp_size=self.config.cp,
+            **({"pp_size": self.config.pp} if self.config.pp > 1 else {}),
+            sequence_parallel=self.config.sequence_parallel,
+        )
+        load_hf_weights(model, SafetensorsReader(self.config.hf_path), self.shape, self.layout)
+        return model.to(self.device)
+
+    # ----------------------------------------------------------------- forward passes
+    def _multiple(self) -> int:
+        """Row widths divide by this: tp (sequence parallel) times 2·cp (zigzag chunks)."""
+        return self.config.tp * (2 * self.config.cp if self.config.cp > 1 else 1)
+
+    def _autocast(self):
+        enabled = self.config.bf16 and self.device.type == "cuda"
+        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=enabled)
+
+    def _per_token(self, part: TrainBatch, *, with_entropy: bool):
+        """``(log_probs, entropy or None, held)`` or, for a critic, ``(values, None, held)``:
+        ``[N_held]`` each, for the tokens of ``part`` this CP rank holds (indices ``held``)."""
+        min_shape = (0, 0)
+        if self.layout.ep_size > 1:
+            local = padded_shape(part.cu_seqlens, self._multiple())
+            min_shape = ep_common_shape(local, self.ep_group, self.device)
+        with self._autocast():
+            logits, held = forward_logits(
+                self.model,
+                part.tokens,
+                part.cu_seqlens,
+                multiple=self._multiple(),
+                min_shape=min_shape,
+                cp_size=self.layout.cp_size,
+                cp_rank=self.layout.cp_rank,
+            )
+        return (*self._head(part, logits, held, with_entropy=with_entropy), held)
+
+    def _head(self, part: TrainBatch, logits, held, *, with_entropy: bool):
+        """Logits ``[N_held, V/tp]`` -> ``(log_probs, entropy or None)``; critic: values."""
+        if self.config.mode == "critic":
+            return logits[:, 0].float(), None
+        return log_probs_and_entropy(
+            logits,
+            held_targets(part.tokens, part.cu_seqlens, held),
+            vocab_size=self.shape.vocab_size,
+            tp_group=self.tp_group,
+            temperature=self.config.temperature,
+            chunk_size=self.config.logprob_chunk_size,
+            with_entropy=with_entropy,
+        )
+
+    def _micro_batches(self, lengths: list[int]) -> list[list[int]]:
+        """Sequence groups within the token budget (padded cost); EP ranks agree on a count."""
+        groups = padded_micro_batches(lengths, self.config.max_tokens_per_micro_batch)
+        if self.layout.ep_size == 1:
+            return groups
+        return ep_synced_groups(groups, self.ep_group, self.device)
+
+    @torch.no_grad()
+    def _forward_all(self, batch: TrainBatch) -> torch.Tensor:
+        """Per-token outputs ``[N]`` of the whole batch (every rank gets all of them)."""
+        self.model.eval()
+        batch = batch.to(self.device)
+        result = torch.zeros(batch.num_tokens, device=self.device)
+        bounds = batch.cu_seqlens.tolist()
+        groups = self._micro_batches(batch.seq_lengths())
+        for group, output, held in self._forward_outputs(batch, groups):
+            token_index = [torch.arange(bounds[i], bounds[i + 1]) for i in group]
+            if token_index:
+                result[torch.cat(token_index).to(self.device)[held]] = output.float()
+        for size, group in ((self.layout.cp_size, self.cp_group), (self.config.pp, self.pp_group)):
+            if size > 1:  # each token's output lives on exactly one CP rank / the last stage
+                dist.all_reduce(result, group=group)
+        return result
+
+    def _forward_outputs(self, batch: TrainBatch, groups: list[list[int]]):
+        """``(group, output [N_held], held)`` per micro-batch (pp: on the last stage only)."""
+        if self.config.pp == 1:
+            for group in groups:
+                output, _, held = self._per_token(batch.select(group), with_entropy=False)
+                yield group, output, held
+            return
+
+        def outputs(part, logits, held):
+            output, _ = self._head(part, logits, held, with_entropy=False)
+            return output.sum() * 0.0, {"output": output, "held": held}
+
+        parts = [batch.select(group) for group in groups]
+        with self._autocast():
+            reduced = pipeline.run_schedule(
+                self.model, parts, multiple=self._multiple(), loss_fn=outputs, forward_only=True
+            )
+        for group, item in zip(groups, reduced, strict=False):
+            yield group, item["output"], item["held"]
+
+    def compute_log_probs(self, batch: TrainBatch, *, model: str = "actor") -> torch.Tensor:
+        """Log-probs ``[N]`` (prediction at position) of the actor or the reference model."""
+        if self.config.mode == "critic":
+            raise ValueError("a critic has no log-probs; call compute_values")
+        if model == "actor":
+            return self._forward_all(batch)
+        if model != "ref" or self.ref_shards is None:
+            raise ValueError(f"model must be 'actor' or 'ref' (ref needs ref_path), got {model!r}")
+        with self._swapped_weights(self.ref_shards):
+            return self._forward_all(batch)
+
+    def compute_values(self, batch: TrainBatch) -> torch.Tensor:
+        """Critic values ``[N]`` of every position."""
+        if self.config.mode != "critic":
+            raise ValueError("compute_values needs mode='critic'")
+        return self._forward_all(batch)
+
+    @contextlib.contextmanager
+    def _swapped_weights(self, shards: dict[str, torch.Tensor]):
+        params = dict(self.model.named_parameters())
+        saved = {name: params[name].data for name in shards}
+        try:
+            for name, shard in shards.items():  # kept in the file's dtype, cast here
+                params[name].data = shard.to(self.device, dtype=saved[name].dtype)
+            yield
+        finally:
+            for name, data in saved.items():
+                params[name].data = data
+
+    # ----------------------------------------------------------------- training
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """Micro-batched forward/backward with rl_core losses, DP gradient sum, clip, AdamW."""
+        metrics = self.forward_backward(batch)
+        grad_norm = self.grad_norm()
+        optim.clip_grads(self.params, max_norm=self.config.clip_grad, norm=grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return {**metrics, "grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"]}
+
+    def forward_backward(self, batch: TrainBatch) -> dict[str, float]:
+        """Accumulate this step's full gradient (summed over DP ranks) without stepping;
+        returns the loss metrics summed over micro-batches and DP ranks."""
+        batch = self._with_denominators(batch).to(self.device)
+        self.model.train()
+        groups = self._micro_batches(batch.seq_lengths())
+        if self.config.pp > 1:
+            metrics = self._pipeline_forward_backward(batch, groups)
+        else:
+            metrics = self._local_forward_backward(batch, groups)
+        self._reduce_grads()
+        return self._sum_over(dict(metrics), self.dp_cp_group)
+
+    def _local_forward_backward(self, batch: TrainBatch, groups) -> dict[str, float]:
+        metrics: dict[str, float] = defaultdict(float)
+        for group in groups:
+            part = batch.select(group)
+            first, entropy, held = self._per_token(part, with_entropy=self.config.mode == "policy")
+            loss, part_metrics = self._loss(part, first, entropy, held)
+            loss.backward()
+            for key, value in part_metrics.items():
+                metrics[key] += value
+        return metrics
+
+    def _loss(self, part: TrainBatch, first, entropy, held):
+        part = restrict_batch(part, held)
+        if self.config.mode == "critic":
+            return critic_loss(self.config, part, first)
+        return actor_loss(self.config, part, first, entropy)
+
+    def _pipeline_forward_backward(self, batch: TrainBatch, groups) -> dict[str, float]:
+        def stage_loss(part, logits, held):
+            first, entropy = self._head(
+                part, logits, held, with_entropy=self.config.mode == "policy"
+            )
+            return self._loss(part, first, entropy, held)
+
+        parts = [batch.select(group) for group in groups]
+        with self._autocast():
+            reduced = pipeline.run_schedule(
+                self.model, parts, multiple=self._multiple(), loss_fn=stage_loss, forward_only=False
+            )
+        metrics: dict[str, float] = defaultdict(float)
+        for part_metrics in reduced:
+            for key, value in part_metrics.items():
+                metrics[key] += value
+        return pipeline.broadcast_from_last_stage(dict(metrics))
+
+    def _reduce_grads(self) -> None:
+        """Dense grads summed over DP×CP, expert grads over expert-DP, partial replicas over TP."""
+        expert_ids = {id(p) for p in self.expert_params}
+        dense = [p for p in self.params if id(p) not in expert_ids]
+        optim.all_reduce_grads(dense, self.dp_cp_group)
+        optim.all_reduce_grads(self.expert_params, self.expert_dp_group)
+        optim.all_reduce_grads(optim.tp_partial_params(self.model), self.tp_group)
+        if self.config.pp > 1 and self.shape.tie_embeddings:  # first-stage and last-stage copies
+            from megatron.core import parallel_state as ps
+
+            if ps.is_rank_in_embedding_group():
+                weight = self.model.shared_embedding_or_output_weight()
+                optim.all_reduce_grads([weight], ps.get_embedding_group())
+
+    def grad_norm(self) -> float:
+        """Global L2 norm of the accumulated gradient (every shard and expert counted once)."""
+        return optim.global_grad_norm(
+            self._norm_params(),
+            self.tp_group,
+            expert_params=self.expert_params,
+            expert_groups=self.expert_groups,
+            stage_group=self.pp_group,
+        )
+
+    def _norm_params(self) -> list[torch.nn.Parameter]:
+        """Every parameter once: the last stage's copy of tied embeddings is left out."""
+        if self.config.pp > 1 and self.shape.tie_embeddings and self.model.post_process:
+            replica = self.model.output_layer.weight
+            return [p for p in self.params if p is not replica]
+        return self.params
+
+    def _with_denominators(self, batch: TrainBatch) -> TrainBatch:
+        if batch.global_num_tokens is not None and batch.global_num_seqs is not None:
+            return batch
+        local = batch.with_global_denominators()
+        counts = self._sum_over(
+            {"t": local.global_num_tokens, "s": local.global_num_seqs}, self.dp_group
+        )
+        return replace(batch, global_num_tokens=counts["t"], global_num_seqs=counts["s"])
+
+    def _sum_over(self, metrics: dict[str, float], group) -> dict[str, float]:
+        if dist.get_world_size(group) == 1 or not metrics:
+            return metrics
+        keys = sorted(metrics)
+        values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.device)
+        dist.all_reduce(values, group=group)
+        return dict(zip(keys, values.tolist(), strict=True))
+
+
+def _parallel_layout(config: MegatronConfig):
+    """Reuse megatron's groups when they already have this TP/EP layout, else create them."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        layout = current_layout()
+        sizes = (layout.tp_size, layout.pp_size, layout.cp_size, layout.ep_size)
+        if sizes == (config.tp, config.pp, config.cp, config.ep):
+            return layout
+    return initialize_parallel(
+        tp=config.tp,
+        pp=config.pp,
+        cp=config.cp,
+        ep=config.ep,
+        seed=config.seed,
+        device=config.device,
+    )

@@ -1,0 +1,201 @@
+"""Megatron -> HF: full HF-named tensors from this rank's shards, in bounded buckets, and
+a complete HF safetensors directory written atomically.
+
+Every TP rank gathers each parameter's shards and yields the same full tensors (all ranks
+call together). Shapes: a gathered shard list is ``tp_size`` tensors of the shard shape.
+"""
+
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from rl_megatron.checkpoint import swap_into_place
+from rl_megatron.layout import param_layout, qkv_rows
+from rl_megatron.models import ModelShape
+from rl_megatron.weights import layer_offset
+
+
+def hf_tensors(
+    model, shape: ModelShape, *, grads: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, full tensor)`` for every HF weight (CPU, detached); ``grads=True`` gives
+    the gradients in the same layout. With pipeline stages, each stage's tensors are
+    broadcast to the others in stage order, so every rank yields the whole model."""
+    from megatron.core import parallel_state as ps
+
+    if not (dist.is_initialized() and ps.model_parallel_is_initialized()):
+        yield from stage_tensors(model, shape, grads=grads)
+        return
+    pp_group = ps.get_pipeline_model_parallel_group()
+    if _world(pp_group) == 1:
+        yield from stage_tensors(model, shape, grads=grads)
+        return
+    device = next(model.parameters()).device
+    for src in dist.get_process_group_ranks(pp_group):
+        mine = list(stage_tensors(model, shape, grads=grads)) if src == dist.get_rank() else []
+        meta = [[(name, tensor.shape, tensor.dtype) for name, tensor in mine]]
+        dist.broadcast_object_list(meta, src=src, group=pp_group)
+        for index, (name, shape_, dtype) in enumerate(meta[0]):
+            tensor = (
+                mine[index][1].to(device)
+                if mine
+                else torch.empty(shape_, dtype=dtype, device=device)
+            )
+            dist.broadcast(tensor, src=src, group=pp_group)
+            yield name, tensor.cpu()
+
+
+def stage_tensors(
+    model, shape: ModelShape, *, grads: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, full tensor)`` for every HF weight, in model order (CPU, detached);
+    ``grads=True`` gives the parameters' gradients in the same HF layout instead.
+    Dense weights are gathered over TP; expert weights over expert-TP, then over EP."""
+    tp_group, etp_group, ep_group = _groups()
+    offset = layer_offset(model)
+    local_experts = shape.num_experts // _world(ep_group) if shape.num_experts else 0
+    seen = set()
+    for name, param in model.named_parameters():
+        if name == "output_layer.weight" and shape.tie_embeddings:
+            continue  # a later pipeline stage's copy of the tied embedding
+        tensor = param.grad if grads else param
+        tensor = (torch.zeros_like(param) if tensor is None else tensor).detach()
+        layout = param_layout(name, layer_offset=offset)
+        if not layout.expert:
+            pairs = _unfuse(layout, _gather(tensor, tp_group), shape)
+        else:
+            pairs = []
+            full = [t for _, t in _unfuse(layout, _gather(tensor, etp_group), shape)]
+            per_rank = zip(*[_gather(t, ep_group) for t in full], strict=True)
+            for ep_rank, tensors in enumerate(per_rank):
+                names = param_layout(
+                    name, layer_offset=offset, expert_offset=ep_rank * local_experts
+                )
+                pairs += zip(names.hf_names, tensors, strict=True)
+        for hf_name, full_tensor in pairs:
+            if hf_name not in seen:  # TE-fused norms map twice; tied heads once
+                seen.add(hf_name)
+                yield hf_name, full_tensor.to("cpu", copy=True)  # never a view of a parameter
+
+
+def _groups():
+    """(TP, expert-TP, EP) process groups, or Nones outside a distributed run."""
+    from megatron.core import parallel_state as ps
+
+    if not (dist.is_initialized() and ps.model_parallel_is_initialized()):
+        return None, None, None
+    return (
+        ps.get_tensor_model_parallel_group(),
+        ps.get_expert_tensor_parallel_group(),
+        ps.get_expert_model_parallel_group(),
+    )
+
+
+def _world(group) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def hf_buckets(model, shape: ModelShape, *, bucket_bytes: int):
+    """:func:`hf_tensors` grouped into lists of at most ``bucket_bytes`` (a larger tensor
+    travels alone)."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    bucket, size = [], 0
+    for name, tensor in hf_tensors(model, shape):
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def _gather(shard: torch.Tensor, group) -> list[torch.Tensor]:
+    world = _world(group)
+    if world == 1:
+        return [shard]
+    shards = [torch.empty_like(shard) for _ in range(world)]
+    dist.all_gather(shards, shard.contiguous(), group=group)
+    return shards
+
+
+def _unfuse(layout, shards: list[torch.Tensor], shape: ModelShape):
+    names = layout.hf_names
+    if layout.kind == "replicated":
+        return [(names[0], shards[0])]
+    if layout.kind == "vocab":
+        return [(names[0], torch.cat(shards)[: shape.vocab_size])]
+    if layout.kind == "column":
+        return [(names[0], torch.cat(shards))]
+    if layout.kind == "row":
+        return [(names[0], torch.cat(shards, dim=1))]
+    if layout.kind == "gate_up":
+        halves = [s.chunk(2) for s in shards]
+        return [
+            (names[0], torch.cat([h[0] for h in halves])),
+            (names[1], torch.cat([h[1] for h in halves])),
+        ]
+    assert layout.kind == "qkv", layout.kind
+    return _split_qkv(names, torch.cat(shards), shape)
+
+
+def _split_qkv(names, fused: torch.Tensor, shape: ModelShape):
+    """Fused ``[groups · (q_per_group + 2) · head_dim, ...]`` -> HF q, k, v."""
+    q_per_group = qkv_rows(shape, 0)[0].stop
+    per_group = fused.view(shape.num_kv_heads, q_per_group + 2 * shape.head_dim, *fused.shape[1:])
+    q, k, v = per_group.split([q_per_group, shape.head_dim, shape.head_dim], dim=1)
+    return [(n, t.reshape(-1, *fused.shape[1:])) for n, t in zip(names, (q, k, v), strict=True)]
+
+
+def save_hf_directory(
+    model,
+    shape: ModelShape,
+    hf_config,
+    directory: str | Path,
+    *,
+    shard_bytes: int = 4 << 30,
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Write config + safetensors shards of the full model to ``directory`` atomically
+    (a temporary sibling renamed into place). All ranks call; global rank 0 writes."""
+    directory = Path(directory)
+    writer = not dist.is_initialized() or dist.get_rank() == 0
+    if writer:
+        directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = (
+        Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+        if writer
+        else None
+    )
+    weight_map = {}
+    buckets = hf_buckets(model, shape, bucket_bytes=shard_bytes)
+    for index, bucket in enumerate(buckets):
+        if writer:
+            weight_map.update(_write_shard(tmp, index, bucket, dtype))
+    if writer:
+        _finish_directory(tmp, directory, hf_config, weight_map)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _write_shard(tmp: Path, index: int, bucket, dtype) -> dict[str, str]:
+    from safetensors.torch import save_file
+
+    file_name = f"model-{index:05d}.safetensors"
+    tensors = {n: (t if dtype is None else t.to(dtype)).contiguous() for n, t in bucket}
+    save_file(tensors, str(tmp / file_name), metadata={"format": "pt"})
+    return dict.fromkeys(tensors, file_name)
+
+
+def _finish_directory(tmp: Path, directory: Path, hf_config, weight_map: dict[str, str]) -> None:
+    import json
+
+    hf_config.save_pretrained(str(tmp))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    swap_into_place(tmp, directory)

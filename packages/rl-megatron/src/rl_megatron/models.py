@@ -1,0 +1,245 @@
+"""Build a megatron-core ``GPTModel`` from a Hugging Face config (Qwen2, Qwen3, Llama).
+
+The local layer spec is used (megatron-core modules only, no Transformer Engine), with
+SDPA attention and sequence-parallel-capable norms (:mod:`rl_megatron.layers`). Parameters are created
+directly in their tensor-parallel shard on this rank (``use_cpu_initialization``) and in
+float32: mixed precision is applied with autocast during forward, so the optimizer steps
+fp32 master weights.
+
+Families (by ``model_type``): ``qwen2`` (qkv bias), ``qwen3`` (qk RMSNorm, explicit
+head_dim), ``llama`` (optional attention bias), ``qwen3_moe`` (qk-norm and experts, see
+:mod:`rl_megatron.moe`). Vocabulary is padded to a multiple of
+``128 · tp`` as Megatron does; the padding rows are masked out of every softmax.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from rl_megatron.moe import moe_config_kwargs, moe_fields
+
+SUPPORTED_FAMILIES = ("qwen2", "qwen3", "llama", "qwen3_moe")
+VOCAB_MULTIPLE = 128
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """What the converters need to know about the HF architecture."""
+
+    family: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    padded_vocab_size: int
+    tie_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    num_experts: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_topk: int = 0
+    norm_topk_prob: bool = False
+
+
+def model_shape(hf_config, *, tp_size: int = 1) -> ModelShape:
+    """Read a transformers config (``Qwen2Config`` etc.) into a :class:`ModelShape`."""
+    family = hf_config.model_type
+    if family not in SUPPORTED_FAMILIES:
+        raise ValueError(
+            f"model_type {family!r} is not supported; choose one of {', '.join(SUPPORTED_FAMILIES)}"
+        )
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    if heads % tp_size or kv_heads % tp_size:
+        raise ValueError(
+            f"tp={tp_size} must divide both attention heads ({heads}) and kv heads ({kv_heads})"
+        )
+    multiple = VOCAB_MULTIPLE * tp_size
+    return ModelShape(
+        family=family,
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+        ffn_hidden_size=hf_config.intermediate_size,
+        vocab_size=hf_config.vocab_size,
+        padded_vocab_size=-(-hf_config.vocab_size // multiple) * multiple,
+        tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        qkv_bias=family == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
+        qk_norm=family in ("qwen3", "qwen3_moe"),
+        **moe_fields(hf_config),
+    )
+
+
+def rope_theta(hf_config) -> float:
+    """Rotary base from either the transformers 4 or the 5 config layout."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type != "default":
+        raise ValueError(f"rope_type {rope_type!r} is not supported yet (only 'default')")
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
+    return float(theta if theta is not None else 10000.0)
+
+
+def transformer_config(
+    hf_config,
+    *,
+    tp_size: int = 1,
+    ep_size: int = 1,
+    cp_size: int = 1,
+    pp_size: int = 1,
+    sequence_parallel: bool = False,
+):
+    """The megatron ``TransformerConfig`` equivalent of ``hf_config`` (fp32 parameters)."""
+    from megatron.core.transformer import TransformerConfig
+
+    shape = model_shape(hf_config, tp_size=tp_size)
+    return TransformerConfig(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_heads,
+        num_query_groups=shape.num_kv_heads,
+        kv_channels=shape.head_dim,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        tensor_model_parallel_size=tp_size,
+        context_parallel_size=cp_size,
+        pipeline_model_parallel_size=pp_size,
+        pipeline_dtype=torch.float32,  # the residual stream stays fp32 under autocast
+        variable_seq_lengths=pp_size > 1,  # micro-batches differ in [B, T]: exchange shapes
+        # megatron rejects its default allgather dispatcher with variable lengths even
+        # for dense models; MoE (which needs allgather here) is refused with pp > 1
+        **({"moe_token_dispatcher_type": "alltoall"} if pp_size > 1 else {}),
+        calculate_per_token_loss=True,  # the loss already carries global denominators
+        sequence_parallel=sequence_parallel and tp_size > 1,
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=shape.qkv_bias,
+        qk_layernorm=shape.qk_norm,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        params_dtype=torch.float32,
+        use_cpu_initialization=True,
+        perform_initialization=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        attention_softmax_in_fp32=True,
+        **moe_config_kwargs(shape, ep_size=ep_size),
+    )
+
+
+def build_gpt_model(
+    hf_config,
+    *,
+    tp_size: int = 1,
+    ep_size: int = 1,
+    cp_size: int = 1,
+    pp_size: int = 1,
+    sequence_parallel: bool = False,
+):
+    """A ``GPTModel`` shard for this rank; weights uninitialised (load them with
+    :func:`rl_megatron.weights.load_hf_weights`)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    from rl_megatron.layers import block_spec
+
+    shape = model_shape(hf_config, tp_size=tp_size)
+    config = transformer_config(
+        hf_config,
+        tp_size=tp_size,
+        ep_size=ep_size,
+        cp_size=cp_size,
+        pp_size=pp_size,
+        sequence_parallel=sequence_parallel,
+    )
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=block_spec(shape, get_num_layers_to_build(config)),
+        vocab_size=shape.padded_vocab_size,
+        max_sequence_length=hf_config.max_position_embeddings,
+        pre_process=_first_stage(pp_size),
+        post_process=_last_stage(pp_size),
+        share_embeddings_and_output_weights=shape.tie_embeddings,
+        position_embedding_type="rope",
+        rotary_base=rope_theta(hf_config),
+    )
+    _mark_tensor_parallel(model)
+    return model
+
+
+def _first_stage(pp_size: int) -> bool:
+    from megatron.core import parallel_state as ps
+
+    return pp_size == 1 or ps.is_pipeline_first_stage()
+
+
+def _last_stage(pp_size: int) -> bool:
+    from megatron.core import parallel_state as ps
+
+    return pp_size == 1 or ps.is_pipeline_last_stage()
+
+
+def _mark_tensor_parallel(model) -> None:
+    """Set ``tensor_model_parallel`` on every TP-sharded parameter (megatron sets it only
+    when it initialises the weights itself, which this builder skips)."""
+    from rl_megatron.layout import param_layout
+
+    for name, param in model.named_parameters():
+        sharded = param_layout(name).kind != "replicated"
+        if not hasattr(param, "tensor_model_parallel"):
+            param.tensor_model_parallel = sharded
+
+
+class ValueHead(torch.nn.Module):
+    """A critic's head in place of ``GPTModel.output_layer``: hidden ``[s, b, h]`` ->
+    values ``[s, b, 1]``. Replicated on every TP rank; starts at zero (values 0)."""
+
+    def __init__(self, hidden_size: int, *, sequence_parallel: bool = False):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size))
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, hidden, weight=None, runtime_gather_output=None):
+        del weight, runtime_gather_output  # the LM head's arguments, unused by a value head
+        if self.sequence_parallel:  # [s/tp, b, h] -> [s, b, h]; every rank then holds all
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+        return torch.nn.functional.linear(hidden, self.weight), None
+
+
+def build_critic_model(
+    hf_config,
+    *,
+    tp_size: int = 1,
+    ep_size: int = 1,
+    cp_size: int = 1,
+    pp_size: int = 1,
+    sequence_parallel: bool = False,
+):
+    """A ``GPTModel`` whose LM head is a :class:`ValueHead` (outputs ``[b, s, 1]``)."""
+    import copy
+
+    untied = copy.deepcopy(hf_config)
+    untied.tie_word_embeddings = False
+    model = build_gpt_model(
+        untied,
+        tp_size=tp_size,
+        ep_size=ep_size,
+        cp_size=cp_size,
+        sequence_parallel=sequence_parallel,
+    )
+    model.output_layer = ValueHead(
+        hf_config.hidden_size, sequence_parallel=model.config.sequence_parallel
+    )
+    return model

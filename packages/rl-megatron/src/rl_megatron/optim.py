@@ -1,0 +1,126 @@
+"""Gradient reduction, norm and clipping for a tensor/data-parallel GPTModel shard.
+
+Losses use global denominators, so every rank's gradient is its share of the full-batch
+gradient: data-parallel ranks SUM their gradients. TP-sharded parameters (megatron marks
+them ``tensor_model_parallel``) contribute their shard to the global norm; replicated ones
+(norms, value head) are identical on every TP rank and count once.
+"""
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+
+def _world(group) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def all_reduce_grads(params: list[torch.nn.Parameter], group) -> None:
+    """Sum gradients over ``group`` (one flat buffer per dtype)."""
+    if _world(group) == 1:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    for dtype in {g.dtype for g in grads}:
+        same = [g for g in grads if g.dtype == dtype]
+        flat = _flatten_dense_tensors(same)
+        dist.all_reduce(flat, group=group)
+        for grad, reduced in zip(same, _unflatten_dense_tensors(flat, same), strict=True):
+            grad.copy_(reduced)
+
+
+def tp_partial_params(model) -> list[torch.nn.Parameter]:
+    """Replicated parameters whose gradient each TP rank holds only a part of, to be summed
+    over TP: norms under sequence parallel (each rank saw part of the sequence) and the
+    per-head q/k norms (each rank saw its own heads)."""
+    return [
+        p
+        for name, p in model.named_parameters()
+        if getattr(p, "sequence_parallel", False) or "q_layernorm" in name or "k_layernorm" in name
+    ]
+
+
+def global_grad_norm(
+    params: list[torch.nn.Parameter],
+    tp_group,
+    *,
+    expert_params=(),
+    expert_groups=(),
+    stage_group=None,
+) -> float:
+    """L2 norm of the full model's gradient: TP shards summed over ``tp_group``, expert
+    weights over each of ``expert_groups`` (expert-TP, EP), replicas counted once."""
+    grads = [p for p in params if p.grad is not None]
+    device = grads[0].grad.device if grads else torch.device("cpu")
+    if not grads and stage_group is None:
+        return 0.0
+    expert_ids = {id(p) for p in expert_params}
+    # [0]: TP-sharded dense, [1]: replicated, [2]: expert weights
+    squares = torch.zeros(3, dtype=torch.float64, device=device)
+    for p in grads:
+        norm = torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32)
+        squares[_slot(p, expert_ids)] += norm.double().square()
+    squares[0] = _summed(squares[0], [tp_group])
+    squares[2] = _summed(squares[2], expert_groups)
+    if stage_group is not None and _world(stage_group) > 1:  # pipeline stages: disjoint
+        dist.all_reduce(squares, group=stage_group)
+    return float(squares.sum().sqrt())
+
+
+def _slot(param, expert_ids: set[int]) -> int:
+    if id(param) in expert_ids:
+        return 2
+    return 0 if getattr(param, "tensor_model_parallel", False) else 1
+
+
+def _summed(value: torch.Tensor, groups) -> torch.Tensor:
+    value = value.reshape(1).clone()
+    for group in groups:
+        if _world(group) > 1:
+            dist.all_reduce(value, group=group)
+    return value[0]
+
+
+def clip_grads(params: list[torch.nn.Parameter], *, max_norm: float, norm: float) -> None:
+    """Scale gradients by ``max_norm / norm`` when the norm exceeds ``max_norm`` (0: off)."""
+    if max_norm > 0 and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(scale)
+
+
+def make_optimizer(params, config, layout, dp_group) -> torch.optim.Optimizer:
+    """AdamW; ZeRO-1 over the data-parallel group when dp > 1 (each rank keeps 1/dp of the
+    state). Not with expert parallelism: expert weights differ between DP ranks there."""
+    kwargs = dict(
+        lr=config.lr, betas=config.adam_betas, eps=config.adam_eps, weight_decay=config.weight_decay
+    )
+    if config.device == "cuda":
+        kwargs["fused"] = True  # one kernel for the whole update
+    if config.distributed_optimizer and layout.dp_size > 1 and layout.ep_size == 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(
+            params, optimizer_class=torch.optim.AdamW, process_group=dp_group, **kwargs
+        )
+    return torch.optim.AdamW(params, **kwargs)
+
+
+def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer holding this rank's state (ZeRO's inner shard optimizer)."""
+    return getattr(optimizer, "optim", optimizer)
+
+
+def move_training_state(params, optimizer, device: torch.device) -> None:
+    """Parameters, gradients and this rank's optimizer state to ``device``."""
+    for param in params:
+        param.data = param.data.to(device, non_blocking=True)
+        if param.grad is not None:
+            param.grad = param.grad.to(device, non_blocking=True)
+    for state in local_optimizer(optimizer).state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and key != "step":
+                state[key] = value.to(device, non_blocking=True)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()

@@ -1,0 +1,41 @@
+"""Fixtures: tiny HF model directories and a one-rank gloo group (megatron on the CPU shim)."""
+
+import os
+
+import pytest
+import tiny
+import torch
+import torch.distributed as dist
+
+
+@pytest.fixture(scope="session")
+def world1():
+    """This pytest process as a one-rank gloo world with megatron's groups at TP=1."""
+    from rl_megatron.parallel import initialize_parallel
+    from rl_megatron.testing import cpu_shim
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(tiny.free_port()))
+    cpu_shim.install()
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    initialize_parallel(tp=1, device="cpu")
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory):
+    """``{name: (directory, hf_model)}`` of the tiny models every test shares."""
+    root = tmp_path_factory.mktemp("hf")
+    specs = {
+        "qwen2-tied": ("qwen2", True, 0),
+        "qwen3": ("qwen3", False, 1),
+        "llama": ("llama", False, 2),
+        "qwen3-ref": ("qwen3", False, 3),
+        "qwen3-moe": ("qwen3_moe", False, 5),
+    }
+    dirs = {}
+    for name, (family, tie, seed) in specs.items():
+        directory = root / name
+        dirs[name] = (directory, tiny.save_tiny_model(directory, family, tie=tie, seed=seed))
+    return dirs

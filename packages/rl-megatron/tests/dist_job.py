@@ -1,0 +1,180 @@
+"""The two-rank gloo job of test_two_ranks.py: one spawn checks TP=2, then DP=2.
+
+Rank 0 saves everything the parent compares against its own one-rank results.
+"""
+
+import os
+
+import tiny
+import torch
+import torch.distributed as dist
+
+LENGTHS = [9, 14, 6, 11]
+POLICY = dict(device="cpu", lr=1e-3, clip_grad=0.0, entropy_coef=0.01)
+
+
+def run(rank: int, world: int, port: int, dirs: dict, out_path: str) -> None:
+    from rl_megatron.testing import cpu_shim
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cpu_shim.install()
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results = {"tp2": {name: tp2_checks(dirs[name], out_path) for name in ("qwen2-tied", "qwen3")}}
+    # Sequence parallel, and an MoE model with TP=2 (experts TP-sharded), which needs it.
+    for name in ("qwen3", "qwen3-moe"):
+        results["tp2"][f"{name}+sp"] = tp2_checks(dirs[name], out_path, sequence_parallel=True)
+    results["critic_tp2_sp"] = critic_values_after_a_step(dirs["qwen3"], tp=2)
+    results["vocab_parallel"] = vocab_parallel_checks(rank)
+    results["dp2"] = dp2_checks(dirs["qwen3"], rank, out_path)
+    results["ep2"] = ep2_checks(dirs["qwen3-moe"], rank)
+    results["cp2"] = cp2_checks(dirs["qwen3"])
+    results["pp2"] = {name: pp2_checks(dirs[name]) for name in ("qwen2-tied", "qwen3")}
+    if rank == 0:
+        torch.save(results, out_path)
+    dist.destroy_process_group()
+
+
+def tp2_checks(hf_path: str, out_path: str, sequence_parallel: bool = False) -> dict:
+    from rl_megatron.backend import MegatronBackend
+    from rl_megatron.config import MegatronConfig
+
+    config = MegatronConfig(hf_path=hf_path, tp=2, sequence_parallel=sequence_parallel, **POLICY)
+    backend = MegatronBackend(config)
+    assert backend.model.config.sequence_parallel == sequence_parallel
+    batch = tiny.random_batch(LENGTHS, seed=11)
+    result = {"log_probs": backend.compute_log_probs(batch)}
+    result["exported"] = dict(p for b in backend.export_weights(bucket_bytes=1 << 20) for p in b)
+    result["metrics"] = backend.forward_backward(batch)
+    result["grads"] = backend.hf_gradients()
+    result["grad_norm"] = backend.grad_norm()
+    backend.optimizer.zero_grad()
+    ckpt = f"{out_path}.ckpt"
+    backend.save_checkpoint(ckpt)
+    saved = backend.compute_log_probs(batch)
+    backend.train_step(batch)
+    backend.load_checkpoint(ckpt)
+    result["resumed_equal"] = torch.equal(backend.compute_log_probs(batch), saved)
+    return result
+
+
+def vocab_parallel_checks(rank: int) -> dict:
+    """Each rank holds half the columns of the same random logits (last 20 are padding)."""
+    from megatron.core import parallel_state as ps
+
+    from rl_megatron.vocab_parallel import vocab_parallel_log_probs_and_entropy
+
+    gen = torch.Generator().manual_seed(5)
+    logits = 3 * torch.randn(37, 64, generator=gen)
+    targets, up_lp, up_ent = (
+        torch.randint(0, 44, (37,), generator=gen),
+        torch.randn(37, generator=gen),
+        torch.randn(37, generator=gen),
+    )
+    local = logits.chunk(2, dim=1)[rank].clone().requires_grad_()
+    lp, ent = vocab_parallel_log_probs_and_entropy(
+        local,
+        targets,
+        vocab_size=44,
+        tp_group=ps.get_tensor_model_parallel_group(),
+        temperature=0.7,
+        chunk_size=8,
+    )
+    ((lp * up_lp).sum() + (ent * up_ent).sum()).backward()
+    grads = [torch.empty_like(local.grad) for _ in range(2)]
+    dist.all_gather(grads, local.grad, group=ps.get_tensor_model_parallel_group())
+    return {"log_probs": lp.detach(), "entropy": ent.detach(), "grad": torch.cat(grads, dim=1)}
+
+
+def dp2_checks(hf_path: str, rank: int, out_path: str) -> dict:
+    from rl_megatron import optim
+    from rl_megatron.backend import MegatronBackend
+    from rl_megatron.config import MegatronConfig
+
+    backend = MegatronBackend(MegatronConfig(hf_path=hf_path, tp=1, **POLICY))
+    assert backend.layout.dp_size == 2
+    full = tiny.random_batch(LENGTHS, seed=11)
+    shard = full.select([0, 3] if rank == 0 else [1, 2])  # keeps the full batch's denominators
+    result = {"metrics": backend.forward_backward(shard), "grads": backend.hf_gradients()}
+    backend.optimizer.zero_grad()
+    result["zero_shards"] = len(optim.local_optimizer(backend.optimizer).param_groups[0]["params"])
+    backend.save_checkpoint(f"{out_path}.dp_ckpt")
+    backend.train_step(shard)
+    result["log_probs_after_step"] = backend.compute_log_probs(full)
+    backend.load_checkpoint(f"{out_path}.dp_ckpt")
+    backend.train_step(shard)
+    result["resumed_equal"] = torch.equal(
+        backend.compute_log_probs(full), result["log_probs_after_step"]
+    )
+    return result
+
+
+def ep2_checks(hf_path: str, rank: int) -> dict:
+    """EP=2 (and DP=2 for the dense weights): each rank holds 2 of the 4 experts."""
+    from rl_megatron.backend import MegatronBackend
+    from rl_megatron.config import MegatronConfig
+
+    backend = MegatronBackend(MegatronConfig(hf_path=hf_path, tp=1, ep=2, **POLICY))
+    assert backend.layout.ep_size == 2
+    full = tiny.random_batch(LENGTHS, seed=11)
+    result = {"log_probs": backend.compute_log_probs(full)}
+    result["exported"] = dict(p for b in backend.export_weights(bucket_bytes=1 << 20) for p in b)
+    # Uneven shards and a small budget: rank 0 runs 3 micro-batches, rank 1 one real and
+    # two empty ones (EP ranks must take part in every forward).
+    backend.config.max_tokens_per_micro_batch = 15
+    shard = full.select([0, 1, 3] if rank == 0 else [2])
+    result["metrics"] = backend.forward_backward(shard)
+    result["grads"] = backend.hf_gradients()
+    result["grad_norm"] = backend.grad_norm()
+    return result
+
+
+def cp2_checks(hf_path: str) -> dict:
+    """CP=2: both ranks get the whole batch and each runs its zigzag half of every row."""
+    from rl_megatron.backend import MegatronBackend
+    from rl_megatron.config import MegatronConfig
+
+    backend = MegatronBackend(MegatronConfig(hf_path=hf_path, cp=2, **POLICY))
+    assert backend.layout.cp_size == 2
+    batch = tiny.random_batch(LENGTHS, seed=11)
+    result = {"log_probs": backend.compute_log_probs(batch)}
+    result["metrics"] = backend.forward_backward(batch)
+    result["grads"] = backend.hf_gradients()
+    result["grad_norm"] = backend.grad_norm()
+    return result
+
+
+def critic_values_after_a_step(hf_path: str, *, tp: int) -> torch.Tensor:
+    """Critic values ``[N]`` after one value-loss step (sequence parallel when tp > 1)."""
+    from rl_megatron.backend import MegatronBackend
+    from rl_megatron.config import MegatronConfig
+
+    config = MegatronConfig(
+        hf_path=hf_path, tp=tp, sequence_parallel=tp > 1, mode="critic",
+        device="cpu", lr=1e-2, clip_grad=0.0,
+    )  # fmt: skip
+    critic = MegatronBackend(config)
+    batch = tiny.random_batch(LENGTHS, seed=12)
+    batch.returns = torch.linspace(-1.0, 1.0, batch.num_tokens)
+    critic.train_step(batch)
+    return critic.compute_values(batch)
+
+
+def pp2_checks(hf_path: str) -> dict:
+    """PP=2: one layer per stage, 1F1B over three micro-batches."""
+    from rl_megatron.backend import MegatronBackend
+    from rl_megatron.config import MegatronConfig
+
+    config = MegatronConfig(hf_path=hf_path, pp=2, max_tokens_per_micro_batch=28, **POLICY)
+    backend = MegatronBackend(config)
+    assert backend.layout.pp_size == 2 and len(backend.model.decoder.layers) == 1
+    batch = tiny.random_batch(LENGTHS, seed=11)
+    result = {"log_probs": backend.compute_log_probs(batch)}
+    result["exported"] = dict(p for b in backend.export_weights(bucket_bytes=1 << 20) for p in b)
+    result["metrics"] = backend.forward_backward(batch)
+    result["grads"] = backend.hf_gradients()
+    result["grad_norm"] = backend.grad_norm()
+    backend.optimizer.zero_grad()
+    backend.train_step(batch)
+    result["log_probs_after_step"] = backend.compute_log_probs(batch)
+    return result

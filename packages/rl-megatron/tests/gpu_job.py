@@ -1,0 +1,37 @@
+"""The GPU job of test_gpu.py: bf16 autocast backend on ``world`` GPUs over nccl, with the
+two-GPU layouts tp (TP=2 + sequence parallel), pp (PP=2) and cp (CP=2)."""
+
+import os
+
+import tiny
+import torch
+import torch.distributed as dist
+
+LENGTHS = [33, 70, 17, 52]
+LAYOUTS = {
+    "single": {},
+    "tp": {"tp": 2, "sequence_parallel": True},
+    "pp": {"pp": 2},
+    "cp": {"cp": 2},
+}
+
+
+def run(rank: int, world: int, port: int, hf_path: str, out_path: str, layout: str) -> None:
+    from rl_megatron.backend import MegatronBackend
+    from rl_megatron.config import MegatronConfig
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world)
+    config = MegatronConfig(
+        hf_path=hf_path, device="cuda", bf16=True, lr=1e-3, mode="sft", **LAYOUTS[layout]
+    )
+    backend = MegatronBackend(config)
+    batch = tiny.random_batch(LENGTHS, seed=21)
+    result = {"log_probs": backend.compute_log_probs(batch).cpu()}
+    result["losses"] = [backend.train_step(batch)["loss/sft"] for _ in range(3)]
+    exported = dict(p for b in backend.export_weights(bucket_bytes=1 << 20) for p in b)
+    result["exported"] = exported
+    if rank == 0:
+        torch.save(result, out_path)
+    dist.destroy_process_group()

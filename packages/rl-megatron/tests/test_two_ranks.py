@@ -1,0 +1,161 @@
+"""Two gloo ranks on 127.0.0.1 (one spawn for the module): TP=2 and DP=2 equal TP=1."""
+
+import pytest
+import tiny
+import torch
+import torch.multiprocessing as mp
+from dist_job import LENGTHS, POLICY, critic_values_after_a_step, run
+
+from rl_core.logprobs import log_probs_and_entropy
+from rl_megatron.backend import MegatronBackend
+from rl_megatron.config import MegatronConfig
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def job(model_dirs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("job") / "results.pt"
+    dirs = {name: str(d) for name, (d, _) in model_dirs.items()}
+    mp.spawn(run, args=(2, tiny.free_port(), dirs, str(out)), nprocs=2, join=True)
+    return torch.load(out, weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def reference(world1, model_dirs):
+    """The same computations at TP=1 in this process."""
+    results = {}
+    for name in ("qwen2-tied", "qwen3", "qwen3-moe"):
+        backend = MegatronBackend(MegatronConfig(hf_path=model_dirs[name][0], **POLICY))
+        batch = tiny.random_batch(LENGTHS, seed=11)
+        log_probs = backend.compute_log_probs(batch)
+        results[name] = {"log_probs": log_probs, "metrics": backend.forward_backward(batch)}
+        results[name]["grads"] = backend.hf_gradients()
+        backend.optimizer.zero_grad()
+        backend.train_step(batch)
+        results[name]["log_probs_after_step"] = backend.compute_log_probs(batch)
+    return results
+
+
+TP2_VARIANTS = ["qwen2-tied", "qwen3", "qwen3+sp", "qwen3-moe+sp"]
+
+
+@pytest.mark.parametrize("variant", TP2_VARIANTS)
+def test_tp2_log_probs_equal_tp1_and_hf(job, reference, model_dirs, variant):
+    name = variant.removesuffix("+sp")
+    batch = tiny.random_batch(LENGTHS, seed=11)
+    mask = batch.loss_mask.bool()
+    got = job["tp2"][variant]["log_probs"]
+    torch.testing.assert_close(got, reference[name]["log_probs"], atol=1e-5, rtol=0)
+    hf = tiny.hf_log_probs(model_dirs[name][1], batch).detach()
+    torch.testing.assert_close(got[mask], hf[mask], atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("variant", TP2_VARIANTS)
+def test_tp2_export_round_trip_is_exact(job, model_dirs, variant):
+    original = tiny.hf_files(model_dirs[variant.removesuffix("+sp")][0])
+    exported = job["tp2"][variant]["exported"]
+    assert set(exported) == set(original)
+    assert all(torch.equal(exported[n], original[n]) for n in original)
+
+
+@pytest.mark.parametrize("variant", TP2_VARIANTS)
+def test_tp2_loss_and_grads_equal_tp1(job, reference, variant):
+    got, expected = job["tp2"][variant], reference[variant.removesuffix("+sp")]
+    for key in ("loss/total", "loss/pg", "actor/entropy", "pg/clipfrac"):
+        assert got["metrics"][key] == pytest.approx(expected["metrics"][key], abs=1e-5), key
+    for hf_name, grad in expected["grads"].items():
+        torch.testing.assert_close(got["grads"][hf_name], grad, atol=1e-5, rtol=1e-4, msg=hf_name)
+    full_norm = torch.stack([g.norm() for g in expected["grads"].values()]).norm()
+    assert got["grad_norm"] == pytest.approx(float(full_norm), rel=1e-5)
+
+
+@pytest.mark.parametrize("variant", TP2_VARIANTS)
+def test_tp2_checkpoint_resumes(job, variant):
+    assert job["tp2"][variant]["resumed_equal"]
+
+
+def test_vocab_parallel_equals_full_softmax(job):
+    gen = torch.Generator().manual_seed(5)
+    logits = 3 * torch.randn(37, 64, generator=gen)
+    targets, up_lp, up_ent = (
+        torch.randint(0, 44, (37,), generator=gen),
+        torch.randn(37, generator=gen),
+        torch.randn(37, generator=gen),
+    )
+    real = logits[:, :44].clone().requires_grad_()
+    lp, ent = log_probs_and_entropy(real, targets, temperature=0.7)
+    ((lp * up_lp).sum() + (ent * up_ent).sum()).backward()
+    got = job["vocab_parallel"]
+    torch.testing.assert_close(got["log_probs"], lp.detach(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(got["entropy"], ent.detach(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(got["grad"][:, :44], real.grad, atol=1e-5, rtol=1e-4)
+    assert torch.equal(got["grad"][:, 44:], torch.zeros(37, 20))  # padding columns
+
+
+def test_dp2_sums_to_the_full_batch(job, reference):
+    got, expected = job["dp2"], reference["qwen3"]
+    assert got["metrics"]["loss/total"] == pytest.approx(
+        expected["metrics"]["loss/total"], abs=1e-5
+    )
+    for hf_name, grad in expected["grads"].items():
+        torch.testing.assert_close(got["grads"][hf_name], grad, atol=1e-5, rtol=1e-4, msg=hf_name)
+
+
+def test_dp2_zero_optimizer_step_equals_full_adamw(job, reference, world1):
+    got, expected = job["dp2"], reference["qwen3"]
+    assert 0 < got["zero_shards"] < len(expected["grads"])  # each rank holds part of the state
+    torch.testing.assert_close(
+        got["log_probs_after_step"], expected["log_probs_after_step"], atol=1e-5, rtol=0
+    )
+    assert got["resumed_equal"]
+
+
+def test_ep2_equals_one_rank(job, reference, model_dirs):
+    got, expected = job["ep2"], reference["qwen3-moe"]
+    torch.testing.assert_close(got["log_probs"], expected["log_probs"], atol=1e-5, rtol=0)
+    original = tiny.hf_files(model_dirs["qwen3-moe"][0])
+    assert set(got["exported"]) == set(original)
+    assert all(torch.equal(got["exported"][n], original[n]) for n in original)
+    assert got["metrics"]["loss/total"] == pytest.approx(
+        expected["metrics"]["loss/total"], abs=1e-5
+    )
+    for hf_name, grad in expected["grads"].items():
+        torch.testing.assert_close(got["grads"][hf_name], grad, atol=1e-5, rtol=1e-4, msg=hf_name)
+    full_norm = torch.stack([g.norm() for g in expected["grads"].values()]).norm()
+    assert got["grad_norm"] == pytest.approx(float(full_norm), rel=1e-5)
+
+
+def test_cp2_equals_one_rank(job, reference):
+    got, expected = job["cp2"], reference["qwen3"]
+    torch.testing.assert_close(got["log_probs"], expected["log_probs"], atol=1e-5, rtol=0)
+    for key in ("loss/total", "loss/pg", "actor/entropy", "pg/clipfrac"):
+        assert got["metrics"][key] == pytest.approx(expected["metrics"][key], abs=1e-5), key
+    for hf_name, grad in expected["grads"].items():
+        torch.testing.assert_close(got["grads"][hf_name], grad, atol=1e-5, rtol=1e-4, msg=hf_name)
+    full_norm = torch.stack([g.norm() for g in expected["grads"].values()]).norm()
+    assert got["grad_norm"] == pytest.approx(float(full_norm), rel=1e-5)
+
+
+def test_tp2_sequence_parallel_critic_equals_tp1(job, world1, model_dirs):
+    expected = critic_values_after_a_step(str(model_dirs["qwen3"][0]), tp=1)
+    assert expected.abs().max() > 0.01  # the step moved the zero-initialised head
+    torch.testing.assert_close(job["critic_tp2_sp"], expected, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["qwen2-tied", "qwen3"])
+def test_pp2_equals_one_rank(job, reference, model_dirs, name):
+    got, expected = job["pp2"][name], reference[name]
+    torch.testing.assert_close(got["log_probs"], expected["log_probs"], atol=1e-5, rtol=0)
+    original = tiny.hf_files(model_dirs[name][0])
+    assert set(got["exported"]) == set(original)
+    assert all(torch.equal(got["exported"][n], original[n]) for n in original)
+    for key in ("loss/total", "loss/pg", "actor/entropy", "pg/clipfrac"):
+        assert got["metrics"][key] == pytest.approx(expected["metrics"][key], abs=1e-5), key
+    for hf_name, grad in expected["grads"].items():
+        torch.testing.assert_close(got["grads"][hf_name], grad, atol=1e-5, rtol=1e-4, msg=hf_name)
+    full_norm = torch.stack([g.norm() for g in expected["grads"].values()]).norm()
+    assert got["grad_norm"] == pytest.approx(float(full_norm), rel=1e-5)
+    torch.testing.assert_close(
+        got["log_probs_after_step"], expected["log_probs_after_step"], atol=1e-5, rtol=0
+    )

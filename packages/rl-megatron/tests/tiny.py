@@ -1,0 +1,119 @@
+"""Tiny HF models and packed batches shared by the tests (built from configs, no downloads)."""
+
+import itertools
+import socket
+from pathlib import Path
+
+import torch
+
+from rl_core.batch import TrainBatch
+from rl_core.packing import cu_seqlens_from_lengths
+
+VOCAB = 500  # not a multiple of 128: exercises Megatron's vocabulary padding
+
+
+def hf_config(family: str, *, tie: bool = False):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+
+    common = dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        intermediate_size=128,
+        tie_word_embeddings=tie,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+    )
+    if family == "qwen3":
+        return Qwen3Config(head_dim=16, **common)
+    if family == "qwen3_moe":  # 4 experts, top-2, renormalised like the released models
+        moe = dict(
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
+        )
+        return Qwen3MoeConfig(
+            head_dim=16, decoder_sparse_step=1, mlp_only_layers=[], **moe, **common
+        )
+    return {"qwen2": Qwen2Config, "llama": LlamaConfig}[family](**common)
+
+
+def save_tiny_model(directory: Path, family: str, *, tie: bool = False, seed: int = 0):
+    """An fp32 HF model with random weights (norms and biases perturbed so that a wrong
+    mapping shows), saved as safetensors under ``directory``; returns it in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config(family, tie=tie), dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                param.add_(0.1 * torch.randn_like(param))
+    model.save_pretrained(str(directory))
+    return model.eval()
+
+
+def hf_log_probs(model, batch: TrainBatch) -> torch.Tensor:
+    """Prediction-at-position log-probs ``[N]`` from the HF model, one sequence at a time
+    (0 at sequence ends); differentiable."""
+    pieces = []
+    bounds = batch.cu_seqlens.tolist()
+    for start, end in itertools.pairwise(bounds):
+        logits = model(batch.tokens[None, start:end]).logits[0].float()
+        picked = torch.log_softmax(logits[:-1], -1).gather(1, batch.tokens[start + 1 : end, None])
+        pieces += [picked[:, 0], logits.new_zeros(1)]
+    return torch.cat(pieces)
+
+
+def hf_named_grads(model) -> dict[str, torch.Tensor]:
+    """Gradients under the names HF saves: fused in-memory expert tensors
+    (``experts.gate_up_proj`` [E, 2·I, h], ``experts.down_proj`` [E, h, I]) split per expert."""
+    grads = {}
+    for name, param in model.named_parameters():
+        prefix = name.rsplit(".", 1)[0]
+        if name.endswith("experts.gate_up_proj"):
+            for e, fused in enumerate(param.grad):
+                gate, up = fused.chunk(2)
+                grads[f"{prefix}.{e}.gate_proj.weight"] = gate
+                grads[f"{prefix}.{e}.up_proj.weight"] = up
+        elif name.endswith("experts.down_proj"):
+            for e, down in enumerate(param.grad):
+                grads[f"{prefix}.{e}.down_proj.weight"] = down
+        else:
+            grads[name] = param.grad
+    return grads
+
+
+def random_batch(lengths: list[int], *, seed: int = 0, prompt_len: int = 3) -> TrainBatch:
+    """Packed batch: random tokens, response mask after ``prompt_len``, random advantages
+    and old log-probs near -6 (so PPO ratios are far from 1 and clipping happens)."""
+    gen = torch.Generator().manual_seed(seed)
+    num_tokens = sum(lengths)
+    mask = torch.zeros(num_tokens)
+    start = 0
+    for length in lengths:
+        mask[start + prompt_len - 1 : start + length - 1] = 1.0
+        start += length
+    return TrainBatch(
+        tokens=torch.randint(0, VOCAB, (num_tokens,), generator=gen),
+        cu_seqlens=cu_seqlens_from_lengths(lengths),
+        loss_mask=mask,
+        advantages=torch.randn(num_tokens, generator=gen),
+        old_log_probs=-6.0 + 0.3 * torch.randn(num_tokens, generator=gen),
+    ).with_global_denominators()
+
+
+def hf_files(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors files in an HF directory."""
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for path in directory.glob("*.safetensors"):
+        tensors.update(load_file(str(path)))
+    return tensors
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,256 @@
+"""Score many samples with a per-sample timeout; a raising or hung reward never stalls a batch.
+
+With ``workers >= 1`` each sample runs in one of ``workers`` processes (forkserver); a sample
+that passes its deadline gets its process killed and replaced, so even a sympy call stuck in
+C code or an infinite loop is cut off. With ``workers == 0`` samples run in this process and
+the timeout is a ``SIGALRM`` timer (main thread on Unix only; elsewhere no timeout).
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import signal
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait
+from typing import Any
+
+from rl_rewards.registry import RewardFn, get_reward
+
+RewardRef = str | RewardFn  # a registered name / dotted path, or a picklable callable
+_FLUSH_S = 0.05
+_PRELOAD = ["rl_rewards.math.reward", "rl_rewards.math.latex", "rl_rewards.qa", "rl_rewards.choice"]
+
+
+@dataclass(frozen=True)
+class ScoreResult:
+    """One sample's outcome: ``status`` is ok | error | timeout; score is 0.0 unless ok."""
+
+    score: float
+    status: str = "ok"
+    reason: str = ""
+
+
+@dataclass
+class BatchReport:
+    """All results in input order, with the counts of errors and timeouts."""
+
+    results: list[ScoreResult] = field(default_factory=list)
+
+    @property
+    def num_errors(self) -> int:
+        return sum(r.status == "error" for r in self.results)
+
+    @property
+    def num_timeouts(self) -> int:
+        return sum(r.status == "timeout" for r in self.results)
+
+    @property
+    def scores(self) -> list[float]:
+        return [r.score for r in self.results]
+
+
+def resolve_reward(reward: RewardRef, options: dict[str, Any] | None = None) -> RewardFn:
+    """A callable from a name / dotted path (with ``options`` bound) or a callable as is."""
+    if isinstance(reward, str):
+        return get_reward(reward, **(options or {}))
+    if options:
+        raise ValueError("options are only accepted with a reward given by name")
+    return reward
+
+
+def call_reward(fn: RewardFn, response: str, label: Any) -> ScoreResult:
+    """Run one reward; an exception or a non-finite / non-numeric score becomes an error."""
+    try:
+        value = fn(response, label)
+    except Exception as exc:  # a reward's failure is data here: recorded, never raised
+        return ScoreResult(0.0, "error", f"{type(exc).__name__}: {exc}"[:500])
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return ScoreResult(0.0, "error", f"reward returned {value!r}, not a finite number")
+    return ScoreResult(float(value))
+
+
+class _Alarm(BaseException):  # not an Exception: call_reward must not swallow it
+    pass
+
+
+def _raise_alarm(signum, frame):
+    raise _Alarm
+
+
+def _call_with_alarm(fn: RewardFn, response: str, label: Any, timeout_s: float) -> ScoreResult:
+    if threading.current_thread() is not threading.main_thread() or not hasattr(
+        signal, "setitimer"
+    ):
+        return call_reward(fn, response, label)
+    previous = signal.signal(signal.SIGALRM, _raise_alarm)
+    signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    try:
+        return call_reward(fn, response, label)
+    except _Alarm:
+        return ScoreResult(0.0, "timeout", f"exceeded {timeout_s:g} s")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _worker_main(conn, current, reward: RewardRef, options: dict[str, Any] | None) -> None:
+    """Score chunks; results go back in small batches (at least every ``_FLUSH_S``), so the
+    parent sees progress often enough to time out a stuck sample, at little pipe cost.
+    ``current`` (shared memory) holds the index being scored, so the parent knows which
+    sample to blame if this process hangs or dies with results not yet sent."""
+    fn = resolve_reward(reward, options)
+    while True:
+        chunk = conn.recv()
+        if chunk is None:
+            return
+        done, last_flush = [], time.monotonic()
+        for index, response, label in chunk:
+            current.value = index
+            done.append((index, call_reward(fn, response, label)))
+            if time.monotonic() - last_flush > _FLUSH_S:
+                conn.send(done)
+                done, last_flush = [], time.monotonic()
+        if done:
+            conn.send(done)
+
+
+class _Worker:
+    """One scoring process, the indices it still owes (in order) and the current deadline."""
+
+    def __init__(self, ctx, reward: RewardRef, options: dict[str, Any] | None):
+        self.conn, child_conn = ctx.Pipe()
+        self.current = ctx.Value("q", -1, lock=False)
+        self.process = ctx.Process(
+            target=_worker_main, args=(child_conn, self.current, reward, options), daemon=True
+        )
+        self.process.start()
+        child_conn.close()
+        self.owed: deque[int] = deque()
+        self.deadline = math.inf
+
+    def send(self, chunk: list[tuple[int, str, Any]], timeout_s: float) -> None:
+        self.conn.send(chunk)
+        self.owed.extend(index for index, _, _ in chunk)
+        self.deadline = time.monotonic() + timeout_s
+
+    def stop(self, kill: bool) -> None:
+        if not kill:
+            try:
+                self.conn.send(None)
+            except OSError:  # already gone (BrokenPipeError): nothing to ask
+                kill = True
+        if kill:
+            self.process.kill()
+        self.process.join(timeout=5)
+        self.conn.close()
+
+
+def _context():
+    ctx = multiprocessing.get_context(
+        "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    )
+    if ctx.get_start_method() == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+class _Pool:
+    """Processes fed chunks of samples; a worker that shows no progress for ``timeout_s``
+    is killed, its current sample recorded as a timeout, and the rest of its chunk requeued.
+    (A sample may so run up to ``timeout_s + _FLUSH_S`` before it is cut off.)"""
+
+    def __init__(self, tasks, reward, options, workers, timeout_s, record, chunk_size):
+        self.tasks, self.pending = tasks, deque(range(len(tasks)))
+        self.reward, self.options, self.timeout_s, self.record = reward, options, timeout_s, record
+        self.chunk_size, self.ctx = chunk_size, _context()
+        self.pool = [self._new_worker() for _ in range(min(workers, len(tasks)))]
+
+    def _new_worker(self) -> _Worker:
+        return _Worker(self.ctx, self.reward, self.options)
+
+    def run(self) -> None:
+        try:
+            while self.pending or any(w.owed for w in self.pool):
+                self._feed()
+                busy = [w for w in self.pool if w.owed]
+                wait_s = max(0.0, min(w.deadline for w in busy) - time.monotonic())
+                ready = set(wait([w.conn for w in busy], timeout=wait_s))
+                for slot, worker in enumerate(self.pool):
+                    if worker.owed:
+                        self.pool[slot] = self._collect(worker, worker.conn in ready)
+        finally:
+            for worker in self.pool:
+                worker.stop(kill=bool(worker.owed))
+
+    def _feed(self) -> None:
+        for worker in self.pool:
+            if not worker.owed and self.pending:
+                take = min(self.chunk_size, len(self.pending))
+                chunk = [self.tasks[self.pending.popleft()] for _ in range(take)]
+                worker.send(chunk, self.timeout_s)
+
+    def _collect(self, worker: _Worker, is_ready: bool) -> _Worker:
+        """Drain ``worker``'s finished results; on timeout or death replace the worker."""
+        try:
+            while is_ready and worker.owed and worker.conn.poll():
+                for index, result in worker.conn.recv():
+                    assert index == worker.owed.popleft()
+                    self.record(index, result)
+                worker.deadline = time.monotonic() + self.timeout_s
+            if not worker.owed or time.monotonic() < worker.deadline:
+                return worker
+            failed = ScoreResult(0.0, "timeout", f"exceeded {self.timeout_s:g} s")
+        except EOFError:
+            worker.process.join(timeout=5)
+            failed = ScoreResult(0.0, "error", f"worker died (exit code {worker.process.exitcode})")
+        culprit = worker.current.value if worker.current.value in worker.owed else worker.owed[0]
+        worker.owed.remove(culprit)
+        self.record(culprit, failed)
+        self.pending.extendleft(reversed(worker.owed))  # finished but unsent ones: scored again
+        worker.owed.clear()
+        worker.stop(kill=True)
+        return self._new_worker()
+
+
+def score_batch(
+    reward: RewardRef,
+    responses: Sequence[str],
+    labels: Sequence[Any],
+    *,
+    options: dict[str, Any] | None = None,
+    workers: int = 0,
+    timeout_s: float = 10.0,
+    on_result: Callable[[int, ScoreResult], None] | None = None,
+) -> BatchReport:
+    """Score ``responses[i]`` against ``labels[i]`` for every i; results keep input order.
+
+    ``reward`` is a registered name or dotted path (``options`` bound to it), or a picklable
+    callable. ``on_result(i, result)`` is called as each sample finishes (for progress bars).
+    """
+    if len(responses) != len(labels):
+        raise ValueError(
+            f"{len(responses)} responses but {len(labels)} labels; pass one label each"
+        )
+    if workers < 0 or timeout_s <= 0:
+        raise ValueError(f"need workers >= 0 and timeout_s > 0, got {workers} and {timeout_s}")
+    results: list[ScoreResult | None] = [None] * len(responses)
+
+    def record(index: int, result: ScoreResult) -> None:
+        results[index] = result
+        if on_result is not None:
+            on_result(index, result)
+
+    fn = resolve_reward(reward, options)  # validates the name before any process starts
+    if workers == 0:
+        for index, (response, label) in enumerate(zip(responses, labels, strict=True)):
+            record(index, _call_with_alarm(fn, response, label, timeout_s))
+    else:
+        tasks = [(i, r, lab) for i, (r, lab) in enumerate(zip(responses, labels, strict=True))]
+        chunk_size = max(1, min(64, len(tasks) // (4 * workers)))
+        _Pool(tasks, reward, options, workers, timeout_s, record, chunk_size).run()
+    return BatchReport([r for r in results if r is not None])

@@ -1,0 +1,100 @@
+"""String-level LaTeX clean-up applied to an extracted answer before parsing.
+
+``normalize_answer`` removes what never changes a value (math delimiters, spacing commands,
+``\\left``/``\\right``, text wrappers, units, degree signs, thousands separators, ``x =``
+prefixes) and reports whether a percent sign was present (the caller decides what it means).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_DELETE = (
+    "\\left", "\\right", "\\bigl", "\\bigr", "\\Bigl", "\\Bigr", "\\big", "\\Big",
+    "\\displaystyle", "\\textstyle", "\\!", "\\,", "\\;", "\\:", "\\quad", "\\qquad",
+    "{,}", "^\\circ", "^{\\circ}", "\\circ", "\\degree", "°", "^{\\prime}", "\\$", "$",
+)  # fmt: skip
+_REPLACE = {
+    "\\dfrac": "\\frac", "\\tfrac": "\\frac", "\\dbinom": "\\binom", "\\tbinom": "\\binom",
+    "\\le ": "\\leq ", "\\ge ": "\\geq ", "\\neq": "\\ne", "−": "-", "×": "\\times ",
+    "·": "\\cdot ", "÷": "\\div ", "π": "\\pi ", "∞": "\\infty ", "√": "\\sqrt", "\\ ": " ",
+    "~": " ", "\\lbrace": "\\{", "\\rbrace": "\\}", "\\lvert": "|", "\\rvert": "|",
+    "\\vert": "|", "\\mid": "|", "\\varnothing": "\\emptyset", "\\infin": "\\infty",
+}  # fmt: skip
+_WRAPPERS = re.compile(
+    r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mathit|mathsf|mbox|operatorname|boldsymbol|hbox)\s*\{([^{}]*)\}"
+)
+_UNIT_WORDS = """
+units unit cm km mm meters meter metres metre feet foot ft inches inch miles mile mph
+kmh hours hour hrs hr minutes minute mins min seconds second sec days day weeks week
+months month years year dollars dollar cents cent degrees degree deg radians rad pounds
+pound lbs lb kg grams gram mg liters liter litres ml gallons gallon square sq cubic
+points point people students percent sqft ounces oz tons ton
+"""
+_UNITS = frozenset(_UNIT_WORDS.split())
+_UNIT_TAIL = re.compile(r"^(.*?[\d}.])\s*((?:[a-zA-Z]+\.?\s*)+)(?:\^\{?\d\}?)?$")
+_THOUSANDS = re.compile(r"^-?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
+_PREFIX = re.compile(r"^\s*(?:[a-zA-Z](?:_\{?\w+\}?)?|\\[a-zA-Z]+)\s*(?:=|\\in)\s*(?!.*=)")
+_ROW_BREAK = "\x00"  # protects the matrix row separator "\\\\" from "\\ " handling
+_FRAC_SHORT = re.compile(r"\\frac\s*(\d)\s*(\d)")
+_FRAC_HALF = re.compile(r"\\frac\s*\{([^{}]*)\}\s*(\d)")
+_FRAC_FIRST = re.compile(r"\\frac\s*(\d)\s*\{")
+_SQRT_SHORT = re.compile(r"\\sqrt\s*(\d+|[a-zA-Z])")
+
+
+@dataclass(frozen=True)
+class Normalized:
+    """A cleaned answer string and whether it carried a percent sign."""
+
+    text: str
+    percent: bool
+
+
+def _unwrap(text: str) -> str:
+    previous = None
+    while previous != text:
+        previous, text = text, _WRAPPERS.sub(r"\1", text)
+    return text
+
+
+def _strip_delimiters(text: str) -> str:
+    text = text.strip()
+    for left, right in (("\\(", "\\)"), ("\\[", "\\]"), ("$$", "$$"), ("$", "$")):
+        if text.startswith(left) and text.endswith(right) and len(text) >= len(left) + len(right):
+            text = text[len(left) : len(text) - len(right)].strip()
+    return text
+
+
+def _strip_units(text: str) -> str:
+    match = _UNIT_TAIL.match(text)
+    if match and all(w.rstrip(".").lower() in _UNITS for w in match.group(2).split()):
+        return match.group(1)
+    return text
+
+
+def _expand_shortcuts(text: str) -> str:
+    text = _FRAC_SHORT.sub(r"\\frac{\1}{\2}", text)
+    text = _FRAC_HALF.sub(r"\\frac{\1}{\2}", text)
+    text = _FRAC_FIRST.sub(r"\\frac{\1}{", text)
+    return _SQRT_SHORT.sub(r"\\sqrt{\1}", text)
+
+
+def normalize_answer(answer: str) -> Normalized:
+    """Clean one extracted answer (see the module docstring)."""
+    text = _unwrap(_strip_delimiters(answer)).replace("\\\\", _ROW_BREAK)
+    for old, new in _REPLACE.items():
+        text = text.replace(old, new)
+    for token in _DELETE:
+        text = text.replace(token, "")
+    text = text.replace(_ROW_BREAK, "\\\\")
+    percent = "%" in text
+    text = text.replace("\\%", "").replace("%", "").strip().rstrip(".").strip()
+    text = _strip_units(text).strip()
+    if _THOUSANDS.match(text):
+        text = text.replace(",", "")
+    text = _PREFIX.sub("", text, count=1).strip()
+    text = _expand_shortcuts(text)
+    if text.startswith("."):
+        text = "0" + text
+    return Normalized(" ".join(text.split()), percent)

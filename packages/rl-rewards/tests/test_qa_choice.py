@@ -1,0 +1,70 @@
+"""f1, exact match, gsm8k, gpqa and dapo with hand-computed expected values."""
+
+import pytest
+
+from rl_rewards import get_reward
+from rl_rewards.choice import extract_choice
+from rl_rewards.qa import normalize_squad
+
+
+def test_squad_normalisation():
+    assert normalize_squad("The  Cat, sat!") == "cat sat"
+    assert normalize_squad("An apple a day") == "apple day"
+
+
+def test_exact_match_and_f1_hand_values():
+    em, f1 = get_reward("exact_match"), get_reward("f1")
+    assert em("the Eiffel Tower.", "Eiffel tower") == 1.0
+    assert em("Eiffel", ["Paris", "Eiffel tower"]) == 0.0
+    # pred tokens {eiffel, tower, paris}, gold {eiffel, tower}: P = 2/3, R = 1, F1 = 0.8
+    assert f1("Eiffel Tower Paris", "the Eiffel Tower") == pytest.approx(0.8)
+    assert f1("nothing shared", "Eiffel Tower") == 0.0
+    assert f1("Paris", ["London", "paris"]) == 1.0
+
+
+def test_gsm8k_marker_last_number_and_strict():
+    reward = get_reward("gsm8k")
+    assert reward("so 3 + 4 = 7\n#### 7", "#### 7") == 1.0
+    assert reward("The total is $1,234.", "1234") == 1.0
+    assert reward("#### 72.0", "72") == 1.0
+    assert reward("I think 5 then 6", "5") == 0.0
+    assert get_reward("gsm8k", strict=True)("the answer is 7", "7") == 0.0
+    with pytest.raises(ValueError, match="number"):
+        reward("7", "no number")
+
+
+@pytest.mark.parametrize(
+    ("response", "letter"),
+    [
+        ("Answer: C", "C"),
+        ("The answer is (B).", "B"),
+        ("the correct option is D", "D"),
+        ("I pick option A", "A"),
+        ("\\boxed{B}", "B"),
+        ("\\boxed{\\text{(C)}}", "C"),
+        ("Reasoning...\n**D**\n", "D"),
+        ("Answer: **A**", "A"),
+        ("Nothing chosen", None),
+    ],
+)
+def test_choice_extraction_phrasings(response, letter):
+    assert extract_choice(response) == letter
+
+
+def test_gpqa_reward_letter_or_index_label():
+    reward = get_reward("gpqa")
+    assert reward("The answer is (C)", "C") == 1.0
+    assert reward("The answer is (C)", 2) == 1.0
+    assert reward("The answer is (C)", "(A)") == 0.0
+    with pytest.raises(ValueError, match="A-J"):
+        reward("C", "Z9")
+
+
+def test_dapo_plus_minus_one_and_format_rules():
+    reward = get_reward("dapo")
+    assert reward("work...\nAnswer: \\frac{1}{2}", "\\frac{1}{2}") == 1.0
+    assert reward("work...\nAnswer: 3", "4") == -1.0
+    assert reward("no answer line, just 4", "4") == -1.0
+    assert reward("Answer: 4" + " padding" * 100, "4") == -1.0  # outside the last 300 chars
+    assert reward("Answer: 0.5", "\\frac{1}{2}") == -1.0  # strict string match
+    assert get_reward("dapo", use_equivalence=True)("Answer: 0.5", "\\frac{1}{2}") == 1.0

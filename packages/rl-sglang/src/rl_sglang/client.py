@@ -1,0 +1,144 @@
+"""Async HTTP client for the SGLang native API subset (a server, the embedded engine or
+sglang-router in front of either)."""
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+
+
+class EngineError(RuntimeError):
+    """An engine answered with an error status or ``success: false``."""
+
+    def __init__(self, url: str, status: int, message: str):
+        super().__init__(f"{url} -> HTTP {status}: {message}")
+        self.status = status
+
+
+class EngineClient:
+    """One base URL, one aiohttp session. Use as ``async with EngineClient(url) as c:``.
+
+    ``retries`` re-sends a /generate whose connection failed or that got a 5xx (an engine
+    killed mid-request and restarted, or the router failing over).
+    """
+
+    def __init__(self, url: str, *, timeout_s: float = 600.0, retries: int = 0, backoff_s=0.5):
+        self.url = url.rstrip("/")
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.retries, self.backoff_s = retries, backoff_s
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> "EngineClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(limit=0)  # rollouts open many concurrent requests
+            self._session = aiohttp.ClientSession(timeout=self.timeout, connector=connector)
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def request(self, method: str, path: str, body: dict | None = None) -> Any:
+        """JSON (or text) of one call; raises :class:`EngineError` on an error status."""
+        async with self.session.request(method, self.url + path, json=body) as response:
+            text = await response.text()
+            if response.status >= 400:
+                raise EngineError(self.url + path, response.status, text)
+            try:
+                data = json.loads(text) if text else None
+            except json.JSONDecodeError:
+                return text
+        if isinstance(data, dict) and data.get("success") is False:
+            raise EngineError(self.url + path, response.status, data.get("message", text))
+        return data
+
+    # ---- generation ---------------------------------------------------------------------
+    async def generate(self, **body: Any) -> Any:
+        """POST /generate with GenerateReqInput fields (``input_ids`` or ``text``,
+        ``sampling_params``, ``return_logprob``, ``rid``); retried per ``retries``."""
+        for attempt in range(self.retries + 1):
+            try:
+                return await self.request("POST", "/generate", body)
+            except (aiohttp.ClientConnectionError, EngineError) as error:
+                retryable = not isinstance(error, EngineError) or error.status >= 500
+                if not retryable or attempt == self.retries:
+                    raise
+                await asyncio.sleep(self.backoff_s * (2**attempt))
+        raise AssertionError("unreachable")
+
+    async def generate_stream(self, **body: Any) -> AsyncIterator[dict]:
+        """Yield the chunks of a streamed /generate until ``[DONE]``."""
+        async with self.session.post(self.url + "/generate", json=body | {"stream": True}) as resp:
+            if resp.status >= 400:
+                raise EngineError(self.url, resp.status, await resp.text())
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if line.startswith("data:") and line != "data: [DONE]":
+                    yield json.loads(line.removeprefix("data:"))
+
+    async def abort(self, rid: str | None = None) -> None:
+        """Abort one request, or all of them when ``rid`` is None (engines only; the router
+        does not forward it)."""
+        body = {"rid": rid} if rid is not None else {"rid": "", "abort_all": True}
+        await self.request("POST", "/abort_request", body)
+
+    # ---- state --------------------------------------------------------------------------
+    async def health(self) -> bool:
+        try:
+            await self.request("GET", "/health")
+            return True
+        except (TimeoutError, aiohttp.ClientError, EngineError):
+            return False
+
+    async def health_generate(self) -> None:
+        await self.request("GET", "/health_generate")
+
+    async def model_info(self) -> dict:
+        return await self.request("GET", "/get_model_info")
+
+    async def server_info(self) -> dict:
+        return await self.request("GET", "/get_server_info")
+
+    async def weight_version(self) -> str:
+        return (await self.request("GET", "/get_weight_version"))["weight_version"]
+
+    async def flush_cache(self) -> None:
+        await self.request("POST", "/flush_cache")
+
+    async def pause(self, mode: str = "abort") -> dict:
+        return await self.request("POST", "/pause_generation", {"mode": mode})
+
+    async def resume(self) -> dict:
+        return await self.request("POST", "/continue_generation", {})
+
+    async def release_memory(self) -> dict:
+        return await self.request("POST", "/release_memory_occupation", {})
+
+    async def resume_memory(self) -> dict:
+        return await self.request("POST", "/resume_memory_occupation", {})
+
+    # ---- weight updates (see rl_sglang.transports for the trainer side) ------------------
+    async def update_weights_from_disk(self, model_path: str, **fields: Any) -> dict:
+        body = {"model_path": model_path, **fields}
+        return await self.request("POST", "/update_weights_from_disk", body)
+
+    async def update_weights_from_tensor(self, serialized: list[str], **fields: Any) -> dict:
+        body = {"serialized_named_tensors": serialized, **fields}
+        return await self.request("POST", "/update_weights_from_tensor", body)
+
+    async def init_weights_update_group(self, **fields: Any) -> dict:
+        """Fields: master_address, master_port, rank_offset, world_size, group_name, backend."""
+        return await self.request("POST", "/init_weights_update_group", fields)
+
+    async def update_weights_from_distributed(self, **fields: Any) -> dict:
+        """Fields: names, dtypes, shapes, group_name, weight_version, flush_cache."""
+        return await self.request("POST", "/update_weights_from_distributed", fields)

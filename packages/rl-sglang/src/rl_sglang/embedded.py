@@ -1,0 +1,259 @@
+"""The embedded engine's HTTP server: SGLang's native endpoints over aiohttp.
+
+    python -m rl_sglang.embedded --model-path DIR [--port 30000] [--device cpu]
+
+``--model-path`` is an HF directory, or a ``config.json`` file for random weights.
+"""
+
+import argparse
+import asyncio
+import json
+import logging
+from typing import Any
+
+from aiohttp import web
+
+from rl_sglang.engine import weights
+from rl_sglang.engine.core import Engine, load_model
+
+ENGINE_KEY = web.AppKey("engine", Engine)
+routes = web.RouteTableDef()
+
+
+def _engine(request: web.Request) -> Engine:
+    return request.app[ENGINE_KEY]
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    if not request.can_read_body:
+        return {}
+    return await request.json()
+
+
+def _error(message: str, status: int = 400) -> web.Response:
+    return web.json_response(
+        {"success": False, "message": message, "error": message}, status=status
+    )
+
+
+@web.middleware
+async def errors_as_json(request: web.Request, handler):
+    """User errors come back as 400 with the message, not as a bare 500."""
+    try:
+        return await handler(request)
+    except (ValueError, KeyError, TypeError, json.JSONDecodeError) as error:
+        return _error(f"{type(error).__name__}: {error}")
+
+
+@routes.get("/health")
+async def health(request: web.Request) -> web.Response:
+    return web.Response(text="")
+
+
+@routes.get("/health_generate")
+async def health_generate(request: web.Request) -> web.Response:
+    engine = _engine(request)
+    if engine.scheduler.paused:  # alive, deliberately not generating
+        return web.Response(text="")
+    groups, _ = engine.make_requests({"input_ids": [0], "sampling_params": {"max_new_tokens": 1}})
+    await asyncio.wait_for(engine.run(groups[0]), timeout=30)
+    return web.Response(text="")
+
+
+@routes.get("/get_model_info")
+@routes.get("/model_info")
+async def model_info(request: web.Request) -> web.Response:
+    return web.json_response(_engine(request).model_info())
+
+
+@routes.get("/get_server_info")
+@routes.get("/server_info")
+async def server_info(request: web.Request) -> web.Response:
+    return web.json_response(_engine(request).server_info())
+
+
+@routes.get("/get_weight_version")
+async def get_weight_version(request: web.Request) -> web.Response:
+    return web.json_response({"weight_version": _engine(request).weight_version})
+
+
+@routes.post("/generate")
+async def generate(request: web.Request) -> web.StreamResponse:
+    engine, body = _engine(request), await _body(request)
+    groups, is_batch = engine.make_requests(body)
+    if body.get("stream"):
+        return await _stream(request, engine, groups, is_batch)
+    outputs = await asyncio.gather(*(engine.run(group) for group in groups))
+    results = [out[0] if len(out) == 1 else out for out in outputs]
+    if is_batch:  # SGLang flattens n samples of a batch into one list
+        results = [item for out in outputs for item in out]
+    return web.json_response(results if is_batch else results[0])
+
+
+async def _stream(request, engine: Engine, groups, is_batch: bool) -> web.StreamResponse:
+    """Server-sent events: one ``data: {...}`` per new token (cumulative text and ids),
+    then ``data: [DONE]``; ``index`` tells the requests of a batch or of n apart."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+    requests = [r for group in groups for r in group]
+    decode = engine.scheduler.stopper.decode
+
+    def on_token(item, index):  # on the scheduler thread: snapshot before the next token
+        chunk = item.response() | {"text": decode(item.output_ids, item), "index": index}
+        loop.call_soon_threadsafe(queue.put_nowait, chunk)
+
+    for index, item in enumerate(requests):
+        item.on_token = lambda r, i=index: on_token(r, i)
+    run = asyncio.ensure_future(engine.run(requests))
+    run.add_done_callback(lambda _: queue.put_nowait(None))
+    while (chunk := await queue.get()) is not None:
+        await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+    for index, final in enumerate(run.result()):
+        await response.write(f"data: {json.dumps(final | {'index': index})}\n\n".encode())
+    await response.write(b"data: [DONE]\n\n")
+    return response
+
+
+@routes.post("/abort_request")
+async def abort_request(request: web.Request) -> web.Response:
+    body = await _body(request)
+    rid = None if body.get("abort_all") else body.get("rid")
+    if rid is None and not body.get("abort_all"):
+        return _error("send {'rid': ...} or {'abort_all': true}")
+    _engine(request).scheduler.abort(rid)
+    return web.json_response({"success": True})
+
+
+@routes.post("/pause_generation")
+async def pause_generation(request: web.Request) -> web.Response:
+    mode = (await _body(request)).get("mode", "abort")
+    num = await asyncio.wrap_future(_engine(request).scheduler.pause(mode))
+    return web.json_response(
+        {"success": True, "message": f"paused ({mode})", "num_paused_requests": num}
+    )
+
+
+@routes.post("/continue_generation")
+async def continue_generation(request: web.Request) -> web.Response:
+    await asyncio.wrap_future(_engine(request).scheduler.resume())
+    return web.json_response({"success": True, "message": "continued"})
+
+
+@routes.route("*", "/flush_cache")
+async def flush_cache(request: web.Request) -> web.Response:
+    # No prefix cache is kept between requests; flushing only returns freed memory.
+    engine = _engine(request)
+    await engine.on_scheduler(lambda: engine.device.type == "cuda" and _empty_cuda_cache())
+    return web.Response(text="Cache flushed.")
+
+
+def _empty_cuda_cache() -> None:
+    import torch
+
+    torch.cuda.empty_cache()
+
+
+@routes.post("/release_memory_occupation")
+async def release_memory_occupation(request: web.Request) -> web.Response:
+    engine = _engine(request)
+    await engine.on_scheduler(engine.release_memory)
+    return web.json_response({"success": True, "message": "memory released"})
+
+
+@routes.post("/resume_memory_occupation")
+async def resume_memory_occupation(request: web.Request) -> web.Response:
+    engine = _engine(request)
+    await engine.on_scheduler(engine.resume_memory)
+    return web.json_response({"success": True, "message": "memory resumed"})
+
+
+@routes.post("/update_weights_from_disk")
+async def update_weights_from_disk(request: web.Request) -> web.Response:
+    engine, body = _engine(request), await _body(request)
+    named = await asyncio.to_thread(weights.read_safetensors_dir, body["model_path"])
+    return web.json_response(await engine.on_scheduler(lambda: engine.apply_update(named, body)))
+
+
+@routes.post("/update_weights_from_tensor")
+async def update_weights_from_tensor(request: web.Request) -> web.Response:
+    engine, body = _engine(request), await _body(request)
+    named = weights.named_tensors_from_payload(
+        body["serialized_named_tensors"], body.get("load_format")
+    )
+    return web.json_response(await engine.on_scheduler(lambda: engine.apply_update(named, body)))
+
+
+@routes.post("/init_weights_update_group")
+async def init_weights_update_group(request: web.Request) -> web.Response:
+    engine, body = _engine(request), await _body(request)
+    group_name = body.get("group_name", "weight_update_group")
+    receiver = await asyncio.to_thread(
+        weights.WeightReceiver,
+        master_address=body["master_address"],
+        master_port=body["master_port"],
+        rank=int(body["rank_offset"]),  # TP 1: the engine's only rank
+        world_size=int(body["world_size"]),
+        group_name=group_name,
+        backend=body.get("backend", "nccl"),
+    )
+    engine.weight_receivers[group_name] = receiver
+    return web.json_response({"success": True, "message": f"joined {group_name}"})
+
+
+@routes.post("/update_weights_from_distributed")
+async def update_weights_from_distributed(request: web.Request) -> web.Response:
+    engine, body = _engine(request), await _body(request)
+    group_name = body.get("group_name", "weight_update_group")
+    if group_name not in engine.weight_receivers:
+        return _error(f"no weight-update group {group_name!r}; call /init_weights_update_group")
+    receiver = engine.weight_receivers[group_name]
+
+    def receive_and_apply():
+        named = receiver.receive(body["names"], body["dtypes"], body["shapes"], engine.device)
+        return engine.apply_update(named, body)
+
+    return web.json_response(await engine.on_scheduler(receive_and_apply))
+
+
+def make_app(engine: Engine) -> web.Application:
+    app = web.Application(middlewares=[errors_as_json], client_max_size=1 << 30)
+    app[ENGINE_KEY] = engine
+    app.add_routes(routes)
+    app.on_shutdown.append(lambda _: asyncio.to_thread(engine.scheduler.stop))
+    return app
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model-path", required=True, help="HF model dir or a config.json")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    parser.add_argument("--max-batch-size", type=int, default=64)
+    parser.add_argument("--weight-version", default="0")
+    parser.add_argument("--runner", default="auto", help="auto, dynamic or static (CUDA graphs)")
+    parser.add_argument("--max-context", type=int, default=None, help="prompt + response cap")
+    parser.add_argument("--seed", type=int, default=0, help="init seed for a bare config")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    # sglang-router probes workers for gRPC first; aiohttp would log each probe as an error.
+    logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
+    model, tokenizer = load_model(
+        args.model_path, device=args.device, dtype=args.dtype, seed=args.seed
+    )
+    engine = Engine(
+        model, tokenizer, model_path=args.model_path, max_batch_size=args.max_batch_size
+    )
+    engine.scheduler.weight_version = args.weight_version
+    print(f"embedded engine ready on http://{args.host}:{args.port}", flush=True)
+    web.run_app(make_app(engine), host=args.host, port=args.port, print=None, access_log=None)
+
+
+if __name__ == "__main__":
+    main()

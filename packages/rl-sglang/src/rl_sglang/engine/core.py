@@ -1,0 +1,248 @@
+"""The embedded engine: an HF causal LM, its tokenizer and the continuous-batching
+scheduler, behind methods that take and return SGLang-shaped dicts."""
+
+import asyncio
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rl_sglang.engine import weights
+from rl_sglang.engine.request import Request
+from rl_sglang.engine.runner import ModelRunner
+from rl_sglang.engine.scheduler import Scheduler
+from rl_sglang.engine.stopping import StopChecker
+from rl_sglang.protocol import SamplingParams, normalize_prompts
+
+
+def load_model(model_path: str, *, device: str = "cpu", dtype: str = "auto", seed: int = 0):
+    """``(model, tokenizer)`` from an HF directory, or random weights from a ``config.json``
+    file (the tokenizer is then the byte-level one of :mod:`rl_sglang.tiny`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
+    path = Path(model_path)
+    if path.is_file():  # a bare config: random weights, for benchmarks
+        from rl_sglang.tiny import byte_tokenizer
+
+        config = AutoConfig.from_pretrained(path)
+        torch.manual_seed(seed)
+        dtype_for_init = torch.float32 if torch_dtype == "auto" else torch_dtype
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype_for_init)
+        tokenizer = byte_tokenizer()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+        tokenizer = AutoTokenizer.from_pretrained(path) if _has_tokenizer(path) else None
+    return model.to(device).eval(), tokenizer
+
+
+def _has_tokenizer(path: Path) -> bool:
+    return any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json"))
+
+
+class Engine:
+    """Generation and control operations of one embedded engine (one model, one device)."""
+
+    def __init__(self, model, tokenizer, *, model_path="", max_batch_size=64, runner="auto",
+                 max_context=None):  # fmt: skip
+        self.model, self.tokenizer, self.model_path = model, tokenizer, model_path
+        self.device = next(model.parameters()).device
+        eos = model.generation_config.eos_token_id if model.generation_config else None
+        eos = eos if eos is not None else model.config.eos_token_id
+        eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.max_context = min(
+            max_context or 1 << 30, getattr(model.config, "max_position_embeddings", 1 << 30)
+        )
+        self.runner_kind = choose_runner(runner, model)
+        self.scheduler = Scheduler(
+            self._make_runner(max_batch_size),
+            StopChecker(tokenizer, eos_ids, self.max_context),
+            max_batch_size=max_batch_size,
+        )
+        self.weight_receivers: dict[str, weights.WeightReceiver] = {}
+        self.memory_released = False
+
+    def _make_runner(self, max_batch_size: int):
+        if self.runner_kind == "static":
+            from rl_sglang.engine.static import StaticRunner
+
+            if self.max_context >= 1 << 20:
+                raise ValueError("the static runner needs a bounded context: pass max_context")
+            return StaticRunner(self.model, max_slots=max_batch_size, max_len=self.max_context)
+        pad = self.model.config.pad_token_id
+        return ModelRunner(self.model, pad_token_id=pad if pad is not None else 0)
+
+    @property
+    def weight_version(self) -> str:
+        return self.scheduler.weight_version
+
+    # ---- generation ---------------------------------------------------------------------
+    def make_requests(self, body: dict[str, Any]) -> tuple[list[list[Request]], bool]:
+        """Requests of a /generate body, grouped per prompt (n samples each), and whether
+        the body was a batch."""
+        prompts, is_batch = normalize_prompts(body)
+        params_list = body.get("sampling_params") or {}
+        if not isinstance(params_list, list):
+            params_list = [params_list] * len(prompts)
+        rids = body.get("rid") or [uuid.uuid4().hex for _ in prompts]
+        rids = rids if isinstance(rids, list) else [rids]
+        if len(rids) != len(prompts) or len(params_list) != len(prompts):
+            raise ValueError("rid and sampling_params lists must have one entry per prompt")
+        groups = [
+            self._expand(prompt, SamplingParams.from_dict(params), rid, body)
+            for prompt, params, rid in zip(prompts, params_list, rids, strict=True)
+        ]
+        return groups, is_batch
+
+    def _expand(self, prompt, params: SamplingParams, rid: str, body: dict) -> list[Request]:
+        ids = self._encode(prompt) if isinstance(prompt, str) else prompt
+        if not ids or len(ids) >= self.max_context:
+            raise ValueError(f"prompts need 1 to {self.max_context - 1} tokens, got {len(ids)}")
+        requests = []
+        for index in range(params.n):
+            sample_params = SamplingParams(**{**vars(params), "n": 1})
+            if params.sampling_seed is not None:
+                sample_params.sampling_seed = params.sampling_seed + index
+            sample_rid = rid if params.n == 1 else f"{rid}-{index}"
+            requests.append(
+                Request(
+                    rid=sample_rid,
+                    parent_rid=rid,
+                    prompt_ids=list(ids),
+                    params=sample_params,
+                    return_logprob=bool(body.get("return_logprob", False)),
+                )
+            )
+        return requests
+
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(f"{self.model_path} has no tokenizer; send input_ids instead of text")
+        return self.tokenizer.encode(text)
+
+    async def run(self, requests: list[Request]) -> list[dict[str, Any]]:
+        """Submit requests and wait for all of them; their /generate responses in order."""
+        loop = asyncio.get_running_loop()
+        futures = []
+        for request in requests:
+            future = loop.create_future()
+            request.on_done = _resolver(loop, future)
+            futures.append(future)
+            self.scheduler.submit(request)
+        return [request.response() for request in await asyncio.gather(*futures)]
+
+    # ---- control ------------------------------------------------------------------------
+    async def on_scheduler(self, fn):
+        """Run ``fn`` on the scheduler thread between decode steps and await its result."""
+        return await asyncio.wrap_future(self.scheduler.call(fn))
+
+    def bump_version(self, requested: str | None) -> str:
+        current = self.scheduler.weight_version
+        if requested is not None:
+            new = str(requested)
+        else:
+            new = str(int(current) + 1) if current.isdigit() else f"{current}+1"
+        self.scheduler.weight_version = new
+        return new
+
+    def apply_update(self, named, body: dict[str, Any]) -> dict[str, Any]:
+        """Abort if asked, copy the tensors, bump the version (runs on the scheduler thread,
+        so no decode step sees half-updated weights)."""
+        num_in_flight = self.scheduler.num_running
+        if body.get("abort_all_requests"):
+            self.scheduler.abort_now(None, message="aborted for a weight update")
+        count = weights.copy_into_model(self.model, named)
+        version = self.bump_version(body.get("weight_version"))
+        if self.device.type == "cuda" and body.get("flush_cache", True):
+            torch.cuda.empty_cache()
+        return {
+            "success": True,
+            "message": f"updated {count} tensors; weight_version {version}",
+            "num_paused_requests": num_in_flight,
+            "weight_version": version,
+        }
+
+    def release_memory(self) -> None:
+        """Retract running requests, then on GPU free the KV cache (the runner) and move the
+        weights to host memory; on CPU nothing is freed."""
+        self.scheduler.pause_now("retract")
+        if self.device.type == "cuda":
+            self.scheduler.runner = None
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+        self.memory_released = True
+
+    def resume_memory(self) -> None:
+        """Weights back on the device, a fresh runner (CUDA graphs captured against the new
+        parameter storage), generation continued."""
+        if self.scheduler.runner is None:
+            self.model.to(self.device)
+            self.scheduler.runner = self._make_runner(self.scheduler.max_batch_size)
+        self.memory_released = False
+        self.scheduler.resume_now()
+
+    def model_info(self) -> dict[str, Any]:
+        return {
+            "model_path": self.model_path,
+            "tokenizer_path": self.model_path if self.tokenizer is not None else None,
+            "is_generation": True,
+            "weight_version": self.weight_version,
+        }
+
+    def server_info(self) -> dict[str, Any]:
+        from rl_sglang import __version__
+
+        return {
+            **self.model_info(),
+            "engine": "rl-sglang-embedded",
+            "version": __version__,
+            "device": str(self.device),
+            "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch."),
+            "tp_size": 1,
+            "dp_size": 1,
+            "max_running_requests": self.scheduler.max_batch_size,
+            "runner": self.runner_kind,
+            "context_length": self.max_context,
+            "paused": self.scheduler.paused,
+            "memory_released": self.memory_released,
+            "internal_states": [
+                {
+                    "num_running": self.scheduler.num_running,
+                    "num_waiting": self.scheduler.num_waiting,
+                    "num_finished": self.scheduler.num_finished,
+                }
+            ],
+        }
+
+
+RUNNERS = ("auto", "dynamic", "static")
+
+
+def choose_runner(kind: str, model) -> str:
+    """``auto``: the static slot runner (CUDA graphs) on CUDA for Llama-family models, else
+    the dynamic left-padded one."""
+    from rl_sglang.engine.static import supports_static
+
+    if kind not in RUNNERS:
+        raise ValueError(f"unknown runner {kind!r}; choose one of {RUNNERS}")
+    if kind == "static" and not supports_static(model):
+        raise ValueError(
+            f"the static runner does not support {model.config.model_type}; use dynamic"
+        )
+    if kind == "auto":
+        on_cuda = next(model.parameters()).is_cuda
+        return "static" if on_cuda and supports_static(model) else "dynamic"
+    return kind
+
+
+def _resolver(loop: asyncio.AbstractEventLoop, future: asyncio.Future):
+    def resolve(request: Request) -> None:
+        loop.call_soon_threadsafe(_set_result, future, request)
+
+    return resolve
+
+
+def _set_result(future: asyncio.Future, value) -> None:
+    if not future.done():
+        future.set_result(value)

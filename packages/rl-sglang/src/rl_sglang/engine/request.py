@@ -1,0 +1,66 @@
+"""One generation request inside the embedded engine and its SGLang-shaped result."""
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rl_sglang.protocol import SamplingParams, finish_reason, token_logprobs
+
+
+@dataclass(eq=False)
+class Request:
+    """A prompt being generated. ``on_done(request)`` is called once, from the scheduler
+    thread, when ``finish`` is set; ``on_token(request)`` after every new token."""
+
+    rid: str
+    parent_rid: str | None  # the request's own rid when it is one of n samples
+    prompt_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool = False
+    on_done: Callable[["Request"], None] | None = None
+    on_token: Callable[["Request"], None] | None = None
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    finish: dict[str, Any] | None = None
+    text: str = ""
+    weight_version: str = ""
+    created: float = field(default_factory=time.monotonic)
+    generator: torch.Generator | None = None
+
+    def matches(self, rid: str | None) -> bool:
+        """True when an abort of ``rid`` (None = all) concerns this request."""
+        return rid is None or rid in (self.rid, self.parent_rid)
+
+    def seed(self, device: torch.device) -> None:
+        """Give the request its own generator when it asked for a ``sampling_seed``."""
+        if self.params.sampling_seed is not None:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(int(self.params.sampling_seed))
+
+    def finish_with(self, reason: dict[str, Any]) -> None:
+        assert self.finish is None, f"request {self.rid} finished twice"
+        self.finish = reason
+        if self.on_done is not None:
+            self.on_done(self)
+
+    def abort(self, message: str = "aborted") -> None:
+        if self.finish is None:
+            self.finish_with(finish_reason("abort", message=message))
+
+    def response(self) -> dict[str, Any]:
+        """The /generate response: ``text``, ``output_ids`` and ``meta_info``."""
+        meta: dict[str, Any] = {
+            "id": self.rid,
+            "finish_reason": self.finish,
+            "prompt_tokens": len(self.prompt_ids),
+            "completion_tokens": len(self.output_ids),
+            "cached_tokens": 0,
+            "e2e_latency": time.monotonic() - self.created,
+            "weight_version": self.weight_version,
+        }
+        if self.return_logprob:
+            meta["output_token_logprobs"] = token_logprobs(self.output_logprobs, self.output_ids)
+        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}

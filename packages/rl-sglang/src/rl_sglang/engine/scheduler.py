@@ -1,0 +1,247 @@
+"""Continuous batching: one thread that admits, decodes and retires requests.
+
+Between two decode steps the scheduler thread runs queued control tasks (weight updates,
+cache flushes, memory release), applies aborts, and prefills waiting requests into the
+running batch, so a request arriving mid-generation joins at the next step instead of
+waiting for the batch to drain. Everything that touches the model runs on this thread.
+"""
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from rl_sglang.engine.request import Request
+from rl_sglang.engine.runner import ModelRunner
+from rl_sglang.engine.sampling import RowParams, sample_next
+from rl_sglang.engine.stopping import StopChecker
+from rl_sglang.protocol import PAUSE_MODES, finish_reason
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    """Owns the running batch. Thread-safe entry points: :meth:`submit`, :meth:`abort`,
+    :meth:`pause`, :meth:`resume`, :meth:`call`, :meth:`stop`."""
+
+    def __init__(self, runner: "ModelRunner", stopper: StopChecker, *, max_batch_size: int = 64):
+        self.runner, self.stopper = runner, stopper
+        self.max_batch_size = max_batch_size
+        self.weight_version = "0"
+        self.paused = False
+        self._cond = threading.Condition()
+        self._waiting: deque[Request] = deque()
+        self._tasks: deque[tuple[Callable[[], Any], Future]] = deque()
+        self._aborts: list[str | None] = []  # None = abort all
+        self._running: list[Request] = []
+        self._state = None  # the runner's handle of the running batch
+        self._next_tokens: torch.Tensor | None = None
+        self._stopped = False
+        self.num_finished = 0
+        self._rows_cache: tuple | None = None
+        self._admitting: list[Request] = []  # popped from the queue, not yet running
+        self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
+        self._thread.start()
+
+    # ---- thread-safe entry points -------------------------------------------------------
+    def submit(self, request: Request) -> None:
+        with self._cond:
+            self._waiting.append(request)
+            self._cond.notify()
+
+    def abort(self, rid: str | None = None) -> None:
+        """Abort one request by id, or every waiting and running one (``rid=None``)."""
+        with self._cond:
+            self._aborts.append(rid)
+            self._cond.notify()
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn`` on the scheduler thread between two steps; its result in a Future."""
+        future: Future = Future()
+        with self._cond:
+            self._tasks.append((fn, future))
+            self._cond.notify()
+        return future
+
+    def pause(self, mode: str = "abort") -> Future:
+        """SGLang's pause modes: ``abort`` in-flight requests, ``retract`` them to the queue
+        (they are prefilled again on continue), or keep them ``in_place``."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"unknown pause mode {mode!r}; choose one of {PAUSE_MODES}")
+        return self.call(lambda: self.pause_now(mode))
+
+    def resume(self) -> Future:
+        return self.call(self.resume_now)
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        self._thread.join(timeout=10)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    # ---- scheduler thread ---------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(self._has_work)
+                if self._stopped:
+                    break
+                tasks, self._tasks = list(self._tasks), deque()
+                aborts, self._aborts = self._aborts, []
+            for fn, future in tasks:
+                self._run_task(fn, future)
+            for rid in aborts:
+                self.abort_now(rid)
+            if not self.paused:
+                self._admit_and_step()
+        self.abort_now(None, message="engine shut down")
+
+    def _admit_and_step(self) -> None:
+        try:
+            self._admit()
+            self._step()
+        except Exception as error:  # a failed step must not hang every waiting client
+            logger.exception("decode step failed; aborting the running batch")
+            failed, self._running = self._running + self._admitting, []
+            self._drop_batch()
+            for request in failed:
+                if request.finish is None:
+                    self._finish(request, finish_reason("abort", message=f"engine error: {error}"))
+
+    def _has_work(self) -> bool:
+        runnable = not self.paused and (self._waiting or self._running)
+        return bool(self._stopped or self._tasks or self._aborts or runnable)
+
+    @staticmethod
+    def _run_task(fn: Callable[[], Any], future: Future) -> None:
+        try:
+            future.set_result(fn())
+        except Exception as error:  # handed to the caller through the future
+            future.set_exception(error)
+
+    # ---- on the scheduler thread only (inside call()) -----------------------------------
+    def pause_now(self, mode: str) -> int:
+        self.paused = True
+        num_in_flight = len(self._running)
+        if mode == "abort":
+            self.abort_now(None, message="generation paused")
+        elif mode == "retract":
+            with self._cond:
+                self._waiting.extendleft(reversed(self._running))
+            self._drop_batch()
+        return num_in_flight
+
+    def resume_now(self) -> None:
+        if self.runner is None:
+            raise ValueError("memory is released; call /resume_memory_occupation first")
+        self.paused = False
+
+    def _drop_batch(self) -> None:
+        if self.runner is not None:
+            self.runner.select(self._state, [])
+        self._running, self._state, self._next_tokens = [], None, None
+
+    def abort_now(self, rid: str | None, message: str = "aborted by request") -> None:
+        with self._cond:
+            hit = [r for r in self._waiting if r.matches(rid)]
+            for request in hit:
+                self._waiting.remove(request)
+        for request in hit:
+            self._finish(request, finish_reason("abort", message=message))
+        keep = [i for i, r in enumerate(self._running) if not r.matches(rid)]
+        for row in sorted(set(range(len(self._running))) - set(keep)):
+            self._finish(self._running[row], finish_reason("abort", message=message))
+        self._keep_rows(keep)
+
+    def _finish(self, request: Request, reason: dict) -> None:
+        request.weight_version = self.weight_version
+        request.text = self.stopper.final_text(request, reason)
+        self.num_finished += 1
+        request.finish_with(reason)
+
+    def _keep_rows(self, rows: list[int]) -> None:
+        if len(rows) == len(self._running):
+            return
+        if not rows:
+            self._drop_batch()
+            return
+        self._running = [self._running[i] for i in rows]
+        self._state = None if self._state is None else self.runner.select(self._state, rows)
+        if self._next_tokens is not None:
+            index = torch.tensor(rows, device=self._next_tokens.device)
+            self._next_tokens = self._next_tokens[index]
+
+    def _admit(self) -> None:
+        with self._cond:
+            free = self.max_batch_size - len(self._running)
+            new = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
+        new = self._admitting = [r for r in new if not self._finished_before_start(r)]
+        if not new:
+            return
+        for request in new:
+            request.seed(self.runner.device)
+        logits_BV, state = self.runner.prefill([r.prompt_ids + r.output_ids for r in new])
+        tokens_B = self._sample(logits_BV, new)
+        self._state = self.runner.merge(self._state, state)
+        self._admitting = []
+        self._running.extend(new)
+        previous = self._next_tokens
+        self._next_tokens = tokens_B if previous is None else torch.cat([previous, tokens_B])
+        self._retire(len(self._running) - len(new))
+
+    def _finished_before_start(self, request: Request) -> bool:
+        if len(request.output_ids) >= request.params.max_new_tokens:
+            self._finish(request, finish_reason("length", length=len(request.output_ids)))
+            return True
+        return False
+
+    def _step(self) -> None:
+        if not self._running:
+            return
+        logits_BV = self.runner.decode(self._state, self._next_tokens)
+        self._next_tokens = self._sample(logits_BV, self._running)
+        self._retire(0)
+
+    def _sample(self, logits_BV: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Sample one token per request and append it (with its log-prob) to the request."""
+        rows = self._row_params(requests, logits_BV.device)
+        tokens_B, logprobs_B = sample_next(logits_BV, rows, [r.generator for r in requests])
+        for request, token, logprob in zip(
+            requests, tokens_B.tolist(), logprobs_B.tolist(), strict=True
+        ):
+            request.output_ids.append(token)
+            request.output_logprobs.append(logprob)
+            if request.on_token is not None:
+                request.on_token(request)
+        return tokens_B
+
+    def _row_params(self, requests: list[Request], device) -> RowParams:
+        """Per-row sampling tensors, rebuilt only when the batch's membership changed."""
+        key = tuple(requests)  # identity (eq=False); holding them keeps ids from being reused
+        if self._rows_cache is None or self._rows_cache[0] != key:
+            self._rows_cache = (key, RowParams.stack([r.params for r in requests], device))
+        return self._rows_cache[1]
+
+    def _retire(self, first_row: int) -> None:
+        """Finish running requests (from ``first_row`` on) whose last token stopped them."""
+        keep = list(range(first_row))
+        for row in range(first_row, len(self._running)):
+            request = self._running[row]
+            reason = self.stopper.check(request)
+            if reason is None:
+                keep.append(row)
+            else:
+                self._finish(request, reason)
+        self._keep_rows(keep)

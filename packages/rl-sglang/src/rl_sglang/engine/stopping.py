@@ -1,0 +1,55 @@
+"""When a request stops: stop token ids, EOS, stop strings, the token budget, the context."""
+
+from rl_sglang.engine.request import Request
+from rl_sglang.protocol import finish_reason
+
+
+class StopChecker:
+    """Decides, after each new token, whether a request is done, and its final text."""
+
+    def __init__(self, tokenizer, eos_token_ids: set[int], max_context: int):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_context = max_context
+
+    def check(self, request: Request) -> dict | None:
+        """The finish reason if the last token ended ``request``, else None."""
+        params, token = request.params, request.output_ids[-1]
+        if token in params.stop_token_ids:
+            return finish_reason("stop", matched=token)
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return finish_reason("stop", matched=token)
+        if params.stop and self.tokenizer is not None:
+            matched = self._stop_string(request)
+            if matched is not None:
+                return finish_reason("stop", matched=matched)
+        if len(request.output_ids) >= params.max_new_tokens:
+            return finish_reason("length", length=len(request.output_ids))
+        if len(request.prompt_ids) + len(request.output_ids) >= self.max_context:
+            return finish_reason("length", length=len(request.output_ids))
+        return None
+
+    def _stop_string(self, request: Request) -> str | None:
+        longest = max(len(s) for s in request.params.stop)
+        tail = self.decode(request.output_ids[-(longest + 8) :], request)
+        return next((s for s in request.params.stop if s in tail), None)
+
+    def decode(self, token_ids: list[int], request: Request) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(
+            token_ids, skip_special_tokens=request.params.skip_special_tokens
+        )
+
+    def final_text(self, request: Request, reason: dict) -> str:
+        """Decoded output; a matched stop string or stop token is trimmed like SGLang does."""
+        params = request.params
+        ids = request.output_ids
+        matched = reason.get("matched")
+        trim = reason.get("type") == "stop" and not params.no_stop_trim
+        if trim and isinstance(matched, int) and ids and ids[-1] == matched:
+            ids = ids[:-1]
+        text = self.decode(ids, request)
+        if trim and isinstance(matched, str) and matched in text:
+            text = text[: text.index(matched)]
+        return text

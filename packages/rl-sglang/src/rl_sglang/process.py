@@ -1,0 +1,250 @@
+"""Engine server processes: the embedded engine and real SGLang, started, watched,
+stopped and restarted the same way.
+
+    engine = EmbeddedEngine(model_path="/tmp/tiny", log_dir="logs").start()
+    engine.url  # http://127.0.0.1:<free port>
+    engine.stop()
+"""
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def http_ok(url: str, timeout_s: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return response.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return False
+
+
+class ServerProcess:
+    """A subprocess serving HTTP on ``host:port``, its output captured in ``log_path``.
+
+    Subclasses give :meth:`command` and :attr:`ready_path`.
+    """
+
+    ready_path = "/health"
+    name = "server"
+
+    def __init__(
+        self, *, host="127.0.0.1", port=None, log_dir=None, env=None, ready_timeout_s=120.0
+    ):
+        self.host, self.port = host, port or free_port(host)
+        self.log_dir = Path(log_dir or os.environ.get("RL_LOG_DIR", "/tmp/rl_sglang_logs"))
+        self.env = env or {}
+        self.ready_timeout_s = ready_timeout_s
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.log_dir / f"{self.name}-{self.port}.log"
+
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def start(self, wait: bool = True) -> "ServerProcess":
+        if self.alive():
+            raise RuntimeError(f"{self.name} on {self.url} is already running")
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **self.env},
+                start_new_session=True,  # our signals reach its children, not us
+            )
+        if wait:
+            self.wait_ready()
+        return self
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Poll :attr:`ready_path` until it answers 200; on exit or timeout raise with the
+        last lines of the log."""
+        deadline = time.monotonic() + (timeout_s or self.ready_timeout_s)
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(
+                    f"{self.name} exited with {self.process.poll()}\n{self.log_tail()}"
+                )
+            if http_ok(self.url + self.ready_path):
+                return
+            time.sleep(0.2)
+        raise TimeoutError(
+            f"{self.name} on {self.url} not ready after {timeout_s}s\n{self.log_tail()}"
+        )
+
+    def log_tail(self, num_lines: int = 30) -> str:
+        if not self.log_path.exists():
+            return "(no log)"
+        lines = self.log_path.read_text(errors="replace").splitlines()[-num_lines:]
+        return f"last {len(lines)} lines of {self.log_path}:\n" + "\n".join(lines)
+
+    def healthy(self) -> bool:
+        return self.alive() and http_ok(self.url + "/health")
+
+    def health(self) -> bool:  # rl_core.protocols.RolloutEngine
+        return self.healthy()
+
+    def shutdown(self) -> None:  # rl_core.protocols.RolloutEngine
+        self.stop()
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM the process group, SIGKILL it after ``grace_s``."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        self._signal(signal.SIGTERM)
+        try:
+            self.process.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            self._signal(signal.SIGKILL)
+            self.process.wait(grace_s)
+
+    def kill(self) -> None:
+        """Die at once, as a crashed engine would."""
+        if self.alive():
+            self._signal(signal.SIGKILL)
+            self.process.wait(10)
+
+    def _signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, sig)
+
+    def restart(self, wait: bool = True) -> "ServerProcess":
+        """Stop and start again on the same port (the router keeps its URL)."""
+        self.stop()
+        return self.start(wait=wait)
+
+    def __enter__(self):
+        return self.start() if not self.alive() else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class EmbeddedEngine(ServerProcess):
+    """``python -m rl_sglang.embedded`` (HF transformers underneath; CPU or one GPU)."""
+
+    name = "embedded"
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        device="cpu",
+        dtype="auto",
+        max_batch_size=64,
+        weight_version="0",
+        extra_args=(),
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self.model_path, self.device, self.dtype = str(model_path), device, dtype
+        self.max_batch_size, self.weight_version = max_batch_size, weight_version
+        self.extra_args = list(extra_args)
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable, "-m", "rl_sglang.embedded",
+            "--model-path", self.model_path, "--host", self.host, "--port", str(self.port),
+            "--device", self.device, "--dtype", self.dtype,
+            "--max-batch-size", str(self.max_batch_size), "--weight-version", self.weight_version,
+            *self.extra_args,
+        ]  # fmt: skip
+
+
+class SGLangServer(ServerProcess):
+    """``python -m sglang.launch_server`` with ``sglang_args`` passed through as
+    ``--key value`` (see :func:`sglang_args_from_cli` for ``--sglang-*`` options) and
+    ``gpu_ids`` as CUDA_VISIBLE_DEVICES. Needs SGLang installed.
+
+    ``sglang_path`` (default: the ``RL_SGLANG_PYTHONPATH`` environment variable) is put in
+    front of the server's PYTHONPATH only: SGLang pins its own transformers, which then
+    stays out of the trainer's process.
+    """
+
+    name = "sglang"
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        sglang_args=None,
+        gpu_ids=None,
+        sglang_path: str | None = None,
+        **kwargs,
+    ):
+        sglang_path = sglang_path or os.environ.get("RL_SGLANG_PYTHONPATH")
+        require_sglang(sglang_path)
+        env = dict(kwargs.pop("env", None) or {})
+        if sglang_path:
+            inherited = os.environ.get("PYTHONPATH", "")
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (sglang_path, inherited) if p)
+        if gpu_ids is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpu_ids)
+        super().__init__(env=env, **kwargs)
+        self.model_path, self.sglang_args = str(model_path), dict(sglang_args or {})
+
+    def command(self) -> list[str]:
+        argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path,
+                "--host", self.host, "--port", str(self.port)]  # fmt: skip
+        for key, value in self.sglang_args.items():
+            flag = "--" + key.replace("_", "-")
+            if value is True:
+                argv.append(flag)
+            elif value not in (False, None):
+                argv += [flag, str(value)]
+        return argv
+
+
+def require_sglang(sglang_path: str | None = None) -> None:
+    """Raise ImportError with the install command when SGLang is missing (from this
+    interpreter, and from ``sglang_path`` when given)."""
+    import importlib.util
+
+    in_path = any((Path(p) / "sglang").is_dir() for p in (sglang_path or "").split(os.pathsep) if p)
+    if not in_path and importlib.util.find_spec("sglang") is None:
+        raise ImportError(
+            "SGLangServer needs SGLang: pip install 'sglang[all]' (GPU machines); "
+            "on CPU use EmbeddedEngine instead"
+        )
+
+
+def sglang_args_from_cli(argv: list[str]) -> tuple[dict[str, str | bool], list[str]]:
+    """Split ``--sglang-KEY [VALUE]`` options (prefix stripped) from the rest of ``argv``."""
+    passthrough, rest, index = {}, [], 0
+    while index < len(argv):
+        arg = argv[index]
+        if not arg.startswith("--sglang-"):
+            rest.append(arg)
+            index += 1
+            continue
+        key, _, inline = arg.removeprefix("--sglang-").partition("=")
+        has_value = bool(inline) or (index + 1 < len(argv) and not argv[index + 1].startswith("--"))
+        value = inline or (argv[index + 1] if has_value and not inline else True)
+        passthrough[key.replace("-", "_")] = value
+        index += 1 if inline or not has_value else 2
+    return passthrough, rest

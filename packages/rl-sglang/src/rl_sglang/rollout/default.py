@@ -1,0 +1,195 @@
+"""The default rollout: n samples per prompt, scored, filtered, over-sampled until the batch
+is full, leftovers aborted (and kept for the next rollout when partial rollout is on).
+
+    result = await default_rollout(ctx, prompts, reward_fn, config, engines=engine_clients)
+    result.groups  # num_groups lists of n Samples
+"""
+
+import asyncio
+import copy
+import dataclasses
+import inspect
+import itertools
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from rl_core.filters import GROUP_FILTERS
+from rl_core.types import Sample, SampleStatus
+from rl_sglang.client import EngineClient
+from rl_sglang.rollout.generate import (
+    OFFPOLICY_MODES,
+    GenerateContext,
+    generate_sample,
+    load_function,
+)
+
+RewardFn = Callable[[Sample], "float | dict | asyncio.Future"]
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    """``num_groups`` prompts' worth of ``n_samples_per_prompt`` samples per rollout.
+
+    ``group_filter`` names an rl_core dynamic-sampling filter (None keeps every group);
+    ``max_concurrency`` bounds samples in flight; ``partial_rollout`` keeps aborted
+    leftovers (their tokens, log-probs and weight versions) for the next rollout;
+    ``generate_fn`` is a dotted path to a custom generate function.
+    """
+
+    num_groups: int
+    n_samples_per_prompt: int = 4
+    sampling_params: dict = field(default_factory=lambda: {"max_new_tokens": 64})
+    max_concurrency: int = 64
+    group_filter: str | None = None
+    reward_key: str | None = None  # which entry of a dict reward the filter reads
+    partial_rollout: bool = False
+    offpolicy_tokens: str = "keep"
+    generate_fn: str | None = None
+
+    def __post_init__(self):
+        if self.num_groups < 1 or self.n_samples_per_prompt < 1 or self.max_concurrency < 1:
+            raise ValueError("num_groups, n_samples_per_prompt and max_concurrency must be >= 1")
+        if self.group_filter is not None:
+            GROUP_FILTERS.get(self.group_filter)  # unknown names fail here, listing known ones
+        if self.offpolicy_tokens not in OFFPOLICY_MODES:
+            raise ValueError(f"offpolicy_tokens must be one of {OFFPOLICY_MODES}")
+
+
+@dataclass
+class RolloutResult:
+    groups: list[list[Sample]]
+    leftovers: list[list[Sample]]  # aborted groups, to resume when partial rollout is on
+    metrics: dict[str, float]
+
+
+def scalar_reward(sample: Sample, key: str | None) -> float:
+    if isinstance(sample.reward, dict):
+        if key is None:
+            raise ValueError("rewards are dicts; set RolloutConfig.reward_key to pick one")
+        return float(sample.reward[key])
+    return float(sample.reward or 0.0)
+
+
+class _GroupRunner:
+    """Generates and scores one group under the shared semaphore."""
+
+    def __init__(self, ctx, reward_fn, config: RolloutConfig):
+        self.ctx = dataclasses.replace(ctx, offpolicy_tokens=config.offpolicy_tokens)
+        self.reward_fn, self.config = reward_fn, config
+        self.generate = load_function(config.generate_fn) if config.generate_fn else generate_sample
+        self.semaphore = asyncio.Semaphore(config.max_concurrency)
+
+    async def run(self, group: list[Sample]) -> list[Sample]:
+        outputs = await asyncio.gather(*(self._one(s) for s in group))
+        return [s for out in outputs for s in (out if isinstance(out, list) else [out])]
+
+    async def _one(self, sample: Sample) -> Sample | list[Sample]:
+        if sample.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED):
+            return sample  # finished before its group was aborted; already scored
+        async with self.semaphore:
+            try:
+                sample.metadata["rid"] = uuid.uuid4().hex
+                result = await self.generate(self.ctx, sample, self.config.sampling_params)
+            except Exception as error:  # kept with its error, never dropped silently
+                sample.status = SampleStatus.ABORTED
+                sample.metadata["error"] = f"{type(error).__name__}: {error}"
+                return sample
+        for item in result if isinstance(result, list) else [result]:
+            if item.status is not SampleStatus.ABORTED:
+                reward = self.reward_fn(item)
+                item.reward = await reward if inspect.isawaitable(reward) else reward
+        return result
+
+
+def make_groups(prompts: Iterator[Sample], n: int, start_index: int) -> Iterator[list[Sample]]:
+    """Each prompt template becomes a group of n fresh copies with group/sample indices."""
+    for group_index, template in enumerate(prompts, start=start_index):
+        group = []
+        for i in range(n):
+            sample = copy.deepcopy(template)
+            sample.group_index, sample.index = group_index, group_index * n + i
+            group.append(sample)
+        yield group
+
+
+async def default_rollout(
+    ctx: GenerateContext,
+    prompts: Iterator[Sample],
+    reward_fn: RewardFn,
+    config: RolloutConfig,
+    *,
+    engines: Sequence[EngineClient] = (),
+    resume: Sequence[list[Sample]] = (),
+) -> RolloutResult:
+    """One rollout batch. ``engines`` (direct engine clients) receive the abort of the
+    leftovers once the batch is full; ``resume`` are leftover groups of the last rollout."""
+    runner = _GroupRunner(ctx, reward_fn, config)
+    keep = GROUP_FILTERS.get(config.group_filter or "keep_all")
+    source = itertools.chain(iter(resume), make_groups(prompts, config.n_samples_per_prompt, 0))
+    max_in_flight = max(
+        config.num_groups, -(-config.max_concurrency // config.n_samples_per_prompt)
+    )
+    pending: set[asyncio.Task] = set()
+    kept, leftovers, counts = [], [], {"dropped": 0, "launched": 0}
+
+    def launch() -> None:
+        while len(pending) < max_in_flight:  # over-sample: more groups than still needed
+            group = next(source, None)
+            if group is None:
+                return
+            counts["launched"] += 1
+            pending.add(asyncio.ensure_future(runner.run(group)))
+
+    launch()
+    while pending and len(kept) < config.num_groups:
+        done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            pending.discard(task)
+            _sort_group(task.result(), keep, config, kept, leftovers, counts)
+        if len(kept) < config.num_groups:
+            launch()
+    if pending:  # the batch is full: stop the rest, keep their partial responses
+        await asyncio.gather(*(engine.abort() for engine in engines))
+        for group in await asyncio.gather(*pending):
+            leftovers.append(group)
+    extra, kept = kept[config.num_groups :], kept[: config.num_groups]
+    leftovers.extend(extra)
+    return RolloutResult(kept, _for_resume(leftovers, config), _metrics(kept, counts, leftovers))
+
+
+def _sort_group(group, keep, config, kept, leftovers, counts) -> None:
+    if any(s.status is SampleStatus.ABORTED for s in group):
+        leftovers.append(group)
+    elif keep([scalar_reward(s, config.reward_key) for s in group]):
+        kept.append(group)
+    else:
+        counts["dropped"] += 1
+
+
+def _for_resume(leftovers: list[list[Sample]], config: RolloutConfig) -> list[list[Sample]]:
+    """Leftovers to hand to the next rollout: with partial rollout, aborted samples keep
+    their partial response; otherwise they are dropped back to fresh prompts."""
+    if config.partial_rollout:
+        return leftovers
+    fresh = []
+    for group in leftovers:
+        for sample in group:
+            sample.tokens = sample.tokens[: sample.prompt_length]
+            sample.response_length, sample.loss_mask, sample.rollout_log_probs = 0, None, None
+            sample.weight_versions, sample.status = [], SampleStatus.PENDING
+        fresh.append(group)
+    return fresh
+
+
+def _metrics(kept, counts, leftovers) -> dict[str, float]:
+    samples = [s for g in kept for s in g]
+    lengths = [s.response_length for s in samples] or [0]
+    return {
+        "rollout/groups_launched": float(counts["launched"]),
+        "rollout/groups_dropped": float(counts["dropped"]),
+        "rollout/groups_left_over": float(len(leftovers)),
+        "rollout/truncated_frac": sum(s.status is SampleStatus.TRUNCATED for s in samples)
+        / max(len(samples), 1),
+        "rollout/response_length_mean": sum(lengths) / len(lengths),
+    }

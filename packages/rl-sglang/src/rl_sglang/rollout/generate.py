@@ -1,0 +1,111 @@
+"""Turning one :class:`~rl_core.types.Sample` into a response through the engine API.
+
+A generate function has the signature ``async fn(ctx, sample, sampling_params)`` and returns
+the sample (or several) with ``tokens``, ``response_length``, ``loss_mask``,
+``rollout_log_probs``, ``weight_versions`` and ``status`` filled. :func:`generate_sample`
+is the default; others are picked by dotted path with :func:`load_function`.
+Tokens go in and come out as ids (``input_ids`` / ``output_ids``): the text is never
+re-tokenised, so training sees exactly the tokens the engine sampled.
+"""
+
+import importlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from rl_core.types import Sample, SampleStatus
+from rl_sglang.client import EngineClient
+from rl_sglang.protocol import parse_token_logprobs
+
+OFFPOLICY_MODES = ("keep", "mask")
+STATUS_OF_FINISH = {
+    "stop": SampleStatus.COMPLETED,
+    "length": SampleStatus.TRUNCATED,
+    "abort": SampleStatus.ABORTED,
+}
+
+
+@dataclass(kw_only=True)
+class GenerateContext:
+    """What a generate function may use: the client (usually the router), a tokenizer for
+    text prompts, and how resumed partial responses are treated."""
+
+    client: EngineClient
+    tokenizer: Any = None
+    # A resumed response whose earlier part came from older weights: "keep" trains on it
+    # (correct it with rl_core.importance using rollout_log_probs), "mask" gives it loss 0.
+    offpolicy_tokens: str = "keep"
+
+    def prompt_ids(self, sample: Sample) -> list[int]:
+        if sample.tokens:
+            return list(sample.tokens)
+        if self.tokenizer is None:
+            raise ValueError("sample has no tokens and the GenerateContext has no tokenizer")
+        if isinstance(sample.prompt, list):  # chat messages
+            return list(
+                self.tokenizer.apply_chat_template(sample.prompt, add_generation_prompt=True)
+            )
+        return list(self.tokenizer.encode(sample.prompt))
+
+
+GenerateFn = Callable[[GenerateContext, Sample, dict], Awaitable["Sample | list[Sample]"]]
+
+
+def load_function(path: str) -> Callable:
+    """``"package.module:name"`` or ``"package.module.name"`` -> the object."""
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(f"{path!r} is not a dotted path like 'my_pkg.rollouts:generate'")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"cannot load {path!r}: {error}") from error
+
+
+def append_response(sample: Sample, output: dict, *, trainable: bool = True) -> None:
+    """Append one /generate output (ids, log-probs, weight version) to ``sample``."""
+    meta = output["meta_info"]
+    logprobs, ids = parse_token_logprobs(meta.get("output_token_logprobs", []))
+    if ids and ids != list(output["output_ids"]):
+        raise ValueError("output_token_logprobs do not match output_ids; request return_logprob")
+    ids = list(output["output_ids"])
+    sample.tokens.extend(ids)
+    sample.response_length += len(ids)
+    sample.loss_mask = sample.effective_loss_mask()[: sample.response_length - len(ids)]
+    sample.loss_mask.extend([int(trainable)] * len(ids))
+    sample.rollout_log_probs = (sample.rollout_log_probs or []) + (logprobs or [0.0] * len(ids))
+    version = str(meta.get("weight_version", ""))
+    if ids and (not sample.weight_versions or sample.weight_versions[-1] != version):
+        sample.weight_versions.append(version)
+    sample.status = STATUS_OF_FINISH[meta["finish_reason"]["type"]]
+    sample.metadata["finish_reason"] = meta["finish_reason"]
+
+
+def remaining_budget(sample: Sample, sampling_params: dict) -> dict:
+    """Sampling params with ``max_new_tokens`` reduced by the response already there."""
+    budget = int(sampling_params.get("max_new_tokens", 128)) - sample.response_length
+    return {**sampling_params, "max_new_tokens": max(budget, 0)}
+
+
+async def generate_sample(ctx: GenerateContext, sample: Sample, sampling_params: dict) -> Sample:
+    """Generate (or resume) the response of ``sample``; statuses follow the finish reason."""
+    old_length, old_versions = sample.response_length, list(sample.weight_versions)
+    if not sample.tokens:
+        sample.tokens = ctx.prompt_ids(sample)
+    output = await ctx.client.generate(
+        input_ids=sample.tokens,
+        sampling_params=remaining_budget(sample, sampling_params),
+        return_logprob=True,
+        rid=sample.metadata.get("rid"),
+    )
+    append_response(sample, output)
+    if ctx.tokenizer is not None:
+        sample.response = ctx.tokenizer.decode(sample.tokens[sample.prompt_length :])
+    if old_length:
+        sample.metadata["resumed"] = sample.metadata.get("resumed", 0) + 1
+        stale = old_versions and old_versions[-1] != sample.weight_versions[-1]
+        if stale and ctx.offpolicy_tokens == "mask":
+            sample.loss_mask[:old_length] = [0] * old_length
+    return sample

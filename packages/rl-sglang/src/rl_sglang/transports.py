@@ -1,0 +1,191 @@
+"""Trainer side of the weight updates: carry ``(hf_name, tensor)`` buckets into engines.
+
+- :func:`update_from_disk`: an HF safetensors directory written atomically, then
+  ``/update_weights_from_disk`` on every engine.
+- :func:`update_from_tensor`: tensor handles (CUDA IPC on GPU, shared memory on CPU),
+  serialized like SGLang's MultiprocessingSerializer, to ``/update_weights_from_tensor``.
+- :class:`DistributedWeightSender`: a process group between the trainer (rank 0) and every
+  engine, ``/update_weights_from_distributed`` then broadcasts (gloo on CPU, nccl on GPU).
+
+Each call returns once every engine applied the bucket and bumped its weight version.
+"""
+
+import asyncio
+import base64
+import contextlib
+import datetime
+import io
+import os
+import shutil
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from rl_sglang.client import EngineClient
+from rl_sglang.engine.weights import make_process_group
+
+NamedTensors = Sequence[tuple[str, torch.Tensor]]
+
+
+def save_weights_atomic(named: NamedTensors, path: str | Path, config_dir=None) -> Path:
+    """Write ``model.safetensors`` (plus config/tokenizer files of ``config_dir``) into a
+    temporary sibling and rename it to ``path``, so readers never see half a checkpoint."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    staging = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    staging.mkdir(parents=True)
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in named}
+    save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
+    for item in Path(config_dir).glob("*.json") if config_dir else []:
+        shutil.copy2(item, staging / item.name)
+    if path.exists():
+        old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
+        os.replace(path, old)
+        shutil.rmtree(old)
+    os.replace(staging, path)
+    return path
+
+
+async def update_from_disk(
+    clients, named: NamedTensors, path, *, weight_version=None, config_dir=None
+):
+    """Save ``named`` under ``path`` and have every engine load it."""
+    await asyncio.to_thread(save_weights_atomic, named, path, config_dir)
+    body = {"weight_version": weight_version} if weight_version is not None else {}
+    return await asyncio.gather(*(c.update_weights_from_disk(str(path), **body) for c in clients))
+
+
+@contextlib.contextmanager
+def _file_system_sharing():
+    """CPU tensors travel as named shared-memory files, which an unrelated process (the
+    engine) can open; the default file-descriptor strategy only works between relatives."""
+    import torch.multiprocessing as mp
+
+    previous = mp.get_sharing_strategy()
+    mp.set_sharing_strategy("file_system")
+    try:
+        yield
+    finally:
+        mp.set_sharing_strategy(previous)
+
+
+def flatten_bucket(named: NamedTensors) -> dict:
+    """One uint8 buffer ``[N_bytes]`` holding every tensor, plus per-tensor metadata
+    (name, shape, dtype, start_idx, end_idx) to cut it back apart."""
+    chunks, metadata, offset = [], [], 0
+    for name, tensor in named:
+        raw = tensor.detach().contiguous().view(-1).view(torch.uint8)
+        metadata.append({"name": name, "shape": list(tensor.shape), "dtype": str(tensor.dtype),
+                         "start_idx": offset, "end_idx": offset + raw.numel()})  # fmt: skip
+        chunks.append(raw)
+        offset += raw.numel()
+    return {"flattened_tensor": torch.cat(chunks), "metadata": metadata}
+
+
+def serialize_bucket(named: NamedTensors, *, flatten: bool = False) -> tuple[str, list]:
+    """``(base64 payload, keep_alive)``: a ForkingPickler dump of the bucket (CUDA IPC
+    handles or shared-memory names, not the bytes). Keep ``keep_alive`` referenced until
+    the engine answered: it owns the shared storage."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401  (registers the tensor reductions)
+
+    if flatten:
+        bucket = flatten_bucket(named)
+        bucket["flattened_tensor"] = _shareable(bucket["flattened_tensor"])
+        keep_alive = [bucket["flattened_tensor"]]
+    else:
+        bucket = [(name, _shareable(t)) for name, t in named]
+        keep_alive = [t for _, t in bucket]
+    buffer = io.BytesIO()
+    with _file_system_sharing():
+        ForkingPickler(buffer).dump(bucket)
+    return base64.b64encode(buffer.getvalue()).decode(), keep_alive
+
+
+def _shareable(tensor: torch.Tensor) -> torch.Tensor:
+    tensor = tensor.detach()
+    return tensor if tensor.is_cuda else tensor.contiguous().clone().share_memory_()
+
+
+async def update_from_tensor(
+    clients, named: NamedTensors, *, weight_version=None, flatten=False, tp_size: int = 1
+):
+    """Send one bucket to every (colocated) engine through tensor handles (one payload per
+    TP rank of the engine, as SGLang indexes them; every rank opens the same handles)."""
+    payload, keep_alive = serialize_bucket(named, flatten=flatten)
+    body = {"load_format": "flattened_bucket" if flatten else None}
+    if weight_version is not None:
+        body["weight_version"] = weight_version
+    results = await asyncio.gather(
+        *(c.update_weights_from_tensor([payload] * tp_size, **body) for c in clients)
+    )
+    del keep_alive
+    return results
+
+
+class DistributedWeightSender:
+    """Rank 0 of a group with every engine; ``await connect()`` once, ``await send()`` per
+    bucket. ``clients`` talk to the engines directly (not through the router)."""
+
+    def __init__(self, clients: Sequence[EngineClient], *, master_address="127.0.0.1",
+                 master_port=None, backend="gloo", group_name="weight_update_group"):  # fmt: skip
+        from rl_sglang.process import free_port
+
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' (CPU) or 'nccl' (GPU), got {backend!r}")
+        self.clients, self.backend, self.group_name = list(clients), backend, group_name
+        self.master_address = master_address
+        self.master_port = master_port or free_port(master_address)
+        self.group = None
+
+    @property
+    def world_size(self) -> int:
+        return 1 + len(self.clients)
+
+    async def connect(self) -> None:
+        fields = dict(master_address=self.master_address, master_port=self.master_port,
+                      world_size=self.world_size, group_name=self.group_name, backend=self.backend)  # fmt: skip
+        joins = [
+            asyncio.ensure_future(c.init_weights_update_group(rank_offset=1 + i, **fields))
+            for i, c in enumerate(self.clients)
+        ]
+        self.group = await asyncio.to_thread(self._create_group)
+        await asyncio.gather(*joins)
+
+    def _create_group(self):
+        from torch.distributed import PrefixStore, TCPStore
+
+        timeout = datetime.timedelta(seconds=120)
+        store = TCPStore(
+            self.master_address, self.master_port, self.world_size, True, timeout=timeout
+        )
+        self._store = store  # the master store must outlive the group's rendezvous
+        return make_process_group(PrefixStore(self.group_name, store), 0, self.world_size,
+                                  self.backend, timeout)  # fmt: skip
+
+    async def send(self, named: NamedTensors, *, weight_version=None) -> list[dict]:
+        """Announce the bucket to every engine, then broadcast its tensors in order."""
+        if self.group is None:
+            raise RuntimeError("call await sender.connect() before send()")
+        named = list(named)
+        body = {"names": [n for n, _ in named], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named],
+                "shapes": [list(t.shape) for _, t in named], "group_name": self.group_name}  # fmt: skip
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        posts = [
+            asyncio.ensure_future(c.update_weights_from_distributed(**body)) for c in self.clients
+        ]
+        await asyncio.to_thread(self._broadcast, [t for _, t in named])
+        return await asyncio.gather(*posts)
+
+    def _broadcast(self, tensors: list[torch.Tensor]) -> None:
+        options = torch.distributed.BroadcastOptions()
+        options.rootRank = 0
+        for tensor in tensors:
+            wire = tensor.detach().contiguous()
+            wire = wire if self.backend == "nccl" else wire.cpu()
+            self.group.broadcast([wire], options).wait()

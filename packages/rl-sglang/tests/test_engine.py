@@ -1,0 +1,223 @@
+"""The embedded engine in-process: log-probs equal a teacher-forced forward, greedy equals
+model.generate, continuous admission, stops, n and seeds, abort and pause modes."""
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from conftest import teacher_forced_logprobs
+from rl_sglang.engine.core import Engine, load_model
+
+
+@pytest.fixture(scope="module", params=["dynamic", "static"])
+def engine(tiny_dir, request):
+    """Both runners: the left-padded dynamic cache and the static slot cache (eager here,
+    CUDA graphs on GPU)."""
+    model, tokenizer = load_model(str(tiny_dir))
+    engine = Engine(model, tokenizer, model_path=str(tiny_dir), max_batch_size=4,
+                    runner=request.param, max_context=2048)  # fmt: skip
+    assert engine.runner_kind == request.param
+    yield engine
+    engine.scheduler.stop()
+
+
+def generate(engine, **body):
+    async def go():
+        groups, _ = engine.make_requests(body)
+        outs = await asyncio.gather(*(engine.run(g) for g in groups))
+        return [o for out in outs for o in out]
+
+    return asyncio.run(go())
+
+
+def logprobs_of(out):
+    return [entry[0] for entry in out["meta_info"]["output_token_logprobs"]]
+
+
+def test_logprobs_match_teacher_forcing_in_a_mixed_batch(engine, tiny_model):
+    # 6 prompts of different lengths with max_batch_size 4: two join mid-generation
+    prompts = [[1, 2, 3], [9] * 11, [5], [7, 8], [100, 101, 102, 103, 104], [42] * 4]
+    for temperature in (1.0, 0.7):
+        params = {"max_new_tokens": 10, "temperature": temperature, "ignore_eos": True}
+        outs = generate(engine, input_ids=prompts, sampling_params=params, return_logprob=True)
+        for prompt, out in zip(prompts, outs, strict=True):
+            assert len(out["output_ids"]) == 10 == out["meta_info"]["completion_tokens"]
+            expected = teacher_forced_logprobs(tiny_model, prompt, out["output_ids"], temperature)
+            assert logprobs_of(out) == pytest.approx(expected, abs=1e-4)
+
+
+def test_greedy_equals_model_generate(engine, tiny_model):
+    prompts = [[1, 2, 3], [50, 60, 70, 80, 90]]
+    outs = generate(
+        engine,
+        input_ids=prompts,
+        sampling_params={"max_new_tokens": 12, "temperature": 0, "ignore_eos": True},
+    )
+    for prompt, out in zip(prompts, outs, strict=True):
+        ref = tiny_model.generate(
+            torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False
+        )
+        assert out["output_ids"] == ref[0, len(prompt) :].tolist()
+        assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
+
+
+def test_stop_token_and_stop_string(engine, tokenizer):
+    greedy = generate(
+        engine,
+        input_ids=[1, 2, 3],
+        sampling_params={"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+    )[0]
+    third = greedy["output_ids"][2]
+    out = generate(
+        engine,
+        input_ids=[1, 2, 3],
+        sampling_params={
+            "max_new_tokens": 8,
+            "temperature": 0,
+            "stop_token_ids": [third],
+            "ignore_eos": True,
+        },
+    )[0]
+    assert out["output_ids"] == greedy["output_ids"][: greedy["output_ids"].index(third) + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": third}
+    long = generate(
+        engine,
+        input_ids=[1, 2, 3],
+        sampling_params={"max_new_tokens": 60, "temperature": 0, "ignore_eos": True},
+    )[0]["output_ids"]
+    position = next(i for i, t in enumerate(long) if i > 0 and 65 <= t <= 122)  # an ASCII letter
+    stop_text = chr(long[position])
+    out = generate(
+        engine,
+        input_ids=[1, 2, 3],
+        sampling_params={
+            "max_new_tokens": 60,
+            "temperature": 0,
+            "stop": [stop_text],
+            "ignore_eos": True,
+        },
+    )[0]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_text}
+    assert out["output_ids"] == long[: long.index(long[position]) + 1]
+    assert out["text"] == tokenizer.decode(
+        long[: long.index(long[position])]
+    )  # trimmed like SGLang
+
+
+def test_eos_stops_unless_ignored(engine):
+    eos = 256
+    greedy = generate(
+        engine,
+        input_ids=[3, 4],
+        sampling_params={"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
+    )[0]
+    engine.scheduler.stopper.eos_token_ids.add(greedy["output_ids"][1])  # pretend token 2 is EOS
+    try:
+        out = generate(
+            engine, input_ids=[3, 4], sampling_params={"max_new_tokens": 6, "temperature": 0}
+        )[0]
+        assert out["output_ids"] == greedy["output_ids"][:2]
+        assert out["meta_info"]["finish_reason"]["type"] == "stop"
+    finally:
+        engine.scheduler.stopper.eos_token_ids.discard(greedy["output_ids"][1])
+        engine.scheduler.stopper.eos_token_ids.add(eos)
+
+
+def test_n_samples_and_seeds(engine):
+    params = {"max_new_tokens": 8, "n": 3, "sampling_seed": 11, "ignore_eos": True}
+    first = generate(engine, input_ids=[1, 2], sampling_params=params, rid="abc")
+    again = generate(engine, input_ids=[1, 2], sampling_params=params)
+    assert [o["output_ids"] for o in first] == [o["output_ids"] for o in again]
+    assert len({tuple(o["output_ids"]) for o in first}) > 1  # seeds differ per sample
+    assert [o["meta_info"]["id"] for o in first] == ["abc-0", "abc-1", "abc-2"]
+
+
+def test_zero_max_new_tokens_and_bad_params(engine):
+    out = generate(engine, input_ids=[1], sampling_params={"max_new_tokens": 0})[0]
+    assert out["output_ids"] == [] and out["meta_info"]["finish_reason"]["type"] == "length"
+    with pytest.raises(ValueError, match="unsupported sampling_params"):
+        engine.make_requests({"input_ids": [1], "sampling_params": {"beam_width": 2}})
+    with pytest.raises(ValueError, match="top_p"):
+        engine.make_requests({"input_ids": [1], "sampling_params": {"top_p": 0}})
+
+
+def _start_long(engine, rid, results):
+    body = {"input_ids": [1, 2, 3], "rid": rid, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True, "temperature": 0}}  # fmt: skip
+
+    def target():
+        results[rid] = generate(engine, **body)[0]
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    return thread
+
+
+def _wait_tokens(engine, rid, count=5):
+    import time
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        running = [r for r in list(engine.scheduler._running) if r.rid == rid]
+        if running and len(running[0].output_ids) >= count:
+            return
+        time.sleep(0.01)
+    raise TimeoutError("no tokens generated")
+
+
+def test_abort_returns_partial_output(engine, tiny_model):
+    results = {}
+    thread = _start_long(engine, "long", results)
+    _wait_tokens(engine, "long")
+    engine.scheduler.abort("long")
+    thread.join(30)
+    out = results["long"]
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 5 <= len(out["output_ids"]) < 2000
+    expected = teacher_forced_logprobs(tiny_model, [1, 2, 3], out["output_ids"])
+    assert logprobs_of(out) == pytest.approx(expected, abs=1e-4)
+
+
+def test_pause_retract_then_continue_gives_the_uninterrupted_output(engine):
+    body = {
+        "input_ids": [1, 2, 3],
+        "sampling_params": {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True},
+    }
+    reference = generate(engine, **body)[0]["output_ids"]
+    for mode in ("retract", "in_place"):
+        results = {}
+        thread = _start_long(engine, mode, results)
+        _wait_tokens(engine, mode)
+        assert engine.scheduler.pause(mode).result(10) == 1
+        produced = len(
+            engine.scheduler._waiting[0].output_ids
+            if mode == "retract"
+            else engine.scheduler._running[0].output_ids
+        )
+        threading.Event().wait(0.2)
+        still = engine.scheduler._waiting or engine.scheduler._running
+        assert len(still[0].output_ids) == produced  # paused: nothing generated
+        engine.scheduler.resume().result(10)
+        _wait_tokens(engine, mode, 40)
+        engine.scheduler.abort(mode)
+        thread.join(30)
+        assert results[mode]["output_ids"][:30] == reference
+
+
+def test_a_failing_step_aborts_the_batch_instead_of_hanging(engine, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine.scheduler.runner, "decode", broken)
+    out = generate(
+        engine, input_ids=[[1, 2], [3]], sampling_params={"max_new_tokens": 5, "ignore_eos": True}
+    )
+    assert [o["meta_info"]["finish_reason"]["type"] for o in out] == ["abort", "abort"]
+    assert "device lost" in out[0]["meta_info"]["finish_reason"]["message"]
+    monkeypatch.undo()
+    again = generate(
+        engine, input_ids=[1, 2], sampling_params={"max_new_tokens": 3, "ignore_eos": True}
+    )
+    assert len(again[0]["output_ids"]) == 3  # the engine keeps serving

@@ -1,0 +1,58 @@
+"""Process wrappers without a model: --sglang-* passthrough, the install hint, log tails."""
+
+import importlib.util
+import os
+
+import pytest
+
+from rl_sglang.process import EmbeddedEngine, SGLangServer, free_port, sglang_args_from_cli
+
+
+def test_sglang_args_passthrough_strips_the_prefix():
+    argv = ["--num-engines", "2", "--sglang-mem-fraction-static", "0.7",
+            "--sglang-enable-torch-compile", "--sglang-tp=2", "--x"]  # fmt: skip
+    passthrough, rest = sglang_args_from_cli(argv)
+    assert passthrough == {"mem_fraction_static": "0.7", "enable_torch_compile": True, "tp": "2"}
+    assert rest == ["--num-engines", "2", "--x"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang is installed")
+def test_sglang_server_without_sglang_says_what_to_install():
+    with pytest.raises(ImportError, match="pip install"):
+        SGLangServer("/models/x", sglang_args={"tp": 2})
+
+
+def test_sglang_path_goes_to_the_server_only(tmp_path, monkeypatch):
+    (tmp_path / "sglang").mkdir()  # looks like a site dir holding SGLang
+    monkeypatch.setenv("PYTHONPATH", "/inherited")
+    server = SGLangServer("/models/x", sglang_path=str(tmp_path), log_dir=tmp_path)
+    assert server.env["PYTHONPATH"] == f"{tmp_path}{os.pathsep}/inherited"
+    monkeypatch.setenv("RL_SGLANG_PYTHONPATH", str(tmp_path))
+    assert SGLangServer("/models/x", log_dir=tmp_path).env["PYTHONPATH"].startswith(str(tmp_path))
+    assert "sglang.launch_server" in server.command()
+
+
+def test_failed_start_reports_the_log_tail(tmp_path):
+    engine = EmbeddedEngine(tmp_path / "missing-model", log_dir=tmp_path, ready_timeout_s=120)
+    with pytest.raises(RuntimeError, match=r"last \d+ lines") as info:
+        engine.start()
+    assert "missing-model" in str(info.value)
+    assert not engine.alive()
+
+
+def test_engines_and_router_are_rollout_engines(tmp_path):
+    from rl_core.protocols import RolloutEngine
+    from rl_sglang.router import Router
+
+    assert isinstance(EmbeddedEngine(tmp_path, log_dir=tmp_path), RolloutEngine)
+    assert isinstance(Router([], log_dir=tmp_path), RolloutEngine)
+    with pytest.raises(ValueError, match="policy"):
+        Router([], policy="fastest")
+
+
+def test_free_port_is_bindable():
+    import socket
+
+    port = free_port()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))

@@ -1,0 +1,167 @@
+"""Rollout functions against the real cluster: dynamic sampling with over-sampling and
+aborted leftovers, partial-rollout resume, a custom generate function by dotted path,
+evaluation pass@k and the multi-turn calculator's token bookkeeping."""
+
+import asyncio
+
+import pytest
+
+from conftest import run, teacher_forced_logprobs
+from rl_core.metrics import pass_at_k_groups
+from rl_core.types import Sample, SampleStatus
+from rl_sglang.client import EngineClient
+from rl_sglang.rollout.default import RolloutConfig, default_rollout
+from rl_sglang.rollout.eval import eval_rollout
+from rl_sglang.rollout.generate import GenerateContext, generate_sample, load_function
+from rl_sglang.rollout.multiturn import CalculatorTool, calculate
+from rl_sglang.transports import update_from_tensor
+
+pytestmark = pytest.mark.integration
+
+
+async def budget_generate(ctx, sample, sampling_params):
+    """A custom generate function: the sample's metadata sets its token budget."""
+    budget = sample.metadata.get("budget", sampling_params["max_new_tokens"])
+    return await generate_sample(ctx, sample, {**sampling_params, "max_new_tokens": budget})
+
+
+def parity_reward(sample: Sample) -> float:
+    return float(sample.tokens[sample.prompt_length] % 2 == 0)
+
+
+def prompts(count, **metadata):
+    return [Sample(prompt=f"question {i}:", label=i, metadata=dict(metadata)) for i in range(count)]
+
+
+async def with_ctx(cluster, tokenizer, fn, **ctx_kwargs):
+    router = EngineClient(cluster.router.url)
+    engines = [EngineClient(url) for url in cluster.engine_urls]
+    try:
+        return await fn(GenerateContext(client=router, tokenizer=tokenizer, **ctx_kwargs), engines)
+    finally:
+        for client in [router, *engines]:
+            await client.close()
+
+
+def test_dynamic_sampling_fills_the_batch_with_informative_groups(cluster, tokenizer, tiny_model):
+    config = RolloutConfig(num_groups=3, n_samples_per_prompt=4, group_filter="nonzero_std",
+                           sampling_params={"max_new_tokens": 5, "ignore_eos": True})  # fmt: skip
+    result = run(with_ctx(cluster, tokenizer, lambda ctx, engines: default_rollout(
+        ctx, iter(prompts(40)), parity_reward, config, engines=engines)))  # fmt: skip
+    assert len(result.groups) == 3
+    for group in result.groups:
+        rewards = [s.reward for s in group]
+        assert len(group) == 4 and 0 < sum(rewards) < 4  # nonzero std
+        assert len({s.group_index for s in group}) == 1
+        for sample in group:
+            sample.validate()
+            assert sample.status is SampleStatus.TRUNCATED and sample.response_length == 5
+            assert sample.tokens[: sample.prompt_length] == tokenizer.encode(sample.prompt)
+            expected = teacher_forced_logprobs(
+                tiny_model,
+                sample.tokens[: sample.prompt_length],
+                sample.tokens[sample.prompt_length :],
+            )
+            assert sample.rollout_log_probs == pytest.approx(expected, abs=1e-4)
+            assert len(sample.weight_versions) == 1
+    assert result.metrics["rollout/groups_launched"] >= 3 + result.metrics["rollout/groups_dropped"]
+
+
+def test_leftovers_are_aborted_and_resume_as_partial_rollouts(cluster, tokenizer, tiny_model):
+    # one short group fills the batch; long groups are still running and get aborted
+    source = prompts(1, budget=3) + prompts(3, budget=4000)
+    config = RolloutConfig(num_groups=1, n_samples_per_prompt=2, partial_rollout=True, offpolicy_tokens="mask",
+                           generate_fn="test_rollout:budget_generate",
+                           sampling_params={"max_new_tokens": 4000, "ignore_eos": True})  # fmt: skip
+
+    async def go(ctx, engines):
+        first = await default_rollout(ctx, iter(source), lambda s: 1.0, config, engines=engines)
+        aborted = [s.status is SampleStatus.ABORTED for g in first.leftovers for s in g]
+        partial_lengths = {s.index: s.response_length for g in first.leftovers for s in g}
+        for group in first.leftovers:  # finish them quickly this time
+            for sample in group:
+                sample.metadata["budget"] = sample.response_length + 3
+        # a weight sync in between (same weights, new version) makes the old part stale
+        await update_from_tensor(
+            engines, list(tiny_model.state_dict().items()), weight_version="resumed-v"
+        )
+        second = await default_rollout(
+            ctx, iter([]), lambda s: 1.0, config, engines=engines, resume=first.leftovers
+        )
+        return first, aborted, partial_lengths, second
+
+    first, aborted, partial_lengths, second = run(with_ctx(cluster, tokenizer, go))
+    assert len(first.groups) == 1 and first.groups[0][0].response_length == 3
+    assert aborted and all(aborted) and len(aborted) == 6
+    assert any(n > 0 for n in partial_lengths.values())
+    resumed = [s for g in second.groups for s in g]
+    assert resumed and {s.status for s in resumed} == {SampleStatus.TRUNCATED}
+    for sample in resumed:
+        sample.validate()
+        old = partial_lengths[sample.index]
+        assert sample.response_length == old + 3
+        if old:
+            assert sample.metadata["resumed"] == 1
+            assert sample.loss_mask == [0] * old + [1] * 3  # off-policy part masked
+            assert sample.weight_versions[-1] == "resumed-v" and len(sample.weight_versions) == 2
+
+
+def test_custom_generate_function_by_dotted_path():
+    assert load_function("test_rollout:budget_generate") is budget_generate
+    assert load_function("rl_sglang.rollout.multiturn.generate_with_calculator")
+    with pytest.raises(ValueError, match="cannot load"):
+        load_function("rl_sglang.rollout.nothing:here")
+    with pytest.raises(ValueError, match="unknown group filter"):
+        RolloutConfig(num_groups=1, group_filter="bogus")
+
+
+def test_eval_rollout_reports_pass_at_k_per_dataset(cluster, tokenizer):
+    datasets = {"odd": prompts(3), "even": prompts(2)}
+    metrics, groups = run(with_ctx(cluster, tokenizer, lambda ctx, _: eval_rollout(
+        ctx, datasets, parity_reward, n_samples_per_prompt=4, ks=(1, 2, 4),
+        sampling_params={"max_new_tokens": 2, "ignore_eos": True})))  # fmt: skip
+    for name in datasets:
+        correct = [[s.reward >= 1.0 for s in g] for g in groups[name]]
+        expected = pass_at_k_groups(correct, (1, 2, 4))
+        for k in (1, 2, 4):
+            assert metrics[f"eval/{name}/pass@{k}"] == pytest.approx(expected[f"pass@{k}"])
+        assert metrics[f"eval/{name}/pass@1"] <= metrics[f"eval/{name}/pass@4"]
+        assert metrics[f"eval/{name}/truncated_frac"] == 1.0
+
+
+def test_calculator():
+    assert calculate("2*(3+4)") == "14"
+    assert calculate(" 7 / 2 ") == "3.5"
+    assert calculate("-2**3") == "-8"
+    assert calculate("__import__('os')").startswith("error")
+    assert calculate("1/0") == "error: ZeroDivisionError"
+
+
+def test_multi_turn_token_bookkeeping(cluster, tokenizer, tiny_model):
+    prompt = "calc:"
+    prompt_ids = tokenizer.encode(prompt)
+
+    async def go(ctx, _):
+        first = await ctx.client.generate(
+            input_ids=prompt_ids, sampling_params={"max_new_tokens": 1, "temperature": 0}
+        )
+        tool = CalculatorTool(
+            call_end=first["output_ids"][0], max_turns=2
+        )  # the first token "calls" the tool
+        params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+        return await tool(ctx, Sample(prompt=prompt), params)
+
+    sample = run(with_ctx(cluster, tokenizer, go))
+    sample.validate()
+    tool_ids = tokenizer.encode("<result>error: no <calc> expression</result>")
+    response = sample.tokens[len(prompt_ids) :]
+    assert sample.metadata["tool_calls"] >= 1
+    assert response[1 : 1 + len(tool_ids)] == tool_ids
+    assert sample.loss_mask[: 1 + len(tool_ids)] == [1] + [0] * len(tool_ids)
+    assert sample.rollout_log_probs[1 : 1 + len(tool_ids)] == [0.0] * len(tool_ids)
+    # model tokens' log-probs equal a teacher-forced forward over the whole token sequence
+    reference = teacher_forced_logprobs(tiny_model, prompt_ids, response)
+    for mask, got, want in zip(sample.loss_mask, sample.rollout_log_probs, reference, strict=True):
+        if mask:
+            assert got == pytest.approx(want, abs=1e-4)
+    assert asyncio.iscoroutinefunction(CalculatorTool.__call__)

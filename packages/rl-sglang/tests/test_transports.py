@@ -1,0 +1,85 @@
+"""Weight buckets without servers: flatten round-trip, tensor handles through shared
+memory into another process, the restricted unpickler, the atomic safetensors write."""
+
+import base64
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rl_sglang.engine.weights import (
+    copy_into_model,
+    deserialize_bucket,
+    named_tensors_from_payload,
+    read_safetensors_dir,
+    unflatten_bucket,
+)
+from rl_sglang.transports import flatten_bucket, save_weights_atomic, serialize_bucket
+
+
+def bucket():
+    return [("a", torch.arange(6, dtype=torch.float32).view(2, 3)),
+            ("b", torch.tensor([1, 2, 3], dtype=torch.int64)),
+            ("c", torch.tensor([0.5, -1.5], dtype=torch.bfloat16))]  # fmt: skip
+
+
+def test_flatten_round_trip_keeps_names_shapes_dtypes_values():
+    flat = flatten_bucket(bucket())
+    assert flat["flattened_tensor"].dtype == torch.uint8
+    assert flat["flattened_tensor"].numel() == 6 * 4 + 3 * 8 + 2 * 2
+    for (name, tensor), (name2, tensor2) in zip(bucket(), unflatten_bucket(flat), strict=True):
+        assert name == name2 and tensor2.dtype == tensor.dtype and torch.equal(tensor, tensor2)
+
+
+@pytest.mark.parametrize("flatten", [False, True])
+def test_serialized_bucket_opens_in_an_unrelated_process(flatten):
+    payload, keep_alive = serialize_bucket(bucket(), flatten=flatten)
+    script = (
+        "import sys, torch; from rl_sglang.engine.weights import named_tensors_from_payload as f;"
+        "named = f([sys.stdin.read()], sys.argv[1] or None);"
+        "print(sum(float(t.double().sum()) for _, t in named), [n for n, _ in named])"
+    )
+    out = subprocess.run([sys.executable, "-c", script, "flattened_bucket" if flatten else ""],
+                         input=payload, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[0] == str(15.0 + 6 + (0.5 - 1.5))
+    del keep_alive
+
+
+def test_restricted_unpickler_refuses_arbitrary_code():
+    class Evil:
+        def __reduce__(self):
+            import os
+
+            return (os.system, ("echo pwned",))
+
+    payload = base64.b64encode(pickle.dumps(Evil())).decode()
+    with pytest.raises(pickle.UnpicklingError, match="refusing"):
+        deserialize_bucket(payload)
+    with pytest.raises(ValueError, match="load_format"):
+        named_tensors_from_payload([serialize_bucket(bucket())[0]], "npz")
+
+
+def test_save_weights_atomic_replaces_and_reads_back(tmp_path):
+    target = tmp_path / "weights"
+    save_weights_atomic(bucket(), target)
+    save_weights_atomic([(n, t * 2) for n, t in bucket()], target)
+    loaded = dict(read_safetensors_dir(target))
+    assert torch.equal(loaded["b"], torch.tensor([2, 4, 6]))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["weights"]  # no staging leftovers
+
+
+def test_copy_into_model_validates_before_touching(tiny_model):
+    import copy
+
+    model = copy.deepcopy(tiny_model)
+    before = model.lm_head.weight.clone()
+    with pytest.raises(ValueError, match="unknown weight"):
+        copy_into_model(model, [("lm_head.weight", before * 0), ("nope", before)])
+    with pytest.raises(ValueError, match="shape"):
+        copy_into_model(model, [("lm_head.weight", before[:1])])
+    assert torch.equal(model.lm_head.weight, before)
+    assert copy_into_model(model, [("lm_head.weight", before * 3)]) == 1
+    assert torch.equal(model.lm_head.weight, before * 3)

@@ -1,0 +1,128 @@
+"""Weight updates by each transport into live engines: afterwards every engine reports the
+new version and its log-probs equal a reference forward of the new weights."""
+
+import pytest
+
+from conftest import run, teacher_forced_logprobs
+from rl_sglang import transports
+from rl_sglang.client import EngineClient
+from rl_sglang.tiny import random_model, tiny_config
+
+pytestmark = pytest.mark.integration
+PROMPT = [10, 20, 30, 40]
+
+
+@pytest.fixture(scope="module")
+def restore_weights(cluster, tiny_model, tmp_path_factory):
+    yield
+    path = tmp_path_factory.mktemp("restore") / "w"
+    run(
+        _with_clients(
+            cluster,
+            lambda cs: transports.update_from_disk(cs, list(tiny_model.state_dict().items()), path),
+        )
+    )
+
+
+async def _with_clients(cluster, fn):
+    clients = [EngineClient(url) for url in cluster.engine_urls]
+    try:
+        return await fn(clients)
+    finally:
+        for client in clients:
+            await client.close()
+
+
+def check_engines_use(cluster, model, version):
+    """Each engine's sampled tokens have the log-probs ``model`` gives them."""
+
+    async def go(clients):
+        outs = []
+        for client in clients:
+            outs.append(await client.generate(input_ids=PROMPT, return_logprob=True,
+                                              sampling_params={"max_new_tokens": 8, "ignore_eos": True}))  # fmt: skip
+        return outs
+
+    for out in run(_with_clients(cluster, go)):
+        assert out["meta_info"]["weight_version"] == version
+        logprobs = [e[0] for e in out["meta_info"]["output_token_logprobs"]]
+        assert logprobs == pytest.approx(
+            teacher_forced_logprobs(model, PROMPT, out["output_ids"]), abs=1e-4
+        )
+        assert logprobs != pytest.approx(
+            teacher_forced_logprobs(random_model(tiny_config(), seed=0), PROMPT, out["output_ids"]),
+            abs=1e-3,
+        )
+
+
+def new_weights(seed):
+    model = random_model(tiny_config(), seed=seed)
+    return model, list(model.state_dict().items())
+
+
+def test_update_from_disk(cluster, restore_weights, tmp_path):
+    model, named = new_weights(101)
+    results = run(
+        _with_clients(
+            cluster,
+            lambda cs: transports.update_from_disk(
+                cs, named, tmp_path / "w", weight_version="disk-1"
+            ),
+        )
+    )
+    assert all(r["success"] for r in results)
+    check_engines_use(cluster, model, "disk-1")
+
+
+@pytest.mark.parametrize("flatten", [False, True])
+def test_update_from_tensor(cluster, restore_weights, flatten):
+    model, named = new_weights(202 + flatten)
+    version = f"tensor-{int(flatten)}"
+    run(
+        _with_clients(
+            cluster,
+            lambda cs: transports.update_from_tensor(
+                cs, named, weight_version=version, flatten=flatten
+            ),
+        )
+    )
+    check_engines_use(cluster, model, version)
+
+
+def test_update_from_distributed_gloo_in_two_buckets(cluster, restore_weights):
+    model, named = new_weights(303)
+
+    async def go(clients):
+        sender = transports.DistributedWeightSender(clients, backend="gloo")
+        await sender.connect()
+        await sender.send(named[:10])
+        return await sender.send(named[10:], weight_version="dist-1")
+
+    results = run(_with_clients(cluster, go))
+    assert [r["weight_version"] for r in results] == ["dist-1", "dist-1"]
+    check_engines_use(cluster, model, "dist-1")
+
+
+def test_version_bumps_without_an_explicit_version(cluster, restore_weights):
+    _, named = new_weights(404)
+
+    async def go(clients):
+        first = await transports.update_from_tensor(clients, named[:1], weight_version="7")
+        second = await transports.update_from_tensor(clients, named[:1])
+        return first, second, await clients[0].weight_version()
+
+    first, second, reported = run(_with_clients(cluster, go))
+    assert [r["weight_version"] for r in first] == ["7", "7"]
+    assert [r["weight_version"] for r in second] == ["8", "8"] and reported == "8"
+
+
+def test_release_and_resume_memory(cluster):
+    async def go(clients):
+        await clients[0].release_memory()
+        released = (await clients[0].server_info())["memory_released"]
+        await clients[0].resume_memory()
+        out = await clients[0].generate(input_ids=[1], sampling_params={"max_new_tokens": 2})
+        return released, out
+
+    released, out = run(_with_clients(cluster, go))
+    assert released and len(out["output_ids"]) <= 2
