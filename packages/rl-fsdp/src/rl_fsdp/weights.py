@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rl_core.protocols import WeightBucket
+from rl_core.weights import bucket_by_bytes
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -42,21 +43,13 @@ def iter_weight_buckets(
 ) -> Iterator[WeightBucket]:
     """Buckets ``[(hf_name, full tensor)]`` of at most ``bucket_bytes`` each (a larger
     tensor travels alone). Collective: every rank must iterate to the end."""
-    if bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-    bucket: WeightBucket = []
-    filled = 0
-    for name, param in model.named_parameters():
-        tensor = full_tensor(param)
-        tensor = tensor if dtype is None else tensor.to(dtype)
-        size = tensor.numel() * tensor.element_size()
-        if bucket and filled + size > bucket_bytes:
-            yield bucket
-            bucket, filled = [], 0
-        bucket.append((name, tensor))
-        filled += size
-    if bucket:
-        yield bucket
+
+    def full_tensors():
+        for name, param in model.named_parameters():
+            tensor = full_tensor(param)
+            yield name, tensor if dtype is None else tensor.to(dtype)
+
+    yield from bucket_by_bytes(full_tensors(), bucket_bytes=bucket_bytes)
 
 
 def write_hf_dir(

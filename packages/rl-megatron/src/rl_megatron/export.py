@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from rl_core.weights import bucket_by_bytes
 from rl_megatron.checkpoint import swap_into_place
 from rl_megatron.layout import param_layout, qkv_rows
 from rl_megatron.models import ModelShape
@@ -101,18 +102,7 @@ def _world(group) -> int:
 def hf_buckets(model, shape: ModelShape, *, bucket_bytes: int):
     """:func:`hf_tensors` grouped into lists of at most ``bucket_bytes`` (a larger tensor
     travels alone)."""
-    if bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    bucket, size = [], 0
-    for name, tensor in hf_tensors(model, shape):
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
+    return bucket_by_bytes(hf_tensors(model, shape), bucket_bytes=bucket_bytes)
 
 
 def _gather(shard: torch.Tensor, group) -> list[torch.Tensor]:
