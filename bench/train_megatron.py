@@ -3,9 +3,10 @@
 Same model shapes (Qwen2.5-0.5B / 1.5B architecture, random weights) and the same batch as
 bench/train_fsdp.py (--data full: 4 × 2048 tokens; varlen: 16 sequences of 128..4096;
 micro-batches of --max-tokens). Both sides run one PPO step per iteration with rl_core's
-objective and torch AdamW on fp32 weights with bf16 autocast: the figure is Megatron's
-tokens/s, the baseline a plain HF loop (padded rows, no activation checkpointing) measured in
-the same run, plus MFU against the bf16 matmul rate measured here. Prints one JSON object.
+objective and torch AdamW: Megatron with --precision (on cuda bf16 parameters, fp32 main
+gradients and fp32 master weights, as Megatron trains), the baseline a plain HF loop (fp32
+weights, bf16 autocast, padded rows, no activation checkpointing) measured in the same run.
+MFU is against the bf16 matmul rate measured here. Prints one JSON object.
 
   python bench/train_megatron.py --shape tiny --device cpu               # CPU smoke run (shim)
   python bench/train_megatron.py --shape 1.5b --device cuda --data full  # one GPU
@@ -46,6 +47,9 @@ def parse_args():
     parser.add_argument("--num-seqs", type=int, default=None, help="sequences per step")
     parser.add_argument("--max-len", type=int, default=None, help="longest sequence")
     parser.add_argument("--max-tokens", type=int, default=None, help="micro-batch token budget")
+    parser.add_argument(
+        "--precision", choices=["bf16", "fp32"], default=None, help="default: bf16 on cuda"
+    )
     parser.add_argument("--steps", type=int, default=3, help="measured steps")
     parser.add_argument("--warmup", type=int, default=1)
     args = parser.parse_args()
@@ -176,6 +180,7 @@ def megatron_worker(rank: int, args, hf_dir: str, port: int, out_path: str) -> N
         lr=1e-6,
         max_tokens_per_micro_batch=args.max_tokens,
         sequence_parallel=args.tp > 1,
+        precision=args.precision,
     )
     backend = MegatronBackend(config)
     batch = make_batch(args, backend.shape.vocab_size)
@@ -234,6 +239,7 @@ def main():
                 "num_tokens": batch.num_tokens,
                 "figure": {
                     "name": "MegatronBackend train_step",
+                    "precision": args.precision or ("bf16" if args.device == "cuda" else "fp32"),
                     "tokens_per_s": batch.num_tokens / figure["seconds"],
                     "mfu": flops / figure["seconds"] / (rate * gpus),
                     "peak_memory_gib": figure["peak_memory_gib"],

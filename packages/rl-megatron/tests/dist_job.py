@@ -11,6 +11,11 @@ import torch.distributed as dist
 
 LENGTHS = [9, 14, 6, 11]
 POLICY = dict(device="cpu", lr=1e-3, clip_grad=0.0, entropy_coef=0.01)
+BF16_LAYOUTS = {
+    "tp2+sp": {"tp": 2, "sequence_parallel": True},
+    "pp2": {"pp": 2, "max_tokens_per_micro_batch": 28},
+    "dp2": {},  # ZeRO-1 over the fp32 masters
+}
 
 
 def run(rank: int, world: int, port: int, dirs: dict, out_path: str) -> None:
@@ -30,6 +35,7 @@ def run(rank: int, world: int, port: int, dirs: dict, out_path: str) -> None:
     results["ep2"] = ep2_checks(dirs["qwen3-moe"], rank)
     results["cp2"] = cp2_checks(dirs["qwen3"])
     results["pp2"] = {name: pp2_checks(dirs[name]) for name in ("qwen2-tied", "qwen3")}
+    results["bf16"] = {name: bf16_checks(dirs["qwen3"], **kw) for name, kw in BF16_LAYOUTS.items()}
     if rank == 0:
         torch.save(results, out_path)
     dist.destroy_process_group()
@@ -177,4 +183,27 @@ def pp2_checks(hf_path: str) -> dict:
     backend.optimizer.zero_grad()
     backend.train_step(batch)
     result["log_probs_after_step"] = backend.compute_log_probs(batch)
+    return result
+
+
+def bf16_checks(hf_path: str, **layout) -> dict:
+    """precision="bf16" (bf16 params, fp32 main grads and masters): log-probs, the SFT
+    gradient, three SFT steps."""
+    from rl_megatron.backend import MegatronBackend
+    from rl_megatron.config import MegatronConfig
+
+    config = MegatronConfig(
+        hf_path=hf_path, precision="bf16", mode="sft", device="cpu", lr=1e-3, **layout
+    )
+    backend = MegatronBackend(config)
+    assert {p.dtype for p in backend.model.parameters()} == {torch.bfloat16}
+    batch = tiny.random_batch(LENGTHS, seed=11)
+    if backend.layout.dp_size == 2:  # each DP rank takes half the sequences
+        rank = backend.layout.dp_rank
+        batch = batch.with_global_denominators().select([rank, rank + 2])
+    result = {"log_probs": backend.compute_log_probs(batch)}
+    backend.forward_backward(batch)
+    result["grads"] = backend.hf_gradients()
+    backend.optimizer.zero_grad()
+    result["losses"] = [backend.train_step(batch)["loss/sft"] for _ in range(3)]
     return result

@@ -1,5 +1,6 @@
-"""The GPU job of test_gpu.py: bf16 autocast backend on ``world`` GPUs over nccl, with the
-two-GPU layouts tp (TP=2 + sequence parallel), pp (PP=2) and cp (CP=2)."""
+"""The GPU job of test_gpu.py: the bf16 backend (bf16 params, fp32 main grads and masters)
+on ``world`` GPUs over nccl, with the two-GPU layouts tp (TP=2 + sequence parallel), pp
+(PP=2) and cp (CP=2)."""
 
 import os
 
@@ -24,9 +25,10 @@ def run(rank: int, world: int, port: int, hf_path: str, out_path: str, layout: s
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world)
     config = MegatronConfig(
-        hf_path=hf_path, device="cuda", bf16=True, lr=1e-3, mode="sft", **LAYOUTS[layout]
+        hf_path=hf_path, device="cuda", precision="bf16", lr=1e-3, mode="sft", **LAYOUTS[layout]
     )
     backend = MegatronBackend(config)
+    assert {p.dtype for p in backend.model.parameters()} == {torch.bfloat16}
     batch = tiny.random_batch(LENGTHS, seed=21)
     result = {"log_probs": backend.compute_log_probs(batch).cpu()}
     result["losses"] = [backend.train_step(batch)["loss/sft"] for _ in range(3)]

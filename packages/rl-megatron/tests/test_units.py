@@ -35,6 +35,27 @@ def test_single_rank_vocab_parallel_equals_rl_core(temperature, chunk_size):
     assert torch.equal(logits.grad[:, 33:], torch.zeros(23, 7))
 
 
+def test_tp1_log_probs_use_rl_core_on_the_real_columns():
+    """forward.log_probs_and_entropy at TP=1 (rl_core's kernel on the unpadded columns)
+    equals the vocab-parallel path, values and gradients, padding columns getting none."""
+    from rl_megatron.forward import log_probs_and_entropy as head
+
+    gen = torch.Generator().manual_seed(1)
+    logits = (3 * torch.randn(19, 48, generator=gen)).requires_grad_()
+    targets = torch.randint(0, 41, (19,), generator=gen)
+    lp, ent = head(logits, targets, vocab_size=41, temperature=0.8, with_entropy=True)
+    copy = logits.detach().clone().requires_grad_()
+    ref_lp, ref_ent = vocab_parallel_log_probs_and_entropy(
+        copy, targets, vocab_size=41, temperature=0.8, chunk_size=7
+    )
+    torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=0)
+    (lp.sum() + 0.5 * ent.sum()).backward()
+    (ref_lp.sum() + 0.5 * ref_ent.sum()).backward()
+    torch.testing.assert_close(logits.grad, copy.grad, atol=1e-5, rtol=1e-4)
+    assert not logits.grad[:, 41:].any()
+
+
 def test_vocab_parallel_rejects_bad_arguments():
     with pytest.raises(ValueError, match="temperature"):
         vocab_parallel_log_probs_and_entropy(

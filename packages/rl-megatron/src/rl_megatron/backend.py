@@ -28,6 +28,7 @@ from rl_megatron.models import build_critic_model, build_gpt_model, model_shape
 from rl_megatron.moe import ep_common_shape, ep_synced_groups
 from rl_megatron.objective import actor_loss, critic_loss
 from rl_megatron.parallel import current_layout, initialize_parallel
+from rl_megatron.precision import DTYPES
 from rl_megatron.state import WeightsAndStateMixin
 from rl_megatron.weights import SafetensorsReader, hf_config_of, load_hf_weights, read_shards
 
@@ -76,6 +77,7 @@ class MegatronBackend(WeightsAndStateMixin):
             cp_size=self.config.cp,
             **({"pp_size": self.config.pp} if self.config.pp > 1 else {}),
             sequence_parallel=self.config.sequence_parallel,
+            dtype=DTYPES[self.config.precision],
         )
         load_hf_weights(model, SafetensorsReader(self.config.hf_path), self.shape, self.layout)
         return model.to(self.device)
@@ -85,10 +87,6 @@ class MegatronBackend(WeightsAndStateMixin):
         """Row widths divide by this: tp (sequence parallel) times 2·cp (zigzag chunks)."""
         return self.config.tp * (2 * self.config.cp if self.config.cp > 1 else 1)
 
-    def _autocast(self):
-        enabled = self.config.bf16 and self.device.type == "cuda"
-        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=enabled)
-
     def _per_token(self, part: TrainBatch, *, with_entropy: bool):
         """``(log_probs, entropy or None, held)`` or, for a critic, ``(values, None, held)``:
         ``[N_held]`` each, for the tokens of ``part`` this CP rank holds (indices ``held``)."""
@@ -96,16 +94,15 @@ class MegatronBackend(WeightsAndStateMixin):
         if self.layout.ep_size > 1:
             local = padded_shape(part.cu_seqlens, self._multiple())
             min_shape = ep_common_shape(local, self.ep_group, self.device)
-        with self._autocast():
-            logits, held = forward_logits(
-                self.model,
-                part.tokens,
-                part.cu_seqlens,
-                multiple=self._multiple(),
-                min_shape=min_shape,
-                cp_size=self.layout.cp_size,
-                cp_rank=self.layout.cp_rank,
-            )
+        logits, held = forward_logits(
+            self.model,
+            part.tokens,
+            part.cu_seqlens,
+            multiple=self._multiple(),
+            min_shape=min_shape,
+            cp_size=self.layout.cp_size,
+            cp_rank=self.layout.cp_rank,
+        )
         return (*self._head(part, logits, held, with_entropy=with_entropy), held)
 
     def _head(self, part: TrainBatch, logits, held, *, with_entropy: bool):
@@ -133,10 +130,10 @@ class MegatronBackend(WeightsAndStateMixin):
     def _forward_all(self, batch: TrainBatch) -> torch.Tensor:
         """Per-token outputs ``[N]`` of the whole batch (every rank gets all of them)."""
         self.model.eval()
-        batch = batch.to(self.device)
-        result = torch.zeros(batch.num_tokens, device=self.device)
         bounds = batch.cu_seqlens.tolist()
         groups = self._micro_batches(batch.seq_lengths())
+        batch = batch.to(self.device)
+        result = torch.zeros(batch.num_tokens, device=self.device)
         for group, output, held in self._forward_outputs(batch, groups):
             token_index = [torch.arange(bounds[i], bounds[i + 1]) for i in group]
             if token_index:
@@ -159,10 +156,9 @@ class MegatronBackend(WeightsAndStateMixin):
             return output.sum() * 0.0, {"output": output, "held": held}
 
         parts = [batch.select(group) for group in groups]
-        with self._autocast():
-            reduced = pipeline.run_schedule(
-                self.model, parts, multiple=self._multiple(), loss_fn=outputs, forward_only=True
-            )
+        reduced = pipeline.run_schedule(
+            self.model, parts, multiple=self._multiple(), loss_fn=outputs, forward_only=True
+        )
         for group, item in zip(groups, reduced, strict=False):
             yield group, item["output"], item["held"]
 
@@ -209,9 +205,10 @@ class MegatronBackend(WeightsAndStateMixin):
     def forward_backward(self, batch: TrainBatch) -> dict[str, float]:
         """Accumulate this step's full gradient (summed over DP ranks) without stepping;
         returns the loss metrics summed over micro-batches and DP ranks."""
-        batch = self._with_denominators(batch).to(self.device)
+        batch = self._with_denominators(batch)
+        groups = self._micro_batches(batch.seq_lengths())  # before the copy: no device sync
+        batch = batch.to(self.device)
         self.model.train()
-        groups = self._micro_batches(batch.seq_lengths())
         if self.config.pp > 1:
             metrics = self._pipeline_forward_backward(batch, groups)
         else:
@@ -244,10 +241,9 @@ class MegatronBackend(WeightsAndStateMixin):
             return self._loss(part, first, entropy, held)
 
         parts = [batch.select(group) for group in groups]
-        with self._autocast():
-            reduced = pipeline.run_schedule(
-                self.model, parts, multiple=self._multiple(), loss_fn=stage_loss, forward_only=False
-            )
+        reduced = pipeline.run_schedule(
+            self.model, parts, multiple=self._multiple(), loss_fn=stage_loss, forward_only=False
+        )
         metrics: dict[str, float] = defaultdict(float)
         for part_metrics in reduced:
             for key, value in part_metrics.items():

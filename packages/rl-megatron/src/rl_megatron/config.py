@@ -6,6 +6,7 @@ from pathlib import Path
 from rl_core.aggregation import AGGREGATION_MODES
 from rl_core.importance import IS_LEVELS, IS_MODES
 from rl_core.losses import POLICY_LOSSES
+from rl_megatron.precision import PRECISIONS
 
 MODES = ("policy", "sft", "critic")
 
@@ -33,8 +34,10 @@ class MegatronConfig:
     """Expert-parallel size (MoE models; must divide the data-parallel ranks and experts)."""
     device: str = "cuda"
     """"cuda", or "cpu" (gloo; needs rl_megatron.testing.cpu_shim installed first)."""
-    bf16: bool = True
-    """Autocast matmuls to bfloat16 on CUDA (fp32 master weights); ignored on CPU."""
+    precision: str | None = None
+    """"bf16": bf16 parameters and compute (no autocast), fp32 main gradients accumulated
+    per parameter and fp32 master weights in the optimizer, as Megatron trains; "fp32":
+    everything float32 (exact parities). None: "bf16" on cuda, "fp32" on cpu."""
     seed: int = 1234
     lr: float = 1e-6
     weight_decay: float = 0.0
@@ -79,6 +82,12 @@ class MegatronConfig:
             raise ValueError(f"mode {self.mode!r} unknown; choose one of {', '.join(MODES)}")
         if self.device not in ("cuda", "cpu"):
             raise ValueError(f"device must be 'cuda' or 'cpu', got {self.device!r}")
+        if self.precision is None:
+            self.precision = "bf16" if self.device == "cuda" else "fp32"
+        if self.precision not in PRECISIONS:
+            raise ValueError(
+                f"precision must be one of {', '.join(PRECISIONS)} (or None), got {self.precision!r}"
+            )
         _positive(tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep)
         _positive(max_tokens_per_micro_batch=self.max_tokens_per_micro_batch)
         _positive(

@@ -16,6 +16,7 @@ from rl_core.weights import bucket_by_bytes
 from rl_megatron.checkpoint import swap_into_place
 from rl_megatron.layout import param_layout, qkv_rows
 from rl_megatron.models import ModelShape
+from rl_megatron.precision import grad_of
 from rl_megatron.weights import layer_offset
 
 
@@ -53,7 +54,8 @@ def stage_tensors(
     model, shape: ModelShape, *, grads: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, full tensor)`` for every HF weight, in model order (CPU, detached);
-    ``grads=True`` gives the parameters' gradients in the same HF layout instead.
+    ``grads=True`` gives the parameters' gradients (fp32 main grads under bf16) in the same
+    HF layout instead.
     Dense weights are gathered over TP; expert weights over expert-TP, then over EP."""
     tp_group, etp_group, ep_group = _groups()
     offset = layer_offset(model)
@@ -62,7 +64,7 @@ def stage_tensors(
     for name, param in model.named_parameters():
         if name == "output_layer.weight" and shape.tie_embeddings:
             continue  # a later pipeline stage's copy of the tied embedding
-        tensor = param.grad if grads else param
+        tensor = grad_of(param) if grads else param
         tensor = (torch.zeros_like(param) if tensor is None else tensor).detach()
         layout = param_layout(name, layer_offset=offset)
         if not layout.expert:

@@ -11,6 +11,8 @@ back to ``[N_held, V/tp]``, together with their indices in the packed batch.
 Shapes: tokens ``[N]``, cu_seqlens ``[B + 1]``; logits ``[N_held, V/tp]``; held ``[N_held]``.
 """
 
+import contextlib
+
 import torch
 
 from rl_core.batch import next_token_targets
@@ -92,8 +94,32 @@ def forward_logits(
     positions = torch.arange(input_ids.shape[1], device=tokens.device).expand_as(input_ids)
     # Megatron derives rotary positions from the row length (and the CP rank); attention
     # mask None means causal.
-    output = model(input_ids, positions, attention_mask=None)
-    return output[valid], held
+    with _real_rows_only(model, valid) as selected:
+        output = model(input_ids, positions, attention_mask=None)
+    return (output[0] if selected else output[valid]), held
+
+
+@contextlib.contextmanager
+def _real_rows_only(model, valid: torch.Tensor):
+    """While active, the LM head (or value head) gets only the hidden states of real
+    tokens, ``[N_held, 1, h]``, instead of ``[T', B, h]``: no head matmul on padding and
+    no ``[B, T', V]`` logits copied to select them (the model returns ``[1, N_held, V]``).
+    Yields False (nothing done) under sequence parallel, where each TP rank holds part of
+    the sequence until the head gathers it."""
+    head = getattr(model, "output_layer", None)
+    if head is None or model.config.sequence_parallel:
+        yield False
+        return
+
+    def select(module, args):
+        hidden, *rest = args  # [s, b, h] -> [N_held, 1, h], rows in (b, s) order as held
+        return (hidden.transpose(0, 1)[valid].unsqueeze(1), *rest)
+
+    handle = head.register_forward_pre_hook(select)
+    try:
+        yield True
+    finally:
+        handle.remove()
 
 
 def log_probs_and_entropy(
@@ -107,7 +133,18 @@ def log_probs_and_entropy(
     with_entropy: bool = False,
 ):
     """Log-probs and entropy ``[N_held]`` of ``targets`` (the next tokens, from
-    :func:`held_targets`)."""
+    :func:`held_targets`). TP=1: rl_core's kernel (fused Triton on CUDA, chunked torch on
+    CPU) on the real vocabulary columns; TP>1: the vocab-parallel softmax."""
+    if _world(tp_group) == 1:
+        from rl_core.logprobs import log_probs_and_entropy as full_vocab
+
+        return full_vocab(
+            logits[:, :vocab_size],  # a view: padding columns dropped, nothing copied
+            targets,
+            temperature=temperature,
+            chunk_size=chunk_size,
+            with_entropy=with_entropy,
+        )
     return vocab_parallel_log_probs_and_entropy(
         logits,
         targets,
@@ -117,6 +154,12 @@ def log_probs_and_entropy(
         chunk_size=chunk_size,
         with_entropy=with_entropy,
     )
+
+
+def _world(group) -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size(group) if dist.is_initialized() and group is not None else 1
 
 
 def held_targets(tokens: torch.Tensor, cu_seqlens: torch.Tensor, held: torch.Tensor):

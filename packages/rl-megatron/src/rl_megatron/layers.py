@@ -15,7 +15,7 @@ class RMSNorm(torch.nn.RMSNorm):
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **unused):
         del unused  # persist_layer_norm, zero_centered_gamma, normalization: not applicable
-        super().__init__(hidden_size, eps=eps)
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
         self.weight.sequence_parallel = bool(config.sequence_parallel)
 
 

@@ -2,9 +2,9 @@
 
 The local layer spec is used (megatron-core modules only, no Transformer Engine), with
 SDPA attention and sequence-parallel-capable norms (:mod:`rl_megatron.layers`). Parameters are created
-directly in their tensor-parallel shard on this rank (``use_cpu_initialization``) and in
-float32: mixed precision is applied with autocast during forward, so the optimizer steps
-fp32 master weights.
+directly in their tensor-parallel shard on this rank (``use_cpu_initialization``) in
+``dtype``: float32, or bfloat16 for mixed precision (fp32 main gradients and master
+weights then live in :mod:`rl_megatron.precision`; no autocast anywhere).
 
 Families (by ``model_type``): ``qwen2`` (qkv bias), ``qwen3`` (qk RMSNorm, explicit
 head_dim), ``llama`` (optional attention bias), ``qwen3_moe`` (qk-norm and experts, see
@@ -93,8 +93,9 @@ def transformer_config(
     cp_size: int = 1,
     pp_size: int = 1,
     sequence_parallel: bool = False,
+    dtype: torch.dtype = torch.float32,
 ):
-    """The megatron ``TransformerConfig`` equivalent of ``hf_config`` (fp32 parameters)."""
+    """The megatron ``TransformerConfig`` equivalent of ``hf_config`` (``dtype`` parameters)."""
     from megatron.core.transformer import TransformerConfig
 
     shape = model_shape(hf_config, tp_size=tp_size)
@@ -108,7 +109,8 @@ def transformer_config(
         tensor_model_parallel_size=tp_size,
         context_parallel_size=cp_size,
         pipeline_model_parallel_size=pp_size,
-        pipeline_dtype=torch.float32,  # the residual stream stays fp32 under autocast
+        pipeline_dtype=dtype,  # the residual stream's dtype, sent between stages
+        bf16=dtype == torch.bfloat16,
         variable_seq_lengths=pp_size > 1,  # micro-batches differ in [B, T]: exchange shapes
         # megatron rejects its default allgather dispatcher with variable lengths even
         # for dense models; MoE (which needs allgather here) is refused with pp > 1
@@ -124,7 +126,7 @@ def transformer_config(
         qk_layernorm=shape.qk_norm,
         attention_dropout=0.0,
         hidden_dropout=0.0,
-        params_dtype=torch.float32,
+        params_dtype=dtype,
         use_cpu_initialization=True,
         perform_initialization=False,
         bias_dropout_fusion=False,
@@ -145,6 +147,7 @@ def build_gpt_model(
     cp_size: int = 1,
     pp_size: int = 1,
     sequence_parallel: bool = False,
+    dtype: torch.dtype = torch.float32,
 ):
     """A ``GPTModel`` shard for this rank; weights uninitialised (load them with
     :func:`rl_megatron.weights.load_hf_weights`)."""
@@ -161,6 +164,7 @@ def build_gpt_model(
         cp_size=cp_size,
         pp_size=pp_size,
         sequence_parallel=sequence_parallel,
+        dtype=dtype,
     )
     model = GPTModel(
         config=config,
@@ -204,9 +208,9 @@ class ValueHead(torch.nn.Module):
     """A critic's head in place of ``GPTModel.output_layer``: hidden ``[s, b, h]`` ->
     values ``[s, b, 1]``. Replicated on every TP rank; starts at zero (values 0)."""
 
-    def __init__(self, hidden_size: int, *, sequence_parallel: bool = False):
+    def __init__(self, hidden_size: int, *, sequence_parallel: bool = False, dtype=torch.float32):
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size))
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
         self.sequence_parallel = sequence_parallel
 
     def forward(self, hidden, weight=None, runtime_gather_output=None):
@@ -226,6 +230,7 @@ def build_critic_model(
     cp_size: int = 1,
     pp_size: int = 1,
     sequence_parallel: bool = False,
+    dtype: torch.dtype = torch.float32,
 ):
     """A ``GPTModel`` whose LM head is a :class:`ValueHead` (outputs ``[b, s, 1]``)."""
     import copy
@@ -238,8 +243,9 @@ def build_critic_model(
         ep_size=ep_size,
         cp_size=cp_size,
         sequence_parallel=sequence_parallel,
+        dtype=dtype,
     )
     model.output_layer = ValueHead(
-        hf_config.hidden_size, sequence_parallel=model.config.sequence_parallel
+        hf_config.hidden_size, sequence_parallel=model.config.sequence_parallel, dtype=dtype
     )
     return model

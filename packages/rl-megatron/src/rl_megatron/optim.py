@@ -10,16 +10,19 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from rl_megatron.precision import grad_of, make_mixed
+
 
 def _world(group) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
 def all_reduce_grads(params: list[torch.nn.Parameter], group) -> None:
-    """Sum gradients over ``group`` (one flat buffer per dtype)."""
+    """Sum gradients (fp32 main grads where present) over ``group``, one flat buffer per
+    dtype."""
     if _world(group) == 1:
         return
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [g for g in map(grad_of, params) if g is not None]
     for dtype in {g.dtype for g in grads}:
         same = [g for g in grads if g.dtype == dtype]
         flat = _flatten_dense_tensors(same)
@@ -49,16 +52,18 @@ def global_grad_norm(
 ) -> float:
     """L2 norm of the full model's gradient: TP shards summed over ``tp_group``, expert
     weights over each of ``expert_groups`` (expert-TP, EP), replicas counted once."""
-    grads = [p for p in params if p.grad is not None]
-    device = grads[0].grad.device if grads else torch.device("cpu")
-    if not grads and stage_group is None:
+    with_grad = [p for p in params if grad_of(p) is not None]
+    device = grad_of(with_grad[0]).device if with_grad else torch.device("cpu")
+    if not with_grad and stage_group is None:
         return 0.0
     expert_ids = {id(p) for p in expert_params}
     # [0]: TP-sharded dense, [1]: replicated, [2]: expert weights
     squares = torch.zeros(3, dtype=torch.float64, device=device)
-    for p in grads:
-        norm = torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32)
-        squares[_slot(p, expert_ids)] += norm.double().square()
+    if with_grad:  # one fused kernel for all norms, no host sync per parameter
+        slots = torch.tensor([_slot(p, expert_ids) for p in with_grad], device=device)
+        norms = torch._foreach_norm([grad_of(p).detach() for p in with_grad])
+        per_param = torch.stack([n.to(torch.float64) for n in norms]).square()
+        squares.index_add_(0, slots, per_param)
     squares[0] = _summed(squares[0], [tp_group])
     squares[2] = _summed(squares[2], expert_groups)
     if stage_group is not None and _world(stage_group) > 1:  # pipeline stages: disjoint
@@ -84,14 +89,22 @@ def clip_grads(params: list[torch.nn.Parameter], *, max_norm: float, norm: float
     """Scale gradients by ``max_norm / norm`` when the norm exceeds ``max_norm`` (0: off)."""
     if max_norm > 0 and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(scale)
+        grads = [g for g in map(grad_of, params) if g is not None]
+        if grads:
+            torch._foreach_mul_(grads, scale)
 
 
-def make_optimizer(params, config, layout, dp_group) -> torch.optim.Optimizer:
+def make_optimizer(params, config, layout, dp_group):
     """AdamW; ZeRO-1 over the data-parallel group when dp > 1 (each rank keeps 1/dp of the
-    state). Not with expert parallelism: expert weights differ between DP ranks there."""
+    state). Not with expert parallelism: expert weights differ between DP ranks there.
+    With ``config.precision == "bf16"`` it steps fp32 master weights
+    (:class:`rl_megatron.precision.MasterWeightsOptimizer`)."""
+    return make_mixed(
+        params, lambda tensors: _adamw(tensors, config, layout, dp_group), config.precision
+    )
+
+
+def _adamw(params, config, layout, dp_group) -> torch.optim.Optimizer:
     kwargs = dict(
         lr=config.lr, betas=config.adam_betas, eps=config.adam_eps, weight_decay=config.weight_decay
     )
@@ -107,8 +120,10 @@ def make_optimizer(params, config, layout, dp_group) -> torch.optim.Optimizer:
 
 
 def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer holding this rank's state (ZeRO's inner shard optimizer)."""
-    return getattr(optimizer, "optim", optimizer)
+    """The optimizer holding this rank's state (inside the master-weights and ZeRO wrappers)."""
+    while hasattr(optimizer, "optim"):
+        optimizer = optimizer.optim
+    return optimizer
 
 
 def move_training_state(params, optimizer, device: torch.device) -> None:
@@ -117,6 +132,8 @@ def move_training_state(params, optimizer, device: torch.device) -> None:
         param.data = param.data.to(device, non_blocking=True)
         if param.grad is not None:
             param.grad = param.grad.to(device, non_blocking=True)
+    if hasattr(optimizer, "move_to"):  # fp32 masters and main grads
+        optimizer.move_to(device)
     for state in local_optimizer(optimizer).state.values():
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and key != "step":

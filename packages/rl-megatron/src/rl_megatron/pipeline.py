@@ -30,10 +30,13 @@ def run_schedule(
 
     first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
     device = next(model.parameters()).device
+    dtype = model.config.pipeline_dtype  # the residual stream's dtype (bf16 or fp32)
     saved, results = [], []
     for part in parts:
         input_ids, valid, held = model_inputs(part.tokens, part.cu_seqlens, multiple=multiple)
-        received = None if first else _recv(ps.get_pipeline_model_parallel_prev_rank(), device)
+        received = (
+            None if first else _recv(ps.get_pipeline_model_parallel_prev_rank(), device, dtype)
+        )
         if received is not None:
             received.requires_grad_(not forward_only)
         model.set_input_tensor(received)
@@ -47,37 +50,37 @@ def run_schedule(
             _send(output.detach(), ps.get_pipeline_model_parallel_next_rank())
         saved.append((received, output))
     if not forward_only:
-        _backward(saved, first, last, device)
+        _backward(saved, first, last, device, dtype)
     return results
 
 
-def _backward(saved, first: bool, last: bool, device) -> None:
+def _backward(saved, first: bool, last: bool, device, dtype) -> None:
     from megatron.core import parallel_state as ps
 
     for received, output in reversed(saved):
         if last:
             output.backward()
         else:
-            grad = _recv(ps.get_pipeline_model_parallel_next_rank(), device)
+            grad = _recv(ps.get_pipeline_model_parallel_next_rank(), device, dtype)
             torch.autograd.backward(output, grad.to(output.dtype))
         if not first:
             _send(received.grad, ps.get_pipeline_model_parallel_prev_rank())
 
 
 def _send(tensor: torch.Tensor, dst: int) -> None:
-    """Shape (as a 4-long int64 tensor: ndim, sizes), then the float32 data."""
+    """Shape (as a 4-long int64 tensor: ndim, sizes), then the data (the model's dtype)."""
     shape = torch.tensor(
         [tensor.dim(), *tensor.shape, *[0] * (3 - tensor.dim())], device=tensor.device
     )
     dist.send(shape, dst)
-    dist.send(tensor.float().contiguous(), dst)
+    dist.send(tensor.contiguous(), dst)
 
 
-def _recv(src: int, device) -> torch.Tensor:
+def _recv(src: int, device, dtype: torch.dtype) -> torch.Tensor:
     shape = torch.empty(4, dtype=torch.long, device=device)
     dist.recv(shape, src)
     ndim = int(shape[0])
-    tensor = torch.empty(shape[1 : 1 + ndim].tolist(), dtype=torch.float32, device=device)
+    tensor = torch.empty(shape[1 : 1 + ndim].tolist(), dtype=dtype, device=device)
     dist.recv(tensor, src)
     return tensor
 

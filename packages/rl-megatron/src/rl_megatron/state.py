@@ -59,6 +59,8 @@ class WeightsAndStateMixin:
             "step": self.step,
             "cpu_rng": torch.get_rng_state(),
         }
+        if hasattr(self.optimizer, "masters"):  # bf16: the fp32 master weights too
+            state["masters"] = [m.detach().cpu() for m in self.optimizer.masters]
         checkpoint.save_sharded(path, state, self._meta())
 
     def load_checkpoint(self, path: Path) -> None:
@@ -67,9 +69,22 @@ class WeightsAndStateMixin:
         with torch.no_grad():
             for name, tensor in state["model"].items():
                 params[name].copy_(tensor)
+        self._load_fp32_weights(state)
         optim.local_optimizer(self.optimizer).load_state_dict(state["optimizer"])
         self.step = state["step"]
         torch.set_rng_state(state["cpu_rng"])
+
+    def _load_fp32_weights(self, state: dict) -> None:
+        """The exact fp32 weights whichever precision saved them: bf16 checkpoints carry
+        fp32 masters, fp32 ones fp32 parameters."""
+        names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        masters = state.get("masters") or [state["model"][n].float() for n in names]
+        if hasattr(self.optimizer, "load_masters"):
+            self.optimizer.load_masters(masters)
+            return
+        with torch.no_grad():
+            for param, master in zip(self.params, masters, strict=True):
+                param.copy_(master)
 
     def offload(self) -> None:
         """Parameters, gradients and optimizer state to host memory."""

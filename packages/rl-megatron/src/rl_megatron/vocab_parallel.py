@@ -80,42 +80,58 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         for first in range(0, logits.shape[0], chunk_size):
             rows = slice(first, first + chunk_size)
             z = _scaled(logits[rows], start, vocab_size, temperature)
-            probs = torch.exp(z - lse[rows, None])
-            grad = torch.zeros_like(probs)
-            if grad_entropy is not None:
-                centred = torch.nan_to_num(z - mean_z[rows, None], neginf=0.0)
-                grad = -probs * centred * grad_entropy[rows, None]
-            if grad_log_probs is not None:
-                grad = grad - probs * grad_log_probs[rows, None]
-                local = targets[rows] - start
-                hit = (local >= 0) & (local < z.shape[1])
-                onehot_rows = torch.nonzero(hit).squeeze(-1)
-                grad[onehot_rows, local[hit]] += grad_log_probs[rows][hit]
-            grad_logits[rows] = (grad / temperature).to(grad_logits.dtype)
+            probs = torch.sub(z, lse[rows, None]).exp_()
+            # d/dz = p · (-g_lp - g_ent · (z - Σp·z)) + g_lp · onehot(y); in place on z
+            if grad_entropy is None:
+                coeff = -grad_log_probs[rows, None]
+            else:
+                coeff = _centred(z, mean_z[rows, None]).mul_(-grad_entropy[rows, None])
+                if grad_log_probs is not None:
+                    coeff.sub_(grad_log_probs[rows, None])
+            grad = probs.mul_(coeff)
+            if grad_log_probs is not None:  # + g_lp at the target column (no host sync)
+                column, hit = _local_targets(targets[rows], start, z.shape[1])
+                grad.scatter_add_(1, column[:, None], (grad_log_probs[rows] * hit)[:, None])
+            if temperature != 1.0:
+                grad.div_(temperature)
+            grad_logits[rows] = grad
         return grad_logits, None, None, None, None, None
 
 
+def _centred(z: torch.Tensor, mean_z: torch.Tensor) -> torch.Tensor:
+    """``z - Σp·z`` in place, 0 at the -inf padding columns (their probability is 0)."""
+    return z.sub_(mean_z).nan_to_num_(neginf=0.0)
+
+
 def _scaled(logits_chunk, start: int, vocab_size: int, temperature: float) -> torch.Tensor:
-    """Chunk in float32 divided by T, with vocabulary-padding columns set to -inf."""
-    z = logits_chunk.float()
+    """A new float32 copy of the chunk divided by T, vocabulary-padding columns at -inf
+    (the caller may modify it in place)."""
+    z = logits_chunk.to(torch.float32, copy=True)
     if temperature != 1.0:
-        z = z / temperature
+        z.div_(temperature)
     num_real = max(0, min(z.shape[1], vocab_size - start))
     if num_real < z.shape[1]:
-        z = z.clone()
         z[:, num_real:] = float("-inf")
     return z
 
 
-def _chunk_stats(z, targets, start: int, group):
-    """Global (lse, Σ p·z, log p_target) of a chunk's rows, ``[rows]`` each."""
-    row_max = _all_reduce(z.max(dim=-1).values, dist.ReduceOp.MAX, group)
-    exp = torch.exp(z - row_max[:, None])
-    sums = torch.stack([exp.sum(-1), (exp * torch.nan_to_num(z, neginf=0.0)).sum(-1)])
+def _local_targets(targets, start: int, width: int):
+    """(column of each target in this rank's slice, clamped, ``[rows]``; 1.0 where the
+    target is in this slice, else 0.0)."""
     local = targets - start
-    hit = (local >= 0) & (local < z.shape[1])
-    picked = z.gather(1, local.clamp(0, z.shape[1] - 1)[:, None]).squeeze(1)
-    stats = torch.cat([sums, torch.where(hit, picked, 0.0)[None]])
-    stats = _all_reduce(stats, dist.ReduceOp.SUM, group)
+    hit = (local >= 0) & (local < width)
+    return local.clamp(0, width - 1), hit.float()
+
+
+def _chunk_stats(z, targets, start: int, group):
+    """Global (lse, Σ p·z, log p_target) of a chunk's rows, ``[rows]`` each (z is
+    overwritten)."""
+    row_max = _all_reduce(z.max(dim=-1).values, dist.ReduceOp.MAX, group)
+    column, hit = _local_targets(targets, start, z.shape[1])
+    picked = torch.where(hit > 0, z.gather(1, column[:, None]).squeeze(1), 0.0)
+    exp = torch.sub(z, row_max[:, None]).exp_()
+    z.nan_to_num_(neginf=0.0)  # padding columns: p = 0, z·p taken as 0
+    weighted = torch.bmm(exp.unsqueeze(1), z.unsqueeze(2)).view(-1)  # Σ exp·z per row
+    stats = _all_reduce(torch.stack([exp.sum(-1), weighted, picked]), dist.ReduceOp.SUM, group)
     lse = row_max + torch.log(stats[0])
     return lse, stats[1] / stats[0], stats[2] - lse
