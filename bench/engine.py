@@ -8,7 +8,11 @@ same model, same machine, at several batch sizes; prints one JSON object.
 
 The engine is measured in-process (its scheduler, the code behind /generate) with every
 request submitted at once; ``greedy_identical`` is the fraction of prompts whose greedy
-output equals ``generate``'s token for token.
+output equals ``generate``'s token for token, in the benchmark's dtype and, separately, in
+float32 (``greedy_float32``: random weights in bf16 give near-tied logits, so identity is
+judged where rounding ties do not dominate). ``decode_step_ms`` is the GPU time of one
+replay of the static runner's CUDA graph per batch bucket (the model's share of a step);
+the rest of ``1000 * batch / engine_tokens_per_s`` per step is host work and prefill.
 """
 
 import argparse
@@ -128,6 +132,47 @@ def run_sglang(model, prompts_by_batch, new_tokens, args) -> dict:
     return results
 
 
+def greedy_agreement(args, batch: int = 8, new_tokens: int = 32) -> dict:
+    """Fraction of prompts whose greedy engine output equals ``generate``'s, in float32."""
+    model = make_model(args.shape, args.device, torch.float32)
+    engine = Engine(model, None, max_batch_size=batch, runner=args.runner,
+                    max_context=args.prompt_len + new_tokens + 8, compile=args.compile)  # fmt: skip
+    prompts = make_prompts(batch, args.prompt_len, model.config.vocab_size, seed=7)
+    try:
+        _, generate_out = run_generate(model, prompts, new_tokens, args.device)
+        _, engine_out = run_engine(engine, prompts, new_tokens, args.device)
+    finally:
+        engine.scheduler.stop()
+    same = [a == b for a, b in zip(engine_out, generate_out, strict=True)]
+    first_diff = [
+        next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), new_tokens)
+        for a, b in zip(engine_out, generate_out, strict=True)
+    ]
+    return {"batch": batch, "new_tokens": new_tokens, "identical": sum(same) / batch,
+            "mean_first_divergence": sum(first_diff) / batch}  # fmt: skip
+
+
+def decode_step_ms(engine: Engine, batches: list[int], repeats: int = 20) -> dict:
+    """GPU milliseconds of one CUDA-graph replay per batch bucket (engine idle)."""
+    graphs = getattr(engine.scheduler.runner, "graphs", None)
+    if graphs is None:
+        return {}
+    timings = {}
+    for batch in batches:
+        bucket = next(b for b in graphs.buckets if b >= batch)
+        graph = graphs.graphs[bucket][0]
+        for _ in range(3):
+            graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        timings[batch] = round(start.elapsed_time(end) / repeats, 3)
+    return timings
+
+
 def hardware(device: str) -> dict:
     info = {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()}
     if device.startswith("cuda"):
@@ -148,15 +193,18 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--runner", default="auto", choices=["auto", "dynamic", "static"])
+    parser.add_argument("--compile", action="store_true", help="torch.compile the decode step")
     parser.add_argument("--with-sglang", action="store_true")
+    parser.add_argument("--skip-float32-check", action="store_true")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     model = make_model(args.shape, args.device, dtype)
     batches = [int(b) for b in args.batches.split(",")]
     max_context = args.prompt_len + args.new_tokens + 8
-    engine = Engine(
-        model, None, max_batch_size=max(batches), runner=args.runner, max_context=max_context
-    )
+    start = time.perf_counter()
+    engine = Engine(model, None, max_batch_size=max(batches), runner=args.runner,
+                    max_context=max_context, compile=args.compile)  # fmt: skip
+    startup_s = time.perf_counter() - start
     warm = make_prompts(2, args.prompt_len, model.config.vocab_size, seed=99)
     run_generate(model, warm, 4, args.device)
     run_engine(engine, warm, 4, args.device)
@@ -176,21 +224,32 @@ def main() -> None:
             "ratio": round(generate_s / engine_s, 3),
             "greedy_identical": same,
         })  # fmt: skip
+    step_ms = decode_step_ms(engine, batches) if args.device.startswith("cuda") else {}
+    compiled = bool(getattr(engine.scheduler.runner, "compiled", False))
     engine.scheduler.stop()
     result = {
         "benchmark": "embedded engine vs model.generate (greedy tokens/s)",
         "shape": args.shape,
         "runner": engine.runner_kind,
+        "compiled": compiled,
+        "engine_startup_s": round(startup_s, 1),
         "dtype": args.dtype,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "results": rows,
+        "decode_step_ms": step_ms,
         "hardware": hardware(args.device),
         "command": " ".join([sys.executable.split("/")[-1], *sys.argv]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
     if args.with_sglang:
         result["sglang_tokens_per_s"] = run_sglang(model, prompts_by_batch, args.new_tokens, args)
+    if not args.skip_float32_check:
+        del engine
+        try:  # a failure here must not lose the throughput figures above
+            result["greedy_float32"] = greedy_agreement(args)
+        except (RuntimeError, ValueError) as error:
+            result["greedy_float32"] = {"error": repr(error)}
     print(json.dumps(result, indent=1))
 
 

@@ -120,12 +120,18 @@ def test_print_config_round_trips(capsys):
     ]
 
 
-def test_other_modes_say_what_is_missing_and_fail(capsys):
-    assert main(["--num_steps", "3"]) == 2
-    error = capsys.readouterr().err
-    assert "not implemented yet in this version" in error and "rl-fsdp" in error
+def test_unwired_modes_and_bad_options_fail_with_a_message(capsys):
+    assert main(["--rollout.loop", "async"]) == 2
+    assert "rollout.loop='async' is not implemented yet; use sync" in capsys.readouterr().err
+    assert main(["--mode", "sft"]) == 2
+    assert "mode=sft is not implemented" in capsys.readouterr().err
     assert main(["--num_steps", "zero"]) == 2
     assert "num_steps: expected int" in capsys.readouterr().err
+    assert main(["--algorithm.advantage_estimator", "grpoo"]) == 2
+    error = capsys.readouterr().err
+    assert "algorithm.advantage_estimator" in error and "grpo" in error
+    assert main(["--rollout.temprature", "1.0"]) == 2
+    assert "did you mean 'temperature'" in capsys.readouterr().err
 
 
 def test_passthrough_value_boundaries():

@@ -9,7 +9,7 @@ import pytest
 
 from rl_launcher.cli import plot_main
 from rl_launcher.plots import plot_run
-from rl_launcher.run_log import MetricsLog, format_progress, read_metrics
+from rl_launcher.run_log import MetricsLog, format_progress, read_metrics, truncate_metrics
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -104,3 +104,17 @@ def test_rl_plot_only_draws_what_exists_and_refuses_empty_runs(tmp_path, capsys)
         plot_run(tmp_path)
     assert plot_main([str(tmp_path / "missing")]) == 2
     assert "no metrics file" in capsys.readouterr().err
+
+
+def test_truncate_drops_the_steps_a_resumed_run_redoes(tmp_path):
+    log = MetricsLog(tmp_path)
+    for step in range(1, 6):
+        log.append(step, {"rollout/reward/mean": step / 10})
+    assert truncate_metrics(tmp_path, 3) == 2
+    records = read_metrics(tmp_path)
+    assert [(r["step"], r["rollout/reward/mean"]) for r in records] == [
+        (1, 0.1),
+        (2, 0.2),
+        (3, 0.3),
+    ]
+    assert truncate_metrics(tmp_path, 3) == 0 and truncate_metrics(tmp_path / "none", 1) == 0

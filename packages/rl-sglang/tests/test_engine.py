@@ -221,3 +221,78 @@ def test_a_failing_step_aborts_the_batch_instead_of_hanging(engine, monkeypatch)
         engine, input_ids=[1, 2], sampling_params={"max_new_tokens": 3, "ignore_eos": True}
     )
     assert len(again[0]["output_ids"]) == 3  # the engine keeps serving
+
+
+def test_a_weight_update_reaches_the_decode_step(engine, tiny_model):
+    """The static runner decodes with fused copies of q/k/v and gate/up: an update must
+    refresh them, so log-probs follow a teacher-forced forward of the new weights."""
+    import copy
+
+    updated = copy.deepcopy(tiny_model)
+    with torch.no_grad():
+        for name, param in updated.named_parameters():
+            if name.endswith(("k_proj.weight", "v_proj.bias", "up_proj.weight")):
+                param.mul_(1.5)
+    named = list(updated.state_dict().items())
+    original = [(k, v.clone()) for k, v in engine.model.state_dict().items()]
+    prompts = [[1, 2, 3], [9] * 7]
+    params = {"max_new_tokens": 6, "ignore_eos": True}
+    try:
+        engine.scheduler.call(lambda: engine.apply_update(named, {})).result(30)
+        outs = generate(engine, input_ids=prompts, sampling_params=params, return_logprob=True)
+    finally:
+        engine.scheduler.call(lambda: engine.apply_update(original, {})).result(30)
+    for prompt, out in zip(prompts, outs, strict=True):
+        expected = teacher_forced_logprobs(updated, prompt, out["output_ids"])
+        assert logprobs_of(out) == pytest.approx(expected, abs=1e-4)
+        stale = teacher_forced_logprobs(tiny_model, prompt, out["output_ids"])
+        assert logprobs_of(out) != pytest.approx(stale, abs=1e-3)
+
+
+def test_a_row_stopping_while_the_next_step_is_queued(engine):
+    """The scheduler queues step k + 1 before reading step k: a row that a stop token ends
+    at step k must lose its extra token, and its batch mate must not notice."""
+    greedy = {"max_new_tokens": 16, "temperature": 0}
+    alone_a, alone_b = (
+        generate(engine, input_ids=prompt, sampling_params=greedy)[0]["output_ids"]
+        for prompt in ([4, 5, 6], [70, 71])
+    )
+    cut = next(i for i in range(3, len(alone_a)) if alone_a[i] not in alone_a[:i])
+    stop_a = {**greedy, "stop_token_ids": [alone_a[cut]]}
+    out_a, out_b = generate(engine, input_ids=[[4, 5, 6], [70, 71]],
+                            sampling_params=[stop_a, greedy])  # fmt: skip
+    assert out_a["output_ids"] == alone_a[: cut + 1]
+    assert out_a["meta_info"]["finish_reason"] == {"type": "stop", "matched": alone_a[cut]}
+    assert out_b["output_ids"] == alone_b
+
+
+@pytest.mark.slow
+def test_compiled_static_runner_matches_teacher_forcing(tiny_dir, tiny_model):
+    """``compile=True``: one torch.compile of the decoder layer serves every layer; its
+    log-probs still equal a teacher-forced forward (eager on CPU, graphs on GPU)."""
+    model, tokenizer = load_model(str(tiny_dir))
+    engine = Engine(model, tokenizer, max_batch_size=4, runner="static", max_context=256,
+                    compile=True)  # fmt: skip
+    prompts = [[1, 2, 3], [9] * 11, [5]]
+    try:
+        outs = generate(engine, input_ids=prompts, return_logprob=True,
+                        sampling_params={"max_new_tokens": 6, "ignore_eos": True})  # fmt: skip
+    finally:
+        engine.scheduler.stop()
+    assert engine.scheduler.runner.compiled
+    for prompt, out in zip(prompts, outs, strict=True):
+        expected = teacher_forced_logprobs(tiny_model, prompt, out["output_ids"])
+        assert logprobs_of(out) == pytest.approx(expected, abs=1e-4)
+
+
+def test_staggered_finishes_and_joins_keep_each_rows_cache(engine, tiny_model):
+    """Rows finish at different steps (their slots are compacted) while waiting prompts
+    join; every row's log-probs still follow its own teacher-forced forward."""
+    prompts = [[1, 2, 3], [9] * 11, [5], [7, 8], [100, 101, 102, 103, 104], [42] * 4]
+    budgets = [3, 9, 5, 12, 4, 7]
+    params = [{"max_new_tokens": n, "ignore_eos": True} for n in budgets]
+    outs = generate(engine, input_ids=prompts, sampling_params=params, return_logprob=True)
+    for prompt, budget, out in zip(prompts, budgets, outs, strict=True):
+        assert len(out["output_ids"]) == budget
+        expected = teacher_forced_logprobs(tiny_model, prompt, out["output_ids"])
+        assert logprobs_of(out) == pytest.approx(expected, abs=1e-4)

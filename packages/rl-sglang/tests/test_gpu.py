@@ -59,12 +59,15 @@ def model_dir(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("gpu") / "tiny256", seed=0, **SHAPE)
 
 
-@pytest.mark.parametrize("runner", ["dynamic", "static"])
+@pytest.mark.parametrize("runner", ["dynamic", "static", "static-compiled"])
 def test_embedded_engine_on_cuda_matches_teacher_forcing(model_dir, runner):
     from rl_sglang.engine.core import Engine, load_model
 
     model, tokenizer = load_model(str(model_dir), device="cuda", dtype="float32")
-    engine = Engine(model, tokenizer, max_batch_size=8, runner=runner, max_context=256)
+    engine = Engine(model, tokenizer, max_batch_size=8, runner=runner.split("-")[0],
+                    max_context=256, compile=runner.endswith("compiled"))  # fmt: skip
+    if runner.endswith("compiled"):  # the fallback to eager would hide a compile failure
+        assert engine.scheduler.runner.compiled
     prompts = [PROMPT, PROMPT[:2], [7] * 9, [1]]
     try:
         groups, _ = engine.make_requests({"input_ids": prompts, "return_logprob": True,

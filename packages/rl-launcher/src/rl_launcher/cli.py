@@ -1,23 +1,31 @@
 """Console scripts: ``rl-train`` and ``rl-plot``.
 
-``rl-train --config run.yaml [--section.option VALUE ...] [--sglang-* ...] --print-config``
-prints the resolved configuration. Training itself is not wired yet in this version (it
-needs the engines, rollout and training backends of rl-sglang and rl-fsdp/rl-megatron), so
-any other use of ``rl-train`` validates the config and then says so, instead of faking a run.
+``rl-train --config run.yaml [--section.option VALUE ...] [--sglang-* ...] [--resume]``
+trains (the synchronous loop of :mod:`rl_launcher.run.loop`); ``--print-config`` prints the
+resolved configuration instead. Parts not wired yet (one-step-async and async loops, SFT,
+Megatron, real SGLang engines) are refused with exit status 2 and a message saying so.
 """
 
 import sys
 
 USAGE = """usage: rl-train [--config FILE] [--section.option VALUE | section.option=VALUE ...]
-                [--sglang-OPTION [VALUE] ...] [--megatron-OPTION [VALUE] ...] [--print-config]"""
+                [--sglang-OPTION [VALUE] ...] [--megatron-OPTION [VALUE] ...]
+                [--resume] [--print-config]"""
 
-NOT_IMPLEMENTED = (
-    "rl-train: training runs are not implemented yet in this version of rl-launcher; "
-    "missing: the Ray training actor group (rl-fsdp / rl-megatron backends), the rollout "
-    "manager (rl-sglang engines, router, rollout functions, rl-rewards) and the sync / "
-    "one-step-async / async loops with checkpoint and eval. The configuration is valid; "
-    "`rl-train --print-config` shows it resolved."
-)
+
+def not_wired(config) -> str | None:
+    """Why this valid config cannot run in this version, or None when it can."""
+    if config.rollout.loop != "sync":
+        return f"rollout.loop={config.rollout.loop!r} is not implemented yet; use sync"
+    if config.mode != "rl":
+        return "mode=sft is not implemented in rl-train yet; use mode=rl"
+    if config.rollout.dump_dir or config.rollout.replay_dir or config.rollout.rollout_only:
+        return "rollout dumps, replay and rollout-only mode are not implemented yet"
+    if config.algorithm.advantage_estimator == "gae":
+        return "advantage_estimator=gae needs a critic, not wired into rl-train yet"
+    if config.eval.interval:
+        return "eval.interval > 0: evaluation is not wired into rl-train yet; set it to 0"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,15 +37,37 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     try:
-        config, command_line = load_config(argv, flags=("--print-config",))
+        config, command_line = load_config(argv, flags=("--print-config", "--resume"))
     except ValueError as error:
         print(f"rl-train: error: {error}", file=sys.stderr)
         return 2
     if "--print-config" in command_line.flags:
         print(config_to_yaml(config), end="")
         return 0
-    print(NOT_IMPLEMENTED, file=sys.stderr)
-    return 2
+    if "--resume" in command_line.flags:
+        config.checkpoint.resume = True
+    return run_training(config)
+
+
+def run_training(config) -> int:
+    import signal
+
+    from rl_launcher.run.loop import train
+
+    reason = not_wired(config)
+    if reason is not None:
+        print(f"rl-train: error: {reason}", file=sys.stderr)
+        return 2
+    # SIGTERM unwinds like Ctrl-C, so engines, router and Ray are stopped on the way out
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        train(config)
+    except ValueError as error:
+        print(f"rl-train: error: {error}", file=sys.stderr)
+        return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return 0
 
 
 def plot_main(argv: list[str] | None = None) -> int:

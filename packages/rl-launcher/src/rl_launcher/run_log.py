@@ -69,6 +69,20 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return records
 
 
+def truncate_metrics(run_dir: str | Path, last_step: int) -> int:
+    """Drop records after ``last_step`` (steps a resumed run will redo); atomic rewrite.
+    Returns how many records were dropped."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        return 0
+    records = read_metrics(path)
+    kept = [r for r in records if r.get("step", 0) <= last_step]
+    tmp = path.with_name(METRICS_FILE + ".tmp")
+    tmp.write_text("".join(json.dumps(r, allow_nan=False) + "\n" for r in kept))
+    os.replace(tmp, path)
+    return len(records) - len(kept)
+
+
 def format_progress(step: int, num_steps: int, metrics: dict[str, Any]) -> str:
     """``step 3/20 | reward 0.412 | len 17.3 | kl 0.0012 | 1.23s (rollout 0.80 ...)``."""
     parts = [f"step {step}/{num_steps}"]

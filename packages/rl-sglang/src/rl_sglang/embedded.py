@@ -235,6 +235,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--weight-version", default="0")
     parser.add_argument("--runner", default="auto", help="auto, dynamic or static (CUDA graphs)")
     parser.add_argument("--max-context", type=int, default=None, help="prompt + response cap")
+    parser.add_argument(
+        "--compile", action="store_true", help="torch.compile the static runner's decode step"
+    )
     parser.add_argument("--seed", type=int, default=0, help="init seed for a bare config")
     return parser.parse_args(argv)
 
@@ -247,9 +250,9 @@ def main(argv: list[str] | None = None) -> None:
     model, tokenizer = load_model(
         args.model_path, device=args.device, dtype=args.dtype, seed=args.seed
     )
-    engine = Engine(
-        model, tokenizer, model_path=args.model_path, max_batch_size=args.max_batch_size
-    )
+    engine = Engine(model, tokenizer, model_path=args.model_path,
+                    max_batch_size=args.max_batch_size, runner=args.runner,
+                    max_context=args.max_context, compile=args.compile)  # fmt: skip
     engine.scheduler.weight_version = args.weight_version
     print(f"embedded engine ready on http://{args.host}:{args.port}", flush=True)
     web.run_app(make_app(engine), host=args.host, port=args.port, print=None, access_log=None)

@@ -45,7 +45,7 @@ class Engine:
     """Generation and control operations of one embedded engine (one model, one device)."""
 
     def __init__(self, model, tokenizer, *, model_path="", max_batch_size=64, runner="auto",
-                 max_context=None):  # fmt: skip
+                 max_context=None, compile=False):  # fmt: skip
         self.model, self.tokenizer, self.model_path = model, tokenizer, model_path
         self.device = next(model.parameters()).device
         eos = model.generation_config.eos_token_id if model.generation_config else None
@@ -55,6 +55,7 @@ class Engine:
             max_context or 1 << 30, getattr(model.config, "max_position_embeddings", 1 << 30)
         )
         self.runner_kind = choose_runner(runner, model)
+        self.compile = compile
         self.scheduler = Scheduler(
             self._make_runner(max_batch_size),
             StopChecker(tokenizer, eos_ids, self.max_context),
@@ -69,7 +70,8 @@ class Engine:
 
             if self.max_context >= 1 << 20:
                 raise ValueError("the static runner needs a bounded context: pass max_context")
-            return StaticRunner(self.model, max_slots=max_batch_size, max_len=self.max_context)
+            return StaticRunner(self.model, max_slots=max_batch_size, max_len=self.max_context,
+                                compile=self.compile)  # fmt: skip
         pad = self.model.config.pad_token_id
         return ModelRunner(self.model, pad_token_id=pad if pad is not None else 0)
 
@@ -153,6 +155,8 @@ class Engine:
         if body.get("abort_all_requests"):
             self.scheduler.abort_now(None, message="aborted for a weight update")
         count = weights.copy_into_model(self.model, named)
+        if hasattr(self.scheduler.runner, "refresh_weights"):  # its fused copies
+            self.scheduler.runner.refresh_weights()
         version = self.bump_version(body.get("weight_version"))
         if self.device.type == "cuda" and body.get("flush_cache", True):
             torch.cuda.empty_cache()
@@ -203,6 +207,7 @@ class Engine:
             "dp_size": 1,
             "max_running_requests": self.scheduler.max_batch_size,
             "runner": self.runner_kind,
+            "compiled": bool(getattr(self.scheduler.runner, "compiled", False)),
             "context_length": self.max_context,
             "paused": self.scheduler.paused,
             "memory_released": self.memory_released,

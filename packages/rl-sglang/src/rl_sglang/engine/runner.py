@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rl_sglang.engine.sampling import greedy_pick
+
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -62,14 +64,15 @@ class ModelRunner:
         return logits_BV, BatchState(kv=kv, mask_BT=mask_BT)
 
     @torch.inference_mode()
-    def decode(self, state: BatchState, tokens_B: torch.Tensor) -> torch.Tensor:
-        """Feed one token per row; extends ``state`` in place; returns logits ``[B, V]``."""
+    def decode(self, state: BatchState, tokens_B: torch.Tensor, *, greedy: bool = False):
+        """Feed one token per row; extends ``state`` in place; returns logits ``[B, V]``,
+        or with ``greedy`` the argmax tokens ``[B]`` and their log-probs ``[B]``."""
         ones_B1 = torch.ones((state.size, 1), dtype=torch.long, device=self.device)
         state.mask_BT = torch.cat([state.mask_BT, ones_B1], dim=1)
         logits_BV, state.kv = self._forward(
             tokens_B[:, None].to(self.device), state.mask_BT, state.kv
         )
-        return logits_BV
+        return greedy_pick(logits_BV) if greedy else logits_BV
 
     def merge(self, state: "BatchState | None", new: "BatchState") -> "BatchState":
         return merge(state, new)

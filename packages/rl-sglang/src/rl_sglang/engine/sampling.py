@@ -20,6 +20,8 @@ class RowParams:
     top_k: torch.Tensor  # -1 = off
     top_p: torch.Tensor
     min_p: torch.Tensor
+    all_greedy: bool = False  # known on the host, so checking it costs no device sync
+    truncates: bool = True  # some row uses top_k, top_p or min_p
 
     @classmethod
     def stack(cls, params: list, device: torch.device) -> "RowParams":
@@ -31,6 +33,8 @@ class RowParams:
             top_k=column("top_k", torch.long),
             top_p=column("top_p", torch.float32),
             min_p=column("min_p", torch.float32),
+            all_greedy=all(p.temperature == 0 for p in params),
+            truncates=any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params),
         )
 
 
@@ -60,15 +64,22 @@ def sample_next(
     (a ``sampling_seed``) draw with it, so their output does not depend on batch mates.
     """
     logits_BV = logits_BV.float()
+    if rows.all_greedy:
+        return greedy_pick(logits_BV)
     greedy_B = rows.temperature == 0
     scale_B = torch.where(greedy_B, torch.ones_like(rows.temperature), rows.temperature)
     logprobs_BV = torch.log_softmax(logits_BV / scale_B[:, None], dim=-1)
-    tokens_B = logprobs_BV.argmax(dim=-1)
-    if not bool(greedy_B.all()):
-        probs_BV = truncated_probs(logprobs_BV, rows)
-        sampled_B = _draw(probs_BV, generators)
-        tokens_B = torch.where(greedy_B, tokens_B, sampled_B)
+    probs_BV = truncated_probs(logprobs_BV, rows) if rows.truncates else logprobs_BV.exp()
+    sampled_B = _draw(probs_BV, generators)
+    tokens_B = torch.where(greedy_B, logits_BV.argmax(dim=-1), sampled_B)
     return tokens_B, logprobs_BV.gather(-1, tokens_B[:, None]).squeeze(-1)
+
+
+def greedy_pick(logits_BV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Argmax token ``[B]`` and its log-prob under the raw logits ``[B]``."""
+    tokens_B = logits_BV.argmax(dim=-1)
+    best_B = logits_BV.gather(-1, tokens_B[:, None]).squeeze(-1)
+    return tokens_B, best_B - logits_BV.logsumexp(dim=-1)
 
 
 def _draw(probs_BV: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from rl_sglang.engine.request import Request
+from rl_sglang.engine.rows import Launched, fill_holes
 from rl_sglang.engine.runner import ModelRunner
 from rl_sglang.engine.sampling import RowParams, sample_next
 from rl_sglang.engine.stopping import StopChecker
@@ -177,6 +178,7 @@ class Scheduler:
         if not rows:
             self._drop_batch()
             return
+        rows = fill_holes(rows)  # the static runner then moves only the rows past the end
         self._running = [self._running[i] for i in rows]
         self._state = None if self._state is None else self.runner.select(self._state, rows)
         if self._next_tokens is not None:
@@ -208,19 +210,75 @@ class Scheduler:
         return False
 
     def _step(self) -> None:
+        """Decode steps for the running batch. While nothing else waits (no task, abort or
+        admissible request) and no row can hit its length limit, step ``k + 1`` is queued
+        on the device before the host reads step ``k``'s tokens, so the host's bookkeeping
+        overlaps the GPU's work; a row that step ``k`` finished drops its extra token."""
         if not self._running:
             return
-        logits_BV = self.runner.decode(self._state, self._next_tokens)
-        self._next_tokens = self._sample(logits_BV, self._running)
-        self._retire(0)
+        launched = self._launch(self._next_tokens)
+        while True:
+            ahead = self._launch(launched.tokens_B) if self._can_look_ahead() else None
+            finished = self._consume(launched, range(len(self._running)))
+            if ahead is not None and not finished:
+                launched = ahead
+                continue
+            if ahead is not None:  # keep step k + 1 only for the rows still running
+                survivors = [row for row in range(len(self._running)) if row not in finished]
+                finished |= self._consume(ahead, survivors)
+            self._next_tokens = (launched if ahead is None else ahead).tokens_B
+            self._retire_rows(finished)
+            return
+
+    def _launch(self, tokens_B: torch.Tensor) -> Launched:
+        """Queue one decode step and the copy of its tokens and log-probs to the host."""
+        rows = self._row_params(self._running, self.runner.device)
+        if rows.all_greedy:  # argmax and log-prob come out of the (captured) step itself
+            tokens_B, logprobs_B = self.runner.decode(self._state, tokens_B, greedy=True)
+        else:
+            logits_BV = self.runner.decode(self._state, tokens_B)
+            generators = [r.generator for r in self._running]
+            tokens_B, logprobs_B = sample_next(logits_BV, rows, generators)
+        return Launched(tokens_B, logprobs_B)
+
+    def _consume(self, launched: Launched, rows) -> dict[int, dict]:
+        """Append a launched step's tokens to ``rows``; the finish reason of each row that
+        stopped."""
+        tokens, logprobs = launched.wait()
+        finished = {}
+        for row in rows:
+            request = self._running[row]
+            request.output_ids.append(tokens[row])
+            request.output_logprobs.append(logprobs[row])
+            if request.on_token is not None:
+                request.on_token(request)
+            reason = self.stopper.check(request)
+            if reason is not None:
+                finished[row] = reason
+        return finished
+
+    def _can_look_ahead(self) -> bool:
+        """True when queueing the next step now cannot run past a limit or delay anything
+        the loop would do between steps."""
+        if self._tasks or self._aborts or self._stopped or self.paused:
+            return False
+        if self._waiting and len(self._running) < self.max_batch_size:
+            return False
+        # step k's tokens are not appended yet: a row needs room for two more
+        return all(self.stopper.room(r) >= 2 for r in self._running)
+
+    def _retire_rows(self, finished: dict[int, dict]) -> None:
+        for row, reason in finished.items():
+            self._finish(self._running[row], reason)
+        if finished:
+            self._keep_rows([row for row in range(len(self._running)) if row not in finished])
 
     def _sample(self, logits_BV: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Sample one token per request and append it (with its log-prob) to the request."""
         rows = self._row_params(requests, logits_BV.device)
         tokens_B, logprobs_B = sample_next(logits_BV, rows, [r.generator for r in requests])
-        for request, token, logprob in zip(
-            requests, tokens_B.tolist(), logprobs_B.tolist(), strict=True
-        ):
+        tokens, logprobs = Launched(tokens_B, logprobs_B).wait()
+        for request, token, logprob in zip(requests, tokens, logprobs, strict=True):
             request.output_ids.append(token)
             request.output_logprobs.append(logprob)
             if request.on_token is not None:
@@ -236,12 +294,8 @@ class Scheduler:
 
     def _retire(self, first_row: int) -> None:
         """Finish running requests (from ``first_row`` on) whose last token stopped them."""
-        keep = list(range(first_row))
-        for row in range(first_row, len(self._running)):
-            request = self._running[row]
-            reason = self.stopper.check(request)
-            if reason is None:
-                keep.append(row)
-            else:
-                self._finish(request, reason)
-        self._keep_rows(keep)
+        reasons = {
+            row: self.stopper.check(self._running[row])
+            for row in range(first_row, len(self._running))
+        }
+        self._retire_rows({row: reason for row, reason in reasons.items() if reason is not None})

@@ -29,6 +29,11 @@ class StopChecker:
             return finish_reason("length", length=len(request.output_ids))
         return None
 
+    def room(self, request: Request) -> int:
+        """How many more tokens ``request`` may get before its length limit."""
+        budget = request.params.max_new_tokens - len(request.output_ids)
+        return min(budget, self.max_context - len(request.prompt_ids) - len(request.output_ids))
+
     def _stop_string(self, request: Request) -> str | None:
         longest = max(len(s) for s in request.params.stop)
         tail = self.decode(request.output_ids[-(longest + 8) :], request)

@@ -1,0 +1,108 @@
+"""Decode-step pieces of a Llama-family decoder layer, written for few GPU kernels.
+
+A decode step of a small model is bound by kernel launches, not FLOPs, so: q/k/v and
+gate/up each run as one GEMM over concatenated weights, RMSNorm is torch's fused
+``rms_norm``, rotary embeddings rotate queries and keys together, and grouped-query
+attention runs as plain SDPA with the query heads of each KV head laid out as query
+positions (no repeated K/V, so the fused attention kernels apply).
+
+Shapes: ``B`` rows, ``H`` hidden, ``Hq``/``Hkv`` query/KV heads, ``G = Hq / Hkv``,
+``D`` head dim, ``T`` cache length.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(norm: torch.nn.Module, x_BH: torch.Tensor) -> torch.Tensor:
+    """HF's Llama/Qwen2 RMSNorm: normalise in float32, cast back, scale by the weight."""
+    return norm.weight * F.rms_norm(x_BH, (x_BH.shape[-1],), eps=norm_eps(norm))
+
+
+def norm_eps(norm: torch.nn.Module) -> float:
+    """The epsilon of an HF RMSNorm (``variance_epsilon`` in Llama/Qwen2, ``eps`` elsewhere)."""
+    for name in ("variance_epsilon", "eps"):
+        if getattr(norm, name, None) is not None:
+            return float(getattr(norm, name))
+    return 1e-6
+
+
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """``sin`` with its first half negated, for :func:`rotate`."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, HF's ``x * cos + rotate_half(x) * sin`` bit for bit:
+    ``rotate_half(x) * sin == roll(x, D/2) * signed_sin(sin)`` (one kernel, not two)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
+
+
+def attend(q_BQD: torch.Tensor, keys_BKTD, values_BKTD, mask_B11T) -> torch.Tensor:
+    """One query per row against its slot: ``[B, Hq, D]`` queries, ``[B, Hkv, T, D]``
+    keys/values, additive mask ``[B, 1, 1, T]``; returns ``[B, Hq * D]``."""
+    batch, num_kv, _, head_dim = keys_BKTD.shape
+    q_BKGD = q_BQD.reshape(batch, num_kv, -1, head_dim)  # query head h uses KV head h // G
+    out_BKGD = F.scaled_dot_product_attention(q_BKGD, keys_BKTD, values_BKTD, mask_B11T)
+    return out_BKGD.reshape(batch, -1)
+
+
+def decode_layer(hidden_BH, keys_SKTD, values_SKTD, rows_B, positions_B, cos, sin, mask_B11T,
+                 weights: tuple, eps: float, num_heads: int, head_dim: int):  # fmt: skip
+    """One decoder layer for one new token per row; writes the row's key/value at its
+    position in slot ``row`` of the cache ``[S, Hkv, T, D]``. A pure function of tensors
+    (``weights`` from :meth:`LayerWeights.tensors`), so one ``torch.compile`` serves every
+    layer. ``cos``/``sin`` ``[B, 1, D]``."""
+    in_norm, post_norm, qkv_w, qkv_b, o_w, o_b, gate_up_w, gate_up_b, down_w, down_b = weights
+    batch = hidden_BH.shape[0]
+    x_BH = in_norm * F.rms_norm(hidden_BH, (hidden_BH.shape[-1],), eps=eps)
+    qkv = F.linear(x_BH, qkv_w, qkv_b)
+    qk_width = (num_heads + keys_SKTD.shape[1]) * head_dim  # queries then keys, adjacent
+    qk = rotate(qkv[:, :qk_width].view(batch, -1, head_dim), cos, sin)
+    keys_SKTD[rows_B, :, positions_B] = qk[:, num_heads:]
+    values_SKTD[rows_B, :, positions_B] = qkv[:, qk_width:].view(batch, -1, head_dim)
+    attn_BQ = attend(qk[:, :num_heads], keys_SKTD[:batch], values_SKTD[:batch], mask_B11T)
+    hidden_BH = hidden_BH + F.linear(attn_BQ, o_w, o_b)
+    x_BH = post_norm * F.rms_norm(hidden_BH, (hidden_BH.shape[-1],), eps=eps)
+    gate, up = F.linear(x_BH, gate_up_w, gate_up_b).chunk(2, dim=-1)
+    return hidden_BH + F.linear(F.silu(gate) * up, down_w, down_b)
+
+
+class LayerWeights:
+    """A layer's weights for :func:`decode_layer`: q/k/v and gate/up concatenated (one GEMM
+    each), the rest the model's own tensors. The concatenated copies are refreshed in place
+    by :meth:`refresh` after a weight update, so captured CUDA graphs keep pointing at them
+    (they cost one extra copy of those projections in device memory)."""
+
+    def __init__(self, layer: torch.nn.Module):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.groups = [
+            [attn.q_proj, attn.k_proj, attn.v_proj],
+            [mlp.gate_proj, mlp.up_proj],
+        ]
+        with torch.no_grad():
+            self.qkv, self.gate_up = (_concat(group) for group in self.groups)
+        self.norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        self.o_proj, self.down_proj = attn.o_proj, mlp.down_proj
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        for (weight, bias), group in zip((self.qkv, self.gate_up), self.groups, strict=True):
+            torch.cat([m.weight for m in group], out=weight)
+            if bias is not None:
+                torch.cat([m.bias for m in group], out=bias)
+
+    def tensors(self) -> tuple:
+        o, down = self.o_proj, self.down_proj
+        return (*self.norms, *self.qkv, o.weight, o.bias, *self.gate_up, down.weight, down.bias)
+
+
+def _concat(linears: list[torch.nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    weight = torch.cat([m.weight for m in linears])
+    biases = [m.bias for m in linears]
+    if all(b is None for b in biases):
+        return weight, None
+    if any(b is None for b in biases):
+        raise ValueError("projections with and without bias cannot be fused; use --runner dynamic")
+    return weight, torch.cat(biases)
