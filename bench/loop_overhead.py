@@ -1,14 +1,17 @@
 """Per-step orchestration overhead of rl-train's synchronous loop on CPU, quickstart model.
 
-    .tox/launcher/bin/python bench/loop_overhead.py [--steps 30] [--warmup 3]
+    .tox/launcher/bin/python bench/loop_overhead.py [--steps 30] [--warmup 3] [--json out.json]
 
 overhead = median step wall time of the real loop (Ray actor, embedded engine behind the
 sglang-router, HTTP, weight sync) - median time of the same step's compute done in one
 process (one sampling forward for the batch's prompts, the log-prob forward, the
-optimizer steps; the same model, batch and minibatches). The target is <= 100 ms.
+optimizer steps; the same model, batch shape - batch_size x group_size samples - and
+minibatches). The target is <= 100 ms. The last line printed is the figures as JSON.
 """
 
 import argparse
+import json
+import os
 import statistics
 import tempfile
 import time
@@ -62,14 +65,17 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args()
     run_dir = Path(tempfile.mkdtemp(prefix="loop_overhead_"))
     config, _ = load_config(["--config", str(CONFIG), "--logging.run_dir", str(run_dir),
                              "--logging.progress", "false"])  # fmt: skip
     records = loop_steps(config, args.steps, args.warmup)
-    # the reference trains on batches shaped like the loop's: 16 prompts x 8 samples, 5 + 1 tokens
-    samples = [Sample(tokens=[3, 11, 4, 14, 8], response_length=1, index=i) for i in range(128)]
-    batch = batch_from_samples(samples, [float(i % 2) - 0.5 for i in range(128)])
+    # the reference trains on batches shaped like the loop's: batch_size prompts x group_size
+    # samples of a 4-token prompt ("3+4=") and a 1-token answer
+    num = config.rollout.batch_size * config.rollout.group_size
+    samples = [Sample(tokens=[5, 11, 4, 14, 8], response_length=1, index=i) for i in range(num)]
+    batch = batch_from_samples(samples, [float(i % 2) - 0.5 for i in range(num)])
     reference = reference_steps(
         config, [batch] * (args.warmup + args.steps), run_dir / "initial_model"
     )
@@ -84,6 +90,14 @@ def main() -> None:
     print(f"loop step      median {step * 1e3:7.1f} ms")
     print(f"compute alone  median {compute * 1e3:7.1f} ms (single process)")
     print(f"overhead       {(step - compute) * 1e3:7.1f} ms per step (target <= 100 ms)")
+    summary = {"step_ms": step * 1e3, "compute_ms": compute * 1e3,
+               "overhead_ms": (step - compute) * 1e3, "steps": len(records),
+               "samples_per_step": num, "cpu_count": os.cpu_count()} | {
+        f"{part}_ms": statistics.median(r[f"time/{part}"] for r in records) * 1e3
+        for part in ("rollout", "log_probs", "train", "sync")}  # fmt: skip
+    print(json.dumps({k: round(v, 1) for k, v in summary.items()}))
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from rl_launcher.run import checkpoints
 from rl_launcher.run.loop import Clock, minibatches, mismatch
 from rl_launcher.run.model_setup import build_tiny_model, load_tokenizer, prepare_model
 from rl_launcher.run.reward import RewardError, load_reward
-from rl_launcher.run.train_group import fsdp_config
+from rl_launcher.run.train_group import cpu_threads_env, fsdp_config
 
 ROOT = Path(__file__).resolve().parents[3]
 TOKENIZER = ROOT / "examples" / "quickstart" / "tokenizer"
@@ -116,3 +116,10 @@ def test_clock_splits_the_step():
     times = clock.times()
     assert set(times) == {"time/rollout", "time/train", "time/step"}
     assert times["time/step"] >= times["time/rollout"] + times["time/train"]
+
+
+def test_cpu_ranks_share_the_nodes_cores(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    assert cpu_threads_env(1)["env_vars"] == {"OMP_NUM_THREADS": "8", "MKL_NUM_THREADS": "8"}
+    assert cpu_threads_env(3)["env_vars"]["OMP_NUM_THREADS"] == "2"
+    assert cpu_threads_env(16)["env_vars"]["OMP_NUM_THREADS"] == "1"  # never 0

@@ -10,7 +10,7 @@ from conftest import run, teacher_forced_logprobs
 from rl_core.metrics import pass_at_k_groups
 from rl_core.types import Sample, SampleStatus
 from rl_sglang.client import EngineClient
-from rl_sglang.rollout.default import RolloutConfig, default_rollout
+from rl_sglang.rollout.default import RolloutConfig, default_rollout, make_groups
 from rl_sglang.rollout.eval import eval_rollout
 from rl_sglang.rollout.generate import GenerateContext, generate_sample, load_function
 from rl_sglang.rollout.multiturn import CalculatorTool, calculate
@@ -165,3 +165,66 @@ def test_multi_turn_token_bookkeeping(cluster, tokenizer, tiny_model):
         if mask:
             assert got == pytest.approx(want, abs=1e-4)
     assert asyncio.iscoroutinefunction(CalculatorTool.__call__)
+
+
+class CountingClient(EngineClient):
+    """The real client, recording every /generate body it sends."""
+
+    def __init__(self, url):
+        super().__init__(url)
+        self.bodies = []
+
+    async def generate(self, **body):
+        self.bodies.append(body)
+        return await super().generate(**body)
+
+
+def test_fresh_groups_go_as_one_n_request_mapped_back_in_order(cluster, tokenizer, tiny_model):
+    params = {"max_new_tokens": 4, "ignore_eos": True, "sampling_seed": 7}
+    config = RolloutConfig(num_groups=2, n_samples_per_prompt=4, sampling_params=params)
+
+    async def go():
+        router = CountingClient(cluster.router.url)
+        try:
+            ctx = GenerateContext(client=router, tokenizer=tokenizer)
+
+            async def reward(sample):  # awaited rewards are gathered for the whole group
+                return parity_reward(sample)
+
+            result = await default_rollout(ctx, iter(prompts(2)), reward, config)
+            singles = [  # sample i of an n request is seeded sampling_seed + i
+                await router.generate(input_ids=tokenizer.encode("question 0:"), return_logprob=True,
+                                      sampling_params={**params, "sampling_seed": 7 + i})
+                for i in range(4)
+            ]  # fmt: skip
+            return result, router.bodies, singles
+        finally:
+            await router.close()
+
+    result, bodies, singles = run(go())
+    assert [b["sampling_params"]["n"] for b in bodies[:2]] == [4, 4]  # one request per group
+    assert len({tuple(single["output_ids"]) for single in singles}) > 1  # seeds tell them apart
+    group = next(g for g in result.groups if g[0].label == 0)
+    body = next(b for b in bodies[:2] if b["input_ids"] == tokenizer.encode("question 0:"))
+    assert [s.index for s in group] == [0, 1, 2, 3] and {s.group_index for s in group} == {0}
+    for i, (sample, single) in enumerate(zip(group, singles, strict=True)):
+        assert sample.tokens[sample.prompt_length :] == single["output_ids"]
+        assert sample.status is SampleStatus.TRUNCATED and sample.reward == parity_reward(sample)
+        assert sample.metadata["rid"] == f"{body['rid']}-{i}"
+        assert sample.weight_versions == [single["meta_info"]["weight_version"]]
+        expected = teacher_forced_logprobs(tiny_model, sample.tokens[: sample.prompt_length],
+                                           single["output_ids"])  # fmt: skip
+        assert sample.rollout_log_probs == pytest.approx(expected, abs=1e-4)
+
+
+@pytest.mark.parametrize("extra", [None, lambda: 1])  # a lambda cannot be pickled: deepcopy
+def test_group_copies_are_independent_and_numbered(extra):
+    template = Sample(prompt="q", tokens=[1, 2], metadata={"nested": {"a": [1]}, "f": extra})
+    first, second = make_groups(iter([template, template]), 3, start_index=5)
+    assert [(s.group_index, s.index) for s in first + second] == [
+        (5, 15), (5, 16), (5, 17), (6, 18), (6, 19), (6, 20)]  # fmt: skip
+    first[0].tokens.append(3)
+    first[0].metadata["nested"]["a"].append(2)
+    for sample in [*first[1:], *second, template]:
+        assert sample.tokens == [1, 2] and sample.metadata["nested"] == {"a": [1]}
+    assert first[1].metadata["f"] is extra

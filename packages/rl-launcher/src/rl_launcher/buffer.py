@@ -117,10 +117,15 @@ class DataBuffer:
         samples = [s for group in groups for s in group]
         advantages = self.advantages(samples)
         full = batch_from_samples(samples, advantages)
-        partitions = balanced_partitions([len(s.tokens) for s in samples], self.num_ranks)
+        everything = list(range(len(samples)))
+        partitions = (
+            [everything]  # what balanced_partitions gives for one rank, without its heap
+            if self.num_ranks == 1
+            else balanced_partitions([len(s.tokens) for s in samples], self.num_ranks)
+        )
         return StepBatch(
             samples=samples,
-            rank_batches=[full.select(part) for part in partitions],
+            rank_batches=[full if part == everything else full.select(part) for part in partitions],
             partitions=partitions,
             metrics=self._step_metrics(samples),
         )
@@ -129,16 +134,16 @@ class DataBuffer:
         """Per-response-token advantages of contiguous complete groups."""
         rewards = torch.tensor([scalar_reward(s, self.reward_key) for s in samples])
         width = max((s.response_length for s in samples), default=0)
-        mask = torch.zeros(len(samples), width)
-        for i, sample in enumerate(samples):
-            mask[i, : sample.response_length] = torch.tensor(
-                sample.effective_loss_mask(), dtype=torch.float32
-            )
+        rows = [s.effective_loss_mask() for s in samples]  # one tensor, not one per sample
+        mask = torch.tensor([row + [0] * (width - len(row)) for row in rows], dtype=torch.float32)
+        mask = mask.reshape(len(samples), width)
         inputs = AdvantageInputs(
             rewards=rewards, mask=mask, group_size=self.group_size, gamma=self.gamma, lam=self.lam
         )
         per_token, _ = self._estimator(inputs)
-        return [per_token[i, : s.response_length].tolist() for i, s in enumerate(samples)]
+        return [
+            row[: s.response_length] for row, s in zip(per_token.tolist(), samples, strict=True)
+        ]
 
     def _step_metrics(self, samples: list[Sample]) -> dict[str, float]:
         metrics = summarize(self._rewards_seen, "rollout/reward")

@@ -83,7 +83,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     groups, is_batch = engine.make_requests(body)
     if body.get("stream"):
         return await _stream(request, engine, groups, is_batch)
-    outputs = await asyncio.gather(*(engine.run(group) for group in groups))
+    flat = iter(await engine.run([r for group in groups for r in group]))  # one admission
+    outputs = [[next(flat) for _ in group] for group in groups]
     results = [out[0] if len(out) == 1 else out for out in outputs]
     if is_batch:  # SGLang flattens n samples of a batch into one list
         results = [item for out in outputs for item in out]

@@ -55,8 +55,8 @@ def run_step(run: Run, buffer: DataBuffer, step: int) -> dict[str, float]:
         rank_batches = [replace(b, ref_log_probs=r) for b, r in zip(rank_batches, ref, strict=True)]
     clock.lap("log_probs")
     metrics |= batch.metrics | mismatch(rank_batches)
-    for part in minibatches(rank_batches, config.algorithm.num_minibatches):
-        metrics |= run.trainer.train_step(part)  # the last minibatch's train metrics are kept
+    parts = minibatches(rank_batches, config.algorithm.num_minibatches)
+    metrics |= run.trainer.train_steps(parts)  # the last minibatch's train metrics are kept
     clock.lap("train")
     if step % config.engine.sync_every == 0 or step == config.num_steps:
         metrics |= sync(run, version=step)

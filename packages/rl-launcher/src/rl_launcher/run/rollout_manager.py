@@ -25,6 +25,7 @@ class RolloutManager:
         self.source, self.log_dir = source, Path(log_dir)
         self.reward_fn = load_reward(config.rollout.reward, tokenizer)
         self.engines, self.router, self._loop = [], None, asyncio.new_event_loop()
+        self._clients: dict = {}  # url -> EngineClient, one keep-alive session each
         if not config.engine.use_router and config.engine.num_engines > 1:
             raise ValueError(ROUTER_NEEDED)
 
@@ -52,6 +53,14 @@ class RolloutManager:
         samples = self.config.rollout.batch_size * self.config.rollout.group_size
         return max(1, min(256, -(-samples // self.config.engine.num_engines)))
 
+    def client(self, url: str):
+        """The manager's client of ``url``: its connections stay open across steps."""
+        from rl_sglang.client import EngineClient
+
+        if url not in self._clients:
+            self._clients[url] = EngineClient(url)
+        return self._clients[url]
+
     @property
     def engine_urls(self) -> list[str]:
         return [e.url for e in self.engines]
@@ -61,7 +70,6 @@ class RolloutManager:
         return self._loop.run_until_complete(self._rollout(num_groups))
 
     async def _rollout(self, num_groups: int):
-        from rl_sglang.client import EngineClient
         from rl_sglang.rollout.default import RolloutConfig, default_rollout
         from rl_sglang.rollout.generate import GenerateContext
 
@@ -75,9 +83,8 @@ class RolloutManager:
         )  # fmt: skip
         # exactly num_groups prompts: no over-drawn prompt is lost from the data order
         prompts = (self.source.next_prompt() for _ in range(num_groups))
-        async with EngineClient(url) as client:
-            ctx = GenerateContext(client=client, tokenizer=self.tokenizer)
-            result = await default_rollout(ctx, prompts, self.reward_fn, settings)
+        ctx = GenerateContext(client=self.client(url), tokenizer=self.tokenizer)
+        result = await default_rollout(ctx, prompts, self.reward_fn, settings)
         return result.groups, result.metrics
 
     def sampling_params(self) -> dict:
@@ -90,16 +97,17 @@ class RolloutManager:
         return self._loop.run_until_complete(self._versions())
 
     async def _versions(self) -> list[str]:
-        from rl_sglang.client import EngineClient
-
-        async def one(url: str) -> str:
-            async with EngineClient(url) as client:
-                return await client.weight_version()
-
-        return list(await asyncio.gather(*(one(u) for u in self.engine_urls)))
+        versions = (self.client(url).weight_version() for url in self.engine_urls)
+        return list(await asyncio.gather(*versions))
 
     def stop(self) -> None:
+        clients, self._clients = list(self._clients.values()), {}
+        self._loop.run_until_complete(_close_all(clients))
         for server in [self.router, *self.engines]:
             if server is not None:
                 server.stop()
         self._loop.close()
+
+
+async def _close_all(clients) -> None:
+    await asyncio.gather(*(client.close() for client in clients))

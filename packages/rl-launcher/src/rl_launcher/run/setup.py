@@ -104,7 +104,8 @@ def _start_trainer(run: Run, model_dir: Path) -> None:
     # colocated on GPU, the engine shares the rank's device: the actor takes half of it
     num_gpus = (0.5 if plan.colocate else 1.0) if use_gpu else 0
     run.trainer = TrainGroup(fsdp_config(config, model_dir=model_dir), placement, slots,
-                             num_cpus=cluster.cpus_per_bundle, num_gpus=num_gpus)  # fmt: skip
+                             num_cpus=cluster.cpus_per_bundle, num_gpus=num_gpus,
+                             ranks_per_node=min(len(slots), cluster.devices_per_node))  # fmt: skip
     run._cleanup.append(run.trainer.shutdown)
     run.num_ranks = len(slots)
 

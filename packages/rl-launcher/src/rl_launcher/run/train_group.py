@@ -9,6 +9,7 @@ hands them to the engines itself, so weights never travel through Ray.
 
 import asyncio
 import dataclasses
+import os
 from pathlib import Path
 
 import ray
@@ -54,6 +55,7 @@ class TrainWorker:
         dist_info = init_distributed(device=device, rank=rank, world_size=world_size,
                                      master_addr=master_addr, master_port=master_port)  # fmt: skip
         self.rank, self.backend = rank, FSDPBackend(config, dist_info=dist_info)
+        self._loop, self._clients = None, {}  # weight sync's event loop and engine clients
 
     def log_probs(self, batch: TrainBatch, model: str = "actor"):
         """``[N]`` log-probs of this rank's batch, on CPU."""
@@ -62,27 +64,41 @@ class TrainWorker:
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         return self.backend.train_step(batch)
 
+    def train_steps(self, batches: list[TrainBatch]) -> dict[str, float]:
+        """One optimizer step per minibatch, in order; later minibatches' metrics win."""
+        metrics: dict[str, float] = {}
+        for batch in batches:
+            metrics |= self.backend.train_step(batch)
+        return metrics
+
     def sync_weights(self, engine_urls: list[str], version: str, how: dict) -> float:
         """Gather full weights (all ranks) and load them into every engine (rank 0).
         ``how``: transport ("tensor" or "disk"), bucket_bytes, disk path. Returns bytes sent."""
         from rl_sglang import transports
-        from rl_sglang.client import EngineClient
 
         sent, buckets = 0, self.backend.export_weights(bucket_bytes=how["bucket_bytes"])
         if how["transport"] == "disk":
             named = [item for bucket in buckets for item in bucket]
             if self.rank == 0:
-                clients = [EngineClient(url) for url in engine_urls]
-                asyncio.run(_close_after(clients, transports.update_from_disk(
-                    clients, named, how["path"], weight_version=version)))  # fmt: skip
+                self._on_engines(engine_urls, lambda clients: transports.update_from_disk(
+                    clients, named, how["path"], weight_version=version))  # fmt: skip
             return float(sum(t.numel() * t.element_size() for _, t in named))
         for bucket in buckets:
             sent += sum(t.numel() * t.element_size() for _, t in bucket)
             if self.rank == 0:
-                clients = [EngineClient(url) for url in engine_urls]
-                asyncio.run(_close_after(clients, transports.update_from_tensor(
-                    clients, bucket, weight_version=version)))  # fmt: skip
+                self._on_engines(engine_urls, lambda clients, b=bucket: transports.update_from_tensor(
+                    clients, b, weight_version=version))  # fmt: skip
         return float(sent)
+
+    def _on_engines(self, urls: list[str], work):
+        """Run ``work(clients)`` on this worker's own event loop, whose clients (and their
+        keep-alive connections) live as long as the worker instead of one sync."""
+        from rl_sglang.client import EngineClient
+
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+        clients = [self._clients.setdefault(url, EngineClient(url)) for url in urls]
+        return self._loop.run_until_complete(work(clients))
 
     def save(self, path: str) -> None:
         self.backend.save_checkpoint(Path(path))
@@ -92,24 +108,27 @@ class TrainWorker:
         return self.backend.step
 
 
-async def _close_after(clients, work):
-    try:
-        return await work
-    finally:
-        await asyncio.gather(*(c.close() for c in clients))
+def cpu_threads_env(ranks_per_node: int) -> dict:
+    """Ray starts an actor with OMP_NUM_THREADS=num_cpus (1 by default), which also pins
+    oneDNN/MKL to one thread; on CPU the node's cores belong to its training ranks (a
+    colocated engine waits while they train), so each rank gets its share."""
+    threads = max(1, (os.cpu_count() or 1) // max(1, ranks_per_node))
+    return {"env_vars": {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}}
 
 
 class TrainGroup:
     """``num_ranks`` :class:`TrainWorker` actors, rank r in placement slot ``slots[r]``."""
 
-    def __init__(self, config, placement, slots, *, num_cpus: float, num_gpus: float = 0):
+    def __init__(self, config, placement, slots, *, num_cpus: float, num_gpus: float = 0,
+                 ranks_per_node: int = 1):  # fmt: skip
         from rl_fsdp import free_port
 
         addr = ray.util.get_node_ip_address() if config.device == "cuda" else "127.0.0.1"
         port, world = free_port(addr), len(slots)
         actor = ray.remote(TrainWorker)
+        env = cpu_threads_env(ranks_per_node) if config.device != "cuda" else {}
         self.workers = [
-            actor.options(num_cpus=num_cpus, num_gpus=num_gpus,
+            actor.options(num_cpus=num_cpus, num_gpus=num_gpus, runtime_env=env,
                           scheduling_strategy=placement.strategy(slot)).remote(
                 rank, world, addr, port, config)
             for rank, slot in enumerate(slots)
@@ -128,6 +147,11 @@ class TrainGroup:
 
     def train_step(self, batches: list[TrainBatch]) -> dict[str, float]:
         return self.call("train_step", batches)[0]  # metrics are already summed over ranks
+
+    def train_steps(self, parts: list[list[TrainBatch]]) -> dict[str, float]:
+        """``parts[m][r]``: minibatch m of rank r; one remote call per rank for all of them."""
+        per_rank = [[part[r] for part in parts] for r in range(len(self.workers))]
+        return self.call("train_steps", per_rank)[0]
 
     def sync_weights(self, engine_urls: list[str], version: str, **how) -> float:
         return self.call("sync_weights", engine_urls=engine_urls, version=version, how=how)[0]

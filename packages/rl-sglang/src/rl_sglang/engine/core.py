@@ -131,7 +131,7 @@ class Engine:
             future = loop.create_future()
             request.on_done = _resolver(loop, future)
             futures.append(future)
-            self.scheduler.submit(request)
+        self.scheduler.submit(*requests)
         return [request.response() for request in await asyncio.gather(*futures)]
 
     # ---- control ------------------------------------------------------------------------

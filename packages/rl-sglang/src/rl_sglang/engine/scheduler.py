@@ -49,9 +49,11 @@ class Scheduler:
         self._thread.start()
 
     # ---- thread-safe entry points -------------------------------------------------------
-    def submit(self, request: Request) -> None:
+    def submit(self, *requests: Request) -> None:
+        """Queue ``requests`` at once, so the next admission prefills them together (the n
+        samples of one prompt, or a batch, share one prefill and one decode batch)."""
         with self._cond:
-            self._waiting.append(request)
+            self._waiting.extend(requests)
             self._cond.notify()
 
     def abort(self, rid: str | None = None) -> None:

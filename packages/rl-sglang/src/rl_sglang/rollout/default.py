@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import inspect
 import itertools
+import pickle
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ from rl_sglang.client import EngineClient
 from rl_sglang.rollout.generate import (
     OFFPOLICY_MODES,
     GenerateContext,
+    fresh_group,
+    generate_group,
     generate_sample,
     load_function,
 )
@@ -79,10 +82,55 @@ class _GroupRunner:
         self.reward_fn, self.config = reward_fn, config
         self.generate = load_function(config.generate_fn) if config.generate_fn else generate_sample
         self.semaphore = asyncio.Semaphore(config.max_concurrency)
+        self._acquiring = asyncio.Lock()  # one group takes its n semaphore slots at a time
 
     async def run(self, group: list[Sample]) -> list[Sample]:
+        if self._one_request(group):
+            return await self._group(group)
         outputs = await asyncio.gather(*(self._one(s) for s in group))
         return [s for out in outputs for s in (out if isinstance(out, list) else [out])]
+
+    def _one_request(self, group: list[Sample]) -> bool:
+        """The default generate function on a fresh group: one request with n samples."""
+        fits = len(group) <= self.config.max_concurrency
+        return self.generate is generate_sample and fits and fresh_group(group)
+
+    async def _group(self, group: list[Sample]) -> list[Sample]:
+        taken = 0
+        try:
+            async with self._acquiring:
+                for _ in group:
+                    await self.semaphore.acquire()
+                    taken += 1
+            await self._generate_group(group)
+        finally:
+            for _ in range(taken):
+                self.semaphore.release()
+        await self._score(group)
+        return group
+
+    async def _generate_group(self, group: list[Sample]) -> None:
+        rid = uuid.uuid4().hex
+        for i, sample in enumerate(group):  # the engine names sample i "<rid>-<i>"
+            sample.metadata["rid"] = f"{rid}-{i}"
+        try:
+            await generate_group(self.ctx, group, self.config.sampling_params, rid=rid)
+        except Exception as error:  # kept with its error, never dropped silently
+            for sample in group:
+                sample.status = SampleStatus.ABORTED
+                sample.metadata["error"] = f"{type(error).__name__}: {error}"
+
+    async def _score(self, samples: list[Sample]) -> None:
+        """Rewards of the samples that were not aborted; async rewards run concurrently."""
+        scored = [s for s in samples if s.status is not SampleStatus.ABORTED]
+        rewards = [self.reward_fn(s) for s in scored]
+        for sample, reward in zip(scored, rewards, strict=True):
+            if not inspect.isawaitable(reward):
+                sample.reward = reward
+        waiting = [(s, r) for s, r in zip(scored, rewards, strict=True) if inspect.isawaitable(r)]
+        values = await asyncio.gather(*(r for _, r in waiting))
+        for (sample, _), value in zip(waiting, values, strict=True):
+            sample.reward = value
 
     async def _one(self, sample: Sample) -> Sample | list[Sample]:
         if sample.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED):
@@ -95,10 +143,7 @@ class _GroupRunner:
                 sample.status = SampleStatus.ABORTED
                 sample.metadata["error"] = f"{type(error).__name__}: {error}"
                 return sample
-        for item in result if isinstance(result, list) else [result]:
-            if item.status is not SampleStatus.ABORTED:
-                reward = self.reward_fn(item)
-                item.reward = await reward if inspect.isawaitable(reward) else reward
+        await self._score(result if isinstance(result, list) else [result])
         return result
 
 
@@ -106,11 +151,20 @@ def make_groups(prompts: Iterator[Sample], n: int, start_index: int) -> Iterator
     """Each prompt template becomes a group of n fresh copies with group/sample indices."""
     for group_index, template in enumerate(prompts, start=start_index):
         group = []
-        for i in range(n):
-            sample = copy.deepcopy(template)
+        for i, sample in enumerate(_copies(template, n)):
             sample.group_index, sample.index = group_index, group_index * n + i
             group.append(sample)
         yield group
+
+
+def _copies(template: Sample, n: int) -> list[Sample]:
+    """``n`` independent deep copies; one pickle loaded n times is several times faster than
+    n ``deepcopy`` calls (a rollout makes batch x group copies), deepcopy if unpicklable."""
+    try:
+        state = pickle.dumps(template, protocol=pickle.HIGHEST_PROTOCOL)
+    except (pickle.PicklingError, TypeError, AttributeError):
+        return [copy.deepcopy(template) for _ in range(n)]
+    return [pickle.loads(state) for _ in range(n)]
 
 
 async def default_rollout(

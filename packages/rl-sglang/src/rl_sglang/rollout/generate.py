@@ -109,3 +109,36 @@ async def generate_sample(ctx: GenerateContext, sample: Sample, sampling_params:
         if stale and ctx.offpolicy_tokens == "mask":
             sample.loss_mask[:old_length] = [0] * old_length
     return sample
+
+
+def fresh_group(group: list[Sample]) -> bool:
+    """True when every sample of ``group`` is a fresh copy of one prompt (nothing generated
+    yet), so one ``n = len(group)`` request can generate them all."""
+    first = group[0]
+    return len(group) > 1 and all(
+        s.status is SampleStatus.PENDING and not s.response_length and s.tokens == first.tokens
+        and s.prompt == first.prompt
+        for s in group
+    )  # fmt: skip
+
+
+async def generate_group(
+    ctx: GenerateContext, group: list[Sample], sampling_params: dict, *, rid: str | None = None
+) -> list[Sample]:
+    """Generate a :func:`fresh_group` with one /generate request of ``n = len(group)``: the
+    engine admits its rows together; output ``i`` (rid ``<rid>-i``) goes to ``group[i]``."""
+    prompt_ids = ctx.prompt_ids(group[0])
+    outputs = await ctx.client.generate(
+        input_ids=prompt_ids,
+        sampling_params={**sampling_params, "n": len(group)},
+        return_logprob=True,
+        rid=rid,
+    )
+    if not isinstance(outputs, list) or len(outputs) != len(group):
+        raise ValueError(f"asked for n={len(group)} samples, the engine returned {outputs!r:.200}")
+    for sample, output in zip(group, outputs, strict=True):
+        sample.tokens = list(prompt_ids)
+        append_response(sample, output)
+        if ctx.tokenizer is not None:
+            sample.response = ctx.tokenizer.decode(sample.tokens[sample.prompt_length :])
+    return group
