@@ -37,16 +37,22 @@ class _Handler(BaseHTTPRequestHandler):
             fail = state.failures_left > 0
             state.failures_left -= fail
         try:
-            if self.path == "/auth" and self.headers.get("Authorization") != "Bearer s3cret":
-                return self._reply(401, {"error": "bad token"})
-            if fail:
-                return self._reply(503, {"error": "busy"})
-            time.sleep(0.05)
-            score = float(body["response"] == body["label"])
-            self._reply(200, score if self.path == "/bare" else {"score": score, "extra": 1})
+            status, payload = self._answer(body, fail)
         finally:
+            # leave the in-flight count before replying: once the client has the reply it
+            # may start its next request, which must not overlap this one in the count
             with state.lock:
                 state.in_flight -= 1
+        self._reply(status, payload)
+
+    def _answer(self, body, fail):
+        if self.path == "/auth" and self.headers.get("Authorization") != "Bearer s3cret":
+            return 401, {"error": "bad token"}
+        if fail:
+            return 503, {"error": "busy"}
+        time.sleep(0.05)
+        score = float(body["response"] == body["label"])
+        return 200, score if self.path == "/bare" else {"score": score, "extra": 1}
 
     def _reply(self, status, payload):
         data = json.dumps(payload).encode()
