@@ -52,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
 def run_training(config) -> int:
     import signal
 
+    from rl_launcher.ray_cluster import prepare_local_ray_env
+
+    prepare_local_ray_env(config.cluster.ray_address)  # before the loop's modules import ray
     from rl_launcher.run.loop import train
 
     reason = not_wired(config)

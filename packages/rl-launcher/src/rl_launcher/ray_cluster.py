@@ -3,10 +3,19 @@
 import os
 
 # Ray re-launches every worker through `uv run` when the driver runs under `uv run`
-# (RAY_ENABLE_UV_RUN_RUNTIME_ENV, on by default). For a local Ray that is pointless (the
-# workers already use this interpreter) and breaks under tox/CI, so it is switched off
-# before Ray is imported, unless the user set it.
+# (RAY_ENABLE_UV_RUN_RUNTIME_ENV, on by default), packaging the working directory so that
+# actors run elsewhere. For a local Ray that is pointless (the workers already use this
+# interpreter), moves relative paths from under the actors and breaks under tox/CI, so it
+# is switched off, unless the user set it. Ray reads it once, when `ray` is first
+# imported: call :func:`prepare_local_ray_env` before anything imports ray.
 LOCAL_RAY_ENV = {"RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def prepare_local_ray_env(address: str | None = None) -> None:
+    """Set :data:`LOCAL_RAY_ENV` (where unset) when no cluster address is given."""
+    if (address or os.environ.get("RAY_ADDRESS")) is None:
+        for name, value in LOCAL_RAY_ENV.items():
+            os.environ.setdefault(name, value)
 
 
 def connect(
@@ -18,9 +27,7 @@ def connect(
     on a laptop for scheduling tests); a cluster reports its own resources.
     """
     address = address or os.environ.get("RAY_ADDRESS") or None
-    if address is None:
-        for name, value in LOCAL_RAY_ENV.items():
-            os.environ.setdefault(name, value)
+    prepare_local_ray_env(address)
     import ray
 
     if ray.is_initialized():
