@@ -23,23 +23,18 @@ import sys
 import time
 
 import torch
+from model_shapes import SHAPES
 
 from rl_sglang.engine.core import Engine
 from rl_sglang.tiny import random_model, tiny_config
 
-QWEN25_05B = dict(
-    vocab_size=151936,
-    hidden_size=896,
-    intermediate_size=4864,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    max_position_embeddings=32768,
-    rope_theta=1000000.0,
-    tie_word_embeddings=True,
-    eos_token_id=151643,
-    pad_token_id=151643,
-)
+# the training benchmarks' 0.5b shape, plus what generation needs
+QWEN25_05B = {
+    **SHAPES["0.5b"],
+    "max_position_embeddings": 32768,
+    "eos_token_id": 151643,
+    "pad_token_id": 151643,
+}
 
 
 def make_model(shape: str, device: str, dtype: torch.dtype):
