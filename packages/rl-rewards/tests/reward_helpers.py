@@ -39,3 +39,15 @@ def die(response: str, label: object) -> float:
 
         os._exit(3)
     return 1.0
+
+
+def faulty(response: str, label: object) -> float:
+    """1.0, unless the response names a fault: boom (raises), nan, inf, hang (busy loop
+    no signal-free thread could stop), sleep (blocks in a system call)."""
+    if response == "boom":
+        raise RuntimeError("reward exploded")
+    if response in ("nan", "inf"):
+        return float(response)
+    if response == "sleep":
+        time.sleep(60)
+    return hang(response, label)

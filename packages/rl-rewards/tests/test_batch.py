@@ -96,3 +96,24 @@ def test_a_hang_after_fast_samples_blames_the_right_sample():
     assert [r.status for r in report.results] == [
         "timeout" if r == "hang" else "ok" for r in responses
     ]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("on_failure", ["zero", "drop"])
+def test_raising_hanging_and_nan_rewards_are_scored_as_configured(workers, on_failure):
+    """Each failure kind is counted, scored 0 or dropped, and the batch goes on."""
+    failed = 0.0 if on_failure == "zero" else None
+    for bad in ["boom", "nan", "inf", "hang" if workers else "sleep"]:
+        responses = ["ok", bad, "ok", "ok"]
+        report = score_batch("reward_helpers:faulty", responses, [None] * 4, workers=workers,
+                             timeout_s=2.0 if workers else 0.5, on_failure=on_failure)  # fmt: skip
+        assert report.scores == [1.0, failed, 1.0, 1.0], bad
+        assert report.results[1].status == ("timeout" if bad in ("hang", "sleep") else "error")
+        assert report.num_errors + report.num_timeouts == 1
+        assert report.num_dropped == (on_failure == "drop")
+        assert report.kept == ([0, 2, 3] if on_failure == "drop" else [0, 1, 2, 3])
+
+
+def test_unknown_on_failure_is_a_value_error():
+    with pytest.raises(ValueError, match="on_failure"):
+        score_batch("math", ["a"], ["b"], on_failure="ignore")

@@ -7,6 +7,7 @@ import pytest
 
 from rl_rewards import get_reward
 from rl_rewards.code import Limits, cases_from_label, extract_code, run_case
+from rl_rewards.jail import PidsJail
 
 pytestmark = pytest.mark.integration
 FAST = Limits(timeout_s=2.0, memory_mb=256, max_output_bytes=100_000)
@@ -83,3 +84,85 @@ def test_extract_code_and_label_errors():
         cases_from_label(42)
     with pytest.raises(ValueError, match="same length"):
         cases_from_label({"inputs": ["1"], "outputs": []})
+
+
+# ---- escapes: each is stopped and scores 0 ---------------------------------------------
+def _nobody_left(marker: str) -> bool:
+    """No process whose command line holds ``marker`` is still alive."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+            with open(f"/proc/{pid}/stat") as f:
+                zombie = f.read().rpartition(")")[2][:3] == " Z "
+        except OSError:
+            continue
+        if marker.encode() in cmdline and not zombie:
+            return False
+    return True
+
+
+def test_fork_bomb_is_stopped_and_scores_zero():
+    # children that leave the session and ignore fork failures: only a process limit and
+    # a kill of every process of the test (the pids cgroup, where available) stop them
+    bomb = (
+        "import os, time  # fork-bomb-marker\n"
+        "while True:\n"
+        "    try:\n"
+        "        if os.fork() == 0:\n"
+        "            os.setsid()\n"
+        "    except OSError:\n"
+        "        time.sleep(0.01)\n"
+    )
+    start = time.monotonic()
+    limits = Limits(timeout_s=1.5, max_processes=16)
+    assert get_reward("code", timeout_s=1.5)(bomb, ["pass"]) == 0.0
+    outcome = run_case(bomb, "pass", limits)
+    assert not outcome.passed and outcome.reason in ("timeout", "cpu limit")
+    assert time.monotonic() - start < 20
+    probe = PidsJail.create(1)
+    if probe is not None:  # a cgroup could be made: nothing may survive
+        probe.close()
+        time.sleep(0.2)
+        assert _nobody_left("fork-bomb-marker")
+
+
+def test_huge_allocation_is_stopped_and_scores_zero():
+    code = "blob = b'x' * (4 * 1024**3)"
+    assert get_reward("code", memory_mb=256)(code, ["pass"]) == 0.0
+    assert run_case(code, "pass", FAST).reason == "memory limit"
+
+
+def test_huge_file_is_stopped_and_scores_zero():
+    code = "with open('big.bin', 'wb') as f:\n    while True: f.write(b'x' * 65536)"
+    assert get_reward("code", max_output_bytes=100_000)(code, ["pass"]) == 0.0
+    assert run_case(code, "pass", FAST).reason == "output limit"
+
+
+@pytest.mark.parametrize(
+    "write",
+    [
+        "open({target!r}, 'w').write('pwned')",
+        "import os; os.close(os.open({target!r}, os.O_WRONLY | os.O_CREAT))",
+        "import pathlib; pathlib.Path({target!r}).write_text('pwned')",
+        "import shutil; shutil.copy(__file__, {target!r})",
+        "import os; open('x', 'w').close(); os.rename('x', {target!r})",
+        "import ctypes; ctypes.CDLL(None).creat({target!r}.encode(), 0o644)",
+    ],
+)
+def test_writing_outside_the_scratch_dir_is_stopped_and_scores_zero(tmp_path, write):
+    target = str(tmp_path / "escaped.txt")
+    code = write.format(target=target)
+    assert get_reward("code")(code, ["pass"]) == 0.0
+    outcome = run_case(code, "pass", FAST)
+    assert outcome.reason == "sandbox violation" and not os.path.exists(target)
+
+
+def test_writing_inside_the_scratch_dir_and_reading_outside_still_work():
+    code = (
+        "import os, tempfile\n"
+        "open('a.txt', 'w').write('1'); os.mkdir('d'); os.rename('a.txt', 'd/b.txt')\n"
+        "with tempfile.NamedTemporaryFile('w') as f: f.write('t')\n"
+        "assert open('/etc/hostname').read() is not None"
+    )
+    assert run_case(code, "pass", FAST).passed

@@ -8,6 +8,7 @@ the timeout is a ``SIGALRM`` timer (main thread on Unix only; elsewhere no timeo
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import multiprocessing
 import signal
@@ -21,6 +22,7 @@ from typing import Any
 
 from rl_rewards.registry import RewardFn, get_reward
 
+ON_FAILURE = ("zero", "drop")
 RewardRef = str | RewardFn  # a registered name / dotted path, or a picklable callable
 _FLUSH_S = 0.05
 _PRELOAD = ["rl_rewards.math.reward", "rl_rewards.math.latex", "rl_rewards.qa", "rl_rewards.choice"]
@@ -28,9 +30,10 @@ _PRELOAD = ["rl_rewards.math.reward", "rl_rewards.math.latex", "rl_rewards.qa", 
 
 @dataclass(frozen=True)
 class ScoreResult:
-    """One sample's outcome: ``status`` is ok | error | timeout; score is 0.0 unless ok."""
+    """One sample's outcome: ``status`` is ok | error | timeout; unless ok, the score is
+    0.0, or None when the batch drops failed samples (``on_failure="drop"``)."""
 
-    score: float
+    score: float | None
     status: str = "ok"
     reason: str = ""
 
@@ -50,8 +53,17 @@ class BatchReport:
         return sum(r.status == "timeout" for r in self.results)
 
     @property
-    def scores(self) -> list[float]:
+    def num_dropped(self) -> int:
+        return sum(r.score is None for r in self.results)
+
+    @property
+    def scores(self) -> list[float | None]:
         return [r.score for r in self.results]
+
+    @property
+    def kept(self) -> list[int]:
+        """Indices of the samples that have a score (all but the dropped ones)."""
+        return [i for i, r in enumerate(self.results) if r.score is not None]
 
 
 def resolve_reward(reward: RewardRef, options: dict[str, Any] | None = None) -> RewardFn:
@@ -226,12 +238,18 @@ def score_batch(
     workers: int = 0,
     timeout_s: float = 10.0,
     on_result: Callable[[int, ScoreResult], None] | None = None,
+    on_failure: str = "zero",
 ) -> BatchReport:
     """Score ``responses[i]`` against ``labels[i]`` for every i; results keep input order.
 
     ``reward`` is a registered name or dotted path (``options`` bound to it), or a picklable
     callable. ``on_result(i, result)`` is called as each sample finishes (for progress bars).
+    A sample whose reward raised, hung past ``timeout_s`` or returned NaN/inf/non-numbers
+    scores 0.0 (``on_failure="zero"``) or None (``"drop"``: leave it out, see
+    :attr:`BatchReport.kept`); either way it is counted and the batch goes on.
     """
+    if on_failure not in ON_FAILURE:
+        raise ValueError(f"on_failure must be one of {ON_FAILURE}, got {on_failure!r}")
     if len(responses) != len(labels):
         raise ValueError(
             f"{len(responses)} responses but {len(labels)} labels; pass one label each"
@@ -241,6 +259,8 @@ def score_batch(
     results: list[ScoreResult | None] = [None] * len(responses)
 
     def record(index: int, result: ScoreResult) -> None:
+        if result.status != "ok" and on_failure == "drop":
+            result = dataclasses.replace(result, score=None)
         results[index] = result
         if on_result is not None:
             on_result(index, result)

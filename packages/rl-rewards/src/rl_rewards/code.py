@@ -1,10 +1,14 @@
 """The ``code`` reward: run the response's Python against tests in a sandboxed subprocess.
 
-Each test runs in its own ``python -I`` process inside a fresh temporary directory (deleted
-afterwards), in a new session (the whole process group is killed on timeout), with limits set
-by ``resource`` before exec: address space (memory), CPU seconds, size of any file written
-(stdout goes to a file, so this also caps output), number of processes, no core dumps. The
-harness itself opens no network connection. Score = fraction of tests passed.
+Each test runs in its own ``python -I`` process with a fresh scratch directory as its cwd
+and TMPDIR (deleted afterwards), in a new session (the whole process group is killed
+on timeout), with limits set by ``resource`` before exec: address space (memory), CPU
+seconds, size of any file written (stdout goes to a file, so this also caps output), number
+of processes, no core dumps. An audit hook refuses writes outside the scratch directory
+and ctypes. Where a pids cgroup can be made (root), the test runs in its own: the
+process limit then binds root too, and every process of the test is killed at the end
+(see :mod:`rl_rewards.jail`). The harness itself opens no network connection. Score =
+fraction of tests passed.
 
 Label: a list of assert-style snippets, ``{"tests": [...]}``, or stdin/stdout cases
 ``{"inputs": [...], "outputs": [...]}`` (outputs compared after stripping whitespace).
@@ -23,6 +27,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from rl_rewards.jail import PidsJail
 from rl_rewards.registry import register_reward
 
 _FENCE_RE = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.S)
@@ -53,6 +58,40 @@ def extract_code(response: str) -> str:
     return blocks[-1] if blocks else response
 
 
+# Runs before the response's code, in its interpreter: an audit hook (it cannot be removed)
+# refuses writes, renames, deletions and links outside the scratch directory, and ctypes.
+_GUARD = r"""
+import os, sys
+_scratch = os.path.realpath(sys.argv[1])
+_WRITE = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+_PATH_EVENTS = {"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.symlink", "os.link",
+                "os.truncate", "os.chmod", "os.chown", "os.utime", "shutil.rmtree"}
+def _inside(path):
+    if isinstance(path, int):
+        return True
+    real = os.path.realpath(os.fsdecode(path))
+    return real == _scratch or real.startswith(_scratch + os.sep)
+def _hook(event, args):
+    if event == "open" and args[0] is not None and (
+            any(c in str(args[1] or "") for c in "wax+") or (args[2] or 0) & _WRITE):
+        paths = args[:1]
+    elif event in _PATH_EVENTS:
+        paths = [a for a in args[:2] if isinstance(a, (str, bytes, os.PathLike))]
+    elif event.startswith("ctypes."):
+        raise PermissionError(f"sandbox: {event} is not allowed")
+    else:
+        return
+    for path in paths:
+        if not _inside(path):
+            raise PermissionError(f"sandbox: {event} outside the scratch directory: {path}")
+sys.addaudithook(_hook)
+script = sys.argv[2]
+sys.argv = [script]
+import runpy
+runpy.run_path(script, run_name="__main__")
+"""
+
+
 def _set_limits(limits: Limits) -> None:  # runs in the child between fork and exec
     import resource
 
@@ -74,14 +113,24 @@ def _kill_session(process: subprocess.Popen) -> None:
 
 def run_sandboxed(source: str, stdin: str, limits: Limits, workdir_root: str | None = None):
     """Run ``source`` under ``limits``; (exit code or None on timeout, stdout, stderr)."""
-    with tempfile.TemporaryDirectory(prefix="rl-rewards-code-", dir=workdir_root) as workdir:
-        script, out_path, err_path = (Path(workdir) / n for n in ("main.py", "out", "err"))
+    with tempfile.TemporaryDirectory(prefix="rl-rewards-code-", dir=workdir_root) as root:
+        scratch = Path(root) / "scratch"  # the only place the code may write
+        scratch.mkdir()
+        script, out_path, err_path = (Path(root) / n for n in ("main.py", "out", "err"))
         script.write_text(source, encoding="utf-8")
+        env = {"PATH": "/usr/bin:/bin", "TMPDIR": str(scratch)}
+        jail = PidsJail.create(limits.max_processes)
+
+        def setup_child():  # between fork and exec
+            _set_limits(limits)
+            if jail is not None:
+                jail.enter()
+
         with out_path.open("wb") as out, err_path.open("wb") as err:
             process = subprocess.Popen(
-                [sys.executable, "-I", "-B", str(script)], cwd=workdir, stdin=subprocess.PIPE,
-                stdout=out, stderr=err, start_new_session=True, env={"PATH": "/usr/bin:/bin"},
-                preexec_fn=lambda: _set_limits(limits),
+                [os.path.abspath(sys.executable), "-I", "-B", "-c", _GUARD, scratch, script],
+                cwd=scratch, stdin=subprocess.PIPE, stdout=out, stderr=err,
+                start_new_session=True, env=env, preexec_fn=setup_child,
             )  # fmt: skip
             try:
                 process.communicate(stdin.encode(), timeout=limits.timeout_s)
@@ -89,6 +138,8 @@ def run_sandboxed(source: str, stdin: str, limits: Limits, workdir_root: str | N
             except subprocess.TimeoutExpired:
                 code = None
             _kill_session(process)
+            if jail is not None:
+                jail.close()
         read = limits.max_output_bytes
         return (
             code,
@@ -106,6 +157,8 @@ def _describe_failure(code: int | None, stderr: str) -> str:
         return "output limit"
     if code == -signal.SIGXCPU:
         return "cpu limit"
+    if "PermissionError: sandbox:" in stderr:
+        return "sandbox violation"
     return f"exit code {code}"
 
 
