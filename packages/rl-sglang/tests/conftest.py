@@ -66,3 +66,23 @@ def cluster(tiny_dir, tmp_path_factory):
 
 def run(coro):
     return asyncio.run(coro)
+
+
+@pytest.fixture(scope="session")
+def fault_cluster(tiny_dir, tmp_path_factory):
+    """Two more engines behind a router whose own retries are off, so that the faults the
+    tests inject reach our health monitor and rollout retries (not the router's)."""
+    log_dir = tmp_path_factory.mktemp("fault-logs")
+    engines = [EmbeddedEngine(tiny_dir, log_dir=log_dir, max_batch_size=64) for _ in range(2)]
+    try:
+        for engine in engines:
+            engine.start(wait=False)
+        for engine in engines:
+            engine.wait_ready(timeout_s=240)
+        router = Router([e.url for e in engines], log_dir=log_dir, ready_timeout_s=120,
+                        health_check_interval_s=1, extra_args=["--disable-retries"]).start()  # fmt: skip
+        yield Cluster(engines, router)
+        router.stop()
+    finally:
+        for engine in engines:
+            engine.stop()

@@ -30,6 +30,12 @@ def test_sglang_path_goes_to_the_server_only(tmp_path, monkeypatch):
     monkeypatch.setenv("RL_SGLANG_PYTHONPATH", str(tmp_path))
     assert SGLangServer("/models/x", log_dir=tmp_path).env["PYTHONPATH"].startswith(str(tmp_path))
     assert "sglang.launch_server" in server.command()
+    assert "--api-key" not in server.command()
+    exposed = SGLangServer("/m", sglang_path=str(tmp_path), host="0.0.0.0", api_key="k",
+                           log_dir=tmp_path)  # fmt: skip
+    assert exposed.command()[-2:] == ["--api-key", "k"]
+    with pytest.raises(ValueError, match="API key"):
+        SGLangServer("/m", sglang_path=str(tmp_path), host="0.0.0.0", log_dir=tmp_path)
 
 
 def test_failed_start_reports_the_log_tail(tmp_path):

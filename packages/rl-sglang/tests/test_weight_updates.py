@@ -89,18 +89,20 @@ def test_update_from_tensor(cluster, restore_weights, flatten):
     check_engines_use(cluster, model, version)
 
 
-def test_update_from_distributed_gloo_in_two_buckets(cluster, restore_weights):
-    model, named = new_weights(303)
+@pytest.mark.parametrize("flatten", [False, True])
+def test_update_from_distributed_gloo_in_two_buckets(cluster, restore_weights, flatten):
+    model, named = new_weights(303 + flatten)
+    version = f"dist-{int(flatten)}"
 
     async def go(clients):
         sender = transports.DistributedWeightSender(clients, backend="gloo")
         await sender.connect()
-        await sender.send(named[:10])
-        return await sender.send(named[10:], weight_version="dist-1")
+        await sender.send(named[:10], flatten=flatten)
+        return await sender.send(named[10:], weight_version=version, flatten=flatten)
 
     results = run(_with_clients(cluster, go))
-    assert [r["weight_version"] for r in results] == ["dist-1", "dist-1"]
-    check_engines_use(cluster, model, "dist-1")
+    assert [r["weight_version"] for r in results] == [version, version]
+    check_engines_use(cluster, model, version)
 
 
 def test_version_bumps_without_an_explicit_version(cluster, restore_weights):

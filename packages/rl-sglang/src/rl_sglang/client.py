@@ -3,10 +3,13 @@ sglang-router in front of either)."""
 
 import asyncio
 import json
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+
+from rl_sglang.process import API_KEY_ENV
 
 
 class EngineError(RuntimeError):
@@ -21,11 +24,18 @@ class EngineClient:
     """One base URL, one aiohttp session. Use as ``async with EngineClient(url) as c:``.
 
     ``retries`` re-sends a /generate whose connection failed or that got a 5xx (an engine
-    killed mid-request and restarted, or the router failing over).
+    killed mid-request and restarted, or the router failing over). ``api_key`` is sent as
+    ``Authorization: Bearer`` (servers exposed beyond loopback require it); by default it
+    is taken from the ``RL_SGLANG_API_KEY`` environment variable, like the servers' key.
     """
 
-    def __init__(self, url: str, *, timeout_s: float = 600.0, retries: int = 0, backoff_s=0.5):
+    def __init__(
+        self, url: str, *, timeout_s: float = 600.0, retries: int = 0, backoff_s=0.5,
+        api_key: str | None = None,
+    ):  # fmt: skip
         self.url = url.rstrip("/")
+        api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.retries, self.backoff_s = retries, backoff_s
         self._session: aiohttp.ClientSession | None = None
@@ -40,7 +50,9 @@ class EngineClient:
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             connector = aiohttp.TCPConnector(limit=0)  # rollouts open many concurrent requests
-            self._session = aiohttp.ClientSession(timeout=self.timeout, connector=connector)
+            self._session = aiohttp.ClientSession(
+                timeout=self.timeout, connector=connector, headers=self.headers
+            )
         return self._session
 
     async def close(self) -> None:
@@ -103,13 +115,14 @@ class EngineClient:
         await self.request("GET", "/health_generate")
 
     async def model_info(self) -> dict:
-        return await self.request("GET", "/get_model_info")
+        return await self.request("GET", "/model_info")
 
     async def server_info(self) -> dict:
         return await self.request("GET", "/get_server_info")
 
     async def weight_version(self) -> str:
-        return (await self.request("GET", "/get_weight_version"))["weight_version"]
+        # /model_info carries it (SGLang 0.5.15 answers 404 on the old /get_weight_version)
+        return (await self.model_info())["weight_version"]
 
     async def flush_cache(self) -> None:
         await self.request("POST", "/flush_cache")
@@ -120,11 +133,13 @@ class EngineClient:
     async def resume(self) -> dict:
         return await self.request("POST", "/continue_generation", {})
 
-    async def release_memory(self) -> dict:
-        return await self.request("POST", "/release_memory_occupation", {})
+    async def release_memory(self, tags: list[str] | None = None) -> dict:
+        """Free GPU memory; ``tags`` picks parts (SGLang: "weights", "kv_cache",
+        "cuda_graph"); None frees all."""
+        return await self.request("POST", "/release_memory_occupation", {"tags": tags})
 
-    async def resume_memory(self) -> dict:
-        return await self.request("POST", "/resume_memory_occupation", {})
+    async def resume_memory(self, tags: list[str] | None = None) -> dict:
+        return await self.request("POST", "/resume_memory_occupation", {"tags": tags})
 
     # ---- weight updates (see rl_sglang.transports for the trainer side) ------------------
     async def update_weights_from_disk(self, model_path: str, **fields: Any) -> dict:

@@ -7,16 +7,20 @@
 
 import argparse
 import asyncio
+import hmac
 import json
 import logging
+import os
 from typing import Any
 
 from aiohttp import web
 
 from rl_sglang.engine import weights
 from rl_sglang.engine.core import Engine, load_model
+from rl_sglang.process import API_KEY_ENV, check_exposure
 
 ENGINE_KEY = web.AppKey("engine", Engine)
+API_KEY = web.AppKey("api_key", str)
 routes = web.RouteTableDef()
 
 
@@ -43,6 +47,19 @@ async def errors_as_json(request: web.Request, handler):
         return await handler(request)
     except (ValueError, KeyError, TypeError, json.JSONDecodeError) as error:
         return _error(f"{type(error).__name__}: {error}")
+
+
+@web.middleware
+async def require_api_key(request: web.Request, handler):
+    """SGLang's ``--api-key``: with a key set, every endpoint but ``/health*`` needs
+    ``Authorization: Bearer <key>`` (weight updates, memory release, abort, pause, flush
+    and generation alike)."""
+    key = request.app[API_KEY]
+    if key and not request.path.startswith("/health"):
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            return _error("missing or wrong 'Authorization: Bearer <api key>'", status=401)
+    return await handler(request)
 
 
 @routes.get("/health")
@@ -211,15 +228,16 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
     receiver = engine.weight_receivers[group_name]
 
     def receive_and_apply():
-        named = receiver.receive(body["names"], body["dtypes"], body["shapes"], engine.device)
+        named = receiver.receive(body["names"], body["dtypes"], body["shapes"], engine.device,
+                                 load_format=body.get("load_format"))  # fmt: skip
         return engine.apply_update(named, body)
 
     return web.json_response(await engine.on_scheduler(receive_and_apply))
 
 
-def make_app(engine: Engine) -> web.Application:
-    app = web.Application(middlewares=[errors_as_json], client_max_size=1 << 30)
-    app[ENGINE_KEY] = engine
+def make_app(engine: Engine, api_key: str | None = None) -> web.Application:
+    app = web.Application(middlewares=[require_api_key, errors_as_json], client_max_size=1 << 30)
+    app[ENGINE_KEY], app[API_KEY] = engine, api_key or ""
     app.add_routes(routes)
     app.on_shutdown.append(lambda _: asyncio.to_thread(engine.scheduler.stop))
     return app
@@ -228,7 +246,12 @@ def make_app(engine: Engine) -> web.Application:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model-path", required=True, help="HF model dir or a config.json")
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--host", default="127.0.0.1", help="any other address needs a key")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"Bearer token for every endpoint but /health (default: ${API_KEY_ENV})",
+    )
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
@@ -240,7 +263,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--compile", action="store_true", help="torch.compile the static runner's decode step"
     )
     parser.add_argument("--seed", type=int, default=0, help="init seed for a bare config")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    try:
+        check_exposure(args.host, args.api_key, "the embedded engine")
+    except ValueError as error:
+        parser.error(str(error))
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -256,7 +284,9 @@ def main(argv: list[str] | None = None) -> None:
                     max_context=args.max_context, compile=args.compile)  # fmt: skip
     engine.scheduler.weight_version = args.weight_version
     print(f"embedded engine ready on http://{args.host}:{args.port}", flush=True)
-    web.run_app(make_app(engine), host=args.host, port=args.port, print=None, access_log=None)
+    web.run_app(
+        make_app(engine, args.api_key), host=args.host, port=args.port, print=None, access_log=None
+    )
 
 
 if __name__ == "__main__":

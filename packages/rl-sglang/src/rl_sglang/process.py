@@ -25,6 +25,22 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+API_KEY_ENV = "RL_SGLANG_API_KEY"  # how the key reaches our servers (not argv: ps shows it)
+
+
+def check_exposure(host: str, api_key: str | None, what: str = "server") -> None:
+    """Loopback needs nothing; any other address needs an API key, because anyone who can
+    reach the port could otherwise replace the weights or free the memory."""
+    if host not in LOOPBACK_HOSTS and not api_key:
+        raise ValueError(
+            f"{what} would listen on {host!r}, reachable from other machines, without an "
+            f"API key: pass api_key=... (--api-key, or the {API_KEY_ENV} environment "
+            "variable) so control endpoints require 'Authorization: Bearer <key>', or keep "
+            "host='127.0.0.1'"
+        )
+
+
 def http_ok(url: str, timeout_s: float = 2.0) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as response:
@@ -43,8 +59,12 @@ class ServerProcess:
     name = "server"
 
     def __init__(
-        self, *, host="127.0.0.1", port=None, log_dir=None, env=None, ready_timeout_s=120.0
-    ):
+        self, *, host="127.0.0.1", port=None, log_dir=None, env=None, ready_timeout_s=120.0,
+        api_key: str | None = None,
+    ):  # fmt: skip
+        api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
+        check_exposure(host, api_key, self.name)
+        self.api_key = api_key
         self.host, self.port = host, port or free_port(host)
         self.log_dir = Path(log_dir or os.environ.get("RL_LOG_DIR", "/tmp/rl_sglang_logs"))
         self.env = env or {}
@@ -71,12 +91,15 @@ class ServerProcess:
                 self.command(),
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, **self.env},
+                env={**os.environ, **self.env, **self._key_env()},
                 start_new_session=True,  # our signals reach its children, not us
             )
         if wait:
             self.wait_ready()
         return self
+
+    def _key_env(self) -> dict[str, str]:
+        return {API_KEY_ENV: self.api_key} if self.api_key else {}
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -84,7 +107,8 @@ class ServerProcess:
     def wait_ready(self, timeout_s: float | None = None) -> None:
         """Poll :attr:`ready_path` until it answers 200; on exit or timeout raise with the
         last lines of the log."""
-        deadline = time.monotonic() + (timeout_s or self.ready_timeout_s)
+        timeout_s = timeout_s or self.ready_timeout_s
+        deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if not self.alive():
                 raise RuntimeError(
@@ -94,7 +118,8 @@ class ServerProcess:
                 return
             time.sleep(0.2)
         raise TimeoutError(
-            f"{self.name} on {self.url} not ready after {timeout_s}s\n{self.log_tail()}"
+            f"{self.name} on {self.url}: {self.url + self.ready_path} did not answer 200 "
+            f"within {timeout_s:g}s\n{self.log_tail()}"
         )
 
     def log_tail(self, num_lines: int = 30) -> str:
@@ -211,6 +236,8 @@ class SGLangServer(ServerProcess):
     def command(self) -> list[str]:
         argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path,
                 "--host", self.host, "--port", str(self.port)]  # fmt: skip
+        if self.api_key:  # SGLang reads it from argv only
+            argv += ["--api-key", self.api_key]
         for key, value in self.sglang_args.items():
             flag = "--" + key.replace("_", "-")
             if value is True:

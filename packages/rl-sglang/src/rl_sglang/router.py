@@ -6,6 +6,8 @@
 
 The router forwards /generate, /flush_cache and the info endpoints; control calls
 (abort, pause, weight updates) go to each engine: :meth:`Router.worker_urls` lists them.
+It binds 127.0.0.1 (the binary's own default is 0.0.0.0); another ``host`` needs
+``api_key``, which then guards /generate, the /workers admin API and the calls to workers.
 """
 
 import json
@@ -51,8 +53,16 @@ class Router(ServerProcess):
             "--prometheus-host", self.host, "--prometheus-port", str(self.prometheus_port),
             "--health-check-interval-secs", str(self.health_check_interval_s),
             "--health-failure-threshold", "1", "--log-level", "warn",
-            *self.extra_args,
+            *self._auth_args(), *self.extra_args,
         ]  # fmt: skip
+
+    def _auth_args(self) -> list[str]:
+        """One key for everything: clients' /generate, the router's calls to its workers
+        (``--api-key``) and the worker admin API (an admin control-plane key)."""
+        if not self.api_key:
+            return []
+        return ["--api-key", self.api_key,
+                "--control-plane-api-keys", f"rl:rl-sglang:admin:{self.api_key}"]  # fmt: skip
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
         super().wait_ready(timeout_s)
@@ -68,7 +78,8 @@ class Router(ServerProcess):
 
     def add_worker(self, url: str, timeout_s: float = 60.0) -> None:
         """Register a running engine and wait until the router routes to it."""
-        self._call("POST", "/workers", {"url": url})
+        body = {"url": url} | ({"api_key": self.api_key} if self.api_key else {})
+        self._call("POST", "/workers", body)
         self.wait_for_workers([url], timeout_s=timeout_s)
 
     def remove_worker(self, url: str, timeout_s: float = 30.0) -> None:
@@ -101,8 +112,11 @@ class Router(ServerProcess):
 
     def _call(self, method: str, path: str, body: dict | None = None) -> dict:
         data = None if body is None else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
         request = urllib.request.Request(self.url + path, data=data, method=method,
-                                         headers={"Content-Type": "application/json"})  # fmt: skip
+                                         headers=headers)  # fmt: skip
         with urllib.request.urlopen(request, timeout=10) as response:
             text = response.read().decode()
         return json.loads(text) if text else {}

@@ -20,6 +20,7 @@ import shutil
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -73,13 +74,19 @@ def _file_system_sharing():
 
 
 def flatten_bucket(named: NamedTensors) -> dict:
-    """One uint8 buffer ``[N_bytes]`` holding every tensor, plus per-tensor metadata
-    (name, shape, dtype, start_idx, end_idx) to cut it back apart."""
+    """One uint8 buffer ``[N_bytes]`` holding every tensor, plus one metadata record per
+    tensor (name, shape, dtype, start_idx, end_idx, numel) to cut it back apart.
+
+    The records are ``types.SimpleNamespace`` objects: they have the attributes SGLang's
+    ``load_format="flattened_bucket"`` reads, and SGLang's restricted unpickler (like the
+    embedded engine's) accepts them, so the trainer never needs SGLang installed.
+    """
     chunks, metadata, offset = [], [], 0
     for name, tensor in named:
         raw = tensor.detach().contiguous().view(-1).view(torch.uint8)
-        metadata.append({"name": name, "shape": list(tensor.shape), "dtype": str(tensor.dtype),
-                         "start_idx": offset, "end_idx": offset + raw.numel()})  # fmt: skip
+        metadata.append(SimpleNamespace(name=name, shape=tensor.shape, dtype=tensor.dtype,
+                                        start_idx=offset, end_idx=offset + raw.numel(),
+                                        numel=raw.numel()))  # fmt: skip
         chunks.append(raw)
         offset += raw.numel()
     return {"flattened_tensor": torch.cat(chunks), "metadata": metadata}
@@ -132,25 +139,35 @@ class DistributedWeightSender:
     bucket. ``clients`` talk to the engines directly (not through the router)."""
 
     def __init__(self, clients: Sequence[EngineClient], *, master_address="127.0.0.1",
-                 master_port=None, backend="gloo", group_name="weight_update_group"):  # fmt: skip
+                 master_port=None, backend="gloo", group_name=None, tp_size: int = 1):  # fmt: skip
         from rl_sglang.process import free_port
 
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' (CPU) or 'nccl' (GPU), got {backend!r}")
+        if backend == "nccl":
+            # SGLang servers run NCCL with cuMem buffers off; both ends of a group must agree,
+            # or the first broadcast fails with "Cuda failure 'invalid argument'" (seen on
+            # 2xH200). NCCL reads this once per process: set it before any other NCCL use.
+            os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
+        # a fresh name per sender: torch registers groups by name, once per process
+        group_name = group_name or f"rl_weight_sync_{uuid.uuid4().hex[:8]}"
         self.clients, self.backend, self.group_name = list(clients), backend, group_name
+        self.tp_size = tp_size  # an engine of TP size t takes t consecutive ranks
         self.master_address = master_address
         self.master_port = master_port or free_port(master_address)
         self.group = None
 
     @property
     def world_size(self) -> int:
-        return 1 + len(self.clients)
+        return 1 + self.tp_size * len(self.clients)
 
     async def connect(self) -> None:
         fields = dict(master_address=self.master_address, master_port=self.master_port,
                       world_size=self.world_size, group_name=self.group_name, backend=self.backend)  # fmt: skip
         joins = [
-            asyncio.ensure_future(c.init_weights_update_group(rank_offset=1 + i, **fields))
+            asyncio.ensure_future(
+                c.init_weights_update_group(rank_offset=1 + i * self.tp_size, **fields)
+            )
             for i, c in enumerate(self.clients)
         ]
         self.group = await asyncio.to_thread(self._create_group)
@@ -165,10 +182,11 @@ class DistributedWeightSender:
         )
         self._store = store  # the master store must outlive the group's rendezvous
         return make_process_group(PrefixStore(self.group_name, store), 0, self.world_size,
-                                  self.backend, timeout)  # fmt: skip
+                                  self.backend, timeout, self.group_name)  # fmt: skip
 
-    async def send(self, named: NamedTensors, *, weight_version=None) -> list[dict]:
-        """Announce the bucket to every engine, then broadcast its tensors in order."""
+    async def send(self, named: NamedTensors, *, weight_version=None, flatten=False) -> list[dict]:
+        """Announce the bucket to every engine, then broadcast its tensors in order (or,
+        with ``flatten``, the whole bucket as one uint8 buffer: one collective per bucket)."""
         if self.group is None:
             raise RuntimeError("call await sender.connect() before send()")
         named = list(named)
@@ -176,10 +194,13 @@ class DistributedWeightSender:
                 "shapes": [list(t.shape) for _, t in named], "group_name": self.group_name}  # fmt: skip
         if weight_version is not None:
             body["weight_version"] = weight_version
+        if flatten:
+            body["load_format"] = "flattened_bucket"
+        tensors = [flatten_bucket(named)["flattened_tensor"]] if flatten else [t for _, t in named]
         posts = [
             asyncio.ensure_future(c.update_weights_from_distributed(**body)) for c in self.clients
         ]
-        await asyncio.to_thread(self._broadcast, [t for _, t in named])
+        await asyncio.to_thread(self._broadcast, tensors)
         return await asyncio.gather(*posts)
 
     def _broadcast(self, tensors: list[torch.Tensor]) -> None:
@@ -187,5 +208,8 @@ class DistributedWeightSender:
         options.rootRank = 0
         for tensor in tensors:
             wire = tensor.detach().contiguous()
-            wire = wire if self.backend == "nccl" else wire.cpu()
+            if self.backend == "nccl":  # NCCL sends from this process's current GPU
+                wire = wire.to(torch.device("cuda", torch.cuda.current_device()))
+            else:
+                wire = wire.cpu()
             self.group.broadcast([wire], options).wait()

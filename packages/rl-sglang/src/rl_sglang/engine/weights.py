@@ -9,16 +9,16 @@ the trainer.
 import base64
 import datetime
 import io
+import math
 import pickle
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
+from rl_sglang.engine.safe_pickle import allowed_global
+
 NamedTensors = list[tuple[str, torch.Tensor]]
-# Modules a serialized bucket may reference: torch's rebuild functions, dtypes and storages.
-_SAFE_MODULE_PREFIXES = ("torch", "collections", "builtins", "copyreg", "_codecs")
-_UNSAFE_BUILTINS = {"eval", "exec", "compile", "open", "__import__", "getattr", "setattr"}
 
 
 def copy_into_model(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -57,8 +57,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
     """Only torch's rebuild helpers and plain containers may be loaded from a request."""
 
     def find_class(self, module: str, name: str):
-        allowed = module.split(".")[0] in _SAFE_MODULE_PREFIXES and name not in _UNSAFE_BUILTINS
-        if not allowed:
+        if not allowed_global(module, name):  # an exact allowlist: see safe_pickle
             raise pickle.UnpicklingError(f"refusing to load {module}.{name} from a weight bucket")
         return super().find_class(module, name)
 
@@ -71,14 +70,16 @@ def deserialize_bucket(payload: str | bytes) -> object:
 
 
 def unflatten_bucket(bucket: dict) -> NamedTensors:
-    """``{"flattened_tensor": [N], "metadata": [{name, shape, dtype, start_idx, end_idx}]}``
-    back into named tensors (views of the flat buffer)."""
+    """``{"flattened_tensor": [N] uint8, "metadata": [record, ...]}`` back into named
+    tensors (views of the flat buffer). A record has name, shape, dtype, start_idx and
+    end_idx, as attributes (SGLang's format) or as dict keys."""
     flat = bucket["flattened_tensor"]
     named = []
     for meta in bucket["metadata"]:
+        meta = meta if isinstance(meta, dict) else vars(meta)
         chunk = flat[meta["start_idx"] : meta["end_idx"]]
         dtype = getattr(torch, str(meta["dtype"]).removeprefix("torch."))
-        named.append((meta["name"], chunk.view(dtype).view(meta["shape"])))
+        named.append((meta["name"], chunk.view(dtype).view(tuple(meta["shape"]))))
     return named
 
 
@@ -106,12 +107,22 @@ class WeightReceiver:
         timeout = datetime.timedelta(seconds=120)
         store = TCPStore(master_address, int(master_port), world_size, False, timeout=timeout)
         self.group = make_process_group(
-            PrefixStore(group_name, store), rank, world_size, backend, timeout
+            PrefixStore(group_name, store), rank, world_size, backend, timeout, group_name
         )
         self.backend = backend
 
-    def receive(self, names, dtypes, shapes, device: torch.device) -> NamedTensors:
+    def receive(
+        self, names, dtypes, shapes, device: torch.device, load_format=None
+    ) -> NamedTensors:
+        """One broadcast per tensor, or with ``load_format="flattened_bucket"`` one
+        broadcast of the whole bucket as uint8 bytes in ``names`` order (SGLang's layout)."""
         recv_device = device if self.backend == "nccl" else torch.device("cpu")
+        if load_format == "flattened_bucket":
+            return self._receive_flat(names, dtypes, shapes, recv_device)
+        if load_format not in (None, "direct"):
+            raise ValueError(
+                f"unsupported load_format {load_format!r}; use None or 'flattened_bucket'"
+            )
         named = []
         for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
             dtype = getattr(torch, str(dtype).removeprefix("torch."))
@@ -120,14 +131,36 @@ class WeightReceiver:
             named.append((name, buffer))
         return named
 
+    def _receive_flat(self, names, dtypes, shapes, device) -> NamedTensors:
+        dtypes = [getattr(torch, str(d).removeprefix("torch.")) for d in dtypes]
+        sizes = [math.prod(shape) * d.itemsize for d, shape in zip(dtypes, shapes, strict=True)]
+        flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+        self.group.broadcast([flat], _root(0)).wait()
+        named, offset = [], 0
+        for name, dtype, shape, size in zip(names, dtypes, shapes, sizes, strict=True):
+            named.append((name, flat[offset : offset + size].view(dtype).view(tuple(shape))))
+            offset += size
+        return named
 
-def make_process_group(store, rank: int, world_size: int, backend: str, timeout):
-    """A standalone gloo or nccl group (not torch.distributed's default group)."""
-    if backend == "gloo":
-        return torch.distributed.ProcessGroupGloo(store, rank, world_size, timeout)
-    options = torch.distributed.ProcessGroupNCCL.Options()
-    options._timeout = timeout
-    return torch.distributed.ProcessGroupNCCL(store, rank, world_size, options)
+
+def make_process_group(store, rank: int, world_size: int, backend: str, timeout, group_name: str):
+    """A standalone gloo or nccl group (not torch.distributed's default group), built the
+    way SGLang's ``init_custom_process_group`` builds its end: the store prefixed with the
+    group name, then torch's own group helper (which adds its key prefixes), so a trainer
+    using this function and a real SGLang server meet at the same store keys."""
+    import inspect
+
+    from torch.distributed import distributed_c10d as c10d
+
+    helper = c10d._new_process_group_helper
+    options_name = (
+        "backend_options"
+        if "backend_options" in inspect.signature(helper).parameters
+        else "pg_options"
+    )
+    group, _ = helper(world_size, rank, [], backend, store, group_name=group_name,
+                      timeout=timeout, **{options_name: None})  # fmt: skip
+    return group
 
 
 def _root(rank: int):

@@ -8,16 +8,17 @@ is full, leftovers aborted (and kept for the next rollout when partial rollout i
 import asyncio
 import copy
 import dataclasses
-import inspect
 import itertools
 import pickle
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+import aiohttp
+
 from rl_core.filters import GROUP_FILTERS
 from rl_core.types import Sample, SampleStatus
-from rl_sglang.client import EngineClient
+from rl_sglang.client import EngineClient, EngineError
 from rl_sglang.rollout.generate import (
     OFFPOLICY_MODES,
     GenerateContext,
@@ -26,6 +27,7 @@ from rl_sglang.rollout.generate import (
     generate_sample,
     load_function,
 )
+from rl_sglang.rollout.rewards import REWARD_ON_ERROR, RewardGuard
 
 RewardFn = Callable[[Sample], "float | dict | asyncio.Future"]
 
@@ -38,6 +40,14 @@ class RolloutConfig:
     ``max_concurrency`` bounds samples in flight; ``partial_rollout`` keeps aborted
     leftovers (their tokens, log-probs and weight versions) for the next rollout;
     ``generate_fn`` is a dotted path to a custom generate function.
+
+    Faults: a request that fails with a connection error or a 5xx (an engine killed
+    mid-request) is sent again, from the sample's state before it, up to ``max_retries``
+    times (backoff ``retry_backoff_s`` doubling); after that the group is kept as an
+    aborted leftover with the error. A reward that raises, returns NaN/inf or (with
+    ``reward_timeout_s``) takes longer is handled per ``reward_on_error``: "raise" stops
+    the rollout with the error, "zero" scores 0.0, "drop" drops the sample's group
+    (over-sampling replaces it); the last two are counted (rl_sglang.rollout.rewards).
     """
 
     num_groups: int
@@ -49,6 +59,10 @@ class RolloutConfig:
     partial_rollout: bool = False
     offpolicy_tokens: str = "keep"
     generate_fn: str | None = None
+    max_retries: int = 3
+    retry_backoff_s: float = 0.5
+    reward_timeout_s: float | None = None  # set: sync rewards run in a thread, timed out
+    reward_on_error: str = "raise"
 
     def __post_init__(self):
         if self.num_groups < 1 or self.n_samples_per_prompt < 1 or self.max_concurrency < 1:
@@ -57,6 +71,12 @@ class RolloutConfig:
             GROUP_FILTERS.get(self.group_filter)  # unknown names fail here, listing known ones
         if self.offpolicy_tokens not in OFFPOLICY_MODES:
             raise ValueError(f"offpolicy_tokens must be one of {OFFPOLICY_MODES}")
+        if self.reward_on_error not in REWARD_ON_ERROR:
+            raise ValueError(f"reward_on_error must be one of {REWARD_ON_ERROR}")
+        if self.max_retries < 0 or (
+            self.reward_timeout_s is not None and self.reward_timeout_s <= 0
+        ):
+            raise ValueError("need max_retries >= 0 and reward_timeout_s > 0 (or None)")
 
 
 @dataclass
@@ -82,6 +102,8 @@ class _GroupRunner:
         self.reward_fn, self.config = reward_fn, config
         self.generate = load_function(config.generate_fn) if config.generate_fn else generate_sample
         self.semaphore = asyncio.Semaphore(config.max_concurrency)
+        self.counts = {"generate_retries": 0}
+        self.guard = RewardGuard(reward_fn, config.reward_timeout_s, config.reward_on_error)
         self._acquiring = asyncio.Lock()  # one group takes its n semaphore slots at a time
 
     async def run(self, group: list[Sample]) -> list[Sample]:
@@ -110,41 +132,74 @@ class _GroupRunner:
         return group
 
     async def _generate_group(self, group: list[Sample]) -> None:
-        rid = uuid.uuid4().hex
-        for i, sample in enumerate(group):  # the engine names sample i "<rid>-<i>"
-            sample.metadata["rid"] = f"{rid}-{i}"
-        try:
-            await generate_group(self.ctx, group, self.config.sampling_params, rid=rid)
-        except Exception as error:  # kept with its error, never dropped silently
-            for sample in group:
-                sample.status = SampleStatus.ABORTED
-                sample.metadata["error"] = f"{type(error).__name__}: {error}"
+        def attempt():
+            rid = uuid.uuid4().hex  # fresh per attempt: a retry never collides with a rid
+            for i, sample in enumerate(group):  # the engine names sample i "<rid>-<i>"
+                sample.metadata["rid"] = f"{rid}-{i}"
+            return generate_group(self.ctx, group, self.config.sampling_params, rid=rid)
+
+        await self._with_retries(group, attempt)
+
+    async def _with_retries(self, samples: list[Sample], attempt) -> object:
+        """``await attempt()``; on a retryable failure restore ``samples`` and try again.
+        The last failure leaves them aborted with the error (never dropped silently)."""
+        before = [_snapshot(s) for s in samples]
+        for number in range(self.config.max_retries + 1):
+            try:
+                return await attempt()
+            except Exception as error:  # classified below, kept on the sample
+                for sample, state in zip(samples, before, strict=True):
+                    _restore(sample, state)
+                if not retryable(error) or number == self.config.max_retries:
+                    for sample in samples:
+                        sample.status = SampleStatus.ABORTED
+                        sample.metadata["error"] = f"{type(error).__name__}: {error}"
+                    return None
+                self.counts["generate_retries"] += 1
+                await asyncio.sleep(self.config.retry_backoff_s * 2**number)
+        return None
 
     async def _score(self, samples: list[Sample]) -> None:
-        """Rewards of the samples that were not aborted; async rewards run concurrently."""
+        """Rewards of the samples that were not aborted, concurrently; see RolloutConfig."""
         scored = [s for s in samples if s.status is not SampleStatus.ABORTED]
-        rewards = [self.reward_fn(s) for s in scored]
-        for sample, reward in zip(scored, rewards, strict=True):
-            if not inspect.isawaitable(reward):
-                sample.reward = reward
-        waiting = [(s, r) for s, r in zip(scored, rewards, strict=True) if inspect.isawaitable(r)]
-        values = await asyncio.gather(*(r for _, r in waiting))
-        for (sample, _), value in zip(waiting, values, strict=True):
-            sample.reward = value
+        await asyncio.gather(*(self.guard.score(s) for s in scored))
 
     async def _one(self, sample: Sample) -> Sample | list[Sample]:
         if sample.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED):
             return sample  # finished before its group was aborted; already scored
+
+        def attempt():
+            sample.metadata["rid"] = uuid.uuid4().hex
+            return self.generate(self.ctx, sample, self.config.sampling_params)
+
         async with self.semaphore:
-            try:
-                sample.metadata["rid"] = uuid.uuid4().hex
-                result = await self.generate(self.ctx, sample, self.config.sampling_params)
-            except Exception as error:  # kept with its error, never dropped silently
-                sample.status = SampleStatus.ABORTED
-                sample.metadata["error"] = f"{type(error).__name__}: {error}"
-                return sample
+            result = await self._with_retries([sample], attempt)
+        if result is None:
+            return sample
         await self._score(result if isinstance(result, list) else [result])
         return result
+
+
+_STATE_FIELDS = ("tokens", "response", "response_length", "loss_mask", "rollout_log_probs",
+                 "weight_versions", "status")  # fmt: skip
+
+
+def _snapshot(sample: Sample) -> dict:
+    state = {name: copy.copy(getattr(sample, name)) for name in _STATE_FIELDS}
+    return state | {"metadata": dict(sample.metadata)}
+
+
+def _restore(sample: Sample, state: dict) -> None:
+    for name, value in state.items():
+        setattr(sample, name, copy.copy(value))
+
+
+def retryable(error: BaseException) -> bool:
+    """Connection failures, timeouts and 5xx: the engine (or the router's path to it) was
+    lost, the request itself was fine. A 4xx is the request's fault: not retried."""
+    if isinstance(error, EngineError):
+        return error.status >= 500
+    return isinstance(error, aiohttp.ClientError | TimeoutError | ConnectionError)
 
 
 def make_groups(prompts: Iterator[Sample], n: int, start_index: int) -> Iterator[list[Sample]]:
@@ -185,7 +240,7 @@ async def default_rollout(
         config.num_groups, -(-config.max_concurrency // config.n_samples_per_prompt)
     )
     pending: set[asyncio.Task] = set()
-    kept, leftovers, counts = [], [], {"dropped": 0, "launched": 0}
+    kept, leftovers, counts = [], [], {"dropped": 0, "launched": 0, "dropped_reward": 0}
 
     def launch() -> None:
         while len(pending) < max_in_flight:  # over-sample: more groups than still needed
@@ -209,12 +264,15 @@ async def default_rollout(
             leftovers.append(group)
     extra, kept = kept[config.num_groups :], kept[: config.num_groups]
     leftovers.extend(extra)
+    counts |= runner.counts | runner.guard.counts
     return RolloutResult(kept, _for_resume(leftovers, config), _metrics(kept, counts, leftovers))
 
 
 def _sort_group(group, keep, config, kept, leftovers, counts) -> None:
     if any(s.status is SampleStatus.ABORTED for s in group):
         leftovers.append(group)
+    elif any(s.metadata.get("reward_dropped") for s in group):
+        counts["dropped_reward"] += 1
     elif keep([scalar_reward(s, config.reward_key) for s in group]):
         kept.append(group)
     else:
@@ -243,6 +301,10 @@ def _metrics(kept, counts, leftovers) -> dict[str, float]:
         "rollout/groups_launched": float(counts["launched"]),
         "rollout/groups_dropped": float(counts["dropped"]),
         "rollout/groups_left_over": float(len(leftovers)),
+        "rollout/groups_dropped_reward_error": float(counts["dropped_reward"]),
+        "rollout/generate_retries": float(counts["generate_retries"]),
+        "rollout/reward_errors": float(counts["reward_errors"]),
+        "rollout/reward_timeouts": float(counts["reward_timeouts"]),
         "rollout/truncated_frac": sum(s.status is SampleStatus.TRUNCATED for s in samples)
         / max(len(samples), 1),
         "rollout/response_length_mean": sum(lengths) / len(lengths),

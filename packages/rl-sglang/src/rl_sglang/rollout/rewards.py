@@ -1,0 +1,116 @@
+"""Scoring one sample so that a bad reward function is handled as configured.
+
+    guard = RewardGuard(reward_fn, timeout_s=10, on_error="zero")
+    await guard.score(sample)   # sample.reward set; failures counted in guard.counts
+
+A reward that raises, returns a non-finite number (NaN, inf, in a dict too) or a non-number,
+or, with ``timeout_s``, takes longer, is handled per ``on_error``:
+
+- ``"raise"`` (default): the exception propagates (NaN and timeouts as :class:`RewardFailed`),
+  the rollout stops; the launcher turns this into a clear exit.
+- ``"zero"``: ``sample.reward = 0.0`` and ``sample.metadata["reward_error"]``; counted.
+- ``"drop"``: reward None and ``sample.metadata["reward_dropped"]``; the rollout drops the
+  group (over-sampling replaces it); counted.
+
+With ``timeout_s`` a synchronous reward runs in its own daemon thread, since a hung call
+cannot be interrupted on the event loop; a thread that never returns is left behind (Python
+cannot kill threads): for rewards that may hang for good, score in processes with
+``rl_rewards.batch.score_batch(workers=N)``, which kills them.
+"""
+
+import asyncio
+import contextlib
+import inspect
+import math
+import threading
+from collections.abc import Callable
+
+from rl_core.types import Sample
+
+REWARD_ON_ERROR = ("raise", "zero", "drop")
+
+
+class RewardFailed(ValueError):
+    """A reward returned an unusable value or timed out (``on_error="raise"``)."""
+
+
+class RewardGuard:
+    def __init__(self, reward_fn: Callable, timeout_s: float | None, on_error: str = "raise"):
+        if on_error not in REWARD_ON_ERROR:
+            raise ValueError(f"reward_on_error must be one of {REWARD_ON_ERROR}, got {on_error!r}")
+        self.reward_fn, self.timeout_s, self.on_error = reward_fn, timeout_s, on_error
+        self.counts = {"reward_errors": 0, "reward_timeouts": 0}
+
+    async def score(self, sample: Sample) -> None:
+        try:
+            value = await self._call(sample)
+        except TimeoutError:
+            self._fail(sample, "reward_timeouts", f"timeout: no reward within {self.timeout_s}s")
+            return
+        except Exception as error:  # a reward's failure is data here: counted, kept
+            if self.on_error == "raise":
+                raise
+            self._fail(sample, "reward_errors", f"error: {type(error).__name__}: {error}"[:500])
+            return
+        reason = bad_reward(value)
+        if reason is not None:
+            self._fail(sample, "reward_errors", reason)
+            return
+        sample.reward = value
+
+    async def _call(self, sample: Sample):
+        if self.timeout_s is None:
+            value = self.reward_fn(sample)
+            return await value if inspect.isawaitable(value) else value
+        return await asyncio.wait_for(self._threaded(sample), self.timeout_s)
+
+    async def _threaded(self, sample: Sample):
+        if inspect.iscoroutinefunction(self.reward_fn):
+            return await self.reward_fn(sample)
+        value = await in_daemon_thread(self.reward_fn, sample)
+        return await value if inspect.isawaitable(value) else value
+
+    def _fail(self, sample: Sample, counter: str, reason: str) -> None:
+        self.counts[counter] += 1
+        if self.on_error == "raise":
+            raise RewardFailed(f"sample {sample.index}: {reason}")
+        sample.metadata["reward_error"] = reason
+        if self.on_error == "zero":
+            sample.reward = 0.0
+        else:
+            sample.reward = None
+            sample.metadata["reward_dropped"] = True
+
+
+def in_daemon_thread(fn: Callable, *args) -> asyncio.Future:
+    """``fn(*args)`` in a new daemon thread (unlike ``asyncio.to_thread``, a call that never
+    returns does not block the event loop's shutdown or the interpreter's exit)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(value, error) -> None:
+        if not future.done():  # cancelled by a timeout meanwhile
+            future.set_exception(error) if error is not None else future.set_result(value)
+
+    def work() -> None:
+        try:
+            outcome = (fn(*args), None)
+        except Exception as error:  # handed to the awaiting coroutine
+            outcome = (None, error)
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, *outcome)
+
+    threading.Thread(target=work, name="reward", daemon=True).start()
+    return future
+
+
+def bad_reward(value) -> str | None:
+    """Why ``value`` (a number, or a dict whose numbers are checked) is unusable, or None."""
+    if isinstance(value, dict):
+        numbers = [v for v in value.values() if isinstance(v, int | float)]
+    elif isinstance(value, int | float):
+        numbers = [value]
+    else:
+        return f"not a number: reward returned {value!r:.100}"
+    bad = [v for v in numbers if not math.isfinite(v)]
+    return f"non-finite: reward returned {value!r:.200}" if bad else None
