@@ -5,6 +5,7 @@ Rank 0 saves everything the parent compares against its own one-rank results.
 
 import os
 
+import faults_job
 import tiny
 import torch
 import torch.distributed as dist
@@ -36,6 +37,10 @@ def run(rank: int, world: int, port: int, dirs: dict, out_path: str) -> None:
     results["cp2"] = cp2_checks(dirs["qwen3"])
     results["pp2"] = {name: pp2_checks(dirs[name]) for name in ("qwen2-tied", "qwen3")}
     results["bf16"] = {name: bf16_checks(dirs["qwen3"], **kw) for name, kw in BF16_LAYOUTS.items()}
+    results["nonfinite_dp2"] = {
+        precision: faults_job.nonfinite_checks(dirs["qwen3"], rank, precision)
+        for precision in ("fp32", "bf16")
+    }
     if rank == 0:
         torch.save(results, out_path)
     dist.destroy_process_group()

@@ -1,5 +1,7 @@
 """Two gloo ranks on 127.0.0.1 (one spawn for the module): TP=2 and DP=2 equal TP=1."""
 
+import math
+
 import pytest
 import tiny
 import torch
@@ -179,3 +181,20 @@ def test_bf16_layouts_match_fp32_one_rank(job, world1, model_dirs, layout):
     error = torch.stack([(got["grads"][n] - g).norm() for n, g in expected.items()]).norm()
     assert float(error) < 0.05 * float(torch.stack([g.norm() for g in expected.values()]).norm())
     assert got["losses"][-1] < got["losses"][0]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_dp2_nonfinite_steps_are_skipped_by_both_ranks_and_leave_state_untouched(job, precision):
+    got = job["nonfinite_dp2"][precision]  # NaN on rank 1 only, then inf on rank 0 only
+    assert [m["train/nonfinite_skipped"] for m in got["bad"]] == [1.0, 1.0]
+    assert not any(math.isfinite(m["grad_norm"]) for m in got["bad"])
+    assert math.isnan(got["bad"][0]["loss/total"])
+    assert got["untouched"]  # weights, fp32 masters, ZeRO-1 AdamW shard, step
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_dp2_good_step_after_skips_equals_the_run_without_them(job, precision):
+    got = job["nonfinite_dp2"][precision]
+    assert got["same_as_reference"]
+    assert got["good"][1]["train/nonfinite_skipped"] == 0.0
+    assert got["good"][1]["loss/total"] == got["expected"][1]["loss/total"]

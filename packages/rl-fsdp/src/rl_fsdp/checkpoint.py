@@ -4,10 +4,15 @@ Layout of ``path`` (a directory; every rank must see the same filesystem):
     dcp/                  model and optimizer shards (torch.distributed.checkpoint)
     trainer_state.pt      step and LR-scheduler state (rank 0)
     rng_rank{r}.pt        RNG states of rank r (torch CPU/CUDA, python)
-Everything is written to ``<path>.tmp`` first; rank 0 renames it once all ranks finished,
-so a crash never leaves a half-written ``path``.
+Everything is written to ``<path>.tmp`` first; once all ranks finished, rank 0 moves an
+existing ``path`` aside to ``<path>.old``, renames ``<path>.tmp`` to ``path`` and deletes
+``<path>.old``. A SIGKILL at any point leaves either the previous or the new checkpoint
+complete under ``path``, or (between the two renames) the previous one under
+``<path>.old``, which :func:`load` then falls back to. ``trainer_state.pt`` is written last
+(after every rank's shards), so a directory without it is never taken for a checkpoint.
 """
 
+import os
 import random
 import shutil
 from pathlib import Path
@@ -22,6 +27,33 @@ TRAINER_STATE = "trainer_state.pt"
 
 def _tmp_path(path: Path) -> Path:
     return path.with_name(path.name + ".tmp")
+
+
+def _old_path(path: Path) -> Path:
+    return path.with_name(path.name + ".old")
+
+
+def publish(ready: Path, path: Path) -> None:
+    """Put the finished directory ``ready`` at ``path``; the previous ``path`` is deleted
+    only once the new one is in place (see the module docstring)."""
+    old = _old_path(path)
+    if path.exists():  # complete (only renames create it): it becomes the fallback
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+    os.replace(ready, path)  # a fallback left by a crash here stays until this succeeds
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def complete_path(path: Path) -> Path:
+    """``path`` if it holds a complete checkpoint, else the previous one that a crash
+    between :func:`publish`'s two renames left at ``<path>.old``; ValueError if neither."""
+    for candidate in (path, _old_path(path)):
+        if (candidate / TRAINER_STATE).is_file():
+            return candidate
+    raise ValueError(
+        f"{path} is not a complete checkpoint (no {TRAINER_STATE}); it was not saved or its "
+        "save was interrupted: load an earlier checkpoint"
+    )
 
 
 def rng_state() -> dict:
@@ -48,30 +80,27 @@ def save(path: Path, model, optimizer, scheduler, step: int) -> None:
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp / "dcp"))
     torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
-    if rank == 0:
+    dist.barrier()
+    if rank == 0:  # the completeness mark, once every rank's part is on disk
         state = {"step": step, "scheduler": scheduler.state_dict()}
         torch.save({**state, "world_size": dist.get_world_size()}, tmp / TRAINER_STATE)
-    dist.barrier()
-    if rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
-        tmp.rename(path)
+        publish(tmp, path)
     dist.barrier()
 
 
 def load(path: Path, model, optimizer, scheduler) -> int:
     """Restore everything :func:`save` wrote; returns the step. RNG is restored for ranks
     that existed at save time (a different world size keeps the others' RNG)."""
-    if not (path / TRAINER_STATE).is_file():
-        raise ValueError(f"{path} is not a complete checkpoint (no {TRAINER_STATE})")
+    path = complete_path(path)
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=str(path / "dcp"))
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
-    trainer = torch.load(path / TRAINER_STATE, weights_only=False)
+    trainer = torch.load(path / TRAINER_STATE, weights_only=True)
     scheduler.load_state_dict(trainer["scheduler"])
     rng_file = path / f"rng_rank{dist.get_rank()}.pt"
     if rng_file.is_file():
-        set_rng_state(torch.load(rng_file, weights_only=False))
+        set_rng_state(torch.load(rng_file, weights_only=True))
     return int(trainer["step"])

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from rl_core.batch import TrainBatch
-from rl_fsdp import checkpoint
+from rl_fsdp import checkpoint, faults
 from rl_fsdp.attention import resolve_attention
 from rl_fsdp.config import FSDPConfig
 from rl_fsdp.distributed import (
@@ -70,19 +70,25 @@ class ShardedTrainer:
         return all_reduce_sum(dict(sums), self.device)
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """zero_grad, micro-batched forward/backward, clip, AdamW step, schedule step."""
+        """zero_grad, micro-batched forward/backward, clip, AdamW step, schedule step.
+
+        A non-finite loss or gradient norm on any rank skips the update on every rank
+        (:mod:`rl_fsdp.faults`): parameters, optimizer state, schedule and ``step`` stay
+        unchanged and ``train/nonfinite_skipped`` is 1."""
         self.onload()
         start = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         metrics = self.forward_backward(batch)
         grad_norm = self.clip_gradients()
-        if math.isfinite(grad_norm):
-            self.optimizer.step()
-        metrics["train/skipped_step"] = float(not math.isfinite(grad_norm))
-        metrics["train/grad_norm"] = grad_norm
+        skipped = faults.any_rank_nonfinite(metrics, grad_norm, self.device)
+        metrics.update(faults.step_metrics(skipped=skipped, grad_norm=grad_norm))
         metrics["train/lr"] = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
-        self.step += 1
+        if skipped:
+            self.optimizer.zero_grad(set_to_none=True)  # drop the poisoned gradients
+        else:
+            self.optimizer.step()
+            self.scheduler.step()
+            self.step += 1
         metrics["train/step"] = float(self.step)
         metrics.update(self._throughput(metrics, time.perf_counter() - start))
         return metrics

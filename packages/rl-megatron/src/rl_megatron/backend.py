@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from rl_core.batch import TrainBatch
-from rl_megatron import optim, pipeline
+from rl_megatron import faults, optim, pipeline
 from rl_megatron.config import MegatronConfig
 from rl_megatron.cp import restrict_batch
 from rl_megatron.forward import (
@@ -193,14 +193,22 @@ class MegatronBackend(WeightsAndStateMixin):
 
     # ----------------------------------------------------------------- training
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """Micro-batched forward/backward with rl_core losses, DP gradient sum, clip, AdamW."""
+        """Micro-batched forward/backward with rl_core losses, DP gradient sum, clip, AdamW.
+
+        NaN or inf in the loss or gradient norm on any rank skips the update on every rank
+        (:mod:`rl_megatron.faults`): weights, optimizer state and ``step`` stay unchanged
+        and ``train/nonfinite_skipped`` is 1."""
         metrics = self.forward_backward(batch)
         grad_norm = self.grad_norm()
-        optim.clip_grads(self.params, max_norm=self.config.clip_grad, norm=grad_norm)
-        self.optimizer.step()
+        skipped = faults.any_rank_nonfinite(metrics, grad_norm, self.device)
+        if not skipped:
+            optim.clip_grads(self.params, max_norm=self.config.clip_grad, norm=grad_norm)
+            self.optimizer.step()
+            self.step += 1
         self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        return {**metrics, "grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"]}
+        lr = self.optimizer.param_groups[0]["lr"]
+        return {**metrics, "grad_norm": grad_norm, "lr": lr,
+                "train/nonfinite_skipped": float(skipped)}  # fmt: skip
 
     def forward_backward(self, batch: TrainBatch) -> dict[str, float]:
         """Accumulate this step's full gradient (summed over DP ranks) without stepping;
