@@ -1,9 +1,11 @@
-"""Console scripts: ``rl-train`` and ``rl-plot``.
+"""Console scripts: ``rl-train`` and ``rl-plot`` (``rl-eval`` is :mod:`rl_launcher.eval_cli`).
 
 ``rl-train --config run.yaml [--section.option VALUE ...] [--sglang-* ...] [--resume]``
-trains (the synchronous loop of :mod:`rl_launcher.run.loop`); ``--print-config`` prints the
-resolved configuration instead. Parts not wired yet (one-step-async and async loops, SFT,
-Megatron, real SGLang engines) are refused with exit status 2 and a message saying so.
+trains: the RL loops of :mod:`rl_launcher.run.loop` (train-only on dumped rollouts with
+``rollout.replay_dir``), SFT (``mode: sft``, :mod:`rl_launcher.run.sft`) or rollout-only
+(``rollout.rollout_only``, :mod:`rl_launcher.run.modes`); ``--print-config`` prints the
+resolved configuration instead. A reward that raises (unless skipped) exits with status 2. Combinations that cannot run are refused with exit
+status 2 and a message saying so.
 """
 
 import sys
@@ -15,17 +17,25 @@ USAGE = """usage: rl-train [--config FILE] [--section.option VALUE | section.opt
 
 def not_wired(config) -> str | None:
     """Why this valid config cannot run in this version, or None when it can."""
-    if config.rollout.loop != "sync":
-        return f"rollout.loop={config.rollout.loop!r} is not implemented yet; use sync"
-    if config.mode != "rl":
-        return "mode=sft is not implemented in rl-train yet; use mode=rl"
-    if config.rollout.dump_dir or config.rollout.replay_dir or config.rollout.rollout_only:
-        return "rollout dumps, replay and rollout-only mode are not implemented yet"
-    if config.algorithm.advantage_estimator == "gae":
-        return "advantage_estimator=gae needs a critic, not wired into rl-train yet"
-    if config.eval.interval:
-        return "eval.interval > 0: evaluation is not wired into rl-train yet; set it to 0"
+    if config.rollout.loop != "sync" and config.rollout.replay_dir:
+        return (f"rollout.loop={config.rollout.loop!r} overlaps generation with training; "
+                "a replay has no generation: use rollout.loop=sync")  # fmt: skip
     return None
+
+
+def run_mode(config):
+    """The driver of ``config``: SFT, rollout-only, or the RL loop (replay included)."""
+    if config.mode == "sft":
+        from rl_launcher.run.sft import train_sft
+
+        return train_sft
+    if config.rollout.rollout_only:
+        from rl_launcher.run.modes import rollout_only
+
+        return rollout_only
+    from rl_launcher.run.loop import train
+
+    return train
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,7 +65,9 @@ def run_training(config) -> int:
     from rl_launcher.ray_cluster import prepare_local_ray_env
 
     prepare_local_ray_env(config.cluster.ray_address)  # before the loop's modules import ray
-    from rl_launcher.run.loop import train
+    from rl_launcher.run import faults
+    from rl_launcher.run.reward import RewardError
+    from rl_rewards import get_reward
 
     reason = not_wired(config)
     if reason is not None:
@@ -64,10 +76,16 @@ def run_training(config) -> int:
     # SIGTERM unwinds like Ctrl-C, so engines, router and Ray are stopped on the way out
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
-        train(config)
-    except ValueError as error:
-        print(f"rl-train: error: {error}", file=sys.stderr)
+        get_reward(config.rollout.reward)  # an unknown reward fails before anything starts
+        run_mode(config)(config)
+    except (ValueError, RewardError) as error:
+        hint = " (rollout.on_reward_error=skip counts and skips such samples)"
+        print(f"rl-train: error: {error}" + (hint if isinstance(error, RewardError) else ""),
+              file=sys.stderr)  # fmt: skip
         return 2
+    except (faults.RunStopped, faults.TrainActorDied) as error:  # engines etc. already stopped
+        print(f"rl-train: stopped: {faults.stop_message(config, error)}", file=sys.stderr)
+        return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
     return 0

@@ -52,7 +52,9 @@ class ModelConfig:
     """The policy model and its tokenizer."""
 
     path: str | None = option(
-        None, help="Hugging Face model directory; null builds a tiny model from init_config."
+        None,
+        help="Hugging Face model directory, or a .gguf file (dequantized once into the run "
+        "directory; needs the gguf package); null builds a tiny model from init_config.",
     )
     tokenizer_path: str | None = option(
         None, help="Tokenizer directory; null uses model.path (or the example's tokenizer)."
@@ -157,13 +159,21 @@ class AlgorithmConfig:
         "truncate", help="Rollout importance correction.", choices=IS_MODES
     )
     rollout_is_cap: float = option(2.0, help="Upper bound of the importance weight.", low=0)
+    max_nonfinite_steps: int = option(
+        3,
+        help="Stop the run after this many steps in a row whose loss or gradients were NaN "
+        "or inf (each such update is skipped); 0 never stops.",
+        low=0,
+    )
 
 
 @dataclass(kw_only=True)
 class RolloutConfig:
     """How samples are produced and how generation overlaps training."""
 
-    batch_size: int = option(8, help="Prompts per training step.", low=1)
+    batch_size: int = option(
+        8, help="Prompts per training step (mode=sft: examples per step).", low=1
+    )
     group_size: int = option(4, help="Samples per prompt.", low=1)
     max_response_tokens: int = option(32, help="Response length limit.", low=1)
     temperature: float = option(1.0, help="Sampling temperature.", low=0)
@@ -192,6 +202,12 @@ class RolloutConfig:
     dump_dir: str | None = option(None, help="Write every rollout's samples here.")
     replay_dir: str | None = option(None, help="Train only, replaying rollouts dumped earlier.")
     rollout_only: bool = option(False, help="Generate and score without training.")
+    on_reward_error: str = option(
+        "raise",
+        help="A reward function that raises: stop the run (raise, exit 2) or score the sample "
+        "as aborted and count it (skip).",
+        choices=("raise", "skip"),
+    )
 
 
 @dataclass(kw_only=True)
@@ -234,6 +250,11 @@ class DatasetConfig:
     label_key: str | None = option("label", help="Column with the label; null = none.")
     metadata_key: str | None = option("metadata", help="Column with a metadata mapping.")
     tools_key: str | None = option("tools", help="Column with tool schemas for the chat template.")
+    response_key: str | None = option(
+        "response",
+        help="mode=sft: column with the target response (null: the chat messages' last "
+        "assistant turn).",
+    )
 
 
 @dataclass(kw_only=True)

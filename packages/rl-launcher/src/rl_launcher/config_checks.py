@@ -6,7 +6,9 @@ from rl_launcher.placement import plan_from_config
 
 
 def check_consistency(config: TrainConfig) -> None:
-    for check in (_check_algorithm, _check_rollout, _check_devices, _check_data, _check_eval):
+    checks = (_check_algorithm, _check_rollout, _check_devices, _check_data, _check_eval,
+              _check_modes)  # fmt: skip
+    for check in checks:
         check(config)
     plan_from_config(config)  # raises when the device pool cannot hold the layout
 
@@ -69,3 +71,22 @@ def _check_eval(config: TrainConfig) -> None:
             )
     if evaluation.interval and not evaluation.datasets:
         raise ValueError("eval.interval is set but eval.datasets is empty; add a dataset or set 0")
+
+
+def _check_modes(config: TrainConfig) -> None:
+    """SFT, replay and rollout-only runs lack a part that some options need."""
+    rollout = config.rollout
+    if config.mode == "sft":
+        for name, value in (("rollout.dump_dir", rollout.dump_dir),
+                            ("rollout.replay_dir", rollout.replay_dir),
+                            ("rollout.rollout_only", rollout.rollout_only),
+                            ("eval.interval", config.eval.interval)):  # fmt: skip
+            if value:
+                raise ValueError(
+                    f"mode=sft starts no engines, so {name} does not apply; unset it (evaluate "
+                    "an SFT checkpoint with rl-eval, or in the RL run that starts from it)"
+                )
+    if rollout.replay_dir and config.eval.interval:
+        raise ValueError(
+            "rollout.replay_dir trains without engines, so eval.interval cannot run; set it to 0"
+        )

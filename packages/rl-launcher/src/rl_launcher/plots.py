@@ -12,6 +12,8 @@ from rl_launcher.run_log import TIME_PARTS, read_metrics
 
 LINE_CHARTS = {
     "reward": ("rollout/reward/mean", "mean training reward"),
+    "sft_loss": ("loss/sft", "SFT loss (negative log-likelihood per token)"),
+    "value_loss": ("loss/value", "critic value loss"),
     "kl": ("train/kl", "KL to reference"),
     "entropy": ("train/entropy", "policy entropy"),
     "response_length": ("rollout/response_length/mean", "mean response length (tokens)"),

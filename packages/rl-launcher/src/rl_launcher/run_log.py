@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
-TIME_PARTS = ("rollout", "log_probs", "train", "sync")
+TIME_PARTS = ("rollout", "log_probs", "train", "sync", "eval")
 
 
 def _clean(value: Any) -> Any:
@@ -30,11 +30,20 @@ def _clean(value: Any) -> Any:
 
 
 class MetricsLog:
-    """Appends one record per step to ``<run_dir>/metrics.jsonl``."""
+    """Appends one record per step to ``<run_dir>/metrics.jsonl``, and to TensorBoard and
+    wandb when ``logging`` (a :class:`~rl_launcher.config.LoggingConfig`) enables them."""
 
-    def __init__(self, run_dir: str | Path):
+    def __init__(self, run_dir: str | Path, *, logging=None):
+        from rl_launcher.log_sinks import open_sinks
+
         self.path = Path(run_dir) / METRICS_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.sinks = open_sinks(logging, Path(run_dir)) if logging is not None else []
+
+    def close(self) -> None:
+        sinks, self.sinks = self.sinks, []
+        for sink in sinks:
+            sink.close()
 
     def append(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
         """Write ``{"step": step, "time": now, **metrics}`` as one line; returns the record."""
@@ -46,6 +55,9 @@ class MetricsLog:
         finally:
             os.close(fd)
         assert written == len(line), "short write to metrics.jsonl"
+        numbers = {k: v for k, v in record.items() if isinstance(v, int | float) and k != "time"}
+        for sink in self.sinks:
+            sink.log(step, numbers)
         return record
 
 
@@ -88,6 +100,7 @@ def format_progress(step: int, num_steps: int, metrics: dict[str, Any]) -> str:
     parts = [f"step {step}/{num_steps}"]
     for label, key, spec in (
         ("reward", "rollout/reward/mean", ".3f"),
+        ("sft loss", "loss/sft", ".4f"),
         ("len", "rollout/response_length/mean", ".1f"),
         ("kl", "train/kl", ".4g"),
         ("entropy", "train/entropy", ".3f"),

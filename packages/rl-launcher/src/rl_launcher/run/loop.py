@@ -1,12 +1,15 @@
-"""The synchronous GRPO / PPO-style loop; every step reads like the algorithm:
+"""The GRPO / PPO-style training loop; every step reads like the algorithm:
 
     rollout (engines)  ->  buffer (groups, filter, advantages, per-rank batches)
     ->  old log-probs (trainer)  ->  train step  ->  weight sync (engines at version = step)
 
-``train(config)`` sets everything up (model directory, data, Ray, training actor group,
-engines and router), optionally resumes from the newest complete checkpoint, runs
-``num_steps`` steps writing ``metrics.jsonl`` and a progress line per step, checkpoints
-every ``checkpoint.interval`` steps and at the end, and draws the charts.
+``rollout.loop`` picks the feed of groups (:mod:`rl_launcher.run.feeds`): synchronous,
+one-step off-policy (the next rollout overlaps this step's training) or fully
+asynchronous (continuous generation, bounded staleness). ``train(config)`` sets everything
+up (model directory, data, Ray, training actor group, engines and router), optionally
+resumes from the newest complete checkpoint, runs ``num_steps`` steps writing
+``metrics.jsonl``, ``data_order.jsonl`` and a progress line per step, checkpoints every
+``checkpoint.interval`` steps and at the end, and draws the charts.
 """
 
 import contextlib
@@ -17,7 +20,10 @@ from pathlib import Path
 import torch
 
 from rl_launcher.buffer import DataBuffer
-from rl_launcher.run import checkpoints
+from rl_launcher.run import checkpoints, data_order, faults
+from rl_launcher.run.critic import make_buffer, train_critic
+from rl_launcher.run.extras import after_step, dump_step, load_extras, save_extras
+from rl_launcher.run.feeds import SyncFeed, make_feed
 from rl_launcher.run.setup import Run, start_run
 from rl_launcher.run.train_group import with_old_log_probs
 from rl_launcher.run_log import format_progress, truncate_metrics
@@ -25,14 +31,19 @@ from rl_launcher.run_log import format_progress, truncate_metrics
 
 def train(config) -> Path:
     """Run ``config`` to its last step; returns the run directory."""
+    check_loop(config)
     with contextlib.closing(start_run(config)) as run:
         first = resume(run) + 1 if config.checkpoint.resume else 1
-        buffer = DataBuffer.from_config(config, num_ranks=run.num_ranks)
+        buffer = make_buffer(run)  # a GaeBuffer (critic values) for advantage_estimator=gae
+        feed = make_feed(run, last_step=config.num_steps)  # sync, one_step_async or async
+        run._cleanup.append(feed.close)
         for step in range(first, config.num_steps + 1):
-            metrics = run_step(run, buffer, step)
+            metrics = run_step(run, buffer, step, feed)
+            metrics |= after_step(run, step)  # evaluation, counted reward errors
             run.metrics_log.append(step, metrics)
             if config.logging.progress:
                 print(format_progress(step, config.num_steps, metrics), flush=True)
+            faults.check_step(run, step, metrics)  # too many non-finite steps stop the run
             interval = config.checkpoint.interval
             if (interval and step % interval == 0) or step == config.num_steps:
                 save(run, step)
@@ -40,11 +51,26 @@ def train(config) -> Path:
     return Path(config.logging.run_dir)
 
 
-def run_step(run: Run, buffer: DataBuffer, step: int) -> dict[str, float]:
-    config, clock = run.config, Clock()
-    groups, metrics = run.rollout.rollout(config.rollout.batch_size)
+def check_loop(config) -> None:
+    """Loop settings that only make sense together (ValueError with the fix)."""
+    rollout, algorithm = config.rollout, config.algorithm
+    importance = rollout.loop != "sync" and rollout.stale_policy == "importance"
+    if importance and not algorithm.rollout_is_level:
+        raise ValueError(
+            "rollout.stale_policy=importance corrects stale samples with rollout importance "
+            "weights: set algorithm.rollout_is_level=token (or sequence)"
+        )  # fmt: skip
+
+
+def run_step(run: Run, buffer: DataBuffer, step: int, feed=None) -> dict[str, float]:
+    config, clock, feed = run.config, Clock(), feed or SyncFeed(run)
+    groups, metrics = feed.groups(step)
     buffer.add(s for group in groups for s in group)
     clock.lap("rollout")
+    data_order.append(config.logging.run_dir, step, groups)
+    dump_step(run, step, groups)  # rollout.dump_dir
+    if hasattr(run.rollout, "consumed"):  # stand-ins (replay) draw no prompts
+        run.rollout.consumed(groups)
     if buffer.num_ready_groups == 0:  # every group filtered: nothing to learn from this step
         return metrics | {"buffer/empty_step": 1.0} | clock.times()
     batch = buffer.pop_step(buffer.num_ready_groups)
@@ -54,15 +80,18 @@ def run_step(run: Run, buffer: DataBuffer, step: int) -> dict[str, float]:
         ref = run.trainer.log_probs(rank_batches, model="ref")
         rank_batches = [replace(b, ref_log_probs=r) for b, r in zip(rank_batches, ref, strict=True)]
     clock.lap("log_probs")
-    metrics |= batch.metrics | mismatch(rank_batches)
+    metrics |= batch.metrics | staleness(batch, trainer_version=step - 1)
+    metrics |= mismatch(fresh_only(rank_batches, batch, trainer_version=step - 1))
     parts = minibatches(rank_batches, config.algorithm.num_minibatches)
     metrics |= run.trainer.train_steps(parts)  # the last minibatch's train metrics are kept
+    metrics |= train_critic(run, parts)  # PPO's critic, when there is one
     clock.lap("train")
     if step % config.engine.sync_every == 0 or step == config.num_steps:
+        feed.before_sync()  # one-step async: the overlapping rollout ends; async: engines pause
+        clock.lap("rollout_wait")
         metrics |= sync(run, version=step)
+        feed.after_sync()
     clock.lap("sync")
-    versions = [int(v) for s in batch.samples for v in s.weight_versions if v.isdigit()]
-    metrics["rollout/weight_version_min"] = float(min(versions, default=-1))
     return metrics | clock.times()
 
 
@@ -90,6 +119,34 @@ def sync(run: Run, *, version: int) -> dict[str, float]:
     return {"sync/bytes": sent, "sync/weight_version": float(version)}
 
 
+def sample_version(sample, default: int) -> int:
+    """The oldest weight version that produced a token of ``sample``."""
+    versions = [int(v) for v in sample.weight_versions if v.lstrip("-").isdigit()]
+    return min(versions, default=default)
+
+
+def staleness(batch, *, trainer_version: int) -> dict[str, float]:
+    """How many weight versions the step's samples lag the trainer's weights."""
+    lags = [trainer_version - sample_version(s, trainer_version) for s in batch.samples]
+    versions = [sample_version(s, -1) for s in batch.samples]
+    resumed = sum(1 for s in batch.samples if s.metadata.get("resumed"))
+    return {"rollout/weight_version_min": float(min(versions, default=-1)),
+            "rollout/staleness_max": float(max(lags, default=0)),
+            "rollout/staleness_mean": sum(lags) / max(len(lags), 1),
+            "rollout/resumed_samples": float(resumed)}  # fmt: skip
+
+
+def fresh_only(rank_batches, batch, *, trainer_version: int) -> list:
+    """Each rank's sequences generated entirely with the trainer's current weights: only
+    there do engine and trainer log-probs measure the same policy."""
+    fresh = [
+        [j for j, i in enumerate(part) if all(v == str(trainer_version)
+                                              for v in batch.samples[i].weight_versions)]
+        for part in batch.partitions
+    ]  # fmt: skip
+    return [b.select(keep) for b, keep in zip(rank_batches, fresh, strict=True) if keep]
+
+
 def mismatch(rank_batches) -> dict[str, float]:
     """How far the engine's log-probs are from the trainer's on the same weights."""
     diffs = [
@@ -109,9 +166,19 @@ def save(run: Run, step: int) -> None:
     path = checkpoints.step_path(root, step)
     path.mkdir(parents=True, exist_ok=True)
     run.trainer.save(str(path / "trainer"))
-    state = {"step": step, "weight_version": step, "data": run.source.state_dict()}
+    save_extras(run, path)  # critic, HF export
+    data = data_state(run)  # prompts in flight (async loops) are drawn again on resume
+    state = {"step": step, "weight_version": step, "data": data["source"],
+             "pending_prompts": data["pending"]}  # fmt: skip
     checkpoints.write_state(path, state)
     checkpoints.prune(root, run.config.checkpoint.keep_last)
+
+
+def data_state(run: Run) -> dict:
+    """The data position to checkpoint: the source's and the prompts drawn, not trained."""
+    if hasattr(run.rollout, "data_state"):
+        return run.rollout.data_state()
+    return {"source": run.source.state_dict(), "pending": []}  # a stand-in (replay)
 
 
 def resume(run: Run) -> int:
@@ -122,9 +189,15 @@ def resume(run: Run) -> int:
         return 0
     path, state = found
     run.trainer.load(str(path / "trainer"))
-    run.source.load_state_dict(state["data"])
+    load_extras(run, path, state)  # critic
+    if hasattr(run.rollout, "load_data_state"):
+        run.rollout.load_data_state({"source": state["data"],
+                                     "pending": state.get("pending_prompts", [])})  # fmt: skip
+    else:  # a stand-in rollout (replay) is its own source
+        run.source.load_state_dict(state["data"])
     sync(run, version=int(state["weight_version"]))
     dropped = truncate_metrics(run.config.logging.run_dir, int(state["step"]))
+    data_order.truncate(run.config.logging.run_dir, int(state["step"]))
     print(f"rl-train: resumed from {path} (step {state['step']}; {dropped} later metrics "
           "records dropped)", flush=True)  # fmt: skip
     return int(state["step"])

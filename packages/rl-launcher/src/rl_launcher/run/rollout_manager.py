@@ -2,15 +2,21 @@
 
     manager = RolloutManager(config, model_dir=..., tokenizer=tok, source=prompts).start()
     groups, metrics = manager.rollout(num_groups=8)   # lists of group_size scored Samples
+    future = manager.submit(num_groups=8)               # the same, in the background
     manager.weight_versions()                           # one per engine
     manager.stop()
 
 Generation goes through the real sglang-router (or one engine directly when
-``engine.use_router`` is false); aborts and weight updates go to every engine. One event
-loop lives as long as the manager, so HTTP sessions are reused between steps.
+``engine.use_router`` is false); aborts, pauses and weight updates go to every engine. One
+event loop runs in a background thread as long as the manager lives, so HTTP sessions are
+reused between steps and generation can overlap training (:mod:`rl_launcher.run.feeds`).
+Every prompt drawn is remembered until the loop trains on it (or drops it), so a
+checkpoint can store the prompts in flight and a resumed run draws them again first.
 """
 
 import asyncio
+import threading
+from concurrent.futures import Future
 from pathlib import Path
 
 from rl_core.types import Sample
@@ -23,30 +29,43 @@ class RolloutManager:
     def __init__(self, config, *, model_dir: Path, tokenizer, source, log_dir: Path):
         self.config, self.model_dir, self.tokenizer = config, Path(model_dir), tokenizer
         self.source, self.log_dir = source, Path(log_dir)
-        self.reward_fn = load_reward(config.rollout.reward, tokenizer)
+        self.reward_fn = load_reward(config.rollout.reward, tokenizer,
+                                     on_error=config.rollout.on_reward_error)  # fmt: skip
         self.engines, self.router, self._loop = [], None, asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-loop",
+                                        daemon=True)  # fmt: skip
+        self._thread.start()
         self._clients: dict = {}  # url -> EngineClient, one keep-alive session each
+        self._drawn: dict[int, Sample] = {}  # draw number -> prompt not yet trained on
+        self._requeued: list[Sample] = []  # drawn before a resume: handed out first
+        self.engine_gpus, self.turns = None, None  # set by run.setup (GPU ids, colocation)
         if not config.engine.use_router and config.engine.num_engines > 1:
             raise ValueError(ROUTER_NEEDED)
 
     def start(self) -> "RolloutManager":
-        from rl_sglang.process import EmbeddedEngine
+        """Start the engines (embedded or SGLang, :mod:`rl_launcher.run.engines`) all at
+        once, wait for each, then the router in front of them."""
+        from rl_launcher.run.engines import engine_processes
+        from rl_launcher.run.feeds import engine_threads_env
+        from rl_launcher.run.lifetime import tie_to_this_process
         from rl_sglang.router import Router
 
-        if self.config.engine.kind != "embedded":
-            raise ValueError("engine.kind=sglang is not wired into rl-train yet; use embedded")
         engine = self.config.engine
-        device = "cuda" if self.config.cluster.device == "cuda" else "cpu"
-        self.engines = [
-            EmbeddedEngine(self.model_dir, device=device, host=engine.host, log_dir=self.log_dir,
-                           max_batch_size=self._batch_limit()).start(wait=False)
-            for _ in range(engine.num_engines)
-        ]  # fmt: skip
+        self.engines = engine_processes(
+            self.config, model_dir=self.model_dir, log_dir=self.log_dir, gpus=self.engine_gpus,
+            max_batch_size=self._batch_limit(), memory_saver=self.turns is not None,
+        )  # fmt: skip
+        ranks = self.config.cluster.devices_per_node  # training ranks beside these engines
+        threads = engine_threads_env(self.config, ranks_per_node=ranks)
+        for server in self.engines:
+            server.env = {**server.env, **threads}  # CPU cores shared with training (async)
+            tie_to_this_process(server).start(wait=False)  # killed with rl-train, even by -9
         for server in self.engines:
             server.wait_ready()
         if engine.use_router:
             urls = [e.url for e in self.engines]
-            self.router = Router(urls, host=engine.host, log_dir=self.log_dir).start()
+            router = Router(urls, host=engine.host, log_dir=self.log_dir)
+            self.router = tie_to_this_process(router).start()
         return self
 
     def _batch_limit(self) -> int:
@@ -65,11 +84,32 @@ class RolloutManager:
     def engine_urls(self) -> list[str]:
         return [e.url for e in self.engines]
 
+    def call(self, coroutine):
+        """Run ``coroutine`` on the manager's event loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
     def rollout(self, num_groups: int) -> tuple[list[list[Sample]], dict[str, float]]:
-        """``num_groups`` prompts, ``group_size`` scored samples each (one prompt drawn per group)."""
-        return self._loop.run_until_complete(self._rollout(num_groups))
+        """``num_groups`` prompts, ``group_size`` scored samples each (one prompt drawn per
+        group), in draw order."""
+        return self.submit(num_groups).result()
+
+    def submit(self, num_groups: int) -> Future:
+        """:meth:`rollout` in the background; ``.result()`` waits for it."""
+        if self.turns is not None:  # colocated: the devices go to the engines first
+            self.turns.generating()
+        return asyncio.run_coroutine_threadsafe(self._rollout(num_groups), self._loop)
 
     async def _rollout(self, num_groups: int):
+        result = await self.generate(num_groups, num_groups)
+        # exactly num_groups prompts: leftovers are only groups an engine error aborted,
+        # which the buffer counts and drops
+        groups = sorted(result.groups + result.leftovers, key=lambda g: g[0].group_index)
+        return groups, result.metrics
+
+    async def generate(self, num_groups: int, num_prompts: int, resume=()):
+        """rl-sglang's default rollout of ``resume`` (leftover groups) then ``num_prompts``
+        new prompts (exactly: none over-drawn), until ``num_groups`` groups are done or
+        nothing is left; groups are relabelled by draw number and sorted by it."""
         from rl_sglang.rollout.default import RolloutConfig, default_rollout
         from rl_sglang.rollout.generate import GenerateContext
 
@@ -77,15 +117,54 @@ class RolloutManager:
         url = self.router.url if self.router else self.engines[0].url
         settings = RolloutConfig(
             num_groups=num_groups, n_samples_per_prompt=rollout.group_size,
-            sampling_params=self.sampling_params(),
+            sampling_params=self.sampling_params(), partial_rollout=True,
             max_concurrency=num_groups * rollout.group_size,
             generate_fn=None if rollout.function == "default" else rollout.function,
         )  # fmt: skip
-        # exactly num_groups prompts: no over-drawn prompt is lost from the data order
-        prompts = (self.source.next_prompt() for _ in range(num_groups))
+        prompts = (self.next_prompt() for _ in range(num_prompts))
         ctx = GenerateContext(client=self.client(url), tokenizer=self.tokenizer)
-        result = await default_rollout(ctx, prompts, self.reward_fn, settings)
-        return result.groups, result.metrics
+        result = await default_rollout(ctx, prompts, self.reward_fn, settings, resume=resume)
+        for group in [*result.groups, *result.leftovers]:
+            relabel(group)
+        result.groups.sort(key=lambda group: group[0].group_index)
+        return result
+
+    def next_prompt(self) -> Sample:
+        """The next prompt (requeued ones first), remembered until :meth:`consumed`."""
+        template = self._requeued.pop(0) if self._requeued else self.source.next_prompt()
+        template.metadata["draw"] = template.group_index  # the source numbers its draws
+        self._drawn[template.group_index] = template
+        return template
+
+    def consumed(self, groups: list[list[Sample]]) -> None:
+        """The loop is done with these groups' prompts (trained on or dropped)."""
+        self._loop.call_soon_threadsafe(self._forget, [g[0].group_index for g in groups])
+
+    def _forget(self, draws: list[int]) -> None:
+        for draw in draws:
+            self._drawn.pop(draw, None)
+
+    def data_state(self) -> dict:
+        """The prompt source's position and the prompts drawn but not yet trained on, in
+        draw order (JSON); taken on the event loop, so no draw happens half-way."""
+
+        async def snapshot():
+            pending = [self._drawn[d].to_dict() for d in sorted(self._drawn)]
+            return {"source": self.source.state_dict(), "pending": pending}
+
+        return self.call(snapshot())
+
+    def load_data_state(self, state: dict) -> None:
+        """Continue from :meth:`data_state`: its pending prompts are drawn again first."""
+        self.source.load_state_dict(state["source"])
+        self._requeued = [Sample.from_dict(d) for d in state.get("pending", [])]
+
+    async def pause_generation(self) -> None:
+        """Every engine stops; requests in flight come back aborted with what they had."""
+        await asyncio.gather(*(self.client(url).pause("abort") for url in self.engine_urls))
+
+    async def continue_generation(self) -> None:
+        await asyncio.gather(*(self.client(url).resume() for url in self.engine_urls))
 
     def sampling_params(self) -> dict:
         rollout = self.config.rollout
@@ -94,20 +173,43 @@ class RolloutManager:
         return params | ({"stop": list(rollout.stop)} if rollout.stop else {})
 
     def weight_versions(self) -> list[str]:
-        return self._loop.run_until_complete(self._versions())
+        return self.call(self._versions())
 
     async def _versions(self) -> list[str]:
-        versions = (self.client(url).weight_version() for url in self.engine_urls)
-        return list(await asyncio.gather(*versions))
+        # /model_info: real SGLang answers 404 on /get_weight_version since 0.5
+        infos = (self.client(url).request("GET", "/model_info") for url in self.engine_urls)
+        return [str(info["weight_version"]) for info in await asyncio.gather(*infos)]
+
+    def release_memory(self, tags: list[str]) -> None:
+        """Every engine frees the memory of ``tags`` (weights, kv_cache, cuda_graph)."""
+        self.call(self._on_engines("/release_memory_occupation", {"tags": list(tags)}))
+
+    def resume_memory(self, tags: list[str]) -> None:
+        self.call(self._on_engines("/resume_memory_occupation", {"tags": list(tags)}))
+
+    async def _on_engines(self, path: str, body: dict) -> None:
+        await asyncio.gather(
+            *(self.client(u).request("POST", path, body) for u in self.engine_urls)
+        )
 
     def stop(self) -> None:
         clients, self._clients = list(self._clients.values()), {}
-        self._loop.run_until_complete(_close_all(clients))
+        self.call(_close_all(clients))
         for server in [self.router, *self.engines]:
             if server is not None:
                 server.stop()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
         self._loop.close()
 
 
 async def _close_all(clients) -> None:
     await asyncio.gather(*(client.close() for client in clients))
+
+
+def relabel(group: list[Sample]) -> None:
+    """rl-sglang numbers groups from 0 in every rollout call; the launcher's groups are
+    numbered by draw (unique across calls, so groups of several calls never mix)."""
+    draw = group[0].metadata["draw"]
+    for i, sample in enumerate(group):
+        sample.group_index, sample.index = draw, draw * len(group) + i

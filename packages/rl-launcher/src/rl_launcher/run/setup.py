@@ -1,15 +1,15 @@
 """Everything a run holds, started in order and stopped in reverse: the starting model,
-the prompt source, Ray and its placement group, the training actor group and the rollout
-manager (engines + router)."""
+the prompt source, Ray and its placement group, the training actor group (rl-fsdp or
+rl-megatron) and the rollout manager (embedded or SGLang engines + router). Colocated on
+GPUs, trainer and engines then take turns (:mod:`rl_launcher.run.colocation`)."""
 
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rl_launcher.run.weight_sync import sync_options
 from rl_launcher.run_log import MetricsLog
-
-SYNC_TRANSPORTS = {"auto": "tensor", "tensor": "tensor", "disk": "disk"}
 
 
 @dataclass(kw_only=True)
@@ -20,7 +20,11 @@ class Run:
     rollout: Any = None
     metrics_log: MetricsLog
     sync_options: dict = field(default_factory=dict)
-    num_ranks: int = 1
+    num_ranks: int = 1  # data-parallel ranks: the step is split into this many batches
+    plan: Any = None  # placement.PlacementPlan
+    placement: Any = None  # ray_placement.OrderedPlacement
+    critic: Any = None  # PPO's critic group (rl_launcher.run.critic), when the algorithm has one
+    extras: dict = field(default_factory=dict)  # state of optional features (e.g. the evaluator)
     _cleanup: list = field(default_factory=list)
 
     def close(self) -> None:
@@ -33,18 +37,6 @@ class Run:
                 errors.append(error)
         if errors:
             raise errors[0]
-
-
-def sync_options(config, run_dir: Path) -> dict:
-    """How weights reach the engines; engines are local processes of this host."""
-    transport = SYNC_TRANSPORTS.get(config.engine.weight_sync)
-    if transport is None:
-        raise ValueError(
-            f"engine.weight_sync={config.engine.weight_sync!r} is not wired into rl-train yet; "
-            "use auto, tensor or disk"
-        )
-    return {"transport": transport, "bucket_bytes": config.engine.weight_bucket_bytes,
-            "path": str(run_dir / "sync_weights")}  # fmt: skip
 
 
 def check_fresh(config, run_dir: Path) -> None:
@@ -63,17 +55,24 @@ def check_fresh(config, run_dir: Path) -> None:
 
 def start_run(config) -> Run:
     from rl_launcher.data import build_prompt_source
+    from rl_launcher.run.critic import start_critic
     from rl_launcher.run.model_setup import prepare_model
 
+    if config.rollout.replay_dir:  # train only, on dumped rollouts: no engines, no prompts
+        from rl_launcher.run.modes import start_replay_run
+
+        return start_replay_run(config)
     run_dir = Path(config.logging.run_dir)
     check_fresh(config, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     model_dir, tokenizer = prepare_model(config.model, run_dir=run_dir, seed=config.seed)
     source = build_prompt_source(config.data, seed=config.seed, tokenizer=tokenizer)
-    run = Run(config=config, source=source, metrics_log=MetricsLog(run_dir),
+    run = Run(config=config, source=source, metrics_log=MetricsLog(run_dir, logging=config.logging),
               sync_options=sync_options(config, run_dir))  # fmt: skip
+    run._cleanup.append(run.metrics_log.close)
     try:
         _start_trainer(run, model_dir)
+        start_critic(run, model_dir)  # PPO with a critic (gae) only
         _start_rollout(run, model_dir, tokenizer, run_dir)
     except BaseException:
         run.close()
@@ -87,12 +86,13 @@ def _start_trainer(run: Run, model_dir: Path) -> None:
     from rl_launcher.placement import plan_from_config
     from rl_launcher.ray_cluster import connect
     from rl_launcher.ray_placement import create_placement
-    from rl_launcher.run.train_group import TrainGroup, fsdp_config
+    from rl_launcher.run.backends import backend_spec
+    from rl_launcher.run.feeds import engines_beside_training
+    from rl_launcher.run.train_group import TrainGroup
 
     config = run.config
-    if config.backend.name != "fsdp":
-        raise ValueError("backend.name=megatron is not wired into rl-train yet; use fsdp")
     plan, cluster = plan_from_config(config), config.cluster
+    spec = backend_spec(config, model_dir=model_dir, num_ranks=plan.num_train_ranks)
     use_gpu = cluster.device == "cuda"
     cpus = max(os.cpu_count() or 1, plan.num_bundles * cluster.cpus_per_bundle)
     if connect(cluster.ray_address, num_cpus=int(cpus)) == "started":
@@ -100,20 +100,28 @@ def _start_trainer(run: Run, model_dir: Path) -> None:
     placement = create_placement(plan, use_gpu=use_gpu, cpus_per_bundle=cluster.cpus_per_bundle,
                                  devices_per_node=cluster.devices_per_node)  # fmt: skip
     run._cleanup.append(placement.remove)
+    run.plan, run.placement = plan, placement
     slots = list(plan.train_bundles)
     # colocated on GPU, the engine shares the rank's device: the actor takes half of it
     num_gpus = (0.5 if plan.colocate else 1.0) if use_gpu else 0
-    run.trainer = TrainGroup(fsdp_config(config, model_dir=model_dir), placement, slots,
-                             num_cpus=cluster.cpus_per_bundle, num_gpus=num_gpus,
-                             ranks_per_node=min(len(slots), cluster.devices_per_node))  # fmt: skip
+    # CPU threads: the node's cores are shared with engines generating beside training
+    sharing = min(len(slots), cluster.devices_per_node) + engines_beside_training(config)
+    run.trainer = TrainGroup(spec, placement, slots, num_cpus=cluster.cpus_per_bundle,
+                             num_gpus=num_gpus, ranks_per_node=sharing)  # fmt: skip
     run._cleanup.append(run.trainer.shutdown)
-    run.num_ranks = len(slots)
+    run.num_ranks = run.trainer.num_data_ranks
 
 
 def _start_rollout(run: Run, model_dir: Path, tokenizer, run_dir: Path) -> None:
+    from rl_launcher.run.colocation import Turns, check_turns, turns_needed
+    from rl_launcher.run.engines import engine_gpus
     from rl_launcher.run.rollout_manager import RolloutManager
 
     run.rollout = RolloutManager(run.config, model_dir=model_dir, tokenizer=tokenizer,
                                  source=run.source, log_dir=run_dir / "logs")  # fmt: skip
+    run.rollout.engine_gpus = engine_gpus(run.plan, run.placement)
+    if turns_needed(run.config, run.plan):
+        check_turns(run.config)
+        run.rollout.turns = run.trainer.turns = Turns(run.trainer, run.rollout)
     run._cleanup.append(run.rollout.stop)
     run.rollout.start()

@@ -1,0 +1,151 @@
+"""``rl-eval``: evaluate a model on datasets with the run's engines, sampling and reward.
+
+    rl-eval --config run.yaml --model PATH [--dataset FILE ...] [--output FILE]
+            [--section.option VALUE ...]
+
+``PATH`` is a Hugging Face directory, a checkpoint directory or a run directory (its newest
+complete checkpoint); a checkpoint's ``hf/`` export is used, or written first from its
+trainer state (rl-fsdp runs; ``checkpoint.save_hf=true`` writes it during training).
+Datasets are ``eval.datasets`` of the config, or the ``--dataset`` files instead. Engines
+and the router start here and stop at the end; the summary (model, datasets, metrics) is
+printed as JSON and written atomically to ``--output`` (default
+``<logging.run_dir>/eval_summary.json``). Exit status 0, or 2 on bad input.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+USAGE = "usage: rl-eval --config FILE --model PATH [--dataset FILE ...] [--output FILE] [overrides]"
+OWN_OPTIONS = ("--model", "--dataset", "--output")
+
+
+def split_options(argv: list[str]) -> tuple[dict[str, list[str]], list[str]]:
+    """``rl-eval``'s own options, and the rest (for the config loader)."""
+    own: dict[str, list[str]] = {name: [] for name in OWN_OPTIONS}
+    rest, i = [], 0
+    while i < len(argv):
+        if argv[i] in OWN_OPTIONS:
+            if i + 1 >= len(argv):
+                raise ValueError(f"{argv[i]} needs a value")
+            own[argv[i]].append(argv[i + 1])
+            i += 2
+        else:
+            rest.append(argv[i])
+            i += 1
+    if len(own["--model"]) != 1 or len(own["--output"]) > 1:
+        raise ValueError("give --model PATH once (and --output FILE at most once)")
+    return own, rest
+
+
+def resolve_model_dir(path: str | Path, config=None) -> Path:
+    """The HF directory of an HF dir, a checkpoint dir or a run dir (its newest checkpoint).
+    A checkpoint without ``hf/`` is exported first when ``config`` (the run's) is given."""
+    from rl_launcher.run import checkpoints
+
+    path = Path(path)
+    if (path / "config.json").is_file():
+        return path
+    done = checkpoints.complete_checkpoints(path / "checkpoints")
+    step_dir = done[-1][1] if done else path
+    if (step_dir / "hf" / "config.json").is_file():
+        return step_dir / "hf"
+    if config is not None and (step_dir / checkpoints.STATE_FILE).is_file():
+        return export_checkpoint(step_dir, config)
+    raise ValueError(
+        f"{str(path)!r} is not an HF directory, nor a checkpoint or run directory with an HF "
+        "export (train with checkpoint.save_hf=true to write one)"
+    )
+
+
+def export_checkpoint(step_dir: Path, config) -> Path:
+    """Write ``<step_dir>/hf`` from the trainer state of an rl-fsdp checkpoint, in this
+    process (one CPU rank; the checkpoint may come from any number of ranks)."""
+    import dataclasses
+
+    from rl_fsdp import FSDPBackend, init_distributed
+    from rl_launcher.run.backends import fsdp_config
+
+    base = Path(config.model.path) if config.model.path else step_dir.parents[1] / "initial_model"
+    if not (base / "config.json").is_file():
+        base = Path(config.logging.run_dir) / "initial_model"
+    if config.backend.name != "fsdp" or not (base / "config.json").is_file():
+        raise ValueError(
+            f"{step_dir} has no hf/ export and its starting model was not found (fsdp runs "
+            "only: model.path or <run_dir>/initial_model); train with checkpoint.save_hf=true"
+        )
+    trainer_config = dataclasses.replace(fsdp_config(config, model_dir=base), device="cpu",
+                                         precision="fp32", reference=False, ref_offload=False)  # fmt: skip
+    import torch.distributed as dist
+
+    joined = not dist.is_initialized()  # leave the process as it was found
+    try:
+        dist_info = init_distributed(device="cpu", rank=0, world_size=1)
+        backend = FSDPBackend(trainer_config, dist_info=dist_info)
+        backend.load_checkpoint(step_dir / "trainer")
+        backend.export_hf(step_dir / "hf")
+    finally:
+        if joined and dist.is_initialized():
+            dist.destroy_process_group()
+    return step_dir / "hf"
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def evaluate(config, model_dir: Path) -> dict:
+    """Start engines on ``model_dir``, evaluate ``config.eval.datasets``, stop; the summary."""
+    from rl_launcher.run.evaluation import Evaluator
+    from rl_launcher.run.model_setup import load_tokenizer
+    from rl_launcher.run.modes import start_engines
+
+    tokenizer_dir = model_dir if (model_dir / "tokenizer_config.json").is_file() else None
+    tokenizer = load_tokenizer(tokenizer_dir or config.model.tokenizer_path or model_dir)
+    evaluator = Evaluator(config, tokenizer)
+    cleanup: list = []
+    try:
+        manager = start_engines(config, model_dir=model_dir, tokenizer=tokenizer, source=None,
+                                log_dir=Path(config.logging.run_dir) / "logs", cleanup=cleanup)  # fmt: skip
+        url = manager.router.url if manager.router else manager.engine_urls[0]
+        metrics = evaluator.evaluate(url)
+    finally:
+        for stop in reversed(cleanup):
+            stop()
+    datasets = {name: len(prompts) for name, prompts in evaluator.datasets.items()}
+    return {"model": str(model_dir), "datasets": datasets, "metrics": metrics}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rl_launcher.config import DatasetConfig
+    from rl_launcher.config_loader import load_config
+    from rl_launcher.run.reward import RewardError
+
+    argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:
+        print(USAGE)
+        return 0
+    try:
+        own, rest = split_options(argv)
+        config, _ = load_config(rest)
+        if own["--dataset"]:
+            config.eval.datasets = [DatasetConfig(path=p) for p in own["--dataset"]]
+        if not config.eval.datasets:
+            raise ValueError("no eval datasets: set eval.datasets in the config or give --dataset")
+        model_dir = resolve_model_dir(own["--model"][0], config)
+        summary = evaluate(config, model_dir)
+    except (ValueError, RewardError) as error:
+        print(f"rl-eval: error: {error}", file=sys.stderr)
+        return 2
+    output = own["--output"][0] if own["--output"] else None
+    write_json_atomic(Path(output or Path(config.logging.run_dir) / "eval_summary.json"), summary)
+    print(json.dumps(summary, indent=1, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""Colocated on GPUs, the trainer and the engines take turns on the same devices:
+
+    generate   engines hold weights + KV cache + CUDA graphs; training state offloaded
+    train      engines released (all of it); training state onloaded (log-probs, steps)
+    sync       engine weights resumed, filled from the trainer (CUDA IPC)
+    generate   training state offloaded; KV cache and CUDA graphs resumed
+
+A real SGLang engine's released weights come back uninitialised, so generation right after
+training, without a weight sync in between, is refused (``engine.sync_every`` must be 1).
+The trainer group calls :meth:`Turns.training` / :meth:`Turns.syncing` and the rollout
+manager :meth:`Turns.generating` before their work; each is a no-op when already there.
+"""
+
+ENGINE_MEMORY = ("weights", "kv_cache", "cuda_graph")  # SGLang's memory tags
+
+
+class Turns:
+    def __init__(self, trainer, rollout):
+        self.trainer, self.rollout = trainer, rollout
+        self.released: list[str] = []  # engine memory tags released now
+        self.trainer_offloaded = False
+        self.log: list[str] = []  # transitions, in order (for tests and debugging)
+
+    def training(self) -> None:
+        """Before log-probs and training: the devices belong to the trainer."""
+        held = [tag for tag in ENGINE_MEMORY if tag not in self.released]
+        if held:
+            self.rollout.release_memory(held)
+            self.released += held
+            self.log.append(f"release {'+'.join(held)}")
+        self._trainer_on()
+
+    def syncing(self) -> None:
+        """Before a weight sync: engine weights resident, trainer weights on the device."""
+        self._resume(["weights"])
+        self._trainer_on()
+
+    def generating(self) -> None:
+        """Before a rollout: the devices belong to the engines."""
+        if "weights" in self.released:
+            raise RuntimeError(
+                "colocated engines released their weights for training and have not been "
+                "synced since; set engine.sync_every=1 (or cluster.colocate=false)"
+            )
+        if not self.trainer_offloaded:
+            self.trainer.offload()
+            self.trainer_offloaded = True
+            self.log.append("offload trainer")
+        self._resume(list(self.released))
+
+    def _resume(self, tags: list[str]) -> None:
+        tags = [tag for tag in tags if tag in self.released]
+        if tags:
+            self.rollout.resume_memory(tags)
+            self.released = [tag for tag in self.released if tag not in tags]
+            self.log.append(f"resume {'+'.join(tags)}")
+
+    def _trainer_on(self) -> None:
+        if self.trainer_offloaded:
+            self.trainer.onload()
+            self.trainer_offloaded = False
+            self.log.append("onload trainer")
+
+
+def turns_needed(config, plan) -> bool:
+    """Trainer and engines share GPUs and ``backend.offload_when_idle`` is on."""
+    return plan.colocate and config.cluster.device == "cuda" and config.backend.offload_when_idle
+
+
+def check_turns(config) -> None:
+    if config.rollout.loop != "sync":
+        raise ValueError(
+            f"rollout.loop={config.rollout.loop} overlaps generation with training, which "
+            "colocated GPUs cannot do (they take turns): set cluster.colocate=false or "
+            "rollout.loop=sync"
+        )
+    if config.engine.sync_every != 1:
+        raise ValueError(
+            "colocated on GPUs the engines' memory is released while training, so their "
+            f"weights must be synced every step: set engine.sync_every=1 (got "
+            f"{config.engine.sync_every}), or backend.offload_when_idle=false"
+        )

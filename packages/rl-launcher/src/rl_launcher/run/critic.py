@@ -1,0 +1,216 @@
+"""PPO's critic (``algorithm.advantage_estimator=gae``): a value-head model per rank.
+
+Each step, once the buffer has complete groups:
+
+    values  = critic(step batch)                    # [B, T] on response tokens (old values)
+    A, R    = rl_core gae(rewards on last token, values, gamma, lam); A whitened
+    actor   trains on A;  critic trains on R with rl_core's clipped value loss
+
+The critic group is one Ray actor per training rank (rl-fsdp's :class:`FSDPCritic`, its own
+gloo / nccl group), placed on the training ranks' bundles; it is checkpointed beside the
+trainer (``critic/``). Alignment follows TrainBatch: the value at position t is the value
+of the state that predicts token t + 1, so response token j of a sample with prompt
+length P has its value at position P - 1 + j.
+"""
+
+import dataclasses
+
+import ray
+import torch
+
+from rl_core.advantages import AdvantageInputs
+from rl_core.batch import TrainBatch, batch_from_samples
+from rl_core.packing import balanced_partitions
+from rl_launcher.buffer import DataBuffer, StepBatch, scalar_reward
+
+
+class CriticWorker:
+    """One critic rank (a Ray actor)."""
+
+    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, config):
+        from rl_fsdp import FSDPCritic, init_distributed
+
+        device = "cuda" if config.device == "cuda" else "cpu"
+        dist_info = init_distributed(device=device, rank=rank, world_size=world_size,
+                                     master_addr=master_addr, master_port=master_port)  # fmt: skip
+        self.critic = FSDPCritic(config, dist_info=dist_info)
+
+    def values(self, batch: TrainBatch) -> torch.Tensor:
+        return self.critic.compute_values(batch).cpu()
+
+    def train_steps(self, batches: list[TrainBatch]) -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        for batch in batches:
+            metrics |= self.critic.train_step(batch)
+        return metrics
+
+    def save(self, path: str) -> None:
+        from pathlib import Path
+
+        self.critic.save_checkpoint(Path(path))
+
+    def load(self, path: str) -> None:
+        from pathlib import Path
+
+        self.critic.load_checkpoint(Path(path))
+
+
+def critic_config(actor_config, optimizer):
+    """The actor's rl-fsdp config turned into the critic's: no reference, own lr."""
+    lr = optimizer.critic_lr if optimizer.critic_lr is not None else optimizer.lr
+    return dataclasses.replace(actor_config, lr=lr, reference=False, ref_offload=False,
+                               kl_coef=0.0, entropy_coef=0.0, mode="rl")  # fmt: skip
+
+
+class CriticGroup:
+    """``len(slots)`` :class:`CriticWorker` actors on the training ranks' bundles."""
+
+    def __init__(self, config, placement, slots, *, num_gpus: float = 0):
+        from rl_fsdp import free_port
+
+        addr = ray.util.get_node_ip_address() if config.device == "cuda" else "127.0.0.1"
+        port, actor = free_port(addr), ray.remote(CriticWorker)
+        # num_cpus=0: the bundle's CPUs are the trainer's; the two take turns within a step
+        self.workers = [
+            actor.options(num_cpus=0, num_gpus=num_gpus,
+                          scheduling_strategy=placement.strategy(slot)).remote(
+                rank, len(slots), addr, port, config)
+            for rank, slot in enumerate(slots)
+        ]  # fmt: skip
+
+    def call(self, method: str, *per_rank_args, **shared) -> list:
+        refs = [
+            getattr(worker, method).remote(*(args[r] for args in per_rank_args), **shared)
+            for r, worker in enumerate(self.workers)
+        ]
+        return ray.get(refs)
+
+    def values(self, batches: list[TrainBatch]) -> list[torch.Tensor]:
+        return self.call("values", batches)
+
+    def train_steps(self, parts: list[list[TrainBatch]]) -> dict[str, float]:
+        """Critic optimizer steps; metrics named ``critic/...`` (``loss/value`` kept)."""
+        per_rank = [[part[r] for part in parts] for r in range(len(self.workers))]
+        metrics = self.call("train_steps", per_rank)[0]
+        return {k if k.startswith("critic/") or k == "loss/value" else f"critic/{k}": v
+                for k, v in metrics.items()}  # fmt: skip
+
+    def save(self, path: str) -> None:
+        self.call("save", path=path)
+
+    def load(self, path: str) -> None:
+        self.call("load", path=path)
+
+    def shutdown(self) -> None:
+        for worker in self.workers:
+            ray.kill(worker)
+
+
+def start_critic(run, model_dir) -> None:
+    """Start ``run.critic`` on the training ranks' bundles when the algorithm needs one
+    (stopped with the run); needs the trainer started (``run.plan``, ``run.placement``)."""
+    from rl_launcher.run.backends import fsdp_config
+
+    config = run.config
+    if config.algorithm.advantage_estimator != "gae":
+        return
+    if config.backend.name != "fsdp":
+        raise ValueError("advantage_estimator=gae: the critic runs on the fsdp backend only")
+    slots = list(run.plan.train_bundles)
+    # on GPU the critic shares each training rank's device (it takes a quarter of it)
+    num_gpus = 0.25 if config.cluster.device == "cuda" else 0
+    actor = fsdp_config(config, model_dir=model_dir)
+    run.critic = CriticGroup(critic_config(actor, config.optimizer), run.placement, slots,
+                             num_gpus=num_gpus)  # fmt: skip
+    run._cleanup.append(run.critic.shutdown)
+
+
+def response_values(samples, critic, num_ranks: int) -> torch.Tensor:
+    """Critic values ``[B, T]`` of each sample's response tokens (0 past its end)."""
+    batch = batch_from_samples(samples)
+    parts = [list(range(len(samples)))] if num_ranks == 1 else balanced_partitions(
+        [len(s.tokens) for s in samples], num_ranks)  # fmt: skip
+    per_rank = critic.values([batch.select(part) for part in parts])
+    width = max((s.response_length for s in samples), default=0)
+    values = torch.zeros(len(samples), width)
+    for part, rank_values in zip(parts, per_rank, strict=True):
+        offset = 0
+        for i in part:
+            sample = samples[i]
+            start = offset + sample.prompt_length - 1
+            values[i, : sample.response_length] = rank_values[
+                start : start + sample.response_length
+            ]
+            offset += len(sample.tokens)
+    return values
+
+
+class GaeBuffer(DataBuffer):
+    """The data buffer with critic values: GAE advantages, and returns / old values in
+    every rank batch for the critic's loss."""
+
+    def __init__(self, *, value_fn, **kwargs):
+        super().__init__(**kwargs)
+        self.value_fn = value_fn  # samples -> [B, T] response values
+        self._targets: tuple[list, list] = ([], [])
+
+    def advantages(self, samples: list) -> list[list[float]]:
+        rewards = torch.tensor([scalar_reward(s, self.reward_key) for s in samples])
+        width = max((s.response_length for s in samples), default=0)
+        mask = torch.zeros(len(samples), width)
+        for i, s in enumerate(samples):
+            mask[i, : s.response_length] = torch.tensor(
+                s.effective_loss_mask(), dtype=torch.float32
+            )
+        values = self.value_fn(samples)
+        inputs = AdvantageInputs(rewards=rewards, mask=mask, values=values * mask,
+                                 group_size=self.group_size, gamma=self.gamma, lam=self.lam)  # fmt: skip
+        advantages, returns = self._estimator(inputs)
+        rows = [s.response_length for s in samples]
+        self._targets = ([r[:n] for r, n in zip(returns.tolist(), rows, strict=True)],
+                         [v[:n] for v, n in zip(values.tolist(), rows, strict=True)])  # fmt: skip
+        return [a[:n] for a, n in zip(advantages.tolist(), rows, strict=True)]
+
+    def pop_step(self, num_groups: int) -> StepBatch:
+        step = super().pop_step(num_groups)
+        returns, old_values = (self._placed(step.samples, rows) for rows in self._targets)
+        step.rank_batches = [
+            dataclasses.replace(b, returns=torch.cat([returns[i] for i in part]),
+                                old_values=torch.cat([old_values[i] for i in part]))
+            for b, part in zip(step.rank_batches, step.partitions, strict=True)
+        ]  # fmt: skip
+        returns_mean = float(torch.cat(returns).sum()) / max(
+            1, sum(len(r) for r in self._targets[0])
+        )
+        step.metrics["critic/returns_mean"] = returns_mean
+        return step
+
+    @staticmethod
+    def _placed(samples, rows) -> list[torch.Tensor]:
+        """Per-sample ``[len(tokens)]`` tensors with response values at predicting positions."""
+        placed = []
+        for sample, row in zip(samples, rows, strict=True):
+            full = torch.zeros(len(sample.tokens))
+            full[sample.prompt_length - 1 : sample.prompt_length - 1 + len(row)] = torch.tensor(row)
+            placed.append(full)
+        return placed
+
+
+def make_buffer(run) -> DataBuffer:
+    """The run's data buffer: with critic values when the run has a critic."""
+    critic = getattr(run, "critic", None)
+    if critic is None:
+        return DataBuffer.from_config(run.config, num_ranks=run.num_ranks)
+    algorithm = run.config.algorithm
+    return GaeBuffer(
+        value_fn=lambda samples: response_values(samples, critic, run.num_ranks),
+        group_size=run.config.rollout.group_size, num_ranks=run.num_ranks,
+        advantage_estimator=algorithm.advantage_estimator, group_filter=algorithm.group_filter,
+        reward_key=algorithm.reward_key, gamma=algorithm.gamma, lam=algorithm.lam,
+    )  # fmt: skip
+
+
+def train_critic(run, parts) -> dict[str, float]:
+    """One critic update on the step's minibatches (nothing without a critic)."""
+    critic = getattr(run, "critic", None)
+    return {} if critic is None else critic.train_steps(parts)

@@ -1,0 +1,70 @@
+"""The engine server processes of a run: embedded engines or real SGLang servers.
+
+    servers = engine_processes(config, model_dir=d, log_dir=l, gpus=[[0], [1]])
+    for s in servers: s.start(wait=False)      # all load at once ...
+    for s in servers: s.wait_ready()           # ... then each is waited for
+
+``gpus[e]`` are the physical GPU ids of engine e (from the placement group), handed to the
+server as CUDA_VISIBLE_DEVICES; None on CPU. SGLang servers get their options from the
+config (tensor-parallel size, memory fraction, dtype, seed, weight version "0", the
+memory saver when colocated) overridden by ``--sglang-*`` pass-through options, and their
+PYTHONPATH from ``RL_SGLANG_PYTHONPATH`` (rl-sglang's SGLangServer keeps SGLang's pinned
+transformers out of the trainer's process).
+"""
+
+from pathlib import Path
+
+SGLANG_READY_TIMEOUT_S = 900.0  # the first start compiles Triton kernels (minutes)
+
+
+def sglang_server_args(config, *, memory_saver: bool) -> dict:
+    """``sglang.launch_server`` options (``key -> value``, True for a bare flag)."""
+    from rl_sglang.process import sglang_args_from_cli
+
+    passthrough, rest = sglang_args_from_cli(list(config.engine.sglang_args))
+    if rest:
+        raise ValueError(
+            f"engine.sglang_args holds {rest!r}; every item must be a --sglang-* option "
+            "(e.g. --sglang-attention-backend triton)"
+        )
+    args = {
+        "tp_size": config.engine.devices_per_engine,
+        "mem_fraction_static": config.engine.mem_fraction,
+        "dtype": config.model.dtype,
+        "random_seed": config.seed,
+        "weight_version": "0",  # as the embedded engine: rollouts before any sync are v0
+    }
+    if memory_saver:  # /release_memory_occupation needs it
+        args["enable_memory_saver"] = True
+    return args | passthrough
+
+
+def engine_processes(config, *, model_dir: Path, log_dir: Path, gpus: list | None,
+                     max_batch_size: int, memory_saver: bool = False) -> list:  # fmt: skip
+    """One not-yet-started server per engine (``config.engine.num_engines``)."""
+    engine = config.engine
+    gpus = gpus or [None] * engine.num_engines
+    if engine.kind == "sglang":
+        from rl_sglang.process import SGLangServer
+
+        args = sglang_server_args(config, memory_saver=memory_saver)
+        return [SGLangServer(model_dir, sglang_args=args, gpu_ids=ids, host=engine.host,
+                             log_dir=log_dir, ready_timeout_s=SGLANG_READY_TIMEOUT_S)
+                for ids in gpus]  # fmt: skip
+    from rl_sglang.process import EmbeddedEngine
+
+    device = "cuda" if config.cluster.device == "cuda" else "cpu"
+    return [EmbeddedEngine(model_dir, device=device, host=engine.host, log_dir=log_dir,
+                           max_batch_size=max_batch_size, env=visible_devices(ids))
+            for ids in gpus]  # fmt: skip
+
+
+def visible_devices(gpu_ids) -> dict:
+    return {} if gpu_ids is None else {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpu_ids))}
+
+
+def engine_gpus(plan, placement) -> list[list[int]] | None:
+    """Physical GPU ids of each engine's bundles; None for CPU bundles."""
+    if not placement.use_gpu:
+        return None
+    return [[placement.gpu_ids[b] for b in bundles] for bundles in plan.engine_bundles]

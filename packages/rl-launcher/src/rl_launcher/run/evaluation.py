@@ -1,0 +1,81 @@
+"""Evaluation on the configured eval sets through rl-sglang's eval rollout.
+
+    evaluator = Evaluator(config, tokenizer)         # reads eval.datasets once
+    metrics = evaluator.evaluate(url)                # eval/<dataset>/pass@<k>, reward stats
+
+Each prompt gets ``eval.samples_per_prompt`` samples at ``eval.temperature``; a sample is
+correct when its (scalar) reward is at least 1. During training it runs every
+``eval.interval`` steps and at the last step (:func:`maybe_evaluate`); ``rl-eval`` runs it
+on a checkpoint or an HF directory.
+"""
+
+import asyncio
+import time
+
+from rl_launcher.data.source import load_dataset
+from rl_launcher.run.reward import load_reward
+
+
+class Evaluator:
+    def __init__(self, config, tokenizer):
+        self.config, self.tokenizer = config, tokenizer
+        self.reward_fn = load_reward(config.rollout.reward, tokenizer,
+                                     on_error=config.rollout.on_reward_error)  # fmt: skip
+        self.datasets = {}
+        for spec in config.eval.datasets:
+            dataset = load_dataset(
+                spec, tokenizer=tokenizer, apply_chat_template=config.data.apply_chat_template,
+                max_prompt_tokens=config.data.max_prompt_tokens,
+                on_malformed=config.data.on_malformed, batch_rows=config.data.read_batch_rows,
+            )  # fmt: skip
+            if not dataset.prompts:
+                raise ValueError(f"eval dataset {dataset.name!r} has no usable prompts")
+            self.datasets[dataset.name] = dataset.prompts
+
+    def sampling_params(self) -> dict:
+        evaluation, rollout = self.config.eval, self.config.rollout
+        params = {"max_new_tokens": evaluation.max_response_tokens or rollout.max_response_tokens,
+                  "temperature": evaluation.temperature, "top_p": rollout.top_p,
+                  "top_k": rollout.top_k}  # fmt: skip
+        return params | ({"stop": list(rollout.stop)} if rollout.stop else {})
+
+    def evaluate(self, url: str) -> dict[str, float]:
+        """Metrics of every eval set, generated through the server at ``url``."""
+        start = time.perf_counter()
+        metrics, _ = asyncio.run(self.run(url))
+        metrics["eval/num_prompts"] = float(sum(len(p) for p in self.datasets.values()))
+        return metrics | {"time/eval": time.perf_counter() - start}
+
+    async def run(self, url: str):
+        """``(metrics, groups per dataset)`` from a fresh client of ``url``."""
+        from rl_sglang.client import EngineClient
+        from rl_sglang.rollout.eval import eval_rollout
+        from rl_sglang.rollout.generate import GenerateContext
+
+        evaluation = self.config.eval
+        samples = evaluation.samples_per_prompt * max(len(p) for p in self.datasets.values())
+        async with EngineClient(url) as client:
+            ctx = GenerateContext(client=client, tokenizer=self.tokenizer)
+            return await eval_rollout(
+                ctx, self.datasets, self.reward_fn, n_samples_per_prompt=evaluation.samples_per_prompt,
+                ks=evaluation.pass_k, sampling_params=self.sampling_params(),
+                max_concurrency=max(1, min(256, samples)),
+                reward_key=self.config.algorithm.reward_key,
+            )  # fmt: skip
+
+
+def is_eval_step(config, step: int) -> bool:
+    interval = config.eval.interval
+    return bool(interval) and (step % interval == 0 or step == config.num_steps)
+
+
+def maybe_evaluate(run, step: int) -> dict[str, float]:
+    """Eval metrics when ``step`` is an eval step of the run (else nothing)."""
+    if not is_eval_step(run.config, step):
+        return {}
+    evaluator = run.extras.get("evaluator")
+    if evaluator is None:
+        evaluator = run.extras["evaluator"] = Evaluator(run.config, run.rollout.tokenizer)
+    rollout = run.rollout
+    url = rollout.router.url if rollout.router else rollout.engine_urls[0]
+    return evaluator.evaluate(url)

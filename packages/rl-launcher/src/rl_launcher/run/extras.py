@@ -1,0 +1,60 @@
+"""What the loops call around their steps for the optional features, one hook each:
+
+- :func:`dump_step` (when a step has its groups): rollout dumps;
+- :func:`after_step` (after a step's metrics, before they are written): counted reward
+  errors, evaluation every ``eval.interval`` steps;
+- :func:`save_extras` / :func:`load_extras` (with each checkpoint): the critic, the
+  Hugging Face export (``checkpoint.save_hf``), the dump numbering.
+
+The critic itself joins through :mod:`rl_launcher.run.critic` (``make_buffer``,
+``train_critic``, ``start_critic``).
+"""
+
+from pathlib import Path
+
+
+def dump_step(run, step: int, groups: list) -> None:
+    """Step ``step``'s groups to ``rollout.dump_dir`` (``rollout_<step>.jsonl``), if set."""
+    from rl_launcher.run.dumps import dump_path, write_rollout
+
+    if run.config.rollout.dump_dir:
+        write_rollout(dump_path(run.config.rollout.dump_dir, step), groups)
+
+
+def after_step(run, step: int) -> dict[str, float]:
+    """Metrics the features add to step ``step``'s record."""
+    from rl_launcher.run.evaluation import maybe_evaluate
+
+    metrics = data_stats(run)
+    reward_fn = getattr(run.rollout, "reward_fn", None)
+    if reward_fn is not None and hasattr(reward_fn, "take_error_count"):
+        metrics["rollout/reward_errors"] = float(reward_fn.take_error_count())
+    return metrics | maybe_evaluate(run, step)
+
+
+def data_stats(run) -> dict[str, float]:
+    """What loading the data kept and dropped, per dataset, in the first record of a run."""
+    if run.extras.get("data_stats_logged"):
+        return {}
+    run.extras["data_stats_logged"] = True
+    metrics = {}
+    for name, stats in getattr(run.source, "stats", {}).items():
+        for field in ("rows", "kept", "malformed", "too_long"):
+            metrics[f"data/{name}/{field}"] = float(getattr(stats, field))
+    return metrics
+
+
+def save_extras(run, path: Path) -> None:
+    """The critic's state (``critic/``) and the HF export (``hf/``) beside the trainer's."""
+    if getattr(run, "critic", None) is not None:
+        run.critic.save(str(path / "critic"))
+    if run.config.checkpoint.save_hf:
+        run.trainer.export_hf(str(path / "hf"))
+
+
+def load_extras(run, path: Path, state: dict) -> None:
+    """Undo :func:`save_extras` on resume."""
+    if getattr(run, "critic", None) is not None:
+        if not (path / "critic").is_dir():
+            raise ValueError(f"{path} has no critic/ state; it was saved by a run without a critic")
+        run.critic.load(str(path / "critic"))

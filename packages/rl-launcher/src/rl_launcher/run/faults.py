@@ -1,0 +1,131 @@
+"""Training faults that stop a run, each with a message naming what failed and the last
+complete checkpoint to continue from (``rl-train ... --resume``):
+
+- non-finite steps: a backend skips an update whose loss or gradients hold NaN or inf
+  (parameters and optimizer state untouched, ``train/nonfinite_skipped`` > 0 in the
+  step's metrics). After ``algorithm.max_nonfinite_steps`` such steps *in a row* (a
+  finite step resets the count; 0 never stops) the run stops with :class:`RunStopped`.
+- a training rank's actor dies (killed, out of memory, node lost): its peers would wait in
+  a collective until the process-group timeout, so :func:`gather` raises
+  :class:`TrainActorDied` as soon as Ray reports the death; the run's cleanup then kills
+  the other ranks, engines and router, and ``rl-train`` exits with status 1.
+
+The loops call :func:`check_step` after recording a step; the actor group gathers its
+ranks' results with :func:`gather`; ``rl-train`` prints :func:`stop_message`.
+"""
+
+import math
+import sys
+from pathlib import Path
+
+NONFINITE_KEY = "train/nonfinite_skipped"
+DEATH_GRACE_S = 5.0  # after a rank fails, how long to wait for Ray to report a dead peer
+
+
+class RunStopped(RuntimeError):
+    """The run cannot go on (the message says why)."""
+
+
+class TrainActorDied(RuntimeError):
+    """A training rank's Ray actor died while running ``method``."""
+
+    def __init__(self, rank: int, method: str, cause: BaseException):
+        first_line = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause)
+        super().__init__(f"training rank {rank} (its Ray actor) died during {method}: {first_line}")
+        self.rank, self.method = rank, method
+
+
+def gather(refs: list, *, method: str) -> list:
+    """``ray.get(refs)`` (one ref per rank, in rank order), except that a dead rank raises
+    :class:`TrainActorDied` at once, and another rank's error raises at once too (after
+    :data:`DEATH_GRACE_S` to see whether a dead peer caused it)."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        try:
+            ray.get(ready[0])
+        except RayActorError as died:
+            raise TrainActorDied(refs.index(ready[0]), method, died) from died
+        except Exception:
+            _raise_if_a_peer_died(refs, pending, method)
+            raise
+    return ray.get(refs)
+
+
+def _raise_if_a_peer_died(refs: list, pending: list, method: str) -> None:
+    import ray
+    from ray.exceptions import RayActorError
+
+    if not pending:
+        return
+    done, _ = ray.wait(pending, num_returns=len(pending), timeout=DEATH_GRACE_S)
+    for ref in done:
+        try:
+            ray.get(ref)
+        except RayActorError as died:
+            raise TrainActorDied(refs.index(ref), method, died) from died
+        except Exception:  # another rank's own error: the caller re-raises the first one
+            continue
+
+
+def merge_minibatch_metrics(metrics: dict, new: dict) -> dict:
+    """A step's metrics over its minibatches: the later minibatch's values win, except
+    :data:`NONFINITE_KEY`, which counts the skipped minibatches, and the loss and gradient
+    norm of the last skipped one, kept as ``train/nonfinite_loss`` and
+    ``train/nonfinite_grad_norm`` (NaN or inf: null in metrics.jsonl, shown in the warning)."""
+    merged = metrics | new
+    if new.get(NONFINITE_KEY):
+        merged["train/nonfinite_loss"] = new.get("loss/total", math.nan)
+        merged["train/nonfinite_grad_norm"] = new.get("train/grad_norm", math.nan)
+    if NONFINITE_KEY in metrics or NONFINITE_KEY in new:
+        merged[NONFINITE_KEY] = metrics.get(NONFINITE_KEY, 0.0) + new.get(NONFINITE_KEY, 0.0)
+    return merged
+
+
+def check_step(run, step: int, metrics: dict) -> None:
+    """Count non-finite steps in a row; print a warning for each; raise
+    :class:`RunStopped` when ``algorithm.max_nonfinite_steps`` of them follow each other."""
+    limit = run.config.algorithm.max_nonfinite_steps
+    if not metrics.get(NONFINITE_KEY):
+        run.extras["nonfinite_in_a_row"] = 0
+        return
+    in_a_row = run.extras.get("nonfinite_in_a_row", 0) + 1
+    run.extras["nonfinite_in_a_row"] = in_a_row
+    skipped, total = int(metrics[NONFINITE_KEY]), run.config.algorithm.num_minibatches
+    loss, norm = (metrics.get(f"train/nonfinite_{k}") for k in ("loss", "grad_norm"))
+    print(f"rl-train: step {step}: {skipped} of {total} minibatch updates skipped for a "
+          f"non-finite loss ({loss}) or gradient norm ({norm}); {in_a_row} such step(s) in "
+          f"a row, the run stops at {limit or 'never'}", file=sys.stderr, flush=True)  # fmt: skip
+    if limit and in_a_row >= limit:
+        raise RunStopped(
+            f"{in_a_row} non-finite steps in a row up to step {step} (NaN or inf in the loss "
+            f"or gradients; algorithm.max_nonfinite_steps={limit})"
+        )
+
+
+def last_checkpoint(config) -> str:
+    """Where a ``--resume`` would continue from, in words."""
+    from rl_launcher.run import checkpoints
+
+    done = checkpoints.complete_checkpoints(checkpoints.checkpoint_dir(config))
+    if not done:
+        return "no complete checkpoint yet (--resume would start again at step 1)"
+    step, path = done[-1]
+    return f"last complete checkpoint: {path} (step {step}); continue with --resume"
+
+
+def last_recorded_step(run_dir: str | Path) -> int:
+    from rl_launcher.run_log import read_metrics
+
+    return max((int(r["step"]) for r in read_metrics(run_dir)), default=0)
+
+
+def stop_message(config, error: BaseException) -> str:
+    """What ``rl-train`` prints when :class:`RunStopped` or :class:`TrainActorDied` ends a run."""
+    if isinstance(error, TrainActorDied):
+        recorded = last_recorded_step(config.logging.run_dir)
+        return f"{error} (after step {recorded} was recorded); {last_checkpoint(config)}"
+    return f"{error}; {last_checkpoint(config)}"

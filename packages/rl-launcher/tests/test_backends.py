@@ -1,0 +1,174 @@
+"""The backend, engine and transport choices of a config, without processes: the Megatron
+config and its pass-through options, SGLang command lines and GPU assignment, transports
+per placement, colocation turns."""
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from rl_launcher.config_loader import load_config
+from rl_launcher.placement import plan_from_config
+from rl_launcher.run.backends import backend_spec, megatron_overrides
+from rl_launcher.run.colocation import Turns, check_turns, turns_needed
+from rl_launcher.run.engines import engine_gpus, engine_processes, sglang_server_args
+from rl_launcher.run.weight_sync import resolve_transport, sync_options
+
+ROOT = Path(__file__).resolve().parents[3]
+GPU_EXAMPLES = ROOT / "examples" / "gpu"
+
+
+def tiny_model_dir(tmp_path: Path) -> Path:
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2"}')
+    return tmp_path
+
+
+def test_megatron_spec_maps_the_layout_and_pass_through_options(tmp_path):
+    config, _ = load_config([
+        "--backend.name", "megatron", "--backend.tensor_parallel", "2",
+        "--cluster.devices_per_node", "4", "--algorithm.kl_coef", "0.05",
+        "--model.dtype", "bfloat16", "--optimizer.lr", "3e-6",
+        "--megatron-sequence-parallel", "--megatron-logprob-chunk-size", "256",
+    ])  # fmt: skip
+    spec = backend_spec(config, model_dir=tiny_model_dir(tmp_path), num_ranks=4)
+    megatron = spec.config
+    assert (spec.name, spec.data_parallel) == ("megatron", 2)  # 4 ranks / tp 2
+    assert (megatron.tp, megatron.pp, megatron.cp, megatron.ep) == (2, 1, 1, 1)
+    assert megatron.sequence_parallel is True and megatron.logprob_chunk_size == 256
+    assert megatron.precision == "bf16" and megatron.lr == 3e-6 and megatron.device == "cpu"
+    assert megatron.ref_path == tmp_path and megatron.kl_coef == 0.05  # reference = start
+    config.backend.name = "fsdp"
+    fsdp = backend_spec(config, model_dir=tmp_path, num_ranks=4)
+    assert (fsdp.name, fsdp.data_parallel, fsdp.config.precision) == ("fsdp", 4, "bf16")
+
+
+def test_megatron_refuses_what_it_cannot_do(tmp_path):
+    with pytest.raises(ValueError, match="--megatron-tpp is not a MegatronConfig field"):
+        megatron_overrides(["--megatron-tpp", "2"])
+    assert megatron_overrides(["--megatron-pp=2", "--megatron-distributed-optimizer", "false"]) == {
+        "pp": 2, "distributed_optimizer": False}  # fmt: skip
+    config, _ = load_config(["--backend.name", "megatron", "--optimizer.schedule", "cosine"])
+    with pytest.raises(ValueError, match=re.escape("optimizer.schedule=constant")):
+        backend_spec(config, model_dir=tiny_model_dir(tmp_path), num_ranks=1)
+
+
+def gpu_config(*extra: str):
+    config, _ = load_config([
+        "--cluster.device", "cuda", "--engine.kind", "sglang", "--model.dtype", "bfloat16",
+        "--engine.mem_fraction", "0.4", "--sglang-attention-backend", "triton",
+        "--sglang-skip-tokenizer-init", "--sglang-mem-fraction-static", "0.5", *extra,
+    ])  # fmt: skip
+    return config
+
+
+def test_sglang_servers_get_config_options_overridden_by_pass_through(tmp_path, monkeypatch):
+    sglang_path = tmp_path / "sgsite"
+    (sglang_path / "sglang").mkdir(parents=True)  # where the device puts SGLang
+    monkeypatch.setenv("RL_SGLANG_PYTHONPATH", str(sglang_path))
+    config = gpu_config("--engine.num_engines", "2", "--cluster.devices_per_node", "2")
+    args = sglang_server_args(config, memory_saver=True)
+    assert args == {"tp_size": 1, "mem_fraction_static": "0.5", "dtype": "bfloat16",
+                    "random_seed": 42, "weight_version": "0", "enable_memory_saver": True,
+                    "attention_backend": "triton", "skip_tokenizer_init": True}  # fmt: skip
+    servers = engine_processes(config, model_dir=tmp_path, log_dir=tmp_path, gpus=[[0], [1]],
+                               max_batch_size=8, memory_saver=True)  # fmt: skip
+    argv = servers[1].command()
+    assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
+    flags = " ".join(argv[3:])
+    assert f"--model-path {tmp_path}" in flags and "--tp-size 1" in flags
+    assert "--mem-fraction-static 0.5" in flags and "--enable-memory-saver" in flags
+    assert "--skip-tokenizer-init" in flags and "--weight-version 0" in flags
+    assert servers[1].env["CUDA_VISIBLE_DEVICES"] == "1"
+    assert servers[1].env["PYTHONPATH"].split(":")[0] == str(sglang_path)
+    with pytest.raises(ValueError, match="every item must be a --sglang-\\* option"):
+        config.engine.sglang_args = ["stray"]
+        sglang_server_args(config, memory_saver=False)
+
+
+def test_embedded_engines_on_gpus_see_only_their_devices(tmp_path):
+    config, _ = load_config(["--cluster.device", "cuda", "--cluster.colocate", "false",
+                             "--cluster.devices_per_node", "2"])  # fmt: skip
+    (server,) = engine_processes(config, model_dir=tmp_path, log_dir=tmp_path, gpus=[[5]],
+                                 max_batch_size=8)  # fmt: skip
+    assert server.env == {"CUDA_VISIBLE_DEVICES": "5"} and "--device cuda" in " ".join(
+        server.command())  # fmt: skip
+
+    class Placed:  # an OrderedPlacement's GPU ids: slot -> physical GPU
+        use_gpu, gpu_ids = True, (3, 7)
+
+    assert engine_gpus(plan_from_config(config), Placed()) == [[7]]  # the engine's bundle
+
+
+def test_transport_follows_the_placement(tmp_path):
+    assert resolve_transport("auto", colocate=True, device="cuda") == "tensor"
+    assert resolve_transport("auto", colocate=False, device="cuda") == "distributed"
+    assert resolve_transport("disk", colocate=False, device="cuda") == "disk"
+    assert resolve_transport("tensor", colocate=False, device="cpu") == "tensor"  # shared memory
+    with pytest.raises(ValueError, match=re.escape("with cluster.colocate=false use distributed")):
+        resolve_transport("tensor", colocate=False, device="cuda")
+    config = gpu_config("--cluster.colocate", "false", "--cluster.devices_per_node", "2")
+    options = sync_options(config, tmp_path)
+    assert options["transport"] == "distributed" and options["group_backend"] == "nccl"
+    assert options["engine_kind"] == "sglang" and options["path"] == str(tmp_path / "sync_weights")
+
+
+class Recorder:
+    """Stands in for the trainer group and the rollout manager: records the calls."""
+
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def __getattr__(self, name):
+        return lambda *args: self.calls.append((name, *args))
+
+
+def test_turns_release_before_training_and_refuse_unsynced_generation():
+    calls: list = []
+    turns = Turns(Recorder(calls), Recorder(calls))
+    turns.generating()  # first rollout: the freshly built trainer leaves the device
+    turns.training()
+    turns.training()  # already there: nothing
+    turns.syncing()
+    turns.generating()
+    assert calls == [("offload",), ("release_memory", ["weights", "kv_cache", "cuda_graph"]),
+                     ("onload",), ("resume_memory", ["weights"]), ("offload",),
+                     ("resume_memory", ["kv_cache", "cuda_graph"])]  # fmt: skip
+    turns.training()
+    with pytest.raises(RuntimeError, match=re.escape("engine.sync_every=1")):
+        turns.generating()
+
+
+def test_turns_are_needed_on_shared_gpus_only():
+    config = gpu_config()
+    assert turns_needed(config, plan_from_config(config))
+    config.cluster.colocate, config.cluster.devices_per_node = False, 2
+    assert not turns_needed(config, plan_from_config(config))
+    config = gpu_config("--engine.sync_every", "2")
+    with pytest.raises(ValueError, match=re.escape("set engine.sync_every=1")):
+        check_turns(config)
+    config = gpu_config("--rollout.loop", "one_step_async")
+    with pytest.raises(ValueError, match=re.escape("cluster.colocate=false or rollout.loop=sync")):
+        check_turns(config)
+
+
+@pytest.mark.parametrize("name", ["colocated_fsdp", "colocated_megatron", "disaggregated"])
+def test_gpu_example_configs_load(name):
+    config, _ = load_config(["--config", str(GPU_EXAMPLES / f"{name}.yaml")])
+    assert config.cluster.device == "cuda" and config.engine.kind == "sglang"
+    plan = plan_from_config(config)
+    if name == "disaggregated":
+        assert not plan.colocate and config.rollout.loop == "one_step_async"
+        assert resolve_transport(config.engine.weight_sync, colocate=False, device="cuda") == (
+            "distributed")  # fmt: skip
+    else:
+        assert plan.colocate and turns_needed(config, plan)
+        check_turns(config)
+
+
+def test_a_gguf_model_path_is_checked_before_anything_starts(tmp_path):
+    from rl_launcher.run.model_setup import prepare_model
+
+    config, _ = load_config(["--model.path", str(tmp_path / "SmolLM2.Q4_1.gguf")])
+    with pytest.raises(ValueError, match=re.escape("does not exist; give a .gguf file")):
+        prepare_model(config.model, run_dir=tmp_path, seed=0)

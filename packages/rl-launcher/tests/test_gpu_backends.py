@@ -1,0 +1,86 @@
+"""GPU only: the loop with real SGLang servers (rl-sglang's SGLangServer), two steps each.
+
+- one GPU, colocated, FSDP then Megatron: engine memory released while training and
+  resumed for generation, weights by CUDA IPC;
+- two GPUs, disaggregated: weights over an NCCL weight-update group (skipped with one GPU).
+
+Run on the GPU machine with SGLang on RL_SGLANG_PYTHONPATH (see examples/gpu/README.md):
+``RL_SGLANG_PYTHONPATH=/tmp/sgsite python -m pytest -m gpu packages/rl-launcher/tests``.
+"""
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from rl_launcher.buffer import DataBuffer
+from rl_launcher.config_loader import load_config
+from rl_launcher.run.loop import run_step
+from rl_launcher.run.setup import start_run
+
+pytestmark = pytest.mark.gpu
+ROOT = Path(__file__).resolve().parents[3]
+SHAPE = ("{model_type: qwen2, hidden_size: 256, intermediate_size: 512, num_hidden_layers: 2,"
+         " num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 512,"
+         " max_position_embeddings: 512}")  # fmt: skip
+SGLANG = ["--sglang-attention-backend", "triton", "--sglang-sampling-backend", "pytorch",
+          "--sglang-grammar-backend", "none", "--sglang-skip-tokenizer-init",
+          "--sglang-disable-cuda-graph"]  # fmt: skip
+MEAN_LOGPROB_GAP = 0.1  # bf16 SGLang kernels vs the bf16 trainer, same weights
+
+
+def sglang_available() -> bool:
+    path = os.environ.get("RL_SGLANG_PYTHONPATH", "")
+    return any((Path(p) / "sglang").is_dir() for p in path.split(os.pathsep) if p) or (
+        importlib.util.find_spec("sglang") is not None)  # fmt: skip
+
+
+needs_sglang = pytest.mark.skipif(
+    not sglang_available(), reason="SGLang missing: set RL_SGLANG_PYTHONPATH=/tmp/sgsite"
+)
+
+
+def gpu_run_args(run_dir: Path, *extra: str) -> list[str]:
+    return [
+        "--config", str(ROOT / "examples/quickstart/config.yaml"), "--num_steps", "2",
+        "--cluster.device", "cuda", "--model.dtype", "bfloat16", "--model.init_config", SHAPE,
+        "--model.tokenizer_path", str(ROOT / "examples/quickstart/tokenizer"),
+        "--data.train.0.path", str(ROOT / "examples/quickstart/data/train.jsonl"),
+        "--rollout.batch_size", "8", "--rollout.group_size", "4",
+        "--rollout.max_response_tokens", "8", "--algorithm.num_minibatches", "1",
+        "--optimizer.lr", "1e-3", "--engine.kind", "sglang", "--engine.mem_fraction", "0.3",
+        "--logging.run_dir", str(run_dir), *SGLANG, *extra,
+    ]  # fmt: skip
+
+
+def two_steps_reach_the_engine(args: list[str]) -> list[dict]:
+    config, _ = load_config(args)
+    run = start_run(config)
+    try:
+        buffer = DataBuffer.from_config(config, num_ranks=run.num_ranks)
+        records = [run_step(run, buffer, step) for step in (1, 2)]
+        assert run.rollout.weight_versions() == ["2"]
+    finally:
+        run.close()
+    assert [r["sync/weight_version"] for r in records] == [1.0, 2.0]
+    assert [r["rollout/weight_version_min"] for r in records] == [0.0, 1.0]
+    assert records[1]["mismatch/logprob_abs_diff_mean"] < MEAN_LOGPROB_GAP, records[1]
+    return records
+
+
+@needs_sglang
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_one_gpu_colocated_with_sglang_takes_turns(tmp_path, backend):
+    records = two_steps_reach_the_engine(gpu_run_args(tmp_path / "run", "--backend.name", backend))
+    assert records[1]["sync/bytes"] > 0
+
+
+@needs_sglang
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (nvidia-h200-x2)")
+def test_two_gpus_disaggregated_sync_over_nccl(tmp_path):
+    two_steps_reach_the_engine(gpu_run_args(
+        tmp_path / "run", "--cluster.colocate", "false", "--cluster.devices_per_node", "2",
+        "--engine.mem_fraction", "0.6",
+    ))  # fmt: skip
