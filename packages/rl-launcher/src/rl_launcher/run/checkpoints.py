@@ -13,6 +13,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from rl_launcher.paths import contained, inside
+
 STATE_FILE = "state.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -37,9 +39,9 @@ def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
     if not root.is_dir():
         return []
     found = []
-    for child in root.iterdir():
+    for child in inside(root, root.iterdir(), what="checkpoint"):
         match = _STEP_DIR.match(child.name)
-        if match and (child / STATE_FILE).is_file():
+        if match and (child / STATE_FILE).is_file() and contained(root, child / STATE_FILE):
             found.append((int(match.group(1)), child))
     return sorted(found)
 

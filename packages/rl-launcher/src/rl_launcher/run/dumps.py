@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 from rl_core.types import Sample
+from rl_launcher.paths import inside
 
 _DUMP_FILE = re.compile(r"^rollout_(\d+)\.jsonl$")
 
@@ -57,7 +58,8 @@ def dump_files(directory: str | Path) -> list[Path]:
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _DUMP_FILE.match(p.name))]
+    files = inside(directory, directory.iterdir(), what="rollout dump")
+    found = [(int(m.group(1)), p) for p in files if (m := _DUMP_FILE.match(p.name))]
     return [path for _, path in sorted(found)]
 
 
