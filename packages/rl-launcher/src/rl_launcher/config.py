@@ -208,6 +208,12 @@ class RolloutConfig:
         "as aborted and count it (skip).",
         choices=("raise", "skip"),
     )
+    reward_timeout_s: float | None = option(
+        60.0,
+        help="A reward taking longer is a failed one (handled per on_reward_error; NaN and "
+        "inf rewards too); null = wait forever.",
+        low=0,
+    )
 
 
 @dataclass(kw_only=True)
@@ -233,6 +239,16 @@ class EngineConfig:
     )
     weight_bucket_bytes: int = option(512 << 20, help="Bytes per weight-sync bucket.", low=1)
     sync_every: int = option(1, help="Sync weights every N training steps.", low=1)
+    health_interval_s: float = option(
+        5.0,
+        help="Seconds between engine health checks; a dead engine is restarted, given the "
+        "trainer's current weights and re-added to the router (0 = no checks).",
+        low=0,
+    )
+    health_timeout_s: float = option(
+        10.0, help="A health check not answered within this is a failed one.", low=0
+    )
+    max_restarts: int = option(3, help="Restarts per engine before it is left out.", low=0)
     sglang_args: list[str] = field(
         default_factory=list,
         metadata=meta("Server options passed through verbatim (--sglang-* on the command line)."),

@@ -92,6 +92,8 @@ class HealthMonitor:
         self.errors: list[str] = []  # restarts that failed (engine left out of the router)
         self._failures = {e.url: 0 for e in self.engines}
         self._stop = threading.Event()
+        self._idle = threading.Event()  # cleared while an engine is being restarted
+        self._idle.set()
         self._thread: threading.Thread | None = None
 
     @property
@@ -140,7 +142,19 @@ class HealthMonitor:
         failures = self._failures[engine.url]
         return f"{failures} failed health checks" if failures >= self.failures_to_restart else None
 
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Block while a restart is in progress (e.g. before pushing weights to every
+        engine); False when it is still going after ``timeout_s``."""
+        return self._idle.wait(timeout_s)
+
     def _recover(self, engine: ServerProcess, reason: str) -> None:
+        self._idle.clear()
+        try:
+            self._restart(engine, reason)
+        finally:
+            self._idle.set()
+
+    def _restart(self, engine: ServerProcess, reason: str) -> None:
         detected = time.monotonic()
         log.warning("engine %s is dead (%s); restarting", engine.url, reason)
         restarts = sum(e.url == engine.url for e in self.events)

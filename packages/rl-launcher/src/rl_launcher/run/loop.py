@@ -22,6 +22,7 @@ import torch
 from rl_launcher.buffer import DataBuffer
 from rl_launcher.run import checkpoints, data_order, faults
 from rl_launcher.run.critic import make_buffer, train_critic
+from rl_launcher.run.engine_health import wait_for_restarts
 from rl_launcher.run.extras import after_step, dump_step, load_extras, save_extras
 from rl_launcher.run.feeds import SyncFeed, make_feed
 from rl_launcher.run.setup import Run, start_run
@@ -112,10 +113,12 @@ def minibatches(rank_batches: list, num_minibatches: int) -> list[list]:
 
 def sync(run: Run, *, version: int) -> dict[str, float]:
     """Trainer weights into every engine; the engines then report ``version``."""
+    wait_for_restarts(run)
     sent = run.trainer.sync_weights(run.rollout.engine_urls, str(version), **run.sync_options)
     engine_versions = run.rollout.weight_versions()
     if any(v != str(version) for v in engine_versions):
         raise RuntimeError(f"weight sync to version {version} left engines at {engine_versions}")
+    run.weight_version = version  # what a restarted engine is given (run.engine_health)
     return {"sync/bytes": sent, "sync/weight_version": float(version)}
 
 

@@ -39,6 +39,7 @@ class RolloutManager:
         self._drawn: dict[int, Sample] = {}  # draw number -> prompt not yet trained on
         self._requeued: list[Sample] = []  # drawn before a resume: handed out first
         self.engine_gpus, self.turns = None, None  # set by run.setup (GPU ids, colocation)
+        self.monitor = None  # rl_sglang.health.HealthMonitor, set by run.engine_health
         if not config.engine.use_router and config.engine.num_engines > 1:
             raise ValueError(ROUTER_NEEDED)
 
@@ -110,17 +111,11 @@ class RolloutManager:
         """rl-sglang's default rollout of ``resume`` (leftover groups) then ``num_prompts``
         new prompts (exactly: none over-drawn), until ``num_groups`` groups are done or
         nothing is left; groups are relabelled by draw number and sorted by it."""
-        from rl_sglang.rollout.default import RolloutConfig, default_rollout
+        from rl_sglang.rollout.default import default_rollout
         from rl_sglang.rollout.generate import GenerateContext
 
-        rollout = self.config.rollout
         url = self.router.url if self.router else self.engines[0].url
-        settings = RolloutConfig(
-            num_groups=num_groups, n_samples_per_prompt=rollout.group_size,
-            sampling_params=self.sampling_params(), partial_rollout=True,
-            max_concurrency=num_groups * rollout.group_size,
-            generate_fn=None if rollout.function == "default" else rollout.function,
-        )  # fmt: skip
+        settings = self.rollout_settings(num_groups)
         prompts = (self.next_prompt() for _ in range(num_prompts))
         ctx = GenerateContext(client=self.client(url), tokenizer=self.tokenizer)
         result = await default_rollout(ctx, prompts, self.reward_fn, settings, resume=resume)
@@ -128,6 +123,22 @@ class RolloutManager:
             relabel(group)
         result.groups.sort(key=lambda group: group[0].group_index)
         return result
+
+    def rollout_settings(self, num_groups: int):
+        """rl-sglang's RolloutConfig for ``num_groups`` groups. A reward that times out or
+        returns NaN/inf stops the run (``on_reward_error=raise``) or its group is dropped
+        and counted (``skip``), like one that raises."""
+        from rl_sglang.rollout.default import RolloutConfig
+
+        rollout = self.config.rollout
+        return RolloutConfig(
+            num_groups=num_groups, n_samples_per_prompt=rollout.group_size,
+            sampling_params=self.sampling_params(), partial_rollout=True,
+            max_concurrency=num_groups * rollout.group_size,
+            generate_fn=None if rollout.function == "default" else rollout.function,
+            reward_timeout_s=rollout.reward_timeout_s,
+            reward_on_error="raise" if rollout.on_reward_error == "raise" else "drop",
+        )  # fmt: skip
 
     def next_prompt(self) -> Sample:
         """The next prompt (requeued ones first), remembered until :meth:`consumed`."""
@@ -193,6 +204,8 @@ class RolloutManager:
         )
 
     def stop(self) -> None:
+        if self.monitor is not None:  # first, or it would restart the engines stopped below
+            self.monitor.stop()
         clients, self._clients = list(self._clients.values()), {}
         self.call(_close_all(clients))
         for server in [self.router, *self.engines]:

@@ -23,6 +23,7 @@ class Run:
     num_ranks: int = 1  # data-parallel ranks: the step is split into this many batches
     plan: Any = None  # placement.PlacementPlan
     placement: Any = None  # ray_placement.OrderedPlacement
+    weight_version: int = 0  # the version the engines were last synced to
     critic: Any = None  # PPO's critic group (rl_launcher.run.critic), when the algorithm has one
     extras: dict = field(default_factory=dict)  # state of optional features (e.g. the evaluator)
     _cleanup: list = field(default_factory=list)
@@ -112,6 +113,12 @@ def _start_trainer(run: Run, model_dir: Path) -> None:
     run.num_ranks = run.trainer.num_data_ranks
 
 
+def watch_engines(run: Run) -> None:
+    from rl_launcher.run import engine_health
+
+    engine_health.watch_engines(run)
+
+
 def _start_rollout(run: Run, model_dir: Path, tokenizer, run_dir: Path) -> None:
     from rl_launcher.run.colocation import Turns, check_turns, turns_needed
     from rl_launcher.run.engines import engine_gpus
@@ -125,3 +132,4 @@ def _start_rollout(run: Run, model_dir: Path, tokenizer, run_dir: Path) -> None:
         run.rollout.turns = run.trainer.turns = Turns(run.trainer, run.rollout)
     run._cleanup.append(run.rollout.stop)
     run.rollout.start()
+    watch_engines(run)

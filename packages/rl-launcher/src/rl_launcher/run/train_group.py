@@ -12,6 +12,7 @@ gathers the full tensors, and rank 0 hands them to the engines itself
 
 import dataclasses
 import os
+import threading
 from pathlib import Path
 
 import ray
@@ -127,18 +128,20 @@ class TrainGroup:
         self.data_ranks = ray.get([w.data_rank.remote() for w in self.workers])
         self.num_data_ranks = spec.data_parallel
         self.turns = None  # a colocation.Turns when trainer and engines share GPUs
+        self._lock = threading.Lock()
         assert sorted(set(self.data_ranks)) == list(range(self.num_data_ranks)), self.data_ranks
 
     def call(self, method: str, *per_rank_args, **shared) -> list:
         """``method`` on every rank (rank r gets ``per_rank_args[i][data_rank(r)]``);
         results in rank order."""
-        refs = [
-            getattr(worker, method).remote(
-                *(args[self.data_ranks[r]] for args in per_rank_args), **shared
-            )
-            for r, worker in enumerate(self.workers)
-        ]
-        return faults.gather(refs, method=method)  # a dead rank raises at once, named
+        with self._lock:  # calls from two threads (an engine restore) never interleave
+            refs = [
+                getattr(worker, method).remote(
+                    *(args[self.data_ranks[r]] for args in per_rank_args), **shared
+                )
+                for r, worker in enumerate(self.workers)
+            ]
+            return faults.gather(refs, method=method)  # a dead rank raises at once, named
 
     def per_data_rank(self, results: list) -> list:
         """One result per data-parallel rank (its first rank's)."""
