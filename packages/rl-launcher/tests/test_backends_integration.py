@@ -23,7 +23,8 @@ def shrunk(run_dir: Path, *extra: str) -> list[str]:
     return [
         "--config", str(QUICKSTART), "--num_steps", "2", "--rollout.batch_size", "4",
         "--rollout.group_size", "4", "--algorithm.entropy_coef", "0.1",
-        "--optimizer.lr", "0.01", "--logging.run_dir", str(run_dir),
+        "--optimizer.lr", "0.01", "--optimizer.schedule", "constant",  # megatron: constant only
+        "--logging.run_dir", str(run_dir),
         "--model.tokenizer_path", str(ROOT / "examples/quickstart/tokenizer"),
         "--data.train.0.path", str(ROOT / "examples/quickstart/data/train.jsonl"), *extra,
     ]  # fmt: skip

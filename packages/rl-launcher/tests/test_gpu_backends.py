@@ -45,6 +45,7 @@ needs_sglang = pytest.mark.skipif(
 def gpu_run_args(run_dir: Path, *extra: str) -> list[str]:
     return [
         "--config", str(ROOT / "examples/quickstart/config.yaml"), "--num_steps", "2",
+        "--optimizer.schedule", "constant",  # the Megatron backend trains at a constant lr
         "--cluster.device", "cuda", "--model.dtype", "bfloat16", "--model.init_config", SHAPE,
         "--model.tokenizer_path", str(ROOT / "examples/quickstart/tokenizer"),
         "--data.train.0.path", str(ROOT / "examples/quickstart/data/train.jsonl"),

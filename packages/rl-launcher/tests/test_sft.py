@@ -95,6 +95,7 @@ def sft_args(run_dir: Path, data: Path, *extra: str) -> list[str]:
     return [
         "--config", str(config), "--mode", "sft", "--num_steps", "4", "--seed", "3", "--rollout.batch_size", "10",
         "--rollout.max_response_tokens", "2", "--optimizer.lr", "0.01",
+        "--optimizer.schedule", "constant",
         "--model.tokenizer_path", str(TOKENIZER),
         "--data.apply_chat_template", "false",
         "--logging.run_dir", str(run_dir), "--checkpoint.interval", "2",
