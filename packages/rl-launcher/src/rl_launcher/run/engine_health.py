@@ -56,9 +56,15 @@ def restore(run, engine) -> None:
 
 
 def wait_for_restarts(run) -> None:
-    """Before weights go to every engine: let a restart in progress finish."""
+    """Before weights go to every engine: an engine that died and was not restarted yet
+    (the monitor sees it at its next round) is waited for, then any restart in progress."""
+    import time
+
     monitor = getattr(run.rollout, "monitor", None)
-    if monitor is not None and not monitor.wait_idle(RESTART_WAIT_S):
-        raise RuntimeError(
-            f"an engine restart took over {RESTART_WAIT_S:.0f} s; see {monitor.errors}"
-        )
+    if monitor is None:
+        return
+    deadline = time.monotonic() + RESTART_WAIT_S
+    while any(not engine.alive() for engine in monitor.engines) or not monitor.wait_idle(0.2):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"engines not back after {RESTART_WAIT_S:.0f} s: {monitor.errors}")
+        time.sleep(0.2)
