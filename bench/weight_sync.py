@@ -99,64 +99,64 @@ def buckets(named, bucket_mb: int | None):
     return list(bucket_by_bytes(named, bucket_bytes=bucket_mb * 2**20))
 
 
+async def time_formats(named, repeats: int, bucket_mb: int, send, list_name: str) -> dict:
+    """s/GB of whole-model syncs for each format (per tensor or flattened) and bucket size
+    (one bucket or ``bucket_mb``); ``await send(bucket, flatten, version)`` carries one
+    bucket and raises when the engine did not apply it."""
+    size, results = nbytes(named), {}
+    for flatten in (False, True):
+        for mb in (None, bucket_mb):
+            parts, times = buckets(named, mb), []
+            for rep in range(repeats + 1):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                for part in parts:
+                    await send(part, flatten, f"{int(flatten)}-{mb}-{rep}")
+                times.append(time.perf_counter() - start)
+            key = f"{'flattened' if flatten else list_name}/{'one_bucket' if mb is None else f'{mb}MB'}"
+            results[key] = {"s_per_gb": statistics.median(times[1:]) / (size / GB),
+                            "num_buckets": len(parts)}  # fmt: skip
+    return results
+
+
 def colocated(url: str, named, repeats: int, bucket_mb: int) -> dict:
     """s/GB of every (format, bucket size) through CUDA IPC into the engine at ``url``."""
-    size, results = nbytes(named), {}
-
-    async def sync_all(client, parts, flatten, version):
-        for part in parts:
-            out = await transports.update_from_tensor(
-                [client], part, flatten=flatten, weight_version=version
-            )
-            if not out[0].get("success", False):
-                raise RuntimeError(f"update_weights_from_tensor failed: {out[0]}")
 
     async def go():
         async with EngineClient(url, timeout_s=600) as client:
-            for flatten in (False, True):
-                for mb in (None, bucket_mb):
-                    parts, times = buckets(named, mb), []
-                    for rep in range(repeats + 1):
-                        torch.cuda.synchronize()
-                        start = time.perf_counter()
-                        await sync_all(client, parts, flatten, f"ipc-{flatten}-{mb}-{rep}")
-                        times.append(time.perf_counter() - start)
-                    key = f"{'flattened' if flatten else 'list'}/{'one_bucket' if mb is None else f'{mb}MB'}"
-                    results[key] = {"s_per_gb": statistics.median(times[1:]) / (size / GB),
-                                    "num_buckets": len(parts)}  # fmt: skip
 
-    asyncio.run(go())
+            async def send(part, flatten, version):
+                out = await transports.update_from_tensor(
+                    [client], part, flatten=flatten, weight_version=version
+                )
+                if not out[0].get("success", False):
+                    raise RuntimeError(f"update_weights_from_tensor failed: {out[0]}")
+
+            return await time_formats(named, repeats, bucket_mb, send, "list")
+
+    results = asyncio.run(go())
     # the trainer's share of a flattened one-bucket sync: torch.cat + pickling the handle
     serialize = cuda_timed(lambda: transports.serialize_bucket(named, flatten=True), repeats)
-    results["flattened/one_bucket"]["trainer_serialize_s_per_gb"] = serialize / (size / GB)
+    results["flattened/one_bucket"]["trainer_serialize_s_per_gb"] = serialize / (nbytes(named) / GB)
     return results
 
 
 def disaggregated(url: str, named, repeats: int, bucket_mb: int) -> dict:
     """s/GB over NCCL into the engine at ``url`` (on the other GPU)."""
-    size, results = nbytes(named), {}
 
     async def go():
         async with EngineClient(url, timeout_s=600) as client:
             sender = transports.DistributedWeightSender([client], backend="nccl")
             await sender.connect()
-            for flatten in (False, True):
-                for mb in (None, bucket_mb):
-                    parts, times = buckets(named, mb), []
-                    for rep in range(repeats + 1):
-                        torch.cuda.synchronize()
-                        start = time.perf_counter()
-                        for part in parts:
-                            out = await sender.send(part, flatten=flatten, weight_version=str(rep))
-                            if not out[0].get("success", False):
-                                raise RuntimeError(f"update_weights_from_distributed: {out[0]}")
-                        times.append(time.perf_counter() - start)
-                    key = f"{'flattened' if flatten else 'per_tensor'}/{'one_bucket' if mb is None else f'{mb}MB'}"
-                    results[key] = {"s_per_gb": statistics.median(times[1:]) / (size / GB),
-                                    "num_buckets": len(parts)}  # fmt: skip
 
-    asyncio.run(go())
-    return results
+            async def send(part, flatten, version):
+                out = await sender.send(part, flatten=flatten, weight_version=version)
+                if not out[0].get("success", False):
+                    raise RuntimeError(f"update_weights_from_distributed: {out[0]}")
+
+            return await time_formats(named, repeats, bucket_mb, send, "per_tensor")
+
+    return asyncio.run(go())
 
 
 def _nccl_peer(port: int, size: int, repeats: int) -> None:
