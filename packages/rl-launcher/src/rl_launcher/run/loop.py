@@ -41,13 +41,7 @@ def train(config) -> Path:
         for step in range(first, config.num_steps + 1):
             metrics = run_step(run, buffer, step, feed)
             metrics |= after_step(run, step)  # evaluation, counted reward errors
-            run.metrics_log.append(step, metrics)
-            if config.logging.progress:
-                print(format_progress(step, config.num_steps, metrics), flush=True)
-            faults.check_step(run, step, metrics)  # too many non-finite steps stop the run
-            interval = config.checkpoint.interval
-            if (interval and step % interval == 0) or step == config.num_steps:
-                save(run, step)
+            finish_step(run, step, metrics, save)
     _plot(Path(config.logging.run_dir))
     return Path(config.logging.run_dir)
 
@@ -220,6 +214,20 @@ class Clock:
     def times(self) -> dict[str, float]:
         parts = {f"time/{name}": seconds for name, seconds in self.parts.items()}
         return parts | {"time/step": time.perf_counter() - self.start}
+
+
+def finish_step(run, step: int, metrics: dict[str, float], save_fn) -> None:
+    """Record a finished step (RL or SFT): metrics.jsonl, the progress line, the
+    non-finite-step rule, and ``save_fn(run, step)`` every ``checkpoint.interval`` steps
+    and at the last one."""
+    config = run.config
+    run.metrics_log.append(step, metrics)
+    if config.logging.progress:
+        print(format_progress(step, config.num_steps, metrics), flush=True)
+    faults.check_step(run, step, metrics)  # too many non-finite steps stop the run
+    interval = config.checkpoint.interval
+    if (interval and step % interval == 0) or step == config.num_steps:
+        save_fn(run, step)
 
 
 def _plot(run_dir: Path) -> None:

@@ -17,25 +17,18 @@ from pathlib import Path
 from rl_core.batch import batch_from_samples
 from rl_core.metrics import summarize
 from rl_core.packing import balanced_partitions
-from rl_launcher.run import checkpoints, faults
-from rl_launcher.run_log import MetricsLog, format_progress, truncate_metrics
+from rl_launcher.run import checkpoints
+from rl_launcher.run_log import MetricsLog, truncate_metrics
 
 
 def train_sft(config) -> Path:
     """Run an SFT ``config`` to its last step; returns the run directory."""
-    from rl_launcher.run.loop import _plot
+    from rl_launcher.run.loop import _plot, finish_step
 
     with contextlib.closing(start_sft_run(config)) as run:
         first = resume_sft(run) + 1 if config.checkpoint.resume else 1
         for step in range(first, config.num_steps + 1):
-            metrics = sft_step(run)
-            run.metrics_log.append(step, metrics)
-            if config.logging.progress:
-                print(format_progress(step, config.num_steps, metrics), flush=True)
-            faults.check_step(run, step, metrics)  # too many non-finite steps stop the run
-            interval = config.checkpoint.interval
-            if (interval and step % interval == 0) or step == config.num_steps:
-                save_sft(run, step)
+            finish_step(run, step, sft_step(run), save_sft)
     _plot(Path(config.logging.run_dir))
     return Path(config.logging.run_dir)
 
