@@ -90,6 +90,11 @@ def test_two_ranks_sync_weights_and_engine_log_probs_match_the_trainer(tmp_path)
     assert [r["sync/weight_version"] for r in records] == [1.0, 2.0]
     assert [r["rollout/weight_version_min"] for r in records] == [0.0, 1.0]
     assert all(r["mismatch/logprob_abs_diff_max"] < LOGPROB_TOL for r in records)
+    for r in records:  # the workers' compute time fits inside the phases that wait for it
+        assert 0 < r["time/log_probs_compute"] <= r["time/log_probs"]
+        assert 0 < r["time/train_compute"] <= r["time/train"]
+        assert r["perf/train_tokens_per_s"] >= r["perf/train_tokens_per_s_wall"] > 0
+        assert 0 <= r["time/overhead"] < r["time/step"]
     assert engine.shape == trainer.shape == (3,)
     torch.testing.assert_close(engine, trainer, atol=LOGPROB_TOL, rtol=0)
     # the match is not trivial: two steps at lr 1e-2 moved these log-probs far more than that

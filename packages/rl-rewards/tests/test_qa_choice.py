@@ -22,6 +22,14 @@ def test_exact_match_and_f1_hand_values():
     assert f1("Paris", ["London", "paris"]) == 1.0
 
 
+def test_prefix_match_ignores_what_follows_the_answer():
+    reward = get_reward("prefix_match")
+    assert reward("7 then anything", "7") == 1.0
+    assert reward("The Eiffel tower, in Paris", ["London", "eiffel tower"]) == 1.0
+    assert reward("17", "7") == 0.0  # the answer must come first
+    assert reward("", "7") == 0.0
+
+
 def test_gsm8k_marker_last_number_and_strict():
     reward = get_reward("gsm8k")
     assert reward("so 3 + 4 = 7\n#### 7", "#### 7") == 1.0

@@ -1,4 +1,4 @@
-"""Question-answering rewards: SQuAD-style ``exact_match`` and token ``f1``, and ``gsm8k``.
+"""Question-answering rewards: SQuAD-style ``exact_match``, ``prefix_match`` and token ``f1``, and ``gsm8k``.
 
 A label may be one gold string or a list of them; the best match over the golds counts.
 """
@@ -45,6 +45,14 @@ def exact_match_reward(response: str, label: object) -> float:
     """1.0 when the normalised response equals a normalised gold answer."""
     prediction = normalize_squad(response)
     return float(any(prediction == normalize_squad(g) for g in _golds(label)))
+
+
+@register_reward("prefix_match", "the SQuAD-normalised response starts with a gold answer; 1/0")
+def prefix_match_reward(response: str, label: object) -> float:
+    """1.0 when the normalised response begins with a normalised gold answer (whatever
+    follows it is ignored: for tasks whose answer comes first and the rest is free)."""
+    prediction = normalize_squad(response)
+    return float(any(prediction.startswith(normalize_squad(g)) for g in _golds(label)))
 
 
 @register_reward("f1", "SQuAD token-overlap F1 against one or several golds (best); in [0, 1]")

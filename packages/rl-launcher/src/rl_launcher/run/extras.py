@@ -29,6 +29,8 @@ def after_step(run, step: int) -> dict[str, float]:
     reward_fn = getattr(run.rollout, "reward_fn", None)
     if reward_fn is not None and hasattr(reward_fn, "take_error_count"):
         metrics["rollout/reward_errors"] = float(reward_fn.take_error_count())
+    if (monitor := run.extras.get("gpu_monitor")) is not None:
+        metrics |= monitor.take()  # gpu/util/<i>, gpu/mem_gb/<i> over the step
     return metrics | maybe_evaluate(run, step)
 
 

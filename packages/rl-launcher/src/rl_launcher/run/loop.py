@@ -87,7 +87,29 @@ def run_step(run: Run, buffer: DataBuffer, step: int, feed=None) -> dict[str, fl
         metrics |= sync(run, version=step)
         feed.after_sync()
     clock.lap("sync")
-    return metrics | clock.times()
+    return metrics | split_step(clock.times(), metrics, trained_tokens(parts))
+
+
+def trained_tokens(parts: list[list]) -> int:
+    return sum(batch.num_tokens for part in parts for batch in part)
+
+
+def split_step(times: dict[str, float], metrics: dict, tokens: int) -> dict[str, float]:
+    """``times`` plus the step's overhead: its wall time outside the rollout (the rollout
+    phase, and in the overlapping loops the wait for the rollout to end) and the trainer's own log-prob and training compute (``time/*_compute``, measured in the
+    workers), i.e. orchestration, data movement, offload/onload, weight sync and idle;
+    and the training throughput in the loop: per second of the backend's training
+    compute (``perf/train_tokens_per_s``) and per second of the train phase's wall time
+    (``perf/train_tokens_per_s_wall``: Ray calls and data transfer included)."""
+    step = times["time/step"]
+    compute = metrics.get("time/log_probs_compute", 0.0) + metrics.get("time/train_compute", 0.0)
+    rollout = times.get("time/rollout", 0.0) + times.get("time/rollout_wait", 0.0)
+    overhead = max(step - rollout - compute, 0.0)
+    out = times | {"time/overhead": overhead, "time/overhead_frac": overhead / step}
+    if metrics.get("time/train_compute") and times.get("time/train"):
+        out["perf/train_tokens_per_s"] = tokens / metrics["time/train_compute"]
+        out["perf/train_tokens_per_s_wall"] = tokens / times["time/train"]
+    return out
 
 
 def minibatches(rank_batches: list, num_minibatches: int) -> list[list]:

@@ -71,6 +71,7 @@ def start_run(config) -> Run:
     run = Run(config=config, source=source, metrics_log=MetricsLog(run_dir, logging=config.logging),
               sync_options=sync_options(config, run_dir))  # fmt: skip
     run._cleanup.append(run.metrics_log.close)
+    _start_gpu_monitor(run)
     try:
         _start_trainer(run, model_dir)
         start_critic(run, model_dir)  # PPO with a critic (gae) only
@@ -79,6 +80,15 @@ def start_run(config) -> Run:
         run.close()
         raise
     return run
+
+
+def _start_gpu_monitor(run: Run) -> None:
+    """GPU utilisation per step (``gpu/*`` metrics) on CUDA runs with nvidia-smi."""
+    from rl_launcher.run.gpu_monitor import start_gpu_monitor
+
+    if (monitor := start_gpu_monitor(run.config.cluster.device)) is not None:
+        run.extras["gpu_monitor"] = monitor
+        run._cleanup.append(monitor.close)
 
 
 def _start_trainer(run: Run, model_dir: Path) -> None:

@@ -13,6 +13,8 @@ gathers the full tensors, and rank 0 hands them to the engines itself
 import dataclasses
 import os
 import threading
+import time
+from collections import defaultdict
 from pathlib import Path
 
 import ray
@@ -34,6 +36,7 @@ class TrainWorker:
         self.backend = build_backend(spec, rank=rank, world_size=world_size,
                                      master_addr=master_addr, master_port=master_port)  # fmt: skip
         self.weights, self.offloaded = EngineWeightSync(rank), False
+        self.busy_s: dict[str, float] = defaultdict(float)  # time in the backend, by part
 
     def data_rank(self) -> int:
         from rl_launcher.run.backends import data_rank
@@ -43,22 +46,33 @@ class TrainWorker:
     def log_probs(self, batch: TrainBatch, model: str = "actor"):
         """``[N]`` log-probs of this rank's batch, on CPU."""
         self.onload()
-        return self.backend.compute_log_probs(batch, model=model).cpu()
+        start = time.perf_counter()
+        log_probs = self.backend.compute_log_probs(batch, model=model).cpu()
+        self.busy_s["log_probs_compute"] += time.perf_counter() - start
+        return log_probs
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         return self.train_steps([batch])
 
     def train_steps(self, batches: list[TrainBatch]) -> dict[str, float]:
-        """One optimizer step per minibatch, in order; later minibatches' metrics win."""
+        """One optimizer step per minibatch, in order; later minibatches' metrics win.
+        Also ``time/<part>``: this rank's seconds inside the backend since the last call
+        (``log_probs_compute``, ``train_compute``) and moving state back (``onload``)."""
         from rl_launcher.run.backends import common_metrics
 
         self.onload()
+        start = time.perf_counter()
         metrics: dict[str, float] = {}
         for batch in batches:
             metrics = faults.merge_minibatch_metrics(
                 metrics, common_metrics(self.backend.train_step(batch))
             )  # skipped (non-finite) minibatches are counted, not overwritten
-        return metrics
+        self.busy_s["train_compute"] += time.perf_counter() - start
+        return metrics | self.take_busy_times()
+
+    def take_busy_times(self) -> dict[str, float]:
+        times, self.busy_s = dict(self.busy_s), defaultdict(float)
+        return {f"time/{part}": seconds for part, seconds in times.items()}
 
     def sync_weights(self, engine_urls: list[str], version: str, how: dict) -> float:
         """Gather full weights (all ranks) and load them into every engine (rank 0).
@@ -79,8 +93,10 @@ class TrainWorker:
 
     def onload(self) -> None:
         if self.offloaded:
+            start = time.perf_counter()
             self.backend.onload()
             self.offloaded = False
+            self.busy_s["onload"] += time.perf_counter() - start
 
     def save(self, path: str) -> None:
         self.onload()

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The end-to-end GPU runs of examples/gpu (issue 8) on a 2-GPU machine (nvidia-h200-x2),
+# after the install calls of examples/gpu/README.md. Each run has a wall-clock limit; its
+# metrics.jsonl, charts, SGLang/engine logs and console log go to $OUT/<run>/, and a
+# summary (bench/e2e_summary.py) to $OUT/summary_<phase>.json.
+#
+#   bash bench/gpu_e2e.sh colocated      # GPU 0: FSDP + SGLang, then FSDP + embedded engine;
+#                                        # GPU 1 meanwhile: Megatron + SGLang (one GPU each)
+#   bash bench/gpu_e2e.sh disaggregated  # GPUs 0+1: one_step_async, then sync; then the
+#                                        # disaggregated weight-sync bench with real SGLang
+set -u
+phase=${1:?usage: bash bench/gpu_e2e.sh colocated|disaggregated}
+OUT=${OUT:-runs/gpu_e2e}
+RUNS=${RUNS:-/tmp/gpu_e2e}  # run directories (model copies stay here, off $OUT)
+mkdir -p "$OUT" "$RUNS"
+export PYTHONPATH=/tmp/site:$(ls -d "$PWD"/packages/*/src | tr '\n' ':')
+export RL_SGLANG_PYTHONPATH=${RL_SGLANG_PYTHONPATH:-/tmp/sgsite} NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+
+train() {  # train NAME GPUS LIMIT_S ARGS...: one rl-train run on GPUS, at most LIMIT_S seconds
+  local name=$1 gpus=$2 limit=$3
+  shift 3
+  CUDA_VISIBLE_DEVICES=$gpus timeout -k 20 "$limit" python3 -m rl_launcher.cli "$@" \
+    --logging.run_dir "$RUNS/$name" > "$OUT/$name.log" 2>&1
+  echo "$name: exit $? at $(date +%T)"
+  mkdir -p "$OUT/$name"
+  cp -r "$RUNS/$name/metrics.jsonl" "$RUNS/$name/plots" "$RUNS/$name/logs" "$OUT/$name/" 2>/dev/null
+}
+
+case $phase in
+colocated)
+  (train colocated_fsdp 0 300 --config examples/gpu/colocated_fsdp.yaml
+   train colocated_embedded 0 240 --config examples/gpu/colocated_fsdp.yaml --engine.kind embedded) &
+  (train colocated_megatron 1 300 --config examples/gpu/colocated_megatron.yaml) &
+  wait
+  python3 bench/e2e_summary.py "$RUNS"/colocated_* > "$OUT/summary_colocated.json"
+  ;;
+disaggregated)
+  train disagg_async 0,1 210 --config examples/gpu/disaggregated.yaml
+  train disagg_sync 0,1 200 --config examples/gpu/disaggregated.yaml --rollout.loop sync
+  python3 bench/e2e_summary.py "$RUNS"/disagg_* --pair disagg_async disagg_sync \
+    > "$OUT/summary_disaggregated.json"
+  timeout -k 10 160 python3 bench/weight_sync.py --engines sglang --disaggregated \
+    --out "$OUT/weight_sync_sglang.json" > "$OUT/weight_sync.log" 2>&1
+  echo "weight_sync: exit $? at $(date +%T)"
+  ;;
+*)
+  echo "unknown phase $phase (colocated or disaggregated)" >&2
+  exit 2
+  ;;
+esac
