@@ -11,8 +11,10 @@ request submitted at once; ``greedy_identical`` is the fraction of prompts whose
 output equals ``generate``'s token for token, in the benchmark's dtype and, separately, in
 float32 (``greedy_float32``: random weights in bf16 give near-tied logits, so identity is
 judged where rounding ties do not dominate). ``decode_step_ms`` is the GPU time of one
-replay of the static runner's CUDA graph per batch bucket (the model's share of a step);
-the rest of ``1000 * batch / engine_tokens_per_s`` per step is host work and prefill.
+decode step of the static runner's CUDA graphs per batch bucket (the model's share of a
+step; ``multi``: the K-step graph's replay / K); ``engine_first_token_ms`` times a 1-token
+request (prefill and fixed overheads) and ``engine_ms_per_step`` the rest per decode step.
+``engine_startup_s`` is the engine's start (compile and graph captures included).
 """
 
 import argparse
@@ -25,7 +27,7 @@ import time
 import torch
 from model_shapes import SHAPES
 
-from rl_sglang.engine.core import Engine
+from rl_sglang.engine.core import DEFAULT_MULTI_STEP, Engine
 from rl_sglang.tiny import random_model, tiny_config
 
 # the training benchmarks' 0.5b shape, plus what generation needs
@@ -76,17 +78,18 @@ def run_generate(model, prompts, new_tokens, device) -> tuple[float, list[list[i
 
 
 def run_engine(engine: Engine, prompts, new_tokens, device) -> tuple[float, list[list[int]]]:
+    """One batch body, admitted at once (as the server does), like SGLang's measurement."""
     params = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
 
     async def go():
         groups, _ = engine.make_requests({"input_ids": prompts, "sampling_params": params})
-        return await asyncio.gather(*(engine.run(g) for g in groups))
+        return await engine.run([r for group in groups for r in group])
 
     sync(device)
     start = time.perf_counter()
     outs = asyncio.run(go())
     sync(device)
-    return time.perf_counter() - start, [o[0]["output_ids"] for o in outs]
+    return time.perf_counter() - start, [o["output_ids"] for o in outs]
 
 
 # kernels every SGLang build has (the GPU machine's bundle leaves out FA3 and FlashInfer)
@@ -128,10 +131,11 @@ def run_sglang(model, prompts_by_batch, new_tokens, args) -> dict:
 
 
 def greedy_agreement(args, batch: int = 8, new_tokens: int = 32) -> dict:
-    """Fraction of prompts whose greedy engine output equals ``generate``'s, in float32."""
+    """Fraction of prompts whose greedy engine output equals ``generate``'s, in float32
+    (CUDA graphs of the eager layer: a second compile would cost minutes of the run)."""
     model = make_model(args.shape, args.device, torch.float32)
     engine = Engine(model, None, max_batch_size=batch, runner=args.runner,
-                    max_context=args.prompt_len + new_tokens + 8, compile=args.compile)  # fmt: skip
+                    max_context=args.prompt_len + new_tokens + 8, compile=False)  # fmt: skip
     prompts = make_prompts(batch, args.prompt_len, model.config.vocab_size, seed=7)
     try:
         _, generate_out = run_generate(model, prompts, new_tokens, args.device)
@@ -144,28 +148,51 @@ def greedy_agreement(args, batch: int = 8, new_tokens: int = 32) -> dict:
         for a, b in zip(engine_out, generate_out, strict=True)
     ]
     return {"batch": batch, "new_tokens": new_tokens, "identical": sum(same) / batch,
-            "mean_first_divergence": sum(first_diff) / batch}  # fmt: skip
+            "mean_first_divergence": sum(first_diff) / batch, "compiled": False}  # fmt: skip
+
+
+def multi_step_agreement(engine: Engine, prompts, args) -> float | None:
+    """Fraction of prompts whose greedy output with multi-step rounds equals the output
+    with one step per round (same engine, same dtype: it must be 1.0, bit for bit)."""
+    runner = engine.scheduler.runner
+    steps = getattr(runner, "multi_step", 1)
+    if steps == 1:
+        return None
+    _, multi_out = run_engine(engine, prompts, args.new_tokens, args.device)
+    runner.multi_step = 1  # the scheduler reads it per round
+    try:
+        _, single_out = run_engine(engine, prompts, args.new_tokens, args.device)
+    finally:
+        runner.multi_step = steps
+    return sum(a == b for a, b in zip(multi_out, single_out, strict=True)) / len(prompts)
 
 
 def decode_step_ms(engine: Engine, batches: list[int], repeats: int = 20) -> dict:
-    """GPU milliseconds of one CUDA-graph replay per batch bucket (engine idle)."""
+    """GPU milliseconds per decode step of the CUDA graphs per batch bucket (engine idle):
+    ``single`` one step's graph, ``multi`` the K-step graph's replay divided by K."""
     graphs = getattr(engine.scheduler.runner, "graphs", None)
     if graphs is None:
         return {}
-    timings = {}
+    timings: dict = {"single": {}, "multi": {}}
     for batch in batches:
         bucket = next(b for b in graphs.buckets if b >= batch)
-        graph = graphs.graphs[bucket][0]
-        for _ in range(3):
-            graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        timings[batch] = round(start.elapsed_time(end) / repeats, 3)
+        timings["single"][batch] = replay_ms(graphs.graphs[bucket][0], repeats)
+        if graphs.multi:
+            per_round = replay_ms(graphs.multi[bucket][0], max(1, repeats // graphs.multi_step))
+            timings["multi"][batch] = round(per_round / graphs.multi_step, 3)
     return timings
+
+
+def replay_ms(graph, repeats: int) -> float:
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return round(start.elapsed_time(end) / repeats, 3)
 
 
 def hardware(device: str) -> dict:
@@ -188,8 +215,20 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--runner", default="auto", choices=["auto", "dynamic", "static"])
-    parser.add_argument("--compile", action="store_true", help="torch.compile the decode step")
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="torch.compile the decode step (default: the engine's, on with CUDA)",
+    )
+    parser.add_argument(
+        "--multi-step",
+        type=int,
+        default=DEFAULT_MULTI_STEP,
+        help="greedy decode steps per round (1 = one step per round)",
+    )
     parser.add_argument("--with-sglang", action="store_true")
+    parser.add_argument("--out", help="also write the JSON here, after each phase")
     parser.add_argument("--skip-float32-check", action="store_true")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
@@ -198,7 +237,8 @@ def main() -> None:
     max_context = args.prompt_len + args.new_tokens + 8
     start = time.perf_counter()
     engine = Engine(model, None, max_batch_size=max(batches), runner=args.runner,
-                    max_context=max_context, compile=args.compile)  # fmt: skip
+                    max_context=max_context, compile=args.compile,
+                    multi_step=args.multi_step)  # fmt: skip
     startup_s = time.perf_counter() - start
     warm = make_prompts(2, args.prompt_len, model.config.vocab_size, seed=99)
     run_generate(model, warm, 4, args.device)
@@ -210,16 +250,20 @@ def main() -> None:
         )
         generate_s, generate_out = run_generate(model, prompts, args.new_tokens, args.device)
         engine_s, engine_out = run_engine(engine, prompts, args.new_tokens, args.device)
-        tokens = batch * args.new_tokens
+        first_token_s, _ = run_engine(engine, prompts, 1, args.device)  # prefill + overheads
+        tokens, steps = batch * args.new_tokens, max(1, args.new_tokens - 1)
         same = sum(a == b for a, b in zip(engine_out, generate_out, strict=True)) / batch
         rows.append({
             "batch": batch,
             "engine_tokens_per_s": round(tokens / engine_s, 1),
             "generate_tokens_per_s": round(tokens / generate_s, 1),
             "ratio": round(generate_s / engine_s, 3),
+            "engine_first_token_ms": round(1000 * first_token_s, 1),
+            "engine_ms_per_step": round(1000 * (engine_s - first_token_s) / steps, 3),
             "greedy_identical": same,
         })  # fmt: skip
     step_ms = decode_step_ms(engine, batches) if args.device.startswith("cuda") else {}
+    multi_same = multi_step_agreement(engine, prompts_by_batch[batches[-1]], args)
     compiled = bool(getattr(engine.scheduler.runner, "compiled", False))
     engine.scheduler.stop()
     result = {
@@ -227,25 +271,46 @@ def main() -> None:
         "shape": args.shape,
         "runner": engine.runner_kind,
         "compiled": compiled,
+        "multi_step": getattr(engine.scheduler.runner, "multi_step", 1),
+        "prefill": "fused layers into slots" if engine.runner_kind == "static" else "HF forward",
         "engine_startup_s": round(startup_s, 1),
         "dtype": args.dtype,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "results": rows,
         "decode_step_ms": step_ms,
+        "multi_step_identical": multi_same,
         "hardware": hardware(args.device),
         "command": " ".join([sys.executable.split("/")[-1], *sys.argv]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
+    write(result, args.out)  # each phase's figures survive a later failure or timeout
     if args.with_sglang:
-        result["sglang_tokens_per_s"] = run_sglang(model, prompts_by_batch, args.new_tokens, args)
+        try:
+            sglang = run_sglang(model, prompts_by_batch, args.new_tokens, args)
+        except Exception as error:  # reported in the JSON; the engine figures are kept
+            sglang = {"error": repr(error)}
+        result["sglang_tokens_per_s"] = sglang
+        result["engine_over_sglang"] = {
+            row["batch"]: round(row["engine_tokens_per_s"] / sglang[row["batch"]], 3)
+            for row in rows
+            if row["batch"] in sglang
+        }
+        write(result, args.out)
     if not args.skip_float32_check:
         del engine
         try:  # a failure here must not lose the throughput figures above
             result["greedy_float32"] = greedy_agreement(args)
         except (RuntimeError, ValueError) as error:
             result["greedy_float32"] = {"error": repr(error)}
+    write(result, args.out)
     print(json.dumps(result, indent=1))
+
+
+def write(result: dict, path: str | None) -> None:
+    if path:
+        with open(path, "w") as file:
+            json.dump(result, file, indent=1)
 
 
 if __name__ == "__main__":

@@ -36,12 +36,21 @@ colocated)
   ;;
 disaggregated)
   train disagg_async 0,1 210 --config examples/gpu/disaggregated.yaml
-  train disagg_sync 0,1 200 --config examples/gpu/disaggregated.yaml --rollout.loop sync
+  if [ "$(cat "$RUNS/disagg_async/metrics.jsonl" 2>/dev/null | wc -l)" -lt 3 ]; then
+    echo "disagg_async stopped early (see its log): both loops again with weights from disk"
+    mv "$RUNS/disagg_async" "$RUNS/failed_disagg_async"; mv "$OUT/disagg_async" "$OUT/failed_disagg_async"
+    mv "$OUT/disagg_async.log" "$OUT/failed_disagg_async.log"
+    train disagg_async 0,1 180 --config examples/gpu/disaggregated.yaml --engine.weight_sync disk
+    train disagg_sync 0,1 180 --config examples/gpu/disaggregated.yaml --rollout.loop sync \
+      --engine.weight_sync disk
+  else
+    train disagg_sync 0,1 200 --config examples/gpu/disaggregated.yaml --rollout.loop sync
+    timeout -k 10 160 python3 bench/weight_sync.py --engines sglang --disaggregated \
+      --out "$OUT/weight_sync_sglang.json" > "$OUT/weight_sync.log" 2>&1
+    echo "weight_sync: exit $? at $(date +%T)"
+  fi
   python3 bench/e2e_summary.py "$RUNS"/disagg_* --pair disagg_async disagg_sync \
     > "$OUT/summary_disaggregated.json"
-  timeout -k 10 160 python3 bench/weight_sync.py --engines sglang --disaggregated \
-    --out "$OUT/weight_sync_sglang.json" > "$OUT/weight_sync.log" 2>&1
-  echo "weight_sync: exit $? at $(date +%T)"
   ;;
 *)
   echo "unknown phase $phase (colocated or disaggregated)" >&2

@@ -1,6 +1,7 @@
 """TensorBoard and wandb (offline, no network) receive what metrics.jsonl receives."""
 
 import sys
+import time
 
 import pytest
 
@@ -36,7 +37,9 @@ def test_wandb_offline_writes_a_local_run_without_network(tmp_path, monkeypatch)
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     (events,) = runs[0].glob("run-*.wandb")  # the offline log `wandb sync` uploads later
-    data = events.read_bytes()
+    deadline = time.monotonic() + 30  # wandb's service process may still be flushing it
+    while b"0.625" not in (data := events.read_bytes()) and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert b"rollout/reward/mean" in data and b"0.625" in data
 
 

@@ -68,6 +68,8 @@ def test_embedded_engine_on_cuda_matches_teacher_forcing(model_dir, runner):
                     max_context=256, compile=runner.endswith("compiled"))  # fmt: skip
     if runner.endswith("compiled"):  # the fallback to eager would hide a compile failure
         assert engine.scheduler.runner.compiled
+    if runner.startswith("static"):  # the greedy half below runs K-step graphs (K = 8)
+        assert engine.scheduler.runner.graphs.multi
     prompts = [PROMPT, PROMPT[:2], [7] * 9, [1]]
     try:
         groups, _ = engine.make_requests({"input_ids": prompts, "return_logprob": True,

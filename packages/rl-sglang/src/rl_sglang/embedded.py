@@ -260,8 +260,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--runner", default="auto", help="auto, dynamic or static (CUDA graphs)")
     parser.add_argument("--max-context", type=int, default=None, help="prompt + response cap")
     parser.add_argument(
-        "--compile", action="store_true", help="torch.compile the static runner's decode step"
-    )
+        "--compile", action=argparse.BooleanOptionalAction, default=None,
+        help="torch.compile the static runner's decode step (default: on with CUDA)",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="init seed for a bare config")
     args = parser.parse_args(argv)
     try:

@@ -41,11 +41,19 @@ def _has_tokenizer(path: Path) -> bool:
     return any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json"))
 
 
+DEFAULT_MULTI_STEP = 8
+
+
 class Engine:
-    """Generation and control operations of one embedded engine (one model, one device)."""
+    """Generation and control operations of one embedded engine (one model, one device).
+
+    ``compile`` (static runner only): ``torch.compile`` the decode layer before the CUDA
+    graphs are captured; ``None`` turns it on with CUDA (it costs start-up time once).
+    ``multi_step`` (static runner only): greedy decode rounds of that many steps when no
+    row can finish by length and nothing waits within them (outputs are unchanged)."""
 
     def __init__(self, model, tokenizer, *, model_path="", max_batch_size=64, runner="auto",
-                 max_context=None, compile=False):  # fmt: skip
+                 max_context=None, compile=None, multi_step=DEFAULT_MULTI_STEP):  # fmt: skip
         self.model, self.tokenizer, self.model_path = model, tokenizer, model_path
         self.device = next(model.parameters()).device
         eos = model.generation_config.eos_token_id if model.generation_config else None
@@ -55,7 +63,12 @@ class Engine:
             max_context or 1 << 30, getattr(model.config, "max_position_embeddings", 1 << 30)
         )
         self.runner_kind = choose_runner(runner, model)
-        self.compile = compile
+        self.compile = self.device.type == "cuda" if compile is None else compile  # None: auto
+        if int(multi_step) < 1:
+            raise ValueError(
+                f"multi_step must be >= 1 (1 = one decode step per round), got {multi_step}"
+            )
+        self.multi_step = int(multi_step)
         self.scheduler = Scheduler(
             self._make_runner(max_batch_size),
             StopChecker(tokenizer, eos_ids, self.max_context),
@@ -71,7 +84,7 @@ class Engine:
             if self.max_context >= 1 << 20:
                 raise ValueError("the static runner needs a bounded context: pass max_context")
             return StaticRunner(self.model, max_slots=max_batch_size, max_len=self.max_context,
-                                compile=self.compile)  # fmt: skip
+                                compile=self.compile, multi_step=self.multi_step)  # fmt: skip
         pad = self.model.config.pad_token_id
         return ModelRunner(self.model, pad_token_id=pad if pad is not None else 0)
 

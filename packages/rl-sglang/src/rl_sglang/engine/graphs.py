@@ -4,6 +4,11 @@ A bucket's graph reads its tokens from a static buffer and its positions straigh
 runner's ``lengths`` (rows past the live batch use their free slot's stale length), and
 leaves the logits and the greedy token and log-prob of every row in static outputs, so a
 greedy step costs one small copy in, the replay and one increment.
+
+With ``multi_step`` K > 1 each bucket also gets a graph of K greedy steps in a row: each
+step feeds its argmax to the next and advances ``lengths`` inside the graph, and the K
+tokens and log-probs land in ``[K, B]`` outputs, so K steps cost one replay and one copy
+back (the scheduler trims what follows a row's stop).
 """
 
 import torch
@@ -12,30 +17,34 @@ import torch
 class GraphCache:
     """One CUDA graph per batch bucket (powers of two up to ``max_slots``)."""
 
-    def __init__(self, runner):
-        self.runner = runner
+    def __init__(self, runner, multi_step: int = 1):
+        self.runner, self.multi_step = runner, multi_step
         self.buckets = sorted(
             {min(1 << i, runner.max_slots) for i in range(runner.max_slots.bit_length() + 1)}
         )
         self.graphs: dict[int, tuple] = {}
+        self.multi: dict[int, tuple] = {}  # bucket -> the K-step graph
         self.pool = None
 
     @torch.inference_mode()
     def capture_all(self) -> None:
         for bucket in reversed(self.buckets):  # largest first: smaller ones reuse its pool
             self.graphs[bucket] = self._capture(bucket)
+            if self.multi_step > 1:
+                self.multi[bucket] = self._capture(bucket, self.multi_step)
         self.runner.lengths.zero_()
 
-    def run(self, tokens_B: torch.Tensor, size: int) -> tuple[torch.Tensor, ...]:
+    def run(self, tokens_B: torch.Tensor, size: int, steps: int = 1) -> tuple[torch.Tensor, ...]:
         """Replay the smallest bucket holding ``size`` rows; views of its outputs
-        (valid until the next replay): logits ``[B, V]``, greedy tokens and log-probs."""
+        (valid until the next replay): logits ``[B, V]``, greedy tokens and log-probs, or
+        with ``steps`` = K > 1 the K-step graph's greedy tokens and log-probs ``[K, B]``."""
         bucket = next(b for b in self.buckets if b >= size)
-        graph, tokens_in, outputs = self.graphs[bucket]
+        graph, tokens_in, outputs = (self.graphs if steps == 1 else self.multi)[bucket]
         tokens_in[:size].copy_(tokens_B)
         graph.replay()
-        return tuple(out[:size] for out in outputs)
+        return tuple(out[:size] if steps == 1 else out[:, :size] for out in outputs)
 
-    def _capture(self, bucket: int):
+    def _capture(self, bucket: int, steps: int = 1):
         runner = self.runner
         tokens_in = torch.zeros(bucket, dtype=torch.long, device=runner.device)
         positions = runner.lengths[:bucket]
@@ -43,10 +52,16 @@ class GraphCache:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm-up outside the graph (allocations, autotuning)
-                runner.step(tokens_in, positions)
+                if steps == 1:
+                    runner.step(tokens_in, positions)
+                else:
+                    runner.greedy_steps(tokens_in, bucket, steps)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            outputs = runner.step(tokens_in, positions)
+            if steps == 1:
+                outputs = runner.step(tokens_in, positions)
+            else:
+                outputs = runner.greedy_steps(tokens_in, bucket, steps)
         self.pool = graph.pool()
         return graph, tokens_in, outputs

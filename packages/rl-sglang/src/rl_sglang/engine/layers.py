@@ -69,6 +69,29 @@ def decode_layer(hidden_BH, keys_SKTD, values_SKTD, rows_B, positions_B, cos, si
     return hidden_BH + F.linear(F.silu(gate) * up, down_w, down_b)
 
 
+def prefill_layer(hidden_NLH, weights: tuple, cos, sin, eps: float, num_heads: int,
+                  head_dim: int):  # fmt: skip
+    """One decoder layer over ``N`` right-padded prompts of ``L`` tokens (causal attention,
+    so a real token never sees the padding after it). ``cos``/``sin`` ``[1, L, 1, D]``.
+    Returns the new hidden states and the rotated keys and the values ``[N, Hkv, L, D]``."""
+    in_norm, post_norm, qkv_w, qkv_b, o_w, o_b, gate_up_w, gate_up_b, down_w, down_b = weights
+    batch, length, _ = hidden_NLH.shape
+    x_NLH = in_norm * F.rms_norm(hidden_NLH, (hidden_NLH.shape[-1],), eps=eps)
+    qkv = F.linear(x_NLH, qkv_w, qkv_b)
+    num_kv = (qkv.shape[-1] // head_dim - num_heads) // 2
+    qk_width = (num_heads + num_kv) * head_dim
+    qk = rotate(qkv[..., :qk_width].view(batch, length, -1, head_dim), cos, sin).transpose(1, 2)
+    values = qkv[..., qk_width:].view(batch, length, num_kv, head_dim).transpose(1, 2)
+    queries, keys = qk[:, :num_heads], qk[:, num_heads:]
+    attn = F.scaled_dot_product_attention(queries, keys, values, is_causal=True,
+                                          enable_gqa=num_kv != num_heads)  # fmt: skip
+    attn_NLQ = attn.transpose(1, 2).reshape(batch, length, -1)
+    hidden_NLH = hidden_NLH + F.linear(attn_NLQ, o_w, o_b)
+    x_NLH = post_norm * F.rms_norm(hidden_NLH, (hidden_NLH.shape[-1],), eps=eps)
+    gate, up = F.linear(x_NLH, gate_up_w, gate_up_b).chunk(2, dim=-1)
+    return hidden_NLH + F.linear(F.silu(gate) * up, down_w, down_b), keys, values
+
+
 class LayerWeights:
     """A layer's weights for :func:`decode_layer`: q/k/v and gate/up concatenated (one GEMM
     each), the rest the model's own tensors. The concatenated copies are refreshed in place

@@ -14,19 +14,21 @@ def fill_holes(rows: list[int]) -> list[int]:
 
 
 class Launched:
-    """A queued step: its device tokens ``[B]`` and a pending host copy of the tokens and
-    log-probs (one wait on the device per step, not one per tensor or row)."""
+    """A queued round of K decode steps (K = 1 but for multi-step greedy rounds): the last
+    step's device tokens ``[B]`` and a pending host copy of the tokens and log-probs
+    ``[K, B]`` (one wait on the device per round, not one per tensor, step or row)."""
 
-    def __init__(self, tokens_B: torch.Tensor, logprobs_B: torch.Tensor):
-        self.tokens_B = tokens_B
-        self._host = (tokens_B, logprobs_B)
+    def __init__(self, tokens_KB: torch.Tensor, logprobs_KB: torch.Tensor):
+        self.steps = tokens_KB.shape[0]
+        self.tokens_B = tokens_KB[-1]
+        self._host = (tokens_KB, logprobs_KB)
         self._event = None
-        if tokens_B.is_cuda:  # pinned targets: the copy must not block the host
+        if tokens_KB.is_cuda:  # pinned targets: the copy must not block the host
             self._host = tuple(_pinned_copy(t) for t in self._host)
             self._event = torch.cuda.Event()
-            self._event.record(torch.cuda.current_stream(tokens_B.device))
+            self._event.record(torch.cuda.current_stream(tokens_KB.device))
 
-    def wait(self) -> tuple[list[int], list[float]]:
+    def wait(self) -> tuple[list[list[int]], list[list[float]]]:
         if self._event is not None:
             self._event.synchronize()
         tokens, logprobs = self._host

@@ -64,9 +64,12 @@ class ModelRunner:
         return logits_BV, BatchState(kv=kv, mask_BT=mask_BT)
 
     @torch.inference_mode()
-    def decode(self, state: BatchState, tokens_B: torch.Tensor, *, greedy: bool = False):
+    def decode(self, state: BatchState, tokens_B: torch.Tensor, *, greedy: bool = False,
+               steps: int = 1):  # fmt: skip
         """Feed one token per row; extends ``state`` in place; returns logits ``[B, V]``,
         or with ``greedy`` the argmax tokens ``[B]`` and their log-probs ``[B]``."""
+        if steps != 1:
+            raise ValueError("the dynamic runner decodes one step per call; use steps=1")
         ones_B1 = torch.ones((state.size, 1), dtype=torch.long, device=self.device)
         state.mask_BT = torch.cat([state.mask_BT, ones_B1], dim=1)
         logits_BV, state.kv = self._forward(

@@ -212,15 +212,19 @@ class Scheduler:
         return False
 
     def _step(self) -> None:
-        """Decode steps for the running batch. While nothing else waits (no task, abort or
-        admissible request) and no row can hit its length limit, step ``k + 1`` is queued
-        on the device before the host reads step ``k``'s tokens, so the host's bookkeeping
-        overlaps the GPU's work; a row that step ``k`` finished drops its extra token."""
+        """Decode rounds for the running batch (a round is one step, or K greedy steps in
+        one go when the runner has ``multi_step`` K and no row can reach its length limit
+        within them). While nothing else waits (no task, abort or admissible request),
+        round ``r + 1`` is queued on the device before the host reads round ``r``'s tokens,
+        so the host's bookkeeping overlaps the GPU's work; a row that stopped drops the
+        tokens computed after its stop."""
         if not self._running:
             return
-        launched = self._launch(self._next_tokens)
+        launched = self._launch(self._next_tokens, pending=0)
         while True:
-            ahead = self._launch(launched.tokens_B) if self._can_look_ahead() else None
+            ahead = None
+            if self._can_look_ahead(launched.steps):
+                ahead = self._launch(launched.tokens_B, pending=launched.steps)
             finished = self._consume(launched, range(len(self._running)))
             if ahead is not None and not finished:
                 launched = ahead
@@ -232,42 +236,56 @@ class Scheduler:
             self._retire_rows(finished)
             return
 
-    def _launch(self, tokens_B: torch.Tensor) -> Launched:
-        """Queue one decode step and the copy of its tokens and log-probs to the host."""
+    def _launch(self, tokens_B: torch.Tensor, pending: int) -> Launched:
+        """Queue one decode round and the copy of its tokens and log-probs to the host;
+        ``pending``: tokens of a queued round not yet appended to the requests."""
         rows = self._row_params(self._running, self.runner.device)
         if rows.all_greedy:  # argmax and log-prob come out of the (captured) step itself
-            tokens_B, logprobs_B = self.runner.decode(self._state, tokens_B, greedy=True)
-        else:
-            logits_BV = self.runner.decode(self._state, tokens_B)
-            generators = [r.generator for r in self._running]
-            tokens_B, logprobs_B = sample_next(logits_BV, rows, generators)
-        return Launched(tokens_B, logprobs_B)
+            steps = self._round_steps(pending)
+            out = self.runner.decode(self._state, tokens_B, greedy=True, steps=steps)
+            return Launched(*out) if steps > 1 else Launched(out[0][None], out[1][None])
+        logits_BV = self.runner.decode(self._state, tokens_B)
+        generators = [r.generator for r in self._running]
+        tokens_B, logprobs_B = sample_next(logits_BV, rows, generators)
+        return Launched(tokens_B[None], logprobs_B[None])
+
+    def _round_steps(self, pending: int) -> int:
+        """The runner's ``multi_step`` K when K greedy steps cannot pass any row's length
+        limit nor keep anything waiting, else 1."""
+        steps = getattr(self.runner, "multi_step", 1)
+        rooms = (self.stopper.room(r) - pending for r in self._running)
+        return steps if steps > 1 and self._quiet() and min(rooms) >= steps else 1
 
     def _consume(self, launched: Launched, rows) -> dict[int, dict]:
-        """Append a launched step's tokens to ``rows``; the finish reason of each row that
-        stopped."""
-        tokens, logprobs = launched.wait()
-        finished = {}
-        for row in rows:
-            request = self._running[row]
-            request.output_ids.append(tokens[row])
-            request.output_logprobs.append(logprobs[row])
-            if request.on_token is not None:
-                request.on_token(request)
-            reason = self.stopper.check(request)
-            if reason is not None:
-                finished[row] = reason
+        """Append a launched round's tokens to ``rows``, step by step, up to each row's
+        stop; the finish reason of each row that stopped."""
+        tokens_KB, logprobs_KB = launched.wait()
+        finished: dict[int, dict] = {}
+        for tokens, logprobs in zip(tokens_KB, logprobs_KB, strict=True):
+            for row in rows:
+                if row in finished:
+                    continue
+                request = self._running[row]
+                request.output_ids.append(tokens[row])
+                request.output_logprobs.append(logprobs[row])
+                if request.on_token is not None:
+                    request.on_token(request)
+                reason = self.stopper.check(request)
+                if reason is not None:
+                    finished[row] = reason
         return finished
 
-    def _can_look_ahead(self) -> bool:
-        """True when queueing the next step now cannot run past a limit or delay anything
-        the loop would do between steps."""
+    def _quiet(self) -> bool:
+        """Nothing the loop would do between rounds: no task, abort, pause or admissible
+        request."""
         if self._tasks or self._aborts or self._stopped or self.paused:
             return False
-        if self._waiting and len(self._running) < self.max_batch_size:
-            return False
-        # step k's tokens are not appended yet: a row needs room for two more
-        return all(self.stopper.room(r) >= 2 for r in self._running)
+        return not (self._waiting and len(self._running) < self.max_batch_size)
+
+    def _can_look_ahead(self, pending: int) -> bool:
+        """True when queueing another round now cannot run past a limit or delay anything
+        the loop would do between rounds (``pending`` tokens are not appended yet)."""
+        return self._quiet() and all(self.stopper.room(r) > pending for r in self._running)
 
     def _retire_rows(self, finished: dict[int, dict]) -> None:
         for row, reason in finished.items():
@@ -279,7 +297,7 @@ class Scheduler:
         """Sample one token per request and append it (with its log-prob) to the request."""
         rows = self._row_params(requests, logits_BV.device)
         tokens_B, logprobs_B = sample_next(logits_BV, rows, [r.generator for r in requests])
-        tokens, logprobs = Launched(tokens_B, logprobs_B).wait()
+        tokens, logprobs = (row[0] for row in Launched(tokens_B[None], logprobs_B[None]).wait())
         for request, token, logprob in zip(requests, tokens, logprobs, strict=True):
             request.output_ids.append(token)
             request.output_logprobs.append(logprob)

@@ -3,8 +3,8 @@ cache and, on CUDA, one CUDA graph per batch bucket.
 
 Running request ``i`` owns slot ``i`` of a preallocated cache ``[S, Hkv, T_max, D]`` per
 layer (slots stay compact: a finished row's slot is refilled by moving the last one in).
-Prefill runs the HF model on the new prompts and copies their keys/values into free
-slots; decode runs the HF layers' own modules (norms, projections, rotary, MLP) with a
+Prefill runs the same fused layer pieces over the new prompts, right-padded, and writes
+their keys/values straight into free slots (:mod:`rl_sglang.engine.prefill`); decode runs the HF layers' own modules (norms, projections, rotary, MLP) with a
 per-slot position, writes the new key/value at that position and attends over the whole
 slot with a length mask, so every shape is fixed and the step can be graph-captured.
 
@@ -19,7 +19,7 @@ import torch
 
 from rl_sglang.engine.graphs import GraphCache
 from rl_sglang.engine.layers import LayerWeights, decode_layer, norm_eps, rms_norm, signed_sin
-from rl_sglang.engine.runner import ModelRunner
+from rl_sglang.engine.prefill import prefill_into_slots
 from rl_sglang.engine.sampling import greedy_pick
 
 logger = logging.getLogger(__name__)
@@ -36,6 +36,25 @@ def supports_static(model) -> bool:
     )
 
 
+def upcast_greedy_pick(logits_BV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`greedy_pick` of the float32 logits; compiled, the upcast is fused into the
+    reductions instead of written out (sampling upcasts the same logits itself)."""
+    return greedy_pick(logits_BV.float())
+
+
+def rotary_table(rotary: torch.nn.Module, max_len: int, like: torch.Tensor):
+    """``(cos, signed sin)`` ``[max_len, D]`` of every position from the model's own rotary
+    module (each position's values do not depend on the others, so a lookup equals the
+    module's output bit for bit); None for rope types whose frequencies change with the
+    sequence length."""
+    if getattr(rotary, "rope_type", "default") in ("dynamic", "longrope"):
+        return None
+    positions = torch.arange(max_len, device=like.device)[None]
+    with torch.no_grad():
+        cos, sin = rotary(torch.zeros((1, 1), dtype=like.dtype, device=like.device), positions)
+    return cos[0].contiguous(), signed_sin(sin)[0].contiguous()
+
+
 class StaticBatch:
     """Handle of the running rows (row i = slot i); the runner owns the tensors."""
 
@@ -48,17 +67,17 @@ class StaticRunner:
 
     ``compile=True`` runs each decoder layer through one ``torch.compile`` of
     :func:`decode_layer` (fusing its elementwise kernels; the same compiled code serves all
-    layers) before the graphs are captured; if that fails the eager layer is kept.
+    layers), and the greedy pick through another, before the graphs are captured; if that
+    fails the eager functions are kept.
     """
 
     def __init__(self, model, *, max_slots: int, max_len: int, cuda_graphs: bool | None = None,
-                 compile: bool = False):  # fmt: skip
+                 compile: bool = False, multi_step: int = 1):  # fmt: skip
         if not supports_static(model):
             raise ValueError(
                 f"static decoding supports {SUPPORTED_MODEL_TYPES}, not {model.config.model_type}"
             )
         self.model, self.max_slots, self.max_len = model, max_slots, max_len
-        self.prefiller = ModelRunner(model, pad_token_id=model.config.pad_token_id or 0)
         config, param = model.config, next(model.parameters())
         self.head_dim = (
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -75,10 +94,18 @@ class StaticRunner:
         self.size = 0
         self.layers = [LayerWeights(layer) for layer in model.model.layers]
         self.eps = norm_eps(model.model.layers[0].input_layernorm)
+        self.rotary_table = rotary_table(model.model.rotary_emb, max_len, param)
+        self.columns_T = torch.arange(self.cache_len, device=param.device)
+        self.mask_values = tuple(
+            torch.tensor(v, dtype=param.dtype, device=param.device) for v in (float("-inf"), 0.0)
+        )
+        pick = upcast_greedy_pick
         self.layer_fn = torch.compile(decode_layer, dynamic=True) if compile else decode_layer
+        self.pick_fn = torch.compile(pick, dynamic=True) if compile else pick
         self.compiled = compile
         use_graphs = param.is_cuda if cuda_graphs is None else cuda_graphs
-        self.graphs = GraphCache(self) if use_graphs else None
+        self.multi_step = multi_step
+        self.graphs = GraphCache(self, multi_step) if use_graphs else None
         if self.graphs is not None:  # before any request: capture writes into free slots
             self._capture()
 
@@ -89,8 +116,8 @@ class StaticRunner:
             if not self.compiled:
                 raise
             logger.exception("capturing the compiled decode step failed; using the eager one")
-            self.layer_fn, self.compiled = decode_layer, False
-            self.graphs = GraphCache(self)
+            self.layer_fn, self.pick_fn, self.compiled = decode_layer, upcast_greedy_pick, False
+            self.graphs = GraphCache(self, self.multi_step)
             self.graphs.capture_all()
 
     @property
@@ -102,16 +129,8 @@ class StaticRunner:
         assert len(self.host_lengths) == self.size
         if self.size + len(prompts) > self.max_slots:
             raise ValueError(f"{self.size + len(prompts)} rows exceed {self.max_slots} slots")
-        logits_BV, state = self.prefiller.prefill(prompts)
-        width = state.mask_BT.shape[1]
+        logits_BV = prefill_into_slots(self, prompts, first_slot=self.size)
         lengths = [len(p) for p in prompts]
-        for length in set(lengths):  # one copy per layer and distinct prompt length
-            rows = [row for row, n in enumerate(lengths) if n == length]
-            slots = torch.tensor([self.size + r for r in rows], device=self.device)
-            index = torch.tensor(rows, device=self.device)
-            for layer, (k, v) in enumerate(state.kv):
-                self.keys[layer][slots, :, :length] = k[index, :, width - length :]
-                self.values[layer][slots, :, :length] = v[index, :, width - length :]
         new_lengths = torch.tensor(lengths, dtype=torch.long)
         self.lengths[self.size : self.size + len(prompts)].copy_(new_lengths)
         self.host_lengths.extend(lengths)
@@ -134,12 +153,25 @@ class StaticRunner:
         return StaticBatch(self.size) if rows else None
 
     @torch.inference_mode()
-    def decode(self, state: StaticBatch, tokens_B: torch.Tensor, *, greedy: bool = False):
+    def decode(self, state: StaticBatch, tokens_B: torch.Tensor, *, greedy: bool = False,
+               steps: int = 1):  # fmt: skip
         """Feed one token per running row. Returns logits ``[B, V]`` (a view, valid until
-        the next decode), or with ``greedy`` the argmax tokens ``[B]`` and their log-probs."""
+        the next decode), or with ``greedy`` the argmax tokens ``[B]`` and their log-probs;
+        ``steps`` = K > 1 (greedy, K = :attr:`multi_step`): K steps, each fed the previous
+        argmax, their tokens and log-probs ``[K, B]``."""
         size = state.size
-        if max(self.host_lengths) >= self.max_len:
+        if max(self.host_lengths) + steps - 1 >= self.max_len:
             raise ValueError(f"a request outgrew max_len {self.max_len}; raise --max-context")
+        if steps > 1 and (not greedy or steps != self.multi_step):
+            raise ValueError(f"multi-step decoding is greedy with {self.multi_step} steps")
+        if steps > 1:
+            outputs = (
+                self.graphs.run(tokens_B, size, steps)
+                if self.graphs is not None
+                else self.greedy_steps(tokens_B.to(self.device, copy=True), size, steps)
+            )
+            self.host_lengths = [n + steps for n in self.host_lengths]
+            return outputs
         if self.graphs is not None:
             logits_BV, tokens_B, logprobs_B = self.graphs.run(tokens_B, size)
         else:
@@ -149,6 +181,19 @@ class StaticRunner:
         self.host_lengths = [n + 1 for n in self.host_lengths]
         return (tokens_B, logprobs_B) if greedy else logits_BV
 
+    def greedy_steps(self, tokens_B: torch.Tensor, size: int, steps: int):
+        """``steps`` greedy decode steps of rows ``0..size-1``, each fed the previous
+        argmax (in place in ``tokens_B``), ``lengths`` advanced after each; the tokens and
+        log-probs ``[K, B]``. Captured whole as one graph on CUDA."""
+        tokens, logprobs = [], []
+        for _ in range(steps):
+            _, next_B, logprob_B = self.step(tokens_B, self.lengths[:size])
+            tokens_B.copy_(next_B)
+            self.lengths[:size] += 1
+            tokens.append(next_B)
+            logprobs.append(logprob_B)
+        return torch.stack(tokens), torch.stack(logprobs)
+
     def refresh_weights(self) -> None:
         """Re-read the fused projection weights after the model's weights changed."""
         for layer in self.layers:
@@ -156,22 +201,23 @@ class StaticRunner:
 
     # ---- one static-shape decode step ---------------------------------------------------
     def step(self, tokens_B: torch.Tensor, positions_B: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Logits ``[B, V]`` (float32) for ``tokens_B`` at ``positions_B`` and the greedy
+        """Logits ``[B, V]`` (the model's dtype) for ``tokens_B`` at ``positions_B`` and the greedy
         token ``[B]`` and log-prob ``[B]`` of each row; writes K/V of slots 0..B-1."""
         inner = self.model.model
         positions_B = positions_B.clamp(max=self.max_len - 1)  # padding rows: stale lengths
         hidden_BH = inner.embed_tokens(tokens_B)
-        cos, sin = inner.rotary_emb(hidden_BH[:, None, :], positions_B[:, None])  # [B, 1, D]
-        sin = signed_sin(sin)
-        columns_T = torch.arange(self.cache_len, device=self.device)
-        hidden_mask_BT = columns_T[None, :] > positions_B[:, None]
-        mask_BT = torch.zeros(hidden_mask_BT.shape, dtype=hidden_BH.dtype, device=self.device)
-        mask_B11T = mask_BT.masked_fill(hidden_mask_BT, float("-inf"))[:, None, None, :]
+        if self.rotary_table is not None:  # two gathers instead of the module's kernels
+            cos, sin = (table[positions_B][:, None] for table in self.rotary_table)
+        else:
+            cos, sin = inner.rotary_emb(hidden_BH[:, None, :], positions_B[:, None])
+            sin = signed_sin(sin)  # cos, sin: [B, 1, D]
+        hidden_BT = self.columns_T[None, :] > positions_B[:, None]
+        mask_B11T = torch.where(hidden_BT, *self.mask_values)[:, None, None, :]  # 0 or -inf
         rows_B = torch.arange(tokens_B.shape[0], device=self.device)
         for index, layer in enumerate(self.layers):
             hidden_BH = self.layer_fn(
                 hidden_BH, self.keys[index], self.values[index], rows_B, positions_B, cos, sin,
                 mask_B11T, layer.tensors(), self.eps, self.num_heads, self.head_dim,
             )  # fmt: skip
-        logits_BV = self.model.lm_head(rms_norm(inner.norm, hidden_BH)).float()
-        return (logits_BV, *greedy_pick(logits_BV))
+        logits_BV = self.model.lm_head(rms_norm(inner.norm, hidden_BH))
+        return (logits_BV, *self.pick_fn(logits_BV))

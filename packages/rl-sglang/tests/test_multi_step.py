@@ -1,0 +1,117 @@
+"""Multi-step greedy decoding of the static runner: K steps in one round give the same
+tokens, log-probs, caches and responses as K single steps, stops inside a round are
+trimmed, and rounds never run past a row's length limit."""
+
+import asyncio
+
+import pytest
+import torch
+
+from rl_sglang.engine.core import Engine
+from rl_sglang.engine.static import StaticRunner
+
+
+def test_greedy_steps_equal_single_steps_bit_for_bit(tiny_model):
+    prompts = [[1, 2, 3], [9] * 11, [5]]
+    runners = [StaticRunner(tiny_model, max_slots=4, max_len=64, multi_step=k) for k in (1, 4)]
+    for runner in runners:
+        logits_BV, state = runner.prefill(prompts)
+        runner.merge(None, state)
+        runner.first = logits_BV.argmax(dim=-1)
+    single, multi = runners
+    tokens, logprobs = single.first, []
+    steps = []
+    for _ in range(4):
+        tokens, logprob = single.decode(state, tokens, greedy=True)
+        steps.append(tokens)
+        logprobs.append(logprob)
+    multi_tokens, multi_logprobs = multi.decode(state, multi.first, greedy=True, steps=4)
+    assert torch.equal(multi_tokens, torch.stack(steps))
+    assert torch.equal(multi_logprobs, torch.stack(logprobs))
+    assert multi.host_lengths == single.host_lengths == [7, 15, 5]
+    assert torch.equal(multi.lengths, single.lengths)
+    for a, b in zip(single.keys + single.values, multi.keys + multi.values, strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="greedy with 4 steps"):
+        multi.decode(state, multi.first, steps=4)  # sampling rounds are single steps
+
+
+def run(engine, body):
+    async def go():
+        groups, _ = engine.make_requests(body)
+        return await engine.run([r for group in groups for r in group])
+
+    return asyncio.run(go())
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_dir):
+    from rl_sglang.engine.core import load_model
+
+    model, tokenizer = load_model(str(tiny_dir))
+    made = {
+        k: Engine(model, tokenizer, max_batch_size=4, runner="static", max_context=64, multi_step=k)
+        for k in (1, 5)
+    }
+    yield made
+    for engine in made.values():
+        engine.scheduler.stop()
+
+
+def test_multi_step_responses_equal_single_step_ones(engines, monkeypatch):
+    """Stops by token, string, EOS, budget and context, rows joining a full batch: the
+    same responses with 5-step rounds as with single steps; rounds of 5 really ran."""
+    prompts = [[1, 2, 3], [9] * 11, [5], [7, 8], [100, 101, 102, 103, 104], [42] * 40]
+    reference = run(engines[1], {"input_ids": prompts[:1], "sampling_params": {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True}})  # fmt: skip
+    stop_token = reference[0]["output_ids"][12]
+    params = [
+        {"max_new_tokens": 30, "stop_token_ids": [stop_token]},
+        {"max_new_tokens": 17},
+        {"max_new_tokens": 23, "stop": ["a", "e"]},
+        {"max_new_tokens": 3},
+        {"max_new_tokens": 40},
+        {"max_new_tokens": 40},  # 40 prompt tokens + 24 = the 64-token context
+    ]
+    body = {"input_ids": prompts, "return_logprob": True,
+            "sampling_params": [{**p, "temperature": 0} for p in params]}  # fmt: skip
+    multi = engines[5].scheduler.runner
+    rounds = []
+    decode = multi.decode
+    monkeypatch.setattr(
+        multi, "decode", lambda *a, **k: rounds.append(k.get("steps")) or decode(*a, **k)
+    )
+    outs = {k: run(engine, body) for k, engine in engines.items()}
+    assert 5 in rounds and set(rounds) <= {1, 5}
+    for single, many in zip(outs[1], outs[5], strict=True):
+        meta_single, meta_many = single["meta_info"], many["meta_info"]
+        assert many["output_ids"] == single["output_ids"]
+        assert meta_many["finish_reason"] == meta_single["finish_reason"]
+        assert meta_many["output_token_logprobs"] == meta_single["output_token_logprobs"]
+    assert outs[5][0]["output_ids"][-1] == stop_token
+    assert outs[5][0]["meta_info"]["finish_reason"]["type"] == "stop"
+    assert [len(o["output_ids"]) for o in outs[5]][3:] == [3, 40, 24]
+
+
+def test_rounds_stay_within_each_rows_length_limit(engines):
+    """A round of K steps starts only when every row has room for K more tokens: budgets
+    of 7 and 12 with K = 5 give rounds 5 (+1 from prefill = 6) then single steps."""
+    scheduler = engines[5].scheduler
+    seen = []
+    original = scheduler._round_steps
+
+    def spy(pending):
+        steps = original(pending)
+        seen.append((steps, [scheduler.stopper.room(r) - pending for r in scheduler._running]))
+        return steps
+
+    scheduler._round_steps = spy
+    try:
+        body = {"input_ids": [[1, 2], [3, 4]],
+                "sampling_params": [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
+                                    for n in (7, 12)]}  # fmt: skip
+        outs = run(engines[5], body)
+    finally:
+        del scheduler._round_steps
+    assert [len(o["output_ids"]) for o in outs] == [7, 12]
+    assert seen and all(min(rooms) >= steps for steps, rooms in seen)
+    assert seen[0] == (5, [6, 11])  # the prefill gave each row its first token
