@@ -8,6 +8,8 @@
 #                                        # GPU 1 meanwhile: Megatron + SGLang (one GPU each)
 #   bash bench/gpu_e2e.sh disaggregated  # GPUs 0+1: one_step_async, then sync; then the
 #                                        # disaggregated weight-sync bench with real SGLang
+# On a 4-GPU machine both phases can run at once: GPU_A=0 GPU_B=1 for the colocated phase,
+# GPU_PAIR=2,3 for the disaggregated one.
 set -u
 phase=${1:?usage: bash bench/gpu_e2e.sh colocated|disaggregated}
 OUT=${OUT:-runs/gpu_e2e}
@@ -28,24 +30,25 @@ train() {  # train NAME GPUS LIMIT_S ARGS...: one rl-train run on GPUS, at most 
 
 case $phase in
 colocated)
-  (train colocated_fsdp 0 300 --config examples/gpu/colocated_fsdp.yaml
-   train colocated_embedded 0 240 --config examples/gpu/colocated_fsdp.yaml --engine.kind embedded) &
-  (train colocated_megatron 1 300 --config examples/gpu/colocated_megatron.yaml) &
+  (train colocated_fsdp "${GPU_A:-0}" 300 --config examples/gpu/colocated_fsdp.yaml
+   train colocated_embedded "${GPU_A:-0}" 240 --config examples/gpu/colocated_fsdp.yaml \
+     --engine.kind embedded) &
+  (train colocated_megatron "${GPU_B:-1}" 300 --config examples/gpu/colocated_megatron.yaml) &
   wait
   python3 bench/e2e_summary.py "$RUNS"/colocated_* > "$OUT/summary_colocated.json"
   ;;
 disaggregated)
-  train disagg_async 0,1 210 --config examples/gpu/disaggregated.yaml
+  train disagg_async "${GPU_PAIR:-0,1}" 210 --config examples/gpu/disaggregated.yaml
   if [ "$(cat "$RUNS/disagg_async/metrics.jsonl" 2>/dev/null | wc -l)" -lt 3 ]; then
     echo "disagg_async stopped early (see its log): both loops again with weights from disk"
     mv "$RUNS/disagg_async" "$RUNS/failed_disagg_async"; mv "$OUT/disagg_async" "$OUT/failed_disagg_async"
     mv "$OUT/disagg_async.log" "$OUT/failed_disagg_async.log"
-    train disagg_async 0,1 180 --config examples/gpu/disaggregated.yaml --engine.weight_sync disk
-    train disagg_sync 0,1 180 --config examples/gpu/disaggregated.yaml --rollout.loop sync \
+    train disagg_async "${GPU_PAIR:-0,1}" 180 --config examples/gpu/disaggregated.yaml --engine.weight_sync disk
+    train disagg_sync "${GPU_PAIR:-0,1}" 180 --config examples/gpu/disaggregated.yaml --rollout.loop sync \
       --engine.weight_sync disk
   else
-    train disagg_sync 0,1 200 --config examples/gpu/disaggregated.yaml --rollout.loop sync
-    timeout -k 10 160 python3 bench/weight_sync.py --engines sglang --disaggregated \
+    train disagg_sync "${GPU_PAIR:-0,1}" 200 --config examples/gpu/disaggregated.yaml --rollout.loop sync
+    CUDA_VISIBLE_DEVICES=${GPU_PAIR:-0,1} timeout -k 10 140 python3 bench/weight_sync.py --engines sglang --disaggregated \
       --out "$OUT/weight_sync_sglang.json" > "$OUT/weight_sync.log" 2>&1
     echo "weight_sync: exit $? at $(date +%T)"
   fi

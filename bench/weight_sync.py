@@ -188,7 +188,14 @@ def nccl_bound(size: int, repeats: int) -> float:
     return seconds
 
 
+def physical_gpu(index: int) -> int:
+    """The device id of this process's GPU ``index`` (CUDA_VISIBLE_DEVICES may remap)."""
+    visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    return int(visible[index]) if visible else index
+
+
 def start_engine(kind: str, model_dir: Path, gpu: int, log_dir: Path):
+    gpu = physical_gpu(gpu)
     env = {"CUDA_VISIBLE_DEVICES": str(gpu)}
     if kind == "sglang":
         return SGLangServer(model_dir, sglang_args=SGLANG_ARGS, gpu_ids=[gpu], log_dir=log_dir,
