@@ -7,7 +7,10 @@ activation checkpointing, fused AdamW; rl-fsdp checkpoints only with --checkpoin
 MFU (model FLOPs, recomputation not counted) is relative to the bf16 matmul rate measured
 here. rl-fsdp runs first (its warm-up step includes compiling FlexAttention / the layers),
 then the plain loop (fewer measured steps: it is the slower one). Progress goes to stderr;
-prints one JSON object.
+prints one JSON object, whose ``figure.levers`` says which GPU-step levers ran (compiled
+MLPs / norms / attention modules, single-rank FSDP settings; each has a flag turning it
+off: --no-compile-blocks, --no-compile-attention, --reshard-after-forward, --reduce-fp32)
+and ``figure.fallback_errors`` what failed and was measured the simpler way.
 
     python bench/train_fsdp.py                                  # CPU, tiny shape
     python bench/train_fsdp.py --shape 1.5b --data full         # GPU: 4 x 2048 tokens
@@ -29,7 +32,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from rl_core.batch import TrainBatch
 from rl_core.packing import cu_seqlens_from_lengths
-from rl_fsdp import FSDPBackend, FSDPConfig
+from rl_fsdp import FSDPBackend, FSDPConfig, fusion, modeling
 from rl_fsdp.metrics import train_flops
 from rl_fsdp.modeling import enable_activation_checkpointing
 
@@ -53,6 +56,18 @@ def parse_args(argv=None):
     parser.add_argument(
         "--compile-layers", action="store_true", help="torch.compile each rl-fsdp layer"
     )
+    # The levers on by default on one GPU (rl_fsdp.fusion, rl_fsdp.modeling); each flag
+    # turns one off, so one run per flag shows its effect.
+    parser.add_argument(
+        "--no-compile-blocks", action="store_true", help="eager MLPs and norms (no fusion)"
+    )
+    parser.add_argument(
+        "--no-compile-attention", action="store_true", help="eager q/k/v bias, rotary, reshapes"
+    )
+    parser.add_argument(
+        "--reshard-after-forward", action="store_true", help="ZeRO-3 resharding on one rank"
+    )
+    parser.add_argument("--reduce-fp32", action="store_true", help="fp32 grads reduce on one rank")
     return parser.parse_args(argv)
 
 
@@ -104,6 +119,7 @@ def plain_hf_loop(args, model_config: dict, batch: TrainBatch, device) -> float:
 
 
 def _free(device) -> None:
+    torch._dynamo.reset()  # compiled graphs keep the freed model's modules alive
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -150,8 +166,14 @@ def _plain_hf_step(args, model_config: dict, batch: TrainBatch, device):
 
 def fsdp_step(args, model_config: dict, batch: TrainBatch, device) -> tuple[float, FSDPBackend]:
     """Seconds per rl-fsdp step. On a GPU, a failure is recorded in ``FALLBACK_ERRORS``
-    and the step measured again: without --compile-layers, then with sdpa_per_doc."""
-    fallbacks = [("compile_layers", False), ("attention", "sdpa_per_doc")]
+    and the step measured again: without --compile-layers, then without the compiled
+    attention modules, then without any compiled blocks, then with sdpa_per_doc."""
+    fallbacks = [
+        ("compile_layers", False),
+        ("no_compile_attention", True),
+        ("no_compile_blocks", True),
+        ("attention", "sdpa_per_doc"),
+    ]
     while True:
         try:
             return _fsdp_step(args, model_config, batch, device)
@@ -159,7 +181,9 @@ def fsdp_step(args, model_config: dict, batch: TrainBatch, device) -> tuple[floa
             fallbacks = [(k, v) for k, v in fallbacks if getattr(args, k) != v]
             if device.type != "cuda" or not fallbacks:
                 raise
-            FALLBACK_ERRORS.append(f"{args.compile_layers=} {args.attention=}: {err!r}"[:400])
+            what = f"{args.compile_layers=} {args.no_compile_blocks=} "
+            what += f"{args.no_compile_attention=} {args.attention=}"
+            FALLBACK_ERRORS.append(f"{what}: {err!r}"[:400])
         name, value = fallbacks.pop(0)
         _log(f"failed ({FALLBACK_ERRORS[-1]}); measuring again with {name}={value}")
         setattr(args, name, value)
@@ -177,13 +201,36 @@ def _fsdp_step(args, model_config: dict, batch: TrainBatch, device):
         attention=args.attention,
         activation_checkpointing=args.checkpointing,
         compile_layers=args.compile_layers,
+        compile_blocks=False if args.no_compile_blocks or args.compile_layers else None,
+        compile_attention=not args.no_compile_attention,
+        reshard_after_forward=True if args.reshard_after_forward else None,
+        reduce_dtype="fp32" if args.reduce_fp32 else None,
         max_tokens_per_micro_batch=args.max_tokens,
         lr=1e-6,
     )
     backend = FSDPBackend(config)
-    _log(f"rl-fsdp built (attention {backend.attention})")
+    _log(f"rl-fsdp built (attention {backend.attention}, levers {levers(backend)})")
     step_s = _timed(lambda: backend.train_step(batch), args.steps, device, "figure")
     return step_s, backend
+
+
+def levers(backend: FSDPBackend) -> dict:
+    """What ran in rl-fsdp's step: the lever settings as resolved for this run."""
+    world = backend.dist.world_size
+    config = backend.config
+    compiled, failed = fusion.compiled_count(backend.model)
+    return {
+        "compile_blocks": {
+            "compiled_modules": compiled,
+            "fell_back_to_eager": failed,
+            "compiled_classes": fusion.compiled_classes(backend.model),
+        },
+        "compile_layers": config.compile_layers,
+        "reshard_after_forward": modeling.reshard_after_forward(config, world),
+        "reduce_dtype": str(modeling.reduce_dtype(config, world)).removeprefix("torch."),
+        "attention": backend.attention,
+        "activation_checkpointing": config.activation_checkpointing,
+    }
 
 
 PEAK_MEMORY_GIB: dict[str, float] = {}
@@ -227,7 +274,7 @@ def main(argv=None) -> dict:
         num_tokens=batch.num_tokens,
         attn_tokens_sq=sum(n * n for n in batch.seq_lengths()),
     )
-    attention = backend.attention
+    attention, lever_report = backend.attention, levers(backend)
     del backend
     _free(device)
     baseline_s = plain_hf_loop(args, model_config, batch, device)
@@ -243,7 +290,8 @@ def main(argv=None) -> dict:
             "attention": attention,
             "activation_checkpointing": args.checkpointing,
             "compile_layers": args.compile_layers,
-            "fallback_errors": FALLBACK_ERRORS,
+            "levers": lever_report,
+            "fallback_errors": FALLBACK_ERRORS + fusion.COMPILE_FAILURES,
             "steps": args.steps,
             "peak_memory_gib": PEAK_MEMORY_GIB.get("figure"),
         },

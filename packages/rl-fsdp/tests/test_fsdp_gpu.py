@@ -143,3 +143,25 @@ def test_compiled_layers_match_eager_layers(backend):
     assert (got - expected)[mask].abs().mean() < 2e-2
     metrics = compiled.train_step(batch)
     assert torch.isfinite(torch.tensor(metrics["train/grad_norm"]))
+
+
+def test_compiled_blocks_match_eager_blocks(backend):
+    """The CUDA default (inductor-compiled MLPs and norms, single-rank FSDP settings) against
+    eager blocks: same log-probs (bf16), a training step over micro-batches of several
+    lengths with the same loss, and no module fell back to eager."""
+    from rl_fsdp import FSDPBackend, FSDPConfig, fusion
+
+    config = FSDPConfig(
+        model_config=GPU_MODEL, device="cuda", precision="bf16", max_tokens_per_micro_batch=160
+    )
+    compiled = FSDPBackend(config, dist_info=backend.dist)
+    eager = FSDPBackend(replace(config, compile_blocks=False), dist_info=backend.dist)
+    assert fusion.compiled_count(eager.model) == (0, 0)
+    batch = _rl_batch()
+    batch.old_log_probs = eager.compute_log_probs(batch).cpu()
+    got = compiled.compute_log_probs(batch).cpu()
+    mask = batch.loss_mask.bool()
+    assert (got - batch.old_log_probs)[mask].abs().mean() < 2e-2
+    metrics, expected = compiled.train_step(batch), eager.train_step(batch)
+    assert abs(metrics["loss/total"] - expected["loss/total"]) < 1e-2  # ratios within ~2 %
+    assert fusion.compiled_count(compiled.model) == (2 * 4 + 1, 0)  # MLP, 2 norms, attention

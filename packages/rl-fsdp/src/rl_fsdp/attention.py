@@ -100,7 +100,20 @@ def block_causal_mask(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor
 def packed_attention(
     module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs
 ):
-    """The registered attention function; returns ``([1, N, H, D], None)``."""
+    """The registered attention function; returns ``([1, N, H, D], None)``.
+
+    Traced by torch.compile (an attention module compiled by :mod:`rl_fsdp.fusion`), every
+    implementation but flex runs eager behind a graph break: the projections and rotary
+    around it are fused, the kernel and its host-side layout are not traced."""
+    layout: PackedLayout | None = kwargs.get("rl_layout")
+    if layout is not None and layout.impl != "flex" and torch.compiler.is_compiling():
+        return _eager_attention(
+            module, query, key, value, attention_mask, scaling, dropout, **kwargs
+        )
+    return _attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+
+
+def _attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs):
     layout: PackedLayout | None = kwargs.pop("rl_layout", None)
     if layout is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -142,6 +155,11 @@ def packed_attention(
             dim=2,
         )
     return out.transpose(1, 2).contiguous(), None
+
+
+# Behind a graph break. The compiled code after it (output projection) is compiled for the
+# first length, then once more with a dynamic length at the second (automatic dynamic).
+_eager_attention = torch.compiler.disable(_attention)
 
 
 def _flash_varlen(query, key, value, layout: PackedLayout, scaling, dropout) -> torch.Tensor:

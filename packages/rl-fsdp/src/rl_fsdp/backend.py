@@ -25,7 +25,7 @@ from rl_fsdp.config import FSDPConfig
 from rl_fsdp.distributed import DistInfo
 from rl_fsdp.engine import ShardedTrainer
 from rl_fsdp.forward import micro_batch, packed_log_probs, token_indices
-from rl_fsdp.modeling import DTYPES, build_model, freeze, shard_model
+from rl_fsdp.modeling import DTYPES, build_model, freeze, reshard_all, shard_model
 from rl_fsdp.weights import iter_weight_buckets, write_hf_dir
 
 __all__ = ["FSDPBackend", "FSDPConfig"]
@@ -59,7 +59,7 @@ class FSDPBackend(ShardedTrainer):
                 lp, _ = self._log_probs(net, mb, with_entropy=False, budget=budget)
                 if seqs:
                     out[token_indices(batch, seqs).to(self.device)] = lp
-            net.reshard()  # the root stays gathered after forward (for backward); free it
+            reshard_all(net)  # the root (and layers on one rank) stay gathered after forward
         out[batch.cu_seqlens[1:].long() - 1] = 0.0
         return out
 

@@ -45,10 +45,25 @@ class FSDPConfig:
     """torch.compile each decoder layer (fuses norms, rotary, SwiGLU; CUDA only; not with
     activation_checkpointing). The first steps compile (tens of seconds); best with
     attention "flex" (other implementations break the graph or recompile per layout)."""
+    compile_blocks: bool | None = None
+    """torch.compile each MLP, RMSNorm and (``compile_attention``) attention module: fused
+    SwiGLU, norms and rotary, forward and backward; the packed attention kernel stays eager
+    (:mod:`rl_fsdp.fusion`). A module class whose compilation fails runs eager. None = on
+    for device cuda without activation_checkpointing / compile_layers; True works on CPU."""
+    compile_attention: bool = True
+    """With compile_blocks: compile the attention modules too, around their eager kernel
+    (fused q/k/v bias, rotary and reshapes; the packed attention call is a graph break).
+    Not with attention "flex" (its kernel is compiled per length bucket on its own)."""
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state on CPU (FSDP2 offload policy)."""
-    reshard_after_forward: bool = True
-    """Free gathered layer weights after forward (ZeRO-3); False keeps them (ZeRO-2-like)."""
+    reshard_after_forward: bool | None = None
+    """Free gathered layer weights after forward (ZeRO-3); False keeps them (ZeRO-2-like:
+    the backward needs no second all-gather and cast). None = False on a single rank
+    without cpu_offload (nothing to save: the shard is the whole layer), True otherwise."""
+    reduce_dtype: str | None = None
+    """dtype of the gradient reduction ("fp32" or "bf16"). None = fp32, except on a single
+    rank where it is the compute dtype: nothing is summed there, so the result is the same
+    bit for bit and the float32 copy of every gradient is skipped."""
     reference: bool = False
     """Build a frozen reference copy of the initial weights (for ``model="ref"`` log-probs)."""
     ref_offload: bool = False
@@ -132,6 +147,7 @@ class FSDPConfig:
             "rollout_is_level": IS_LEVELS,
             "lr_decay": LR_DECAYS,
             "export_dtype": (None, *PRECISIONS),
+            "reduce_dtype": (None, *PRECISIONS),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -163,6 +179,9 @@ class FSDPConfig:
                 "uncompiled (torch.compile falls back to eager at Hugging Face's checkpoint "
                 "call inside each layer); choose one of them"
             )
+
+        if self.compile_blocks and self.compile_layers:
+            raise ValueError("compile_layers=True already compiles the blocks; drop compile_blocks")
 
     @property
     def micro_batch_tokens_for_log_probs(self) -> int:

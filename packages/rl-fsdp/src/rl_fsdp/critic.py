@@ -13,6 +13,7 @@ from rl_core.batch import TrainBatch
 from rl_core.losses import value_loss
 from rl_fsdp.engine import ShardedTrainer
 from rl_fsdp.forward import micro_batch, packed_values, token_indices
+from rl_fsdp.modeling import reshard_all
 
 
 class FSDPCritic(ShardedTrainer):
@@ -30,7 +31,7 @@ class FSDPCritic(ShardedTrainer):
                 values = packed_values(self.model, mb, impl=self.attention, pad_to=budget)
                 if seqs:
                     out[token_indices(batch, seqs).to(self.device)] = values
-            self.model.reshard()
+            reshard_all(self.model)
         return out
 
     def micro_batch_loss(self, mb: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:

@@ -12,6 +12,7 @@ from torch import nn
 
 from rl_fsdp.attention import register_packed_attention
 from rl_fsdp.config import FSDPConfig
+from rl_fsdp.fusion import compile_blocks
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -69,10 +70,16 @@ def shard_model(model: nn.Module, config: FSDPConfig, device: torch.device) -> n
         raise ValueError("cpu_offload=True offloads from a GPU; use device='cuda' or drop it")
     if config.compile_layers and device.type != "cuda":
         raise ValueError("compile_layers=True compiles for a GPU; use device='cuda' or drop it")
-    mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+    world = torch.distributed.get_world_size()
+    mesh = init_device_mesh(device.type, (world,))
     if config.activation_checkpointing:
         enable_activation_checkpointing(model)
-    mixed = MixedPrecisionPolicy(param_dtype=DTYPES[config.precision], reduce_dtype=torch.float32)
+    if blocks_compiled(config, device):
+        # Flex keeps its own compiled kernel per bucket (traced with dynamic shapes it failed).
+        compile_blocks(model, attention=config.compile_attention and config.attention != "flex")
+    mixed = MixedPrecisionPolicy(
+        param_dtype=DTYPES[config.precision], reduce_dtype=reduce_dtype(config, world)
+    )
     kwargs = {"mesh": mesh, "mp_policy": mixed}
     if config.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
@@ -82,10 +89,42 @@ def shard_model(model: nn.Module, config: FSDPConfig, device: torch.device) -> n
         if config.compile_layers:
             # In place (parameter names unchanged); dynamic: micro-batch lengths vary.
             layer.compile(dynamic=True)
-        fully_shard(layer, reshard_after_forward=config.reshard_after_forward, **kwargs)
+        fully_shard(layer, reshard_after_forward=reshard_after_forward(config, world), **kwargs)
     # The root (embeddings, head) is needed again first thing in backward: keep it gathered.
     fully_shard(model, reshard_after_forward=False, **kwargs)
     return model
+
+
+def reshard_all(model: nn.Module) -> None:
+    """Free every gathered FSDP unit of ``model`` (``FSDPModule.reshard`` is not recursive;
+    layers stay gathered after a no-grad forward when ``reshard_after_forward`` is False)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def blocks_compiled(config: FSDPConfig, device: torch.device) -> bool:
+    """Whether MLPs and norms get compiled: ``compile_blocks``, or by default on CUDA
+    unless the layers are checkpointed or compiled whole."""
+    if config.compile_blocks is not None:
+        return config.compile_blocks
+    return device.type == "cuda" and not (config.activation_checkpointing or config.compile_layers)
+
+
+def reshard_after_forward(config: FSDPConfig, world_size: int) -> bool:
+    """``reshard_after_forward``, by default False on a single rank without CPU offload."""
+    if config.reshard_after_forward is not None:
+        return config.reshard_after_forward
+    return world_size > 1 or config.cpu_offload
+
+
+def reduce_dtype(config: FSDPConfig, world_size: int) -> torch.dtype:
+    """The gradient reduction dtype, by default fp32 (the compute dtype on a single rank)."""
+    if config.reduce_dtype is not None:
+        return DTYPES[config.reduce_dtype]
+    return DTYPES[config.precision] if world_size == 1 else torch.float32
 
 
 def enable_activation_checkpointing(model: nn.Module) -> None:

@@ -1,0 +1,118 @@
+"""torch.compile of the memory-bound parts of each decoder layer: the MLP, the RMSNorms
+and the attention module around its kernel (projections, rotary).
+
+In eager Hugging Face code these are chains of elementwise kernels (RMSNorm upcasts to
+float32 and makes ~7 passes over ``[N, hidden]``; SwiGLU reads and writes ``[N, inter]``
+three times; rotary makes ~6 passes over the queries and keys), forward and backward: at
+8192 tokens on the 1.5B shape, ~6 GB of memory traffic per layer. Compiled, each becomes
+one or two fused kernels.
+
+The attention kernel itself is *not* traced: inside a compiled attention module,
+:func:`rl_fsdp.attention.packed_attention` runs eager behind a graph break (the packed
+implementations keep their own kernels and host-side layouts; compiling flex attention
+with dynamic shapes was what failed). Every instance of a class shares one compiled graph
+(dynamo guards on the module structure, not its identity), and the token dimension
+(dim 1 of ``[1, N, ...]``) is dynamic from the first call: one graph serves every
+micro-batch length (hidden sizes, the reduction dimensions, stay static); only the code
+after the attention graph break compiles twice (static, then dynamic at a second length).
+
+A module whose compiled forward raises falls back to its eager forward for good; the error
+is kept in :data:`COMPILE_FAILURES` (the bench reports it).
+"""
+
+import warnings
+
+import torch
+from torch import nn
+
+COMPILED_SUFFIXES = ("MLP", "RMSNorm")
+ATTENTION_SUFFIX = "Attention"
+COMPILE_FAILURES: list[str] = []
+_RECOMPILE_LIMIT = 64  # graphs per code object: shapes x grad mode x norm kinds
+
+
+class CompiledOrEager:
+    """A module's ``forward`` replacement: the compiled forward, or the eager one once the
+    compiled one has failed, for every module of the same class in ``failed_classes``
+    (shared by one :func:`compile_blocks` call: a class fails once, not once per layer)."""
+
+    def __init__(self, module: nn.Module, backend, dynamic: bool | None, failed_classes: set):
+        self.eager = module.forward
+        self.compiled = torch.compile(self.eager, backend=backend, dynamic=dynamic)
+        self.name = type(module).__name__
+        self.failed_classes = failed_classes
+
+    @property
+    def failed(self) -> bool:
+        return self.name in self.failed_classes
+
+    def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling():  # inside another compiled module: trace inline
+            return self.eager(*args, **kwargs)
+        if not self.failed:
+            _mark_tokens_dynamic(args, kwargs)
+            try:
+                return self.compiled(*args, **kwargs)
+            except Exception as err:  # compilation failure: eager from now on
+                self.failed_classes.add(self.name)
+                COMPILE_FAILURES.append(f"{self.name}: {err!r}"[:400])
+                message = f"torch.compile of {self.name} failed, running eager: {err!r}"
+                warnings.warn(message, stacklevel=2)
+        return self.eager(*args, **kwargs)
+
+
+def _mark_tokens_dynamic(args: tuple, kwargs: dict) -> None:
+    """Dim 1 (the tokens of ``[1, N, ...]``) of every tensor argument, also inside tuples
+    (rotary ``(cos, sin)``), is dynamic: one graph serves every micro-batch length."""
+    for value in (*args, *kwargs.values()):
+        for tensor in value if isinstance(value, tuple) else (value,):
+            if isinstance(tensor, torch.Tensor) and tensor.dim() >= 2:
+                torch._dynamo.maybe_mark_dynamic(tensor, 1)
+
+
+def fusible_modules(model: nn.Module, *, attention: bool = True) -> list[nn.Module]:
+    """The MLPs and RMSNorms of ``model`` (by class name: Qwen2MLP, LlamaRMSNorm, ...)
+    and, with ``attention``, its attention modules (Qwen2Attention, ...)."""
+    suffixes = COMPILED_SUFFIXES + ((ATTENTION_SUFFIX,) if attention else ())
+    return [m for m in model.modules() if type(m).__name__.endswith(suffixes)]
+
+
+def compile_blocks(
+    model: nn.Module,
+    *,
+    attention: bool = True,
+    backend: str = "inductor",
+    dynamic: bool | None = None,
+) -> int:
+    """Compile every MLP and RMSNorm of ``model`` in place (parameter names unchanged), and
+    with ``attention`` the attention modules around their (eager) kernel: projections and
+    rotary. Returns how many modules were wrapped. Idempotent."""
+    _raise_recompile_limit()
+    count, failed_classes = 0, set()
+    for module in fusible_modules(model, attention=attention):
+        if not isinstance(module.__dict__.get("forward"), CompiledOrEager):
+            module.forward = CompiledOrEager(module, backend, dynamic, failed_classes)
+            count += 1
+    return count
+
+
+def _wrappers(model: nn.Module) -> list[CompiledOrEager]:
+    wrappers = [m.__dict__.get("forward") for m in fusible_modules(model)]
+    return [w for w in wrappers if isinstance(w, CompiledOrEager)]
+
+
+def compiled_count(model: nn.Module) -> tuple[int, int]:
+    """``(compiled, fell back to eager)`` counts of the wrapped modules of ``model``."""
+    failed = sum(w.failed for w in _wrappers(model))
+    return len(_wrappers(model)) - failed, failed
+
+
+def compiled_classes(model: nn.Module) -> list[str]:
+    """Class names of the modules of ``model`` running compiled (not fallen back)."""
+    return sorted({w.name for w in _wrappers(model) if not w.failed})
+
+
+def _raise_recompile_limit() -> None:
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), _RECOMPILE_LIMIT))
