@@ -11,6 +11,10 @@ MFU is against the bf16 matmul rate measured here. Prints one JSON object.
   python bench/train_megatron.py --shape tiny --device cpu               # CPU smoke run (shim)
   python bench/train_megatron.py --shape 1.5b --device cuda --data full  # one GPU
   python bench/train_megatron.py --shape 1.5b --device cuda --tp 2       # TP=2 (+SP), 2 GPUs
+  python bench/train_megatron.py --shape 1.5b --device cuda --data full --ablate  # + lever off
+
+Levers (on by default on cuda; --no-swiglu-fusion turns the fused SwiGLU off, --ablate
+also measures the step with it off in the same run, reported under "ablations").
 """
 
 import argparse
@@ -40,6 +44,15 @@ def parse_args():
     parser.add_argument("--max-tokens", type=int, default=None, help="micro-batch token budget")
     parser.add_argument(
         "--precision", choices=["bf16", "fp32"], default=None, help="default: bf16 on cuda"
+    )
+    parser.add_argument(
+        "--swiglu-fusion",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="megatron's compiled SwiGLU (default: on for cuda, off for cpu)",
+    )
+    parser.add_argument(
+        "--ablate", action="store_true", help="also run the step with the fused SwiGLU off"
     )
     parser.add_argument("--steps", type=int, default=3, help="measured steps")
     parser.add_argument("--warmup", type=int, default=1)
@@ -150,7 +163,9 @@ def hf_baseline(model, batch, args) -> float:
     return seconds_per_step(step, args)
 
 
-def megatron_worker(rank: int, args, hf_dir: str, port: int, out_path: str) -> None:
+def megatron_worker(
+    rank: int, args, hf_dir: str, port: int, out_path: str, overrides: dict
+) -> None:
     from rl_megatron.backend import MegatronBackend
     from rl_megatron.config import MegatronConfig
 
@@ -172,15 +187,30 @@ def megatron_worker(rank: int, args, hf_dir: str, port: int, out_path: str) -> N
         max_tokens_per_micro_batch=args.max_tokens,
         sequence_parallel=args.tp > 1,
         precision=args.precision,
+        **{"swiglu_fusion": args.swiglu_fusion, **overrides},
     )
     backend = MegatronBackend(config)
     batch = make_batch(args, backend.shape.vocab_size)
     seconds = seconds_per_step(lambda: backend.train_step(batch), args)
     if rank == 0:
         peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None
+        levers = {"swiglu_fusion": backend.model.config.bias_activation_fusion}
         with open(out_path, "w") as f:
-            json.dump({"seconds": seconds, "peak_memory_gib": peak}, f)
+            json.dump({"seconds": seconds, "peak_memory_gib": peak, "levers": levers}, f)
     dist.destroy_process_group()
+
+
+def run_megatron(args, hf_dir: str, overrides: dict) -> dict:
+    """``{seconds, peak_memory_gib, levers}`` of the backend's step (one process per GPU)."""
+    out_path = os.path.join(hf_dir, "megatron.json")
+    mp.spawn(
+        megatron_worker,
+        args=(args, hf_dir, free_port(), out_path, overrides),
+        nprocs=args.tp,
+        join=True,
+    )
+    with open(out_path) as f:
+        return json.load(f)
 
 
 def free_port() -> int:
@@ -212,14 +242,15 @@ def main():
         del model
         if args.device == "cuda":
             torch.cuda.empty_cache()
-        out_path = os.path.join(tmp, "megatron.json")
-        mp.spawn(
-            megatron_worker, args=(args, tmp, free_port(), out_path), nprocs=args.tp, join=True
-        )
-        with open(out_path) as f:
-            figure = json.load(f)
+        figure = run_megatron(args, tmp, {})
+        ablations = {"swiglu_fusion_off": {"swiglu_fusion": False}} if args.ablate else {}
+        ablated = {name: run_megatron(args, tmp, kw) for name, kw in ablations.items()}
     flops = step_flops(config, batch.seq_lengths())
     gpus = args.tp if args.device == "cuda" else 1
+
+    def throughput(seconds: float) -> dict:
+        return {"tokens_per_s": batch.num_tokens / seconds, "mfu": flops / seconds / (rate * gpus)}
+
     print(
         json.dumps(
             {
@@ -231,9 +262,13 @@ def main():
                 "figure": {
                     "name": "MegatronBackend train_step",
                     "precision": args.precision or ("bf16" if args.device == "cuda" else "fp32"),
-                    "tokens_per_s": batch.num_tokens / figure["seconds"],
-                    "mfu": flops / figure["seconds"] / (rate * gpus),
+                    **throughput(figure["seconds"]),
                     "peak_memory_gib": figure["peak_memory_gib"],
+                    "levers": figure["levers"],
+                },
+                "ablations": {
+                    name: {**throughput(run["seconds"]), "levers": run["levers"]}
+                    for name, run in ablated.items()
                 },
                 "baseline": {
                     "name": "plain HF loop (padded rows, SDPA, rl_core PPO, AdamW), one device",

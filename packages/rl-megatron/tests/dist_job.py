@@ -30,12 +30,15 @@ def run(rank: int, world: int, port: int, dirs: dict, out_path: str) -> None:
     # Sequence parallel, and an MoE model with TP=2 (experts TP-sharded), which needs it.
     for name in ("qwen3", "qwen3-moe"):
         results["tp2"][f"{name}+sp"] = tp2_checks(dirs[name], out_path, sequence_parallel=True)
+    results["reshard"] = resume_checks(dirs["qwen3"], out_path)
     results["critic_tp2_sp"] = critic_values_after_a_step(dirs["qwen3"], tp=2)
     results["vocab_parallel"] = vocab_parallel_checks(rank)
     results["dp2"] = dp2_checks(dirs["qwen3"], rank, out_path)
-    results["ep2"] = ep2_checks(dirs["qwen3-moe"], rank)
+    results["ep2"] = ep2_checks(dirs["qwen3-moe"], rank, out_path)
     results["cp2"] = cp2_checks(dirs["qwen3"])
     results["pp2"] = {name: pp2_checks(dirs[name]) for name in ("qwen2-tied", "qwen3")}
+    results["pp2_schedules"] = pp_schedule_checks(dirs["qwen3"])
+    results["pp2_resume"] = pp_resume_checks(dirs["qwen2-tied"], out_path)
     results["bf16"] = {name: bf16_checks(dirs["qwen3"], **kw) for name, kw in BF16_LAYOUTS.items()}
     results["nonfinite_dp2"] = {
         precision: faults_job.nonfinite_checks(dirs["qwen3"], rank, precision)
@@ -66,6 +69,28 @@ def tp2_checks(hf_path: str, out_path: str, sequence_parallel: bool = False) -> 
     backend.train_step(batch)
     backend.load_checkpoint(ckpt)
     result["resumed_equal"] = torch.equal(backend.compute_log_probs(batch), saved)
+    return result
+
+
+def resume_checks(hf_path: str, out_path: str) -> dict:
+    """TP=2: a step, a checkpoint, a second step; a fresh backend resumed from the
+    checkpoint takes the same second step. The parent loads the checkpoint at TP=1."""
+    from rl_megatron.backend import MegatronBackend
+    from rl_megatron.config import MegatronConfig
+
+    config = MegatronConfig(hf_path=hf_path, tp=2, **{**POLICY, "clip_grad": 1.0})
+    first, second = (tiny.random_batch(LENGTHS, seed=s) for s in (7, 8))
+    straight = MegatronBackend(config)
+    straight.train_step(first)
+    ckpt = f"{out_path}.reshard_ckpt"
+    straight.save_checkpoint(ckpt)
+    result = {"ckpt": ckpt, "expected": straight.train_step(second)}
+    result["log_probs"] = straight.compute_log_probs(second)
+    resumed = MegatronBackend(config)
+    resumed.load_checkpoint(ckpt)
+    result["resumed_step"] = resumed.step
+    result["resumed_metrics"] = resumed.train_step(second)
+    result["resumed_log_probs"] = resumed.compute_log_probs(second)
     return result
 
 
@@ -120,7 +145,7 @@ def dp2_checks(hf_path: str, rank: int, out_path: str) -> dict:
     return result
 
 
-def ep2_checks(hf_path: str, rank: int) -> dict:
+def ep2_checks(hf_path: str, rank: int, out_path: str) -> dict:
     """EP=2 (and DP=2 for the dense weights): each rank holds 2 of the 4 experts."""
     from rl_megatron.backend import MegatronBackend
     from rl_megatron.config import MegatronConfig
@@ -137,6 +162,13 @@ def ep2_checks(hf_path: str, rank: int) -> dict:
     result["metrics"] = backend.forward_backward(shard)
     result["grads"] = backend.hf_gradients()
     result["grad_norm"] = backend.grad_norm()
+    backend.optimizer.zero_grad()
+    backend.train_step(shard)  # AdamW state for the experts this rank holds
+    backend.save_checkpoint(f"{out_path}.ep_ckpt")
+    saved = backend.compute_log_probs(full)
+    backend.train_step(shard)
+    backend.load_checkpoint(f"{out_path}.ep_ckpt")
+    result["resumed_equal"] = torch.equal(backend.compute_log_probs(full), saved)
     return result
 
 
@@ -172,7 +204,7 @@ def critic_values_after_a_step(hf_path: str, *, tp: int) -> torch.Tensor:
 
 
 def pp2_checks(hf_path: str) -> dict:
-    """PP=2: one layer per stage, 1F1B over three micro-batches."""
+    """PP=2: one layer per stage, 1F1B over two micro-batches."""
     from rl_megatron.backend import MegatronBackend
     from rl_megatron.config import MegatronConfig
 
@@ -189,6 +221,44 @@ def pp2_checks(hf_path: str) -> dict:
     backend.train_step(batch)
     result["log_probs_after_step"] = backend.compute_log_probs(batch)
     return result
+
+
+def pp_schedule_checks(hf_path: str) -> dict:
+    """PP=2 over four micro-batches with each schedule: loss, gradients and the most
+    micro-batches whose activations each stage held at once ([stage 0, stage 1])."""
+    from rl_megatron.backend import MegatronBackend
+    from rl_megatron.config import MegatronConfig
+
+    config = MegatronConfig(hf_path=hf_path, pp=2, max_tokens_per_micro_batch=14, **POLICY)
+    backend = MegatronBackend(config)
+    batch = tiny.random_batch(LENGTHS, seed=11)
+    assert len(backend._micro_batches(batch.seq_lengths())) == 4
+    result = {}
+    for schedule in ("gpipe", "1f1b"):
+        backend.config.pp_schedule = schedule
+        backend.optimizer.zero_grad()
+        metrics = backend.forward_backward(batch)
+        peaks = [None, None]
+        dist.all_gather_object(peaks, backend.pipeline_stats["peak_held"])
+        result[schedule] = {"metrics": metrics, "grads": backend.hf_gradients(), "peak": peaks}
+    return result
+
+
+def pp_resume_checks(hf_path: str, out_path: str) -> bool:
+    """PP=2 with tied embeddings (a copy on each stage): step, save, step; load, step
+    again: the same log-probs as the uninterrupted second step."""
+    from rl_megatron.backend import MegatronBackend
+    from rl_megatron.config import MegatronConfig
+
+    backend = MegatronBackend(MegatronConfig(hf_path=hf_path, pp=2, **POLICY))
+    batch = tiny.random_batch(LENGTHS, seed=11)
+    backend.train_step(batch)
+    backend.save_checkpoint(f"{out_path}.pp_ckpt")
+    backend.train_step(batch)
+    expected = backend.compute_log_probs(batch)
+    backend.load_checkpoint(f"{out_path}.pp_ckpt")
+    backend.train_step(batch)
+    return torch.equal(backend.compute_log_probs(batch), expected)
 
 
 def bf16_checks(hf_path: str, **layout) -> dict:

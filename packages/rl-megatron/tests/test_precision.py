@@ -12,7 +12,7 @@ import torch
 
 from rl_megatron.backend import MegatronBackend
 from rl_megatron.config import MegatronConfig
-from rl_megatron.precision import MasterWeightsOptimizer
+from rl_megatron.precision import MasterWeightsOptimizer, finish_accumulation
 
 LENGTHS = [9, 14, 6, 11]
 
@@ -38,8 +38,14 @@ def test_main_grads_sum_micro_batches_in_fp32():
         assert param.grad is None and param.main_grad.dtype == torch.float32
         torch.testing.assert_close(param.main_grad, total, atol=0, rtol=0)
         assert master.grad is param.main_grad
-    optimizer.zero_grad()
-    assert all(not p.main_grad.any() for p in layer.parameters())
+    optimizer.zero_grad()  # marks the buffers stale; the next backward overwrites them
+    x = inputs[0]
+    layer.weight.requires_grad_(False)  # only the bias gets a gradient this time
+    layer(x).sum().backward()
+    finish_accumulation(layer.parameters())  # zeroes the one no backward wrote
+    assert not layer.weight.main_grad.any()
+    bias_grad = torch.autograd.grad(layer(x).sum(), layer.bias)[0].float()
+    torch.testing.assert_close(layer.bias.main_grad, bias_grad, atol=0, rtol=0)
 
 
 def test_master_weights_keep_updates_below_bf16_resolution():

@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from rl_core.objective import policy_objective
+from rl_megatron import checkpoint
 from rl_megatron.backend import MegatronBackend
 from rl_megatron.config import MegatronConfig
 
@@ -139,6 +140,19 @@ def test_critic_learns_returns(world1, model_dirs):
         backend.compute_log_probs(batch)
 
 
+def test_critic_resumes_from_a_distributed_checkpoint(world1, model_dirs, tmp_path):
+    batch = tiny.random_batch(LENGTHS, seed=5)
+    batch.returns = torch.full_like(batch.loss_mask, 0.7)
+    straight = make_backend(model_dirs, "qwen3", mode="critic", lr=1e-2)
+    straight.train_step(batch)
+    straight.save_checkpoint(tmp_path / "critic")
+    expected = straight.train_step(batch)
+    resumed = make_backend(model_dirs, "qwen3", mode="critic", lr=1e-2)
+    resumed.load_checkpoint(tmp_path / "critic")
+    assert resumed.train_step(batch) == expected
+    assert torch.equal(resumed.compute_values(batch), straight.compute_values(batch))
+
+
 def test_reference_log_probs_come_from_ref_weights(world1, model_dirs):
     backend = make_backend(model_dirs, "qwen3", ref_path=model_dirs["qwen3-ref"][0], kl_coef=0.1)
     batch = tiny.random_batch(LENGTHS, seed=6)
@@ -167,9 +181,12 @@ def test_resume_equals_uninterrupted(world1, model_dirs, tmp_path):
         straight.model.named_parameters(), resumed.model.parameters(), strict=True
     ):
         assert torch.equal(a, b), name
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # nothing left aside
     with pytest.raises(ValueError, match="mode"):
         make_backend(model_dirs, "qwen2-tied", mode="sft").load_checkpoint(tmp_path / "ckpt")
+    checkpoint.save_sharded(tmp_path / "per_rank", {"step": 1}, {"mode": "policy"})
+    with pytest.raises(ValueError, match="not a megatron distributed checkpoint"):
+        resumed.load_checkpoint(tmp_path / "per_rank")
 
 
 def test_offload_onload_keeps_state(world1, model_dirs):

@@ -77,6 +77,31 @@ def test_tp2_checkpoint_resumes(job, variant):
     assert job["tp2"][variant]["resumed_equal"]
 
 
+def test_tp2_resume_from_a_distributed_checkpoint_equals_the_uninterrupted_run(job):
+    got = job["reshard"]
+    assert got["resumed_step"] == 1
+    assert got["resumed_metrics"] == got["expected"]  # every metric, bit for bit
+    assert torch.equal(got["resumed_log_probs"], got["log_probs"])
+
+
+def test_tp2_checkpoint_resumes_at_tp1(job, world1, model_dirs):
+    """megatron's distributed checkpoint reshards: TP=2's fused QKV, gate/up and vocab
+    shards and its AdamW moments load into one rank, which then takes TP=2's second step."""
+    got = job["reshard"]
+    config = MegatronConfig(hf_path=model_dirs["qwen3"][0], **{**POLICY, "clip_grad": 1.0})
+    backend = MegatronBackend(config)
+    backend.load_checkpoint(got["ckpt"])
+    assert backend.step == 1
+    metrics = backend.train_step(tiny.random_batch(LENGTHS, seed=8))
+    for key in ("loss/total", "loss/pg", "actor/entropy", "grad_norm"):
+        assert metrics[key] == pytest.approx(got["expected"][key], abs=1e-5), key
+    after = backend.compute_log_probs(tiny.random_batch(LENGTHS, seed=8))
+    torch.testing.assert_close(after, got["log_probs"], atol=1e-5, rtol=0)
+    fresh = MegatronBackend(config)  # the check can fail: one step moves the log-probs
+    moved = fresh.compute_log_probs(tiny.random_batch(LENGTHS, seed=8)) - got["log_probs"]
+    assert float(moved.abs().max()) > 1e-3
+
+
 def test_vocab_parallel_equals_full_softmax(job):
     gen = torch.Generator().manual_seed(5)
     logits = 3 * torch.randn(37, 64, generator=gen)
@@ -126,6 +151,7 @@ def test_ep2_equals_one_rank(job, reference, model_dirs):
         torch.testing.assert_close(got["grads"][hf_name], grad, atol=1e-5, rtol=1e-4, msg=hf_name)
     full_norm = torch.stack([g.norm() for g in expected["grads"].values()]).norm()
     assert got["grad_norm"] == pytest.approx(float(full_norm), rel=1e-5)
+    assert got["resumed_equal"]  # experts split over EP ranks, from a distributed checkpoint
 
 
 def test_cp2_equals_one_rank(job, reference):
@@ -161,6 +187,30 @@ def test_pp2_equals_one_rank(job, reference, model_dirs, name):
     torch.testing.assert_close(
         got["log_probs_after_step"], expected["log_probs_after_step"], atol=1e-5, rtol=0
     )
+
+
+def test_pp2_one_forward_one_backward_equals_gpipe_and_the_unsplit_model(job, reference):
+    got, expected = job["pp2_schedules"], reference["qwen3"]  # expected: one micro-batch
+    for schedule in ("1f1b", "gpipe"):
+        for key in ("loss/total", "loss/pg", "actor/entropy", "pg/clipfrac"):
+            value = got[schedule]["metrics"][key]
+            assert value == pytest.approx(expected["metrics"][key], abs=1e-5), (schedule, key)
+            assert value == pytest.approx(got["gpipe"]["metrics"][key], abs=1e-6), (schedule, key)
+        for hf_name, grad in expected["grads"].items():
+            ours = got[schedule]["grads"][hf_name]
+            torch.testing.assert_close(ours, grad, atol=1e-5, rtol=1e-4, msg=hf_name)
+            torch.testing.assert_close(ours, got["gpipe"]["grads"][hf_name], atol=1e-6, rtol=1e-5)
+
+
+def test_pp2_tied_resume_from_a_distributed_checkpoint(job):
+    assert job["pp2_resume"]
+
+
+def test_pp2_one_forward_one_backward_holds_at_most_pp_micro_batches(job):
+    """Four micro-batches: GPipe keeps all four on both stages; 1F1B keeps at most
+    pp - stage (stage 0: one warm-up forward + the current one; the last stage: one)."""
+    assert job["pp2_schedules"]["gpipe"]["peak"] == [4, 4]
+    assert job["pp2_schedules"]["1f1b"]["peak"] == [2, 1]
 
 
 @pytest.mark.parametrize("layout", ["tp2+sp", "pp2", "dp2"])

@@ -4,8 +4,9 @@ Layers: :mod:`config` (validated settings), :mod:`backend` (``MegatronBackend``,
 rl_core TrainingBackend) and :mod:`state` (its export, checkpoints, offload);
 :mod:`models`, :mod:`layers`, :mod:`attention`, :mod:`moe` (GPTModel from an HF config); :mod:`layout`, :mod:`weights`, :mod:`export` (HF <-> Megatron);
 :mod:`forward`, :mod:`vocab_parallel`, :mod:`objective`, :mod:`cp` (per-token maths);
-:mod:`parallel`, :mod:`pipeline`, :mod:`optim`, :mod:`precision` (bf16 with fp32 main grads
-and masters), :mod:`checkpoint` (distributed plumbing);
+:mod:`parallel`, :mod:`pipeline` (1F1B / GPipe), :mod:`optim`, :mod:`precision` (bf16 with
+fp32 main grads and masters), :mod:`fusions` (megatron's compiled SwiGLU),
+:mod:`checkpoint` and :mod:`dist_ckpt` (atomic megatron distributed checkpoints);
 :mod:`testing.cpu_shim` (megatron on CPU for tests).
 """
 

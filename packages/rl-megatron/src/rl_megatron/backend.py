@@ -24,11 +24,12 @@ from rl_megatron.forward import (
     padded_micro_batches,
     padded_shape,
 )
+from rl_megatron.fusions import fused_swiglu_works
 from rl_megatron.models import build_critic_model, build_gpt_model, model_shape
 from rl_megatron.moe import ep_common_shape, ep_synced_groups
 from rl_megatron.objective import actor_loss, critic_loss
 from rl_megatron.parallel import current_layout, initialize_parallel
-from rl_megatron.precision import DTYPES
+from rl_megatron.precision import DTYPES, finish_accumulation
 from rl_megatron.state import WeightsAndStateMixin
 from rl_megatron.weights import SafetensorsReader, hf_config_of, load_hf_weights, read_shards
 
@@ -67,6 +68,7 @@ class MegatronBackend(WeightsAndStateMixin):
             reader = SafetensorsReader(config.ref_path)
             self.ref_shards = read_shards(self.model, reader, self.shape, self.layout)
         self.step = 0
+        self.pipeline_stats: dict = {}  # pp > 1: the last step's schedule (peak_held)
 
     def _build_model(self):
         build = build_critic_model if self.config.mode == "critic" else build_gpt_model
@@ -78,9 +80,14 @@ class MegatronBackend(WeightsAndStateMixin):
             **({"pp_size": self.config.pp} if self.config.pp > 1 else {}),
             sequence_parallel=self.config.sequence_parallel,
             dtype=DTYPES[self.config.precision],
+            swiglu_fusion=self.config.swiglu_fusion and self._swiglu_fusion_works(),
         )
         load_hf_weights(model, SafetensorsReader(self.config.hf_path), self.shape, self.layout)
         return model.to(self.device)
+
+    def _swiglu_fusion_works(self) -> bool:
+        width = 2 * (self.shape.moe_ffn_hidden_size or self.shape.ffn_hidden_size) // self.config.tp
+        return fused_swiglu_works(self.device, DTYPES[self.config.precision], width)
 
     # ----------------------------------------------------------------- forward passes
     def _multiple(self) -> int:
@@ -202,8 +209,10 @@ class MegatronBackend(WeightsAndStateMixin):
         grad_norm = self.grad_norm()
         skipped = faults.any_rank_nonfinite(metrics, grad_norm, self.device)
         if not skipped:
-            optim.clip_grads(self.params, max_norm=self.config.clip_grad, norm=grad_norm)
-            self.optimizer.step()
+            with optim.clipped(
+                self.optimizer, self.params, max_norm=self.config.clip_grad, norm=grad_norm
+            ):
+                self.optimizer.step()
             self.step += 1
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.optimizer.param_groups[0]["lr"]
@@ -221,6 +230,7 @@ class MegatronBackend(WeightsAndStateMixin):
             metrics = self._pipeline_forward_backward(batch, groups)
         else:
             metrics = self._local_forward_backward(batch, groups)
+        finish_accumulation(self.params)  # bf16: zero main grads no backward wrote
         self._reduce_grads()
         return self._sum_over(dict(metrics), self.dp_cp_group)
 
@@ -250,7 +260,13 @@ class MegatronBackend(WeightsAndStateMixin):
 
         parts = [batch.select(group) for group in groups]
         reduced = pipeline.run_schedule(
-            self.model, parts, multiple=self._multiple(), loss_fn=stage_loss, forward_only=False
+            self.model,
+            parts,
+            multiple=self._multiple(),
+            loss_fn=stage_loss,
+            forward_only=False,
+            schedule=self.config.pp_schedule,
+            stats=self.pipeline_stats,
         )
         metrics: dict[str, float] = defaultdict(float)
         for part_metrics in reduced:

@@ -26,7 +26,10 @@ class MegatronConfig:
     sequence_parallel: bool = False
     """Split activations along the sequence between TP regions (tp > 1; needed for MoE + TP)."""
     pp: int = 1
-    """Pipeline-parallel size (1F1B schedule; policy/SFT, with tp and dp, not cp/ep)."""
+    """Pipeline-parallel size (policy/SFT, with tp and dp, not cp/ep)."""
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule with pp > 1: "1f1b" (at most pp micro-batches' activations held
+    per stage) or "gpipe" (all forwards, then all backwards)."""
     cp: int = 1
     """Context-parallel size: each sequence split zigzag over cp ranks (token-level losses
     only: ppo or cispo with token-mean or seq-mean-token-sum aggregation)."""
@@ -38,6 +41,11 @@ class MegatronConfig:
     """"bf16": bf16 parameters and compute (no autocast), fp32 main gradients accumulated
     per parameter and fp32 master weights in the optimizer, as Megatron trains; "fp32":
     everything float32 (exact parities). None: "bf16" on cuda, "fp32" on cpu."""
+    swiglu_fusion: bool | None = None
+    """SwiGLU through megatron's fused activation (``bias_activation_fusion``: one
+    torch.compile'd kernel forward and one backward, saving only the MLP's input instead of
+    four elementwise passes). None: on for cuda, off for cpu (compiling costs more there than
+    it saves). Falls back to the unfused activation, with a warning, if it fails to compile."""
     seed: int = 1234
     lr: float = 1e-6
     weight_decay: float = 0.0
@@ -88,6 +96,8 @@ class MegatronConfig:
             raise ValueError(
                 f"precision must be one of {', '.join(PRECISIONS)} (or None), got {self.precision!r}"
             )
+        if self.swiglu_fusion is None:
+            self.swiglu_fusion = self.device == "cuda"
         _positive(tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep)
         _positive(max_tokens_per_micro_batch=self.max_tokens_per_micro_batch)
         _positive(
@@ -109,6 +119,8 @@ class MegatronConfig:
             self._check_context_parallel()
         if self.pp > 1 and (self.mode == "critic" or self.cp > 1 or self.ep > 1):
             raise ValueError("pp > 1 supports policy and sft modes with tp and dp (cp=1, ep=1)")
+        if self.pp_schedule not in ("1f1b", "gpipe"):
+            raise ValueError(f"pp_schedule must be '1f1b' or 'gpipe', got {self.pp_schedule!r}")
         if self.kl_coef and self.ref_path is None:
             raise ValueError("kl_coef > 0 needs ref_path (the reference model's HF directory)")
 

@@ -94,8 +94,10 @@ def transformer_config(
     pp_size: int = 1,
     sequence_parallel: bool = False,
     dtype: torch.dtype = torch.float32,
+    swiglu_fusion: bool = False,
 ):
-    """The megatron ``TransformerConfig`` equivalent of ``hf_config`` (``dtype`` parameters)."""
+    """The megatron ``TransformerConfig`` equivalent of ``hf_config`` (``dtype`` parameters;
+    ``swiglu_fusion``: megatron's compiled SwiGLU, see :mod:`rl_megatron.fusions`)."""
     from megatron.core.transformer import TransformerConfig
 
     shape = model_shape(hf_config, tp_size=tp_size)
@@ -130,6 +132,7 @@ def transformer_config(
         use_cpu_initialization=True,
         perform_initialization=False,
         bias_dropout_fusion=False,
+        bias_activation_fusion=swiglu_fusion,
         apply_rope_fusion=False,
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
@@ -148,6 +151,7 @@ def build_gpt_model(
     pp_size: int = 1,
     sequence_parallel: bool = False,
     dtype: torch.dtype = torch.float32,
+    swiglu_fusion: bool = False,
 ):
     """A ``GPTModel`` shard for this rank; weights uninitialised (load them with
     :func:`rl_megatron.weights.load_hf_weights`)."""
@@ -165,6 +169,7 @@ def build_gpt_model(
         pp_size=pp_size,
         sequence_parallel=sequence_parallel,
         dtype=dtype,
+        swiglu_fusion=swiglu_fusion,
     )
     model = GPTModel(
         config=config,
@@ -231,6 +236,7 @@ def build_critic_model(
     pp_size: int = 1,
     sequence_parallel: bool = False,
     dtype: torch.dtype = torch.float32,
+    swiglu_fusion: bool = False,
 ):
     """A ``GPTModel`` whose LM head is a :class:`ValueHead` (outputs ``[b, s, 1]``)."""
     import copy
@@ -244,6 +250,7 @@ def build_critic_model(
         cp_size=cp_size,
         sequence_parallel=sequence_parallel,
         dtype=dtype,
+        swiglu_fusion=swiglu_fusion,
     )
     model.output_layer = ValueHead(
         hf_config.hidden_size, sequence_parallel=model.config.sequence_parallel, dtype=dtype

@@ -6,6 +6,8 @@ them ``tensor_model_parallel``) contribute their shard to the global norm; repli
 (norms, value head) are identical on every TP rank and count once.
 """
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -92,6 +94,27 @@ def clip_grads(params: list[torch.nn.Parameter], *, max_norm: float, norm: float
         grads = [g for g in map(grad_of, params) if g is not None]
         if grads:
             torch._foreach_mul_(grads, scale)
+
+
+@contextlib.contextmanager
+def clipped(optimizer, params: list[torch.nn.Parameter], *, max_norm: float, norm: float):
+    """Clip to ``max_norm`` for the ``optimizer.step()`` run inside. A fused AdamW divides
+    the gradients by the clip factor in its own kernel (its AMP ``grad_scale`` input), which
+    saves a read and a write of every fp32 gradient; other optimizers get
+    :func:`clip_grads` first."""
+    local = local_optimizer(optimizer)
+    stepped = [t for group in local.param_groups for t in group["params"]]
+    fused = stepped and all(group.get("fused") for group in local.param_groups)
+    if not (max_norm > 0 and norm > max_norm) or not fused:
+        clip_grads(params, max_norm=max_norm, norm=norm)
+        yield
+        return
+    device = stepped[0].device
+    local.grad_scale = torch.tensor((norm + 1e-6) / max_norm, dtype=torch.float32, device=device)
+    try:
+        yield
+    finally:
+        del local.grad_scale
 
 
 def make_optimizer(params, config, layout, dp_group):

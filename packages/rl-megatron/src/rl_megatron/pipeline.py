@@ -1,88 +1,212 @@
-"""Pipeline parallel (pp > 1): a GPipe schedule over the backend's micro-batches.
+"""Pipeline parallel (pp > 1): 1F1B (default) or GPipe schedules over the backend's
+micro-batches, on plain point-to-point send/recv (gloo on CPU, nccl on GPU).
 
-Every stage gets the same micro-batches (like TP ranks). Forward: the first stage embeds
-the tokens, each stage runs its layers on the hidden states ``[T, B, h]`` received from the
-previous one (shape first, then data) and sends its output on; the last stage turns its
-logits into the rl_core loss (which already carries the step's global denominators).
-Backward runs the micro-batches in reverse, each stage sending the gradient of its input
-back. Plain point-to-point send/recv, so it runs on gloo (CPU) and nccl alike; megatron's
-1F1B schedule would overlap stages but allocates on "cuda" unconditionally.
+Every stage gets the same micro-batches (like TP ranks), so every stage knows the shape of
+each activation it will receive, ``[T, B, h]`` (``T / tp`` under sequence parallel), and
+only data travels. The first stage embeds the tokens, each stage runs its layers on the
+hidden states received from the previous one and sends its output on; the last stage turns
+its logits into the rl_core loss (which already carries the step's global denominators).
+A backward sends the gradient of the stage's input back.
+
+- ``"gpipe"``: all forwards, then all backwards (every micro-batch's activations held).
+- ``"1f1b"``: stage s of P runs ``min(P - s - 1, M)`` warm-up forwards, then alternates one
+  forward and one backward (oldest micro-batch first), then the remaining backwards: at
+  most ``P - s`` micro-batches' activations are held at once, whatever M.
+An exchange with a neighbour in both directions goes lower stage first: it sends then
+receives, the higher one receives then sends, so blocking send/recv never deadlock.
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from rl_core.batch import TrainBatch
-from rl_megatron.forward import model_inputs
+from rl_megatron.forward import model_inputs, padded_shape
 
+SCHEDULES = ("1f1b", "gpipe")
 # (part, logits [N_held, V/tp], held [N_held]) -> (loss, metrics) on the last stage
 StageLoss = Callable[[TrainBatch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict]]
 
 
+@dataclass
+class _Stage:
+    """This rank's place in the pipeline and what it needs to exchange activations."""
+
+    model: torch.nn.Module
+    parts: list[TrainBatch]
+    multiple: int
+    loss_fn: StageLoss
+    first: bool
+    last: bool
+    prev: int
+    next: int
+    device: torch.device
+    dtype: torch.dtype
+    results: list[dict] = field(default_factory=list)
+    held: int = 0  # micro-batches whose activations are kept for a backward
+    peak_held: int = 0
+
+
 def run_schedule(
-    model, parts: list[TrainBatch], *, multiple: int, loss_fn: StageLoss, forward_only: bool
+    model,
+    parts: list[TrainBatch],
+    *,
+    multiple: int,
+    loss_fn: StageLoss,
+    forward_only: bool,
+    schedule: str = "1f1b",
+    stats: dict | None = None,
 ) -> list[dict]:
     """Forward (and backward unless ``forward_only``) of every part through all stages;
-    returns the last stage's per-part metrics (an empty list on other stages)."""
+    returns the last stage's per-part metrics (an empty list on other stages). ``stats``
+    (optional) receives ``peak_held``: the most micro-batches held at once on this stage."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"pipeline schedule {schedule!r} unknown; choose one of {SCHEDULES}")
+    stage = _stage(model, parts, multiple, loss_fn)
+    if forward_only:
+        with torch.no_grad():
+            for index in range(len(parts)):
+                _send_forward(stage, _forward(stage, index, _recv_forward(stage, index))[1])
+    elif schedule == "gpipe":
+        _gpipe(stage)
+    else:
+        _one_forward_one_backward(stage)
+    if stats is not None:
+        stats["peak_held"] = stage.peak_held
+    return stage.results
+
+
+def _stage(model, parts, multiple, loss_fn) -> _Stage:
     from megatron.core import parallel_state as ps
 
-    first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-    device = next(model.parameters()).device
-    dtype = model.config.pipeline_dtype  # the residual stream's dtype (bf16 or fp32)
-    saved, results = [], []
-    for part in parts:
-        input_ids, valid, held = model_inputs(part.tokens, part.cu_seqlens, multiple=multiple)
-        received = (
-            None if first else _recv(ps.get_pipeline_model_parallel_prev_rank(), device, dtype)
-        )
-        if received is not None:
-            received.requires_grad_(not forward_only)
-        model.set_input_tensor(received)
-        positions = torch.arange(input_ids.shape[1], device=device).expand_as(input_ids)
-        output = model(input_ids, positions, attention_mask=None)
-        if last:
-            loss, metrics = loss_fn(part, output[valid], held)
-            results.append(metrics)
-            output = loss
-        else:
-            _send(output.detach(), ps.get_pipeline_model_parallel_next_rank())
-        saved.append((received, output))
-    if not forward_only:
-        _backward(saved, first, last, device, dtype)
-    return results
-
-
-def _backward(saved, first: bool, last: bool, device, dtype) -> None:
-    from megatron.core import parallel_state as ps
-
-    for received, output in reversed(saved):
-        if last:
-            output.backward()
-        else:
-            grad = _recv(ps.get_pipeline_model_parallel_next_rank(), device, dtype)
-            torch.autograd.backward(output, grad.to(output.dtype))
-        if not first:
-            _send(received.grad, ps.get_pipeline_model_parallel_prev_rank())
-
-
-def _send(tensor: torch.Tensor, dst: int) -> None:
-    """Shape (as a 4-long int64 tensor: ndim, sizes), then the data (the model's dtype)."""
-    shape = torch.tensor(
-        [tensor.dim(), *tensor.shape, *[0] * (3 - tensor.dim())], device=tensor.device
+    return _Stage(
+        model=model,
+        parts=parts,
+        multiple=multiple,
+        loss_fn=loss_fn,
+        first=ps.is_pipeline_first_stage(),
+        last=ps.is_pipeline_last_stage(),
+        prev=ps.get_pipeline_model_parallel_prev_rank(),
+        next=ps.get_pipeline_model_parallel_next_rank(),
+        device=next(model.parameters()).device,
+        dtype=model.config.pipeline_dtype,  # the residual stream's dtype (bf16 or fp32)
     )
-    dist.send(shape, dst)
-    dist.send(tensor.contiguous(), dst)
 
 
-def _recv(src: int, device, dtype: torch.dtype) -> torch.Tensor:
-    shape = torch.empty(4, dtype=torch.long, device=device)
-    dist.recv(shape, src)
-    ndim = int(shape[0])
-    tensor = torch.empty(shape[1 : 1 + ndim].tolist(), dtype=dtype, device=device)
+def _gpipe(stage: _Stage) -> None:
+    saved = []
+    for index in range(len(stage.parts)):
+        received, output = _forward(stage, index, _recv_forward(stage, index))
+        _send_forward(stage, output)
+        saved.append((received, output))
+    for received, output in reversed(saved):
+        grad = None if stage.last else _recv(stage.next, output.shape, stage)
+        _send_backward(stage, _backward(stage, received, output, grad))
+
+
+def _one_forward_one_backward(stage: _Stage) -> None:
+    from megatron.core import parallel_state as ps
+
+    count = len(stage.parts)
+    stages, rank = (
+        ps.get_pipeline_model_parallel_world_size(),
+        ps.get_pipeline_model_parallel_rank(),
+    )
+    warmup = min(stages - rank - 1, count)
+    saved = []
+    for index in range(warmup):
+        saved.append(_forward(stage, index, _recv_forward(stage, index)))
+        _send_forward(stage, saved[-1][1])
+    received = _recv_forward(stage, warmup) if warmup < count else None
+    for index in range(warmup, count):
+        saved.append(_forward(stage, index, received))
+        output, oldest = saved[-1][1], saved.pop(0)
+        grad = None  # of the oldest micro-batch's output, sent back by the next stage
+        if not stage.last:
+            grad = _exchange(stage, stage.next, output.detach(), oldest[1].shape, lower=True)
+        input_grad = _backward(stage, *oldest, grad)
+        if index + 1 < count and not stage.first:
+            shape = _input_shape(stage, index + 1)
+            received = _exchange(stage, stage.prev, input_grad, shape, lower=False)
+            received.requires_grad_(True)
+        else:
+            _send_backward(stage, input_grad)
+    for received_output in saved:  # cool-down: the warm-up micro-batches' backwards
+        grad = _recv(stage.next, received_output[1].shape, stage)
+        _send_backward(stage, _backward(stage, *received_output, grad))
+
+
+def _forward(stage: _Stage, index: int, received):
+    """``(received, output)``: output is the loss on the last stage, else the hidden
+    states ``[T, B, h]`` to send on (kept for the backward unless in no-grad mode)."""
+    part = stage.parts[index]
+    input_ids, valid, held = model_inputs(part.tokens, part.cu_seqlens, multiple=stage.multiple)
+    stage.model.set_input_tensor(received)
+    positions = torch.arange(input_ids.shape[1], device=stage.device).expand_as(input_ids)
+    output = stage.model(input_ids, positions, attention_mask=None)
+    if stage.last:
+        output, metrics = stage.loss_fn(part, output[valid], held)
+        stage.results.append(metrics)
+    if torch.is_grad_enabled():
+        stage.held += 1
+        stage.peak_held = max(stage.peak_held, stage.held)
+    return received, output
+
+
+def _backward(stage: _Stage, received, output, grad):
+    """Backward of one micro-batch from its loss (last stage) or the gradient of its
+    output; returns the gradient of the stage's input (None on the first stage)."""
+    if stage.last:
+        output.backward()
+    else:
+        torch.autograd.backward(output, grad.to(output.dtype))
+    stage.held -= 1
+    return None if received is None else received.grad
+
+
+def _input_shape(stage: _Stage, index: int) -> tuple[int, int, int]:
+    """``[T, B, h]`` of the hidden states micro-batch ``index`` enters this stage with."""
+    rows, width = padded_shape(stage.parts[index].cu_seqlens, stage.multiple)
+    config = stage.model.config
+    if config.sequence_parallel:
+        width //= config.tensor_model_parallel_size
+    return width, rows, config.hidden_size
+
+
+def _recv_forward(stage: _Stage, index: int):
+    if stage.first:
+        return None
+    received = _recv(stage.prev, _input_shape(stage, index), stage)
+    return received.requires_grad_(torch.is_grad_enabled())
+
+
+def _send_forward(stage: _Stage, output) -> None:
+    if not stage.last:
+        dist.send(output.detach().contiguous(), stage.next)
+
+
+def _send_backward(stage: _Stage, input_grad) -> None:
+    if not stage.first:
+        dist.send(input_grad.contiguous(), stage.prev)
+
+
+def _recv(src: int, shape, stage: _Stage) -> torch.Tensor:
+    tensor = torch.empty(tuple(shape), dtype=stage.dtype, device=stage.device)
     dist.recv(tensor, src)
     return tensor
+
+
+def _exchange(stage: _Stage, peer: int, outgoing: torch.Tensor, shape, *, lower: bool):
+    """Send ``outgoing`` to ``peer`` and receive a ``shape`` tensor from it: the ``lower``
+    stage of the two sends first, the higher receives first (both sides agree)."""
+    if lower:
+        dist.send(outgoing.contiguous(), peer)
+        return _recv(peer, shape, stage)
+    received = _recv(peer, shape, stage)
+    dist.send(outgoing.contiguous(), peer)
+    return received
 
 
 def broadcast_from_last_stage(value):

@@ -3,8 +3,10 @@
 With ``precision="bf16"`` the model's parameters are bfloat16, so every matmul, norm and
 tensor/sequence-parallel collective runs in bf16 without autocast, while
 - every parameter carries a float32 ``main_grad`` (same shape): when backward has
-  accumulated a bf16 ``.grad``, a post-accumulate hook adds it to ``main_grad`` and frees
-  it, so micro-batches (and later the DP/TP reductions and clipping) sum in fp32;
+  accumulated a bf16 ``.grad``, a post-accumulate hook folds it into ``main_grad`` and
+  frees it, so micro-batches (and later the DP/TP reductions and clipping) sum in fp32.
+  The first gradient of a step is copied, not added: ``zero_grad`` only marks the buffers
+  stale (no kernel) and :func:`finish_accumulation` zeroes the few that got no gradient;
 - the optimizer steps float32 master copies whose ``.grad`` *is* ``main_grad``; after each
   step the masters are rounded back into the bf16 parameters.
 With ``precision="fp32"`` none of this exists: ``.grad`` is the gradient and the optimizer
@@ -26,8 +28,22 @@ def grad_of(param: torch.Tensor) -> torch.Tensor | None:
 
 
 def _accumulate_main_grad(param: torch.Tensor) -> None:
-    param.main_grad.add_(param.grad)
+    if param.main_grad_stale:  # first gradient of the step: overwrite, nothing to add to
+        param.main_grad.copy_(param.grad)
+        param.main_grad_stale = False
+    else:
+        param.main_grad.add_(param.grad)
     param.grad = None  # the bf16 gradient is freed as soon as it is folded in
+
+
+def finish_accumulation(params) -> None:
+    """Zero the main gradients no backward wrote since ``zero_grad`` (call before reading
+    them: reductions, norm, step). A no-op for parameters without one (fp32)."""
+    stale = [p for p in params if getattr(p, "main_grad_stale", False)]
+    if stale:
+        torch._foreach_zero_([p.main_grad for p in stale])
+        for param in stale:
+            param.main_grad_stale = False
 
 
 class MasterWeightsOptimizer:
@@ -41,6 +57,7 @@ class MasterWeightsOptimizer:
         self.masters = []
         for param in self.params:
             param.main_grad = torch.zeros_like(param, dtype=torch.float32)
+            param.main_grad_stale = False
             param.register_post_accumulate_grad_hook(_accumulate_main_grad)
             master = param.detach().to(torch.float32, copy=True).requires_grad_(True)
             master.grad = param.main_grad  # the optimizer reads the fp32 sum directly
@@ -58,10 +75,11 @@ class MasterWeightsOptimizer:
         torch._foreach_copy_(self.params, self.masters)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the main gradients in place (persistent buffers, linked to the masters)."""
+        """Mark the main gradients stale: the next backward overwrites each one (no zeroing
+        pass over the fp32 buffers; :func:`finish_accumulation` zeroes those it missed)."""
         del set_to_none
-        torch._foreach_zero_([param.main_grad for param in self.params])
         for param in self.params:
+            param.main_grad_stale = True
             param.grad = None
 
     @torch.no_grad()

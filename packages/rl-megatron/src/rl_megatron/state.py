@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from rl_megatron import checkpoint, export, optim
+from rl_megatron import checkpoint, dist_ckpt, export, optim
 
 
 class WeightsAndStateMixin:
@@ -44,47 +44,28 @@ class WeightsAndStateMixin:
         )
 
     def _meta(self) -> dict:
-        sizes = {
-            "tp": self.config.tp,
-            "pp": self.config.pp,
-            "cp": self.config.cp,
-            "ep": self.config.ep,
-        }
-        return {**sizes, "mode": self.config.mode}
+        """Checked on load: the mode. The layout (tp, pp, cp, ep) is recorded only: megatron
+        reshards a distributed checkpoint into this run's layout."""
+        layout = {"tp": self.config.tp, "pp": self.config.pp, "cp": self.config.cp}
+        return {"mode": self.config.mode, "saved_layout": {**layout, "ep": self.config.ep}}
 
     def save_checkpoint(self, path: Path) -> None:
-        state = {
-            "model": {n: p.detach().cpu() for n, p in self.model.named_parameters()},
-            "optimizer": optim.local_optimizer(self.optimizer).state_dict(),
-            "step": self.step,
-            "cpu_rng": torch.get_rng_state(),
-        }
-        if hasattr(self.optimizer, "masters"):  # bf16: the fp32 master weights too
-            state["masters"] = [m.detach().cpu() for m in self.optimizer.masters]
-        checkpoint.save_sharded(path, state, self._meta())
+        """Model (fp32 weights), AdamW state, step and RNG as a megatron distributed
+        checkpoint (:mod:`rl_megatron.dist_ckpt`), atomic; all ranks call together."""
+        state, _ = dist_ckpt.sharded_state(self)
+        adam_state = bool(optim.local_optimizer(self.optimizer).state)  # False before a step
+        checkpoint.save_distributed(path, state, {**self._meta(), "adam_state": adam_state})
 
     def load_checkpoint(self, path: Path) -> None:
-        state = checkpoint.load_sharded(path, self._meta())
-        params = dict(self.model.named_parameters())
-        with torch.no_grad():
-            for name, tensor in state["model"].items():
-                params[name].copy_(tensor)
-        self._load_fp32_weights(state)
-        optim.local_optimizer(self.optimizer).load_state_dict(state["optimizer"])
-        self.step = state["step"]
-        torch.set_rng_state(state["cpu_rng"])
-
-    def _load_fp32_weights(self, state: dict) -> None:
-        """The exact fp32 weights whichever precision saved them: bf16 checkpoints carry
-        fp32 masters, fp32 ones fp32 parameters."""
-        names = [n for n, p in self.model.named_parameters() if p.requires_grad]
-        masters = state.get("masters") or [state["model"][n].float() for n in names]
-        if hasattr(self.optimizer, "load_masters"):
-            self.optimizer.load_masters(masters)
-            return
-        with torch.no_grad():
-            for param, master in zip(self.params, masters, strict=True):
-                param.copy_(master)
+        """Resume from :meth:`save_checkpoint`'s directory, saved under any TP/PP layout."""
+        expected = {"mode": self.config.mode}
+        saved = checkpoint.distributed_meta(path, expected)  # refused before any change
+        adam_state = saved.get("adam_state", False)
+        if not adam_state:  # saved before the first step: no moments to load
+            optim.local_optimizer(self.optimizer).state.clear()
+        state, targets = dist_ckpt.sharded_state(self, for_load=adam_state)
+        loaded = checkpoint.load_distributed(path, state, expected)
+        dist_ckpt.apply_loaded(self, loaded, targets)
 
     def offload(self) -> None:
         """Parameters, gradients and optimizer state to host memory."""
