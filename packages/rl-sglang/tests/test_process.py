@@ -38,6 +38,14 @@ def test_sglang_path_goes_to_the_server_only(tmp_path, monkeypatch):
         SGLangServer("/m", sglang_path=str(tmp_path), host="0.0.0.0", log_dir=tmp_path)
 
 
+def test_sglang_gets_its_own_grpc_port_even_on_a_high_http_port(tmp_path):
+    # SGLang's default gRPC port is --port + 10000: past 65535 it refuses to start
+    (tmp_path / "sglang").mkdir()
+    server = SGLangServer("/m", sglang_path=str(tmp_path), port=60000, log_dir=tmp_path)
+    grpc = int(server.env["SGLANG_GRPC_PORT"])
+    assert 1 <= grpc <= 65535 and grpc != 60000
+
+
 def test_failed_start_reports_the_log_tail(tmp_path):
     engine = EmbeddedEngine(tmp_path / "missing-model", log_dir=tmp_path, ready_timeout_s=120)
     with pytest.raises(RuntimeError, match=r"last \d+ lines") as info:

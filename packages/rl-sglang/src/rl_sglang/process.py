@@ -232,6 +232,9 @@ class SGLangServer(ServerProcess):
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpu_ids)
         super().__init__(env=env, **kwargs)
         self.model_path, self.sglang_args = str(model_path), dict(sglang_args or {})
+        # SGLang derives a gRPC port as --port + 10000 and refuses to start when that is
+        # past 65535 (any free port above 55535): give it a free port of its own instead
+        self.env.setdefault("SGLANG_GRPC_PORT", str(grpc_port(self.host, self.port)))
 
     def command(self) -> list[str]:
         argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path,
@@ -245,6 +248,13 @@ class SGLangServer(ServerProcess):
             elif value not in (False, None):
                 argv += [flag, str(value)]
         return argv
+
+
+def grpc_port(host: str, port: int) -> int:
+    """A free port for SGLang's gRPC setting other than ``port`` (its HTTP port)."""
+    while (candidate := free_port(host)) == port:
+        pass
+    return candidate
 
 
 def require_sglang(sglang_path: str | None = None) -> None:
