@@ -6,12 +6,12 @@
 #
 #   bash bench/gpu_e2e.sh colocated      # GPU 0: FSDP + SGLang, then FSDP + embedded engine;
 #                                        # GPU 1 meanwhile: Megatron + SGLang (one GPU each)
-#   bash bench/gpu_e2e.sh disaggregated  # GPUs 0+1: one_step_async, then sync; then the
-#                                        # disaggregated weight-sync bench with real SGLang
+#   bash bench/gpu_e2e.sh disaggregated  # GPUs 0+1: one_step_async, then sync
+#   bash bench/gpu_e2e.sh weight_sync    # GPUs 0+1: NCCL weight sync into real SGLang
 # On a 4-GPU machine both phases can run at once: GPU_A=0 GPU_B=1 for the colocated phase,
 # GPU_PAIR=2,3 for the disaggregated one.
 set -u
-phase=${1:?usage: bash bench/gpu_e2e.sh colocated|disaggregated}
+phase=${1:?usage: bash bench/gpu_e2e.sh colocated|disaggregated|weight_sync}
 OUT=${OUT:-runs/gpu_e2e}
 RUNS=${RUNS:-/tmp/gpu_e2e}  # run directories (model copies stay here, off $OUT)
 mkdir -p "$OUT" "$RUNS"
@@ -26,6 +26,7 @@ train() {  # train NAME GPUS LIMIT_S ARGS...: one rl-train run on GPUS, at most 
   echo "$name: exit $? at $(date +%T)"
   mkdir -p "$OUT/$name"
   cp -r "$RUNS/$name/metrics.jsonl" "$RUNS/$name/plots" "$RUNS/$name/logs" "$OUT/$name/" 2>/dev/null
+  return 0
 }
 
 case $phase in
@@ -38,25 +39,19 @@ colocated)
   python3 bench/e2e_summary.py "$RUNS"/colocated_* > "$OUT/summary_colocated.json"
   ;;
 disaggregated)
-  train disagg_async "${GPU_PAIR:-0,1}" 210 --config examples/gpu/disaggregated.yaml
-  if [ "$(cat "$RUNS/disagg_async/metrics.jsonl" 2>/dev/null | wc -l)" -lt 3 ]; then
-    echo "disagg_async stopped early (see its log): both loops again with weights from disk"
-    mv "$RUNS/disagg_async" "$RUNS/failed_disagg_async"; mv "$OUT/disagg_async" "$OUT/failed_disagg_async"
-    mv "$OUT/disagg_async.log" "$OUT/failed_disagg_async.log"
-    train disagg_async "${GPU_PAIR:-0,1}" 180 --config examples/gpu/disaggregated.yaml --engine.weight_sync disk
-    train disagg_sync "${GPU_PAIR:-0,1}" 180 --config examples/gpu/disaggregated.yaml --rollout.loop sync \
-      --engine.weight_sync disk
-  else
-    train disagg_sync "${GPU_PAIR:-0,1}" 200 --config examples/gpu/disaggregated.yaml --rollout.loop sync
-    CUDA_VISIBLE_DEVICES=${GPU_PAIR:-0,1} timeout -k 10 140 python3 bench/weight_sync.py --engines sglang --disaggregated \
-      --out "$OUT/weight_sync_sglang.json" > "$OUT/weight_sync.log" 2>&1
-    echo "weight_sync: exit $? at $(date +%T)"
-  fi
+  train disagg_async "${GPU_PAIR:-0,1}" 250 --config examples/gpu/disaggregated.yaml
+  train disagg_sync "${GPU_PAIR:-0,1}" 240 --config examples/gpu/disaggregated.yaml --rollout.loop sync
   python3 bench/e2e_summary.py "$RUNS"/disagg_* --pair disagg_async disagg_sync \
     > "$OUT/summary_disaggregated.json"
   ;;
+weight_sync)  # the disaggregated weight-sync bench with real SGLang (the colocated one: --engines)
+  CUDA_VISIBLE_DEVICES=${GPU_PAIR:-0,1} timeout -k 10 170 python3 bench/weight_sync.py \
+    --engines sglang --disaggregated --only-disaggregated --out "$OUT/weight_sync_sglang.json" \
+    > "$OUT/weight_sync.log" 2>&1
+  echo "weight_sync: exit $? at $(date +%T)"
+  ;;
 *)
-  echo "unknown phase $phase (colocated or disaggregated)" >&2
+  echo "unknown phase $phase (colocated, disaggregated or weight_sync)" >&2
   exit 2
   ;;
 esac

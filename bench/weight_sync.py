@@ -216,7 +216,8 @@ def run(args) -> dict:
         report["nccl_bound_s_per_gb"] = nccl_bound(size, args.repeats) / (size / GB)
     print(json.dumps(report), flush=True)
     for kind in args.engines.split(","):
-        gpus = {"colocated": 0} | ({"disaggregated": 1} if args.disaggregated else {})
+        gpus = {} if args.only_disaggregated else {"colocated": 0}
+        gpus |= {"disaggregated": 1} if args.disaggregated else {}
         for placement, gpu in gpus.items():
             engine = start_engine(
                 kind, model_dir, gpu, Path(os.environ.get("RL_LOG_DIR", work / "logs"))
@@ -235,6 +236,8 @@ def main() -> None:
     parser.add_argument("--shape", default="0.5b", choices=sorted(SHAPES))
     parser.add_argument("--engines", default="sglang,embedded")
     parser.add_argument("--disaggregated", action="store_true", help="also GPU 0 -> GPU 1")
+    parser.add_argument("--only-disaggregated", action="store_true",
+                        help="with --disaggregated: skip the colocated measurement")  # fmt: skip
     parser.add_argument("--bucket-mb", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path)

@@ -2,8 +2,9 @@
 
     generate   engines hold weights + KV cache + CUDA graphs; training state offloaded
     train      engines released (all of it); training state onloaded (log-probs, steps)
-    sync       engine weights resumed, filled from the trainer (CUDA IPC)
-    generate   training state offloaded; KV cache and CUDA graphs resumed
+    sync       engine memory resumed (all of it, in one call), weights filled from the
+               trainer (CUDA IPC)
+    generate   training state offloaded
 
 A real SGLang engine's released weights come back uninitialised, so generation right after
 training, without a weight sync in between, is refused (``engine.sync_every`` must be 1).
@@ -31,8 +32,10 @@ class Turns:
         self._trainer_on()
 
     def syncing(self) -> None:
-        """Before a weight sync: engine weights resident, trainer weights on the device."""
-        self._resume(["weights"])
+        """Before a weight sync: engine memory resident, trainer weights on the device.
+        Everything released is resumed at once: SGLang 0.5.15 is proven with a full
+        release followed by a full resume; resuming the weights alone first is not."""
+        self._resume(list(self.released))
         self._trainer_on()
 
     def generating(self) -> None:
