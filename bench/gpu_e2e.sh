@@ -9,7 +9,7 @@
 #   bash bench/gpu_e2e.sh disaggregated  # GPUs 0+1: one_step_async, then sync
 #   bash bench/gpu_e2e.sh weight_sync    # GPUs 0+1: NCCL weight sync into real SGLang
 # On a 4-GPU machine both phases can run at once: GPU_A=0 GPU_B=1 for the colocated phase,
-# GPU_PAIR=2,3 for the disaggregated one.
+# GPU_PAIR=2,3 for the disaggregated one. STEPS=N overrides the configs' num_steps.
 set -u
 phase=${1:?usage: bash bench/gpu_e2e.sh colocated|disaggregated|weight_sync}
 OUT=${OUT:-runs/gpu_e2e}
@@ -22,7 +22,7 @@ train() {  # train NAME GPUS LIMIT_S ARGS...: one rl-train run on GPUS, at most 
   local name=$1 gpus=$2 limit=$3
   shift 3
   CUDA_VISIBLE_DEVICES=$gpus timeout -k 20 "$limit" python3 -m rl_launcher.cli "$@" \
-    --logging.run_dir "$RUNS/$name" > "$OUT/$name.log" 2>&1
+    ${STEPS:+--num_steps "$STEPS"} --logging.run_dir "$RUNS/$name" > "$OUT/$name.log" 2>&1
   echo "$name: exit $? at $(date +%T)"
   mkdir -p "$OUT/$name"
   cp -r "$RUNS/$name/metrics.jsonl" "$RUNS/$name/plots" "$RUNS/$name/logs" "$OUT/$name/" 2>/dev/null
@@ -30,6 +30,11 @@ train() {  # train NAME GPUS LIMIT_S ARGS...: one rl-train run on GPUS, at most 
 }
 
 case $phase in
+colocated_sglang)  # only the two SGLang runs, side by side
+  train colocated_fsdp "${GPU_A:-0}" 300 --config examples/gpu/colocated_fsdp.yaml &
+  train colocated_megatron "${GPU_B:-1}" 300 --config examples/gpu/colocated_megatron.yaml &
+  wait
+  ;;
 colocated)
   (train colocated_fsdp "${GPU_A:-0}" 300 --config examples/gpu/colocated_fsdp.yaml
    train colocated_embedded "${GPU_A:-0}" 240 --config examples/gpu/colocated_fsdp.yaml \

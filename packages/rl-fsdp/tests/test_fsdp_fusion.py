@@ -67,7 +67,7 @@ def test_compiled_blocks_equal_eager(family):
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
-@pytest.mark.parametrize("impl", ["sdpa_mask", "sdpa_per_doc"])
+@pytest.mark.parametrize("impl", ["sdpa_mask", "sdpa_grouped", "sdpa_per_doc"])
 def test_compiled_attention_modules_around_packed_attention(family, impl):
     """Packed attention runs eager behind a graph break inside the compiled attention
     modules: packed logits and gradients equal eager ones over four layouts, nothing fell

@@ -55,7 +55,7 @@ def test_log_probs_match_plain_hf_forward(backend):
     with torch.no_grad():
         expected = padded_log_probs(model, batch.to("cuda"))
     got = backend.compute_log_probs(batch)
-    assert backend.attention in ("sdpa_per_doc", "flash_varlen")  # "auto" on CUDA
+    assert backend.attention in ("sdpa_grouped", "flash_varlen")  # "auto" on CUDA
     mask = batch.loss_mask.cuda().bool()
     diff = (got - expected)[mask].abs()
     assert diff.mean() < 2e-2 and diff.max() < 0.15

@@ -31,7 +31,7 @@ def _packed_model(family: str):
 
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))
-@pytest.mark.parametrize("impl", ["sdpa_mask", "sdpa_per_doc"])
+@pytest.mark.parametrize("impl", ["sdpa_mask", "sdpa_grouped", "sdpa_per_doc"])
 def test_packed_logits_equal_padded(family, impl):
     batch = tokens_batch()
     model = plain_model(CONFIGS[family]).eval()

@@ -44,6 +44,14 @@ def test_sglang_gets_its_own_grpc_port_even_on_a_high_http_port(tmp_path):
     server = SGLangServer("/m", sglang_path=str(tmp_path), port=60000, log_dir=tmp_path)
     grpc = int(server.env["SGLANG_GRPC_PORT"])
     assert 1 <= grpc <= 65535 and grpc != 60000
+    assert "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION" not in server.env
+
+
+def test_released_memory_is_never_probed_by_a_generating_health_check(tmp_path):
+    (tmp_path / "sglang").mkdir()
+    server = SGLangServer("/m", sglang_path=str(tmp_path), log_dir=tmp_path,
+                          sglang_args={"enable_memory_saver": True})  # fmt: skip
+    assert server.env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "0"
 
 
 def test_failed_start_reports_the_log_tail(tmp_path):

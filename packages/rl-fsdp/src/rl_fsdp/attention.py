@@ -2,13 +2,16 @@
 
 Hugging Face models call a registered attention function per layer with
 ``query [1, H, N, D]``, ``key/value [1, H_kv, N, D]``; the extra keyword ``rl_layout``
-(a :class:`PackedLayout`) given to the model's forward reaches it untouched. Four
+(a :class:`PackedLayout`) given to the model's forward reaches it untouched. Five
 implementations, all equal to running each sequence alone:
 
 - ``flash_varlen``: flash-attn's ``flash_attn_varlen_func`` with cu_seqlens (GPU, fastest);
 - ``flex``: FlexAttention with a document-causal block mask (:mod:`rl_fsdp.flex`),
   compiled once on CUDA (GPU without flash-attn);
 - ``sdpa_mask``: one SDPA call with a block-diagonal causal mask ``[N, N]`` (CPU, short N);
+- ``sdpa_grouped``: sequences of similar length padded into a few batched causal SDPA
+  calls (:mod:`rl_fsdp.grouped`; SDPA's flash kernel, a handful of launches per layer
+  even for hundreds of short RL sequences; the default on CUDA without flash-attn);
 - ``sdpa_per_doc``: one causal SDPA call per sequence (keeps SDPA's flash kernel, no
   ``[N, N]`` mask, but one launch per sequence and layer).
 Without ``rl_layout`` (ordinary padded calls) it falls back to Hugging Face's SDPA path.
@@ -20,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from rl_fsdp.flex import bucket_length, document_block_mask, flex_available, flex_packed_attention
+from rl_fsdp.grouped import build_groups, grouped_attention
 
 PACKED_ATTENTION = "rl_packed"
 
@@ -29,13 +33,16 @@ class PackedLayout:
     """Boundaries of the packed sequences of one forward pass.
 
     cu_seqlens ``[B + 1]`` int32 on the compute device; lengths on the host; for
-    ``impl="flex"`` the FlexAttention ``BlockMask`` (built once, shared by all layers).
+    ``impl="flex"`` the FlexAttention ``BlockMask``, for ``impl="sdpa_grouped"`` the
+    groups and their ``restore`` order (built once, shared by all layers).
     """
 
     cu_seqlens: torch.Tensor
     lengths: tuple[int, ...]
     impl: str
     block_mask: object = None
+    groups: list | None = None
+    restore: torch.Tensor | None = None
 
     @classmethod
     def from_cu_seqlens(
@@ -47,10 +54,12 @@ class PackedLayout:
         host = cu_seqlens.cpu()
         lengths = tuple((host[1:] - host[:-1]).tolist())
         on_device = host.to(device=device, dtype=torch.int32, non_blocking=True)
-        mask = None
+        mask = groups = restore = None
         if impl == "flex":
             mask = document_block_mask(on_device, bucket_length(max(int(host[-1]), pad_to)))
-        return cls(on_device, lengths, impl, mask)
+        if impl == "sdpa_grouped":
+            groups, restore = build_groups(lengths, device)
+        return cls(on_device, lengths, impl, mask, groups, restore)
 
     @property
     def max_seqlen(self) -> int:
@@ -84,8 +93,10 @@ def resolve_attention(impl: str, device: torch.device, precision: str = "fp32") 
     if flash_ok and flash_attn_available():
         return "flash_varlen"
     # Measured on an H200 (docs/benchmarks.md): flex was slower than one SDPA per sequence
-    # (0.5b full 0.73x vs 0.94x of the plain loop), so flex stays opt-in.
-    return "sdpa_per_doc"
+    # (0.5b full 0.73x vs 0.94x of the plain loop), so flex stays opt-in; one SDPA per
+    # sequence left the GPU idle on RL batches of hundreds of short sequences (4 % busy in
+    # the loop), which the grouped calls fix.
+    return "sdpa_grouped"
 
 
 def block_causal_mask(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -130,7 +141,10 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, **kw
         return out.transpose(1, 2).contiguous(), None
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    if layout.impl == "sdpa_mask":
+    if layout.impl == "sdpa_grouped":
+        out = grouped_attention(query, key, value, layout.groups, layout.restore, scaling,
+                                dropout)  # fmt: skip
+    elif layout.impl == "sdpa_mask":
         mask = block_causal_mask(layout.cu_seqlens, query.shape[2])
         out = F.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling

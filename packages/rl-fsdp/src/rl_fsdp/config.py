@@ -12,7 +12,7 @@ from rl_core.importance import IS_LEVELS, IS_MODES
 from rl_core.kl import KL_KINDS
 from rl_core.losses import POLICY_LOSSES
 
-ATTENTION_IMPLS = ("auto", "flash_varlen", "flex", "sdpa_mask", "sdpa_per_doc")
+ATTENTION_IMPLS = ("auto", "flash_varlen", "flex", "sdpa_mask", "sdpa_grouped", "sdpa_per_doc")
 PRECISIONS = ("fp32", "bf16")
 LR_DECAYS = ("constant", "linear", "cosine")
 MODES = ("rl", "sft")
@@ -36,9 +36,10 @@ class FSDPConfig:
     attention: str = "auto"
     """Packed attention: "flash_varlen" (flash-attn), "flex" (FlexAttention with a
     document-causal block mask, compiled on cuda), "sdpa_mask" (one SDPA call with a
-    block-diagonal causal mask), "sdpa_per_doc" (one causal SDPA per sequence) or "auto"
-    (on cuda flash_varlen if installed, else sdpa_per_doc; sdpa_mask on cpu; flex is opt-in
-    until it measures faster)."""
+    block-diagonal causal mask), "sdpa_grouped" (sequences of similar length padded into a
+    few batched causal SDPA calls), "sdpa_per_doc" (one causal SDPA per sequence) or "auto"
+    (on cuda flash_varlen if installed, else sdpa_grouped; sdpa_mask on cpu; flex is
+    opt-in until it measures faster)."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer in the backward pass (less memory, ~1/3 more compute)."""
     compile_layers: bool = False

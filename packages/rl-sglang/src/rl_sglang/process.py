@@ -235,6 +235,11 @@ class SGLangServer(ServerProcess):
         # SGLang derives a gRPC port as --port + 10000 and refuses to start when that is
         # past 65535 (any free port above 55535): give it a free port of its own instead
         self.env.setdefault("SGLANG_GRPC_PORT", str(grpc_port(self.host, self.port)))
+        if self.sglang_args.get("enable_memory_saver"):
+            # SGLang's /health generates a token; the router's health checks (every few
+            # seconds) would then reach a scheduler whose KV cache is released (colocated
+            # training) and crash it: /health answers from the HTTP server instead
+            self.env.setdefault("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "0")
 
     def command(self) -> list[str]:
         argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path,
