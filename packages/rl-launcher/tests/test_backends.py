@@ -132,8 +132,8 @@ def test_turns_release_before_training_and_refuse_unsynced_generation():
     turns.syncing()
     turns.generating()
     assert calls == [("offload",), ("release_memory", ["weights", "kv_cache", "cuda_graph"]),
-                     ("onload",), ("resume_memory", ["weights"]), ("offload",),
-                     ("resume_memory", ["kv_cache", "cuda_graph"])]  # fmt: skip
+                     ("onload",), ("resume_memory", ["weights", "kv_cache", "cuda_graph"]),
+                     ("offload",)]  # fmt: skip
     turns.training()
     with pytest.raises(RuntimeError, match=re.escape("engine.sync_every=1")):
         turns.generating()

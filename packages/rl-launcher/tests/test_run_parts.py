@@ -107,6 +107,7 @@ def test_fsdp_config_carries_the_algorithm_and_optimizer(tmp_path):
     assert fsdp.reference and fsdp.kl_coef == 0.01 and fsdp.max_grad_norm is None
     assert (fsdp.lr_decay, fsdp.total_steps, fsdp.temperature) == ("cosine", 7, 0.7)
     assert fsdp.model_path == str(tmp_path) and fsdp.rollout_is is None
+    assert fsdp.export_dtype == fsdp.precision  # engines get model.dtype, not fp32 masters
 
 
 def test_clock_splits_the_step():

@@ -55,9 +55,11 @@ def fsdp_config(config, *, model_dir: Path):
     from rl_fsdp import FSDPConfig
 
     algo, opt = config.algorithm, config.optimizer
+    precision = _precision(config, "fsdp")
     return FSDPConfig(
         model_path=str(model_dir), seed=config.seed, device=config.cluster.device,
-        precision=_precision(config, "fsdp"), attention="auto",
+        precision=precision, attention="auto",
+        export_dtype=precision,  # engines serve model.dtype: bf16 runs send bf16, not fp32 masters
         activation_checkpointing=config.model.gradient_checkpointing,
         max_tokens_per_micro_batch=config.backend.micro_batch_tokens,
         temperature=config.rollout.temperature or 1.0, mode=config.mode,
