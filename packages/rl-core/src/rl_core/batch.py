@@ -85,12 +85,13 @@ class TrainBatch:
 
     def select(self, seq_indices: Sequence[int]) -> "TrainBatch":
         """The sub-batch of the given sequences (in that order), keeping global denominators."""
-        bounds = self.cu_seqlens.tolist()
-        token_index = torch.cat(
-            [torch.arange(bounds[i], bounds[i + 1]) for i in seq_indices]
-            or [torch.zeros(0, dtype=torch.long)]
-        ).to(self.tokens.device)
-        lengths = [bounds[i + 1] - bounds[i] for i in seq_indices]
+        picked_seqs = torch.as_tensor(list(seq_indices), dtype=torch.long)
+        bounds = self.cu_seqlens.to("cpu", torch.long)
+        starts, lengths = bounds[:-1][picked_seqs], (bounds[1:] - bounds[:-1])[picked_seqs]
+        new_bounds = cu_seqlens_from_lengths(lengths.tolist())
+        # token t of the result is old token t + (old start - new start) of its sequence
+        shift = torch.repeat_interleave(starts - new_bounds[:-1].long(), lengths)
+        token_index = (torch.arange(int(lengths.sum())) + shift).to(self.tokens.device)
         picked = {
             name: None if getattr(self, name) is None else getattr(self, name)[token_index]
             for name in PER_TOKEN_FIELDS
@@ -98,7 +99,7 @@ class TrainBatch:
         return replace(
             self,
             tokens=self.tokens[token_index],
-            cu_seqlens=cu_seqlens_from_lengths(lengths).to(self.cu_seqlens.device),
+            cu_seqlens=new_bounds.to(self.cu_seqlens.device),
             **picked,
         )
 
