@@ -49,6 +49,14 @@ def test_export_round_trip_is_exact(world1, model_dirs, name, tmp_path):
     assert all(torch.equal(exported[n], original[n]) for n in original)
     for bucket in buckets:  # only a single oversized tensor may exceed the bound
         assert len(bucket) == 1 or sum(t.numel() * 4 for _, t in bucket) <= 40_000
+    params = list(backend.model.parameters())
+    kept = [p.detach().clone() for p in params]
+    with torch.no_grad():  # exported tensors are copies: changing the model leaves them
+        for param in params:
+            param.add_(1.0)
+        assert all(torch.equal(exported[n], original[n]) for n in original)
+        for param, value in zip(params, kept, strict=True):
+            param.copy_(value)
     backend.export_hf(tmp_path / "out", bucket_bytes=100_000)
     backend.export_hf(tmp_path / "out")  # replacing an existing export is atomic too
     saved = hf_files(tmp_path / "out")

@@ -21,19 +21,21 @@ from rl_megatron.weights import layer_offset
 
 
 def hf_tensors(
-    model, shape: ModelShape, *, grads: bool = False
+    model, shape: ModelShape, *, grads: bool = False, on_device: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(hf_name, full tensor)`` for every HF weight (CPU, detached); ``grads=True`` gives
-    the gradients in the same layout. With pipeline stages, each stage's tensors are
-    broadcast to the others in stage order, so every rank yields the whole model."""
+    """``(hf_name, full tensor)`` for every HF weight (detached copies, on CPU, or on the
+    model's device with ``on_device``: a weight sync to colocated engines then never
+    crosses PCIe twice); ``grads=True`` gives the gradients in the same layout. With
+    pipeline stages, each stage's tensors are broadcast to the others in stage order, so
+    every rank yields the whole model."""
     from megatron.core import parallel_state as ps
 
     if not (dist.is_initialized() and ps.model_parallel_is_initialized()):
-        yield from stage_tensors(model, shape, grads=grads)
+        yield from stage_tensors(model, shape, grads=grads, on_device=on_device)
         return
     pp_group = ps.get_pipeline_model_parallel_group()
     if _world(pp_group) == 1:
-        yield from stage_tensors(model, shape, grads=grads)
+        yield from stage_tensors(model, shape, grads=grads, on_device=on_device)
         return
     device = next(model.parameters()).device
     for src in dist.get_process_group_ranks(pp_group):
@@ -47,13 +49,14 @@ def hf_tensors(
                 else torch.empty(shape_, dtype=dtype, device=device)
             )
             dist.broadcast(tensor, src=src, group=pp_group)
-            yield name, tensor.cpu()
+            yield name, tensor if on_device else tensor.cpu()
 
 
 def stage_tensors(
-    model, shape: ModelShape, *, grads: bool = False
+    model, shape: ModelShape, *, grads: bool = False, on_device: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(hf_name, full tensor)`` for every HF weight, in model order (CPU, detached);
+    """``(hf_name, full tensor)`` for every HF weight, in model order (detached copies, on
+    CPU unless ``on_device``);
     ``grads=True`` gives the parameters' gradients (fp32 main grads under bf16) in the same
     HF layout instead.
     Dense weights are gathered over TP; expert weights over expert-TP, then over EP."""
@@ -81,7 +84,11 @@ def stage_tensors(
         for hf_name, full_tensor in pairs:
             if hf_name not in seen:  # TE-fused norms map twice; tied heads once
                 seen.add(hf_name)
-                yield hf_name, full_tensor.to("cpu", copy=True)  # never a view of a parameter
+                # a copy, never a view of a parameter
+                yield (
+                    hf_name,
+                    full_tensor.clone() if on_device else full_tensor.to("cpu", copy=True),
+                )
 
 
 def _groups():
@@ -101,10 +108,11 @@ def _world(group) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
-def hf_buckets(model, shape: ModelShape, *, bucket_bytes: int):
+def hf_buckets(model, shape: ModelShape, *, bucket_bytes: int, on_device: bool = False):
     """:func:`hf_tensors` grouped into lists of at most ``bucket_bytes`` (a larger tensor
     travels alone)."""
-    return bucket_by_bytes(hf_tensors(model, shape), bucket_bytes=bucket_bytes)
+    tensors = hf_tensors(model, shape, on_device=on_device)
+    return bucket_by_bytes(tensors, bucket_bytes=bucket_bytes)
 
 
 def _gather(shard: torch.Tensor, group) -> list[torch.Tensor]:

@@ -17,9 +17,10 @@ class WeightsAndStateMixin:
     """export_weights / export_hf / save_checkpoint / load_checkpoint / offload / onload."""
 
     def export_weights(self, *, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Full HF-named tensors in buckets of at most ``bucket_bytes`` (every rank gets all)."""
+        """Full HF-named tensors in buckets of at most ``bucket_bytes`` (every rank gets all),
+        on the model's device (the engines' transports take them from there)."""
         self._check_exportable()
-        return export.hf_buckets(self.model, self.shape, bucket_bytes=bucket_bytes)
+        return export.hf_buckets(self.model, self.shape, bucket_bytes=bucket_bytes, on_device=True)
 
     def _check_exportable(self) -> None:
         if self.config.mode == "critic":
