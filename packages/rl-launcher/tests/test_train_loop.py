@@ -95,6 +95,9 @@ def test_two_ranks_sync_weights_and_engine_log_probs_match_the_trainer(tmp_path)
         assert 0 < r["time/train_compute"] <= r["time/train"]
         assert r["perf/train_tokens_per_s"] >= r["perf/train_tokens_per_s_wall"] > 0
         assert 0 <= r["time/overhead"] < r["time/step"]
+        assert r["time/train_dispatch"] >= 0 and r["time/train_return"] >= 0
+        assert r["time/train_dispatch"] + r["time/train_return"] < r["time/train"]
+        assert "time/train_entered_at" not in r
     assert engine.shape == trainer.shape == (3,)
     torch.testing.assert_close(engine, trainer, atol=LOGPROB_TOL, rtol=0)
     # the match is not trivial: two steps at lr 1e-2 moved these log-probs far more than that

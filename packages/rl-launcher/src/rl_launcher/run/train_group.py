@@ -51,15 +51,13 @@ class TrainWorker:
         self.busy_s["log_probs_compute"] += time.perf_counter() - start
         return log_probs
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        return self.train_steps([batch])
-
     def train_steps(self, batches: list[TrainBatch]) -> dict[str, float]:
         """One optimizer step per minibatch, in order; later minibatches' metrics win.
         Also ``time/<part>``: this rank's seconds inside the backend since the last call
         (``log_probs_compute``, ``train_compute``) and moving state back (``onload``)."""
         from rl_launcher.run.backends import common_metrics
 
+        entered = time.time()  # wall clock, comparable with the driver's on one node
         self.onload()
         start = time.perf_counter()
         metrics: dict[str, float] = {}
@@ -68,7 +66,8 @@ class TrainWorker:
                 metrics, common_metrics(self.backend.train_step(batch))
             )  # skipped (non-finite) minibatches are counted, not overwritten
         self.busy_s["train_compute"] += time.perf_counter() - start
-        return metrics | self.take_busy_times()
+        stamps = {"time/train_entered_at": entered, "time/train_left_at": time.time()}
+        return metrics | self.take_busy_times() | stamps
 
     def take_busy_times(self) -> dict[str, float]:
         times, self.busy_s = dict(self.busy_s), defaultdict(float)
@@ -172,14 +171,16 @@ class TrainGroup:
         return self.per_data_rank(self.call("log_probs", batches, model=model))
 
     def train_step(self, batches: list[TrainBatch]) -> dict[str, float]:
-        self._turn("training")
-        return self.call("train_step", batches)[0]  # metrics are already summed over ranks
+        """One optimizer step on ``batches[d]`` per data rank (metrics summed over ranks)."""
+        return self.train_steps([batches])
 
     def train_steps(self, parts: list[list[TrainBatch]]) -> dict[str, float]:
         """``parts[m][d]``: minibatch m of data rank d; one remote call per rank for all."""
         per_rank = [[part[d] for part in parts] for d in range(self.num_data_ranks)]
         self._turn("training")
-        return self.call("train_steps", per_rank)[0]
+        sent = time.time()
+        metrics = self.call("train_steps", per_rank)[0]
+        return metrics | call_latency(metrics, sent=sent, received=time.time())
 
     def sync_weights(self, engine_urls: list[str], version: str, **how) -> float:
         self._turn("syncing")
@@ -203,6 +204,14 @@ class TrainGroup:
     def shutdown(self) -> None:
         for worker in self.workers:
             ray.kill(worker)
+
+
+def call_latency(metrics: dict, *, sent: float, received: float) -> dict[str, float]:
+    """Rank 0's entry and exit stamps (popped from ``metrics``) as the time the call took
+    to reach the worker (``time/train_dispatch``: Ray scheduling, argument transfer) and
+    to come back (``time/train_return``); on one node both clocks are the same."""
+    entered, left = metrics.pop("time/train_entered_at"), metrics.pop("time/train_left_at")
+    return {"time/train_dispatch": entered - sent, "time/train_return": received - left}
 
 
 def with_old_log_probs(batches: list[TrainBatch], log_probs: list) -> list[TrainBatch]:
