@@ -124,3 +124,19 @@ def test_cpu_ranks_share_the_nodes_cores(monkeypatch):
     assert cpu_threads_env(1)["env_vars"] == {"OMP_NUM_THREADS": "8", "MKL_NUM_THREADS": "8"}
     assert cpu_threads_env(3)["env_vars"]["OMP_NUM_THREADS"] == "2"
     assert cpu_threads_env(16)["env_vars"]["OMP_NUM_THREADS"] == "1"  # never 0
+
+
+def test_no_engine_restarts_while_engines_take_turns_or_share_a_weight_group(capsys):
+    from types import SimpleNamespace
+
+    from rl_launcher.run.engine_health import watch_engines
+
+    engine = SimpleNamespace(health_interval_s=5.0)
+    for sync, turns, why in (("distributed", None, "weight-update group"),
+                             ("tensor", object(), "take turns")):  # fmt: skip
+        rollout = SimpleNamespace(engines=["an engine"], turns=turns)
+        run = SimpleNamespace(config=SimpleNamespace(engine=engine), rollout=rollout,
+                              sync_options={"transport": sync})  # fmt: skip
+        watch_engines(run)
+        assert not hasattr(rollout, "monitor")
+        assert why in capsys.readouterr().err

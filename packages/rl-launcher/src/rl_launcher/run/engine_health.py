@@ -7,8 +7,10 @@ Requests that hit it meanwhile are retried by the rollout on the other engines, 
 weight sync waits until the restart is over (:func:`wait_for_restarts`).
 
 With ``distributed`` weight sync a restarted engine would be outside the trainer's
-weight-update group, so there the monitor is off (a dead engine stops the run at the next
-sync, naming it).
+weight-update group, and colocated on GPUs it would come back holding all its memory while
+the others have released theirs for training (SGLang then rejects the next resume and
+exits): in both cases the monitor is off, and a dead engine stops the run at its next
+request, naming it.
 """
 
 import asyncio
@@ -26,6 +28,11 @@ def watch_engines(run) -> None:
     if run.sync_options.get("transport") == "distributed":
         print("rl-train: engine health checks are off with distributed weight sync (a "
               "restarted engine cannot rejoin the weight-update group)", file=sys.stderr)  # fmt: skip
+        return
+    if getattr(run.rollout, "turns", None) is not None:
+        print("rl-train: engine health checks are off while engines take turns with "
+              "training on the same GPUs (a restarted engine would not know the turn)",
+              file=sys.stderr)  # fmt: skip
         return
     from rl_sglang.health import HealthMonitor
 
