@@ -5,6 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from rl_core.packing import cu_seqlens_from_lengths
+from rl_fsdp.attention import PER_DOC_UP_TO, PackedLayout
 from rl_fsdp.grouped import build_groups, group_by_length, grouped_attention
 
 
@@ -44,3 +46,11 @@ def test_hundreds_of_short_sequences_take_a_few_calls():
     groups, restore = build_groups(lengths, "cpu")
     assert len(groups) <= 3
     assert sorted(restore.tolist()) == list(range(sum(lengths)))
+
+
+def test_a_few_sequences_keep_one_call_each_many_are_grouped():
+    few = cu_seqlens_from_lengths([900, 30, 4000])
+    many = cu_seqlens_from_lengths([20 + i for i in range(PER_DOC_UP_TO + 1)])
+    assert PackedLayout.from_cu_seqlens(few, "sdpa_grouped", "cpu").impl == "sdpa_per_doc"
+    layout = PackedLayout.from_cu_seqlens(many, "sdpa_grouped", "cpu")
+    assert layout.impl == "sdpa_grouped" and len(layout.groups) == 1

@@ -26,6 +26,10 @@ from rl_fsdp.flex import bucket_length, document_block_mask, flex_available, fle
 from rl_fsdp.grouped import build_groups, grouped_attention
 
 PACKED_ATTENTION = "rl_packed"
+# sdpa_grouped runs layouts of at most this many sequences one SDPA call per sequence: a
+# few launches cost nothing, and long sequences then never pay for padding (the GPU bench
+# figures for 128..4096-token sequences were measured that way)
+PER_DOC_UP_TO = 8
 
 
 @dataclass  # not frozen: torch.compile would guard on every field (recompiles)
@@ -57,6 +61,8 @@ class PackedLayout:
         mask = groups = restore = None
         if impl == "flex":
             mask = document_block_mask(on_device, bucket_length(max(int(host[-1]), pad_to)))
+        if impl == "sdpa_grouped" and len(lengths) <= PER_DOC_UP_TO:
+            impl = "sdpa_per_doc"
         if impl == "sdpa_grouped":
             groups, restore = build_groups(lengths, device)
         return cls(on_device, lengths, impl, mask, groups, restore)
