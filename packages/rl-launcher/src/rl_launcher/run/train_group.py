@@ -65,6 +65,8 @@ class TrainWorker:
             metrics = faults.merge_minibatch_metrics(
                 metrics, common_metrics(self.backend.train_step(batch))
             )  # skipped (non-finite) minibatches are counted, not overwritten
+        metrics = {key: float(value) for key, value in metrics.items()}  # no device tensors
+        _wait_for_device()  # the last optimizer step's kernels count as compute
         self.busy_s["train_compute"] += time.perf_counter() - start
         stamps = {"time/train_entered_at": entered, "time/train_left_at": time.time()}
         return metrics | self.take_busy_times() | stamps
@@ -110,6 +112,13 @@ class TrainWorker:
         """A Hugging Face directory of the current weights (collective; rank 0 writes)."""
         self.onload()
         self.backend.export_hf(Path(path))
+
+
+def _wait_for_device() -> None:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def cpu_threads_env(ranks_per_node: int) -> dict:
