@@ -95,12 +95,15 @@ def trained_tokens(parts: list[list]) -> int:
 
 
 def split_step(times: dict[str, float], metrics: dict, tokens: int) -> dict[str, float]:
-    """``times`` plus the step's overhead: its wall time outside the rollout (the rollout
-    phase, and in the overlapping loops the wait for the rollout to end) and the trainer's own log-prob and training compute (``time/*_compute``, measured in the
-    workers), i.e. orchestration, data movement, offload/onload, weight sync and idle;
-    and the training throughput in the loop: per second of the backend's training
-    compute (``perf/train_tokens_per_s``) and per second of the train phase's wall time
-    (``perf/train_tokens_per_s_wall``: Ray calls and data transfer included)."""
+    """``times`` plus the step's overhead and the training throughput in the loop.
+
+    Overhead (``time/overhead``, ``time/overhead_frac``): the step's wall time outside the
+    rollout (the rollout phase, and in the overlapping loops the wait for it to end) and
+    outside the trainer's own log-prob and training compute (``time/*_compute``, measured
+    in the workers): orchestration, data movement, offload/onload, weight sync and idle.
+    Throughput: trained tokens per second of the backend's compute
+    (``perf/train_tokens_per_s``) and of the train phase's wall time
+    (``perf/train_tokens_per_s_wall``, Ray calls and data transfer included)."""
     step = times["time/step"]
     compute = metrics.get("time/log_probs_compute", 0.0) + metrics.get("time/train_compute", 0.0)
     rollout = times.get("time/rollout", 0.0) + times.get("time/rollout_wait", 0.0)
