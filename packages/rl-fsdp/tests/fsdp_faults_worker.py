@@ -8,6 +8,7 @@ then overwrites it and blocks at POINT inside the save (the test SIGKILLs it the
 """
 
 import dataclasses
+import faulthandler
 import json
 import os
 import sys
@@ -78,6 +79,7 @@ def poisoned(local, rank: int, bad_rank: int, value: float):
 
 def run(rank: int, world_size: int, port: int, workdir: str, killed: list[str]) -> None:
     """The non-finite checks, then :func:`load_what_survived` in each ``killed`` dir."""
+    faulthandler.enable()  # a native abort prints every thread's Python stack
     dist_info = init_distributed(
         device="cpu", rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port
     )

@@ -10,10 +10,12 @@
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import fsdp_faults_worker
@@ -86,7 +88,20 @@ def job(tmp_path_factory):
     layouts = {p: sorted(child.name for child in d.iterdir()) for p, d in dirs.items()}
     workdir = tmp_path_factory.mktemp("job")
     killed = [str(dirs[point]) for point in KILL_POINTS]
-    mp.spawn(fsdp_faults_worker.run, args=(2, free_port(), str(workdir), killed), nprocs=2)
+    pristine = tmp_path_factory.mktemp("pristine")
+    for point in KILL_POINTS:
+        shutil.copytree(dirs[point], pristine / point)
+    try:
+        mp.spawn(fsdp_faults_worker.run, args=(2, free_port(), str(workdir), killed), nprocs=2)
+    except mp.ProcessExitedException as died:
+        # Seen twice under CI load: a rank aborting at start-up ("terminate called without
+        # an active exception", cause not found yet; the worker prints every thread's stack
+        # on SIGABRT). One more run on a fresh port, from the same killed checkpoints.
+        warnings.warn(f"the 2-rank job died ({died}); running it once more", stacklevel=1)
+        for point in KILL_POINTS:
+            shutil.rmtree(dirs[point])
+            shutil.copytree(pristine / point, dirs[point])
+        mp.spawn(fsdp_faults_worker.run, args=(2, free_port(), str(workdir), killed), nprocs=2)
     return torch.load(workdir / "nonfinite.pt", weights_only=False), dirs, layouts
 
 
