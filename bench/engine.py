@@ -26,6 +26,7 @@ import time
 
 import torch
 from model_shapes import SHAPES
+from report import write_report
 
 from rl_sglang.engine.core import DEFAULT_MULTI_STEP, Engine
 from rl_sglang.tiny import random_model, tiny_config
@@ -309,8 +310,7 @@ def main() -> None:
 
 def write(result: dict, path: str | None) -> None:
     if path:
-        with open(path, "w") as file:
-            json.dump(result, file, indent=1)
+        write_report(result, path, indent=1)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from report import write_report
+
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -140,9 +142,7 @@ def main() -> None:
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:
-        tmp = args.out.with_suffix(".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, args.out)
+        write_report(report, args.out)
     sys.exit(0 if report["within_bound"] and not report["crashed"] else 1)
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 from model_shapes import SHAPES
+from report import write_report
 
 from rl_core.weights import bucket_by_bytes
 from rl_sglang import transports
@@ -251,9 +252,7 @@ def main() -> None:
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:
-        tmp = args.out.with_suffix(".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, args.out)
+        write_report(report, args.out)
 
 
 if __name__ == "__main__":
