@@ -39,7 +39,8 @@ def hf_tensors(
         return
     device = next(model.parameters()).device
     for src in dist.get_process_group_ranks(pp_group):
-        mine = list(stage_tensors(model, shape, grads=grads)) if src == dist.get_rank() else []
+        source = src == dist.get_rank()
+        mine = list(stage_tensors(model, shape, grads=grads, on_device=on_device)) if source else []
         meta = [[(name, tensor.shape, tensor.dtype) for name, tensor in mine]]
         dist.broadcast_object_list(meta, src=src, group=pp_group)
         for index, (name, shape_, dtype) in enumerate(meta[0]):
