@@ -15,15 +15,12 @@ import statistics
 import sys
 from pathlib import Path
 
+from rl_launcher.run_log import read_metrics
+
 PARTS = ("step", "rollout", "log_probs", "train", "sync", "rollout_wait", "overhead",
          "log_probs_compute", "train_compute", "onload")  # fmt: skip
 PERF = ("perf/train_tokens_per_s", "perf/train_tokens_per_s_wall", "perf/mfu",
         "time/overhead_frac", "mismatch/logprob_abs_diff_mean", "sync/bytes")  # fmt: skip
-
-
-def read_records(run_dir: Path) -> list[dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines if line.strip()]
 
 
 def median_of(records: list[dict], key: str) -> float | None:
@@ -43,7 +40,7 @@ def reward_curve(records: list[dict], window: int = 5) -> dict:
 
 
 def summarise(run_dir: Path, skip: int) -> dict:
-    records = read_records(run_dir)
+    records = read_metrics(run_dir)  # a torn last line (a killed run) is skipped
     steady = records[skip:] or records
     gpu_keys = sorted({k for r in steady for k in r if k.startswith("gpu/")})
     return {
