@@ -18,9 +18,12 @@ from pathlib import Path
 from rl_launcher.run_log import read_metrics
 
 PARTS = ("step", "rollout", "log_probs", "train", "sync", "rollout_wait", "overhead",
-         "log_probs_compute", "train_compute", "onload")  # fmt: skip
+         "overhead_excl_sync", "log_probs_compute", "train_compute", "onload", "train_call",
+         "train_dispatch", "train_return", "turns", "turns/in_rollout", "turns/engine_release",
+         "turns/engine_resume", "turns/trainer_offload", "turns/trainer_onload")  # fmt: skip
 PERF = ("perf/train_tokens_per_s", "perf/train_tokens_per_s_wall", "perf/mfu",
-        "time/overhead_frac", "mismatch/logprob_abs_diff_mean", "sync/bytes")  # fmt: skip
+        "time/overhead_frac", "time/overhead_excl_sync_frac", "mismatch/logprob_abs_diff_mean",
+        "sync/bytes")  # fmt: skip
 
 
 def median_of(records: list[dict], key: str) -> float | None:

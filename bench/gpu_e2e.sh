@@ -21,12 +21,25 @@ export RL_SGLANG_PYTHONPATH=${RL_SGLANG_PYTHONPATH:-/tmp/sgsite} NCCL_NVLS_ENABL
 train() {  # train NAME GPUS LIMIT_S ARGS...: one rl-train run on GPUS, at most LIMIT_S seconds
   local name=$1 gpus=$2 limit=$3
   shift 3
+  spy "$name" &
   CUDA_VISIBLE_DEVICES=$gpus timeout -k 20 "$limit" python3 -m rl_launcher.cli "$@" \
     ${STEPS:+--num_steps "$STEPS"} --logging.run_dir "$RUNS/$name" > "$OUT/$name.log" 2>&1
   echo "$name: exit $? at $(date +%T)"
   mkdir -p "$OUT/$name"
   cp -r "$RUNS/$name/metrics.jsonl" "$RUNS/$name/plots" "$RUNS/$name/logs" "$OUT/$name/" 2>/dev/null
   return 0
+}
+
+spy() {  # with PYSPY_AT=S: py-spy samples run NAME (driver, Ray workers, servers) for
+  # PYSPY_S seconds (default 15), S seconds after its start, into $OUT/NAME.pyspy.txt
+  # (collapsed stacks, idle included); needs py-spy on PATH and ptrace rights
+  [ -n "${PYSPY_AT:-}" ] || return 0
+  sleep "$PYSPY_AT"
+  local pid
+  pid=$(pgrep -f -- "--logging.run_dir $RUNS/$1\$" | grep -v "^$$\$" | tail -1)
+  [ -n "$pid" ] || return 0
+  py-spy record --subprocesses --idle -d "${PYSPY_S:-15}" -r 50 -f raw \
+    -o "$OUT/$1.pyspy.txt" --pid "$pid" > "$OUT/$1.pyspy.log" 2>&1
 }
 
 case $phase in

@@ -4,6 +4,7 @@ per placement, colocation turns."""
 
 import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -137,6 +138,41 @@ def test_turns_release_before_training_and_refuse_unsynced_generation():
     turns.training()
     with pytest.raises(RuntimeError, match=re.escape("engine.sync_every=1")):
         turns.generating()
+
+
+class SlowRecorder(Recorder):
+    """A Recorder whose calls take ``seconds[name]`` of wall time."""
+
+    def __init__(self, calls: list, seconds: dict):
+        super().__init__(calls)
+        self.seconds = seconds
+
+    def __getattr__(self, name):
+        def call(*args):
+            time.sleep(self.seconds.get(name, 0.0))
+            self.calls.append((name, *args))
+
+        return call
+
+
+def test_turns_time_each_transition_and_the_hand_over_before_a_rollout():
+    calls: list = []
+    trainer = SlowRecorder(calls, {"offload": 0.05, "onload": 0.02})
+    turns = Turns(trainer, SlowRecorder(calls, {"release_memory": 0.03, "resume_memory": 0.04}))
+    assert turns.take_times() == {}
+    turns.generating()
+    turns.training()
+    turns.syncing()
+    times = turns.take_times()
+    expected = {"trainer_offload": 0.05, "engine_release": 0.03, "trainer_onload": 0.02,
+                "engine_resume": 0.04, "in_rollout": 0.05}  # fmt: skip
+    for name, seconds in expected.items():
+        assert seconds <= times[f"time/turns/{name}"] < seconds + 0.04, name
+    total = sum(times[f"time/turns/{n}"] for n in expected if n != "in_rollout")
+    assert times["time/turns"] == pytest.approx(total)
+    turns.generating()  # only the offload this time (everything was resumed for the sync)
+    again = turns.take_times()
+    assert set(again) == {"time/turns", "time/turns/trainer_offload", "time/turns/in_rollout"}
 
 
 def test_turns_are_needed_on_shared_gpus_only():

@@ -22,6 +22,17 @@ def test_overhead_is_the_step_outside_rollout_and_trainer_compute():
     assert {k: out[k] for k in times} == times
 
 
+def test_colocated_hand_over_before_a_rollout_is_overhead_and_sync_is_split_out():
+    times = {"time/rollout": 2.0, "time/log_probs": 1.0, "time/train": 2.0, "time/sync": 0.5,
+             "time/step": 5.5}  # fmt: skip
+    worker = {"time/log_probs_compute": 0.5, "time/train_compute": 1.5,
+              "time/turns/in_rollout": 0.4}  # fmt: skip
+    out = split_step(times, worker, tokens=100)
+    assert out["time/overhead"] == pytest.approx(5.5 - 1.6 - 2.0)
+    assert out["time/overhead_excl_sync"] == pytest.approx(5.5 - 1.6 - 2.0 - 0.5)
+    assert out["time/overhead_excl_sync_frac"] == pytest.approx(1.4 / 5.5)
+
+
 def test_no_worker_times_means_no_throughput_and_overhead_never_negative():
     out = split_step({"time/rollout": 1.2, "time/step": 1.0}, {}, tokens=5)
     assert out["time/overhead"] == 0.0

@@ -97,6 +97,7 @@ def test_two_ranks_sync_weights_and_engine_log_probs_match_the_trainer(tmp_path)
         assert 0 <= r["time/overhead"] < r["time/step"]
         assert r["time/train_dispatch"] >= 0 and r["time/train_return"] >= 0
         assert r["time/train_dispatch"] + r["time/train_return"] < r["time/train"]
+        assert r["time/train_compute"] <= r["time/train_call"] <= r["time/train"]
         assert "time/train_entered_at" not in r
     assert engine.shape == trainer.shape == (3,)
     torch.testing.assert_close(engine, trainer, atol=LOGPROB_TOL, rtol=0)

@@ -12,6 +12,10 @@ The trainer group calls :meth:`Turns.training` / :meth:`Turns.syncing` and the r
 manager :meth:`Turns.generating` before their work; each is a no-op when already there.
 """
 
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
 ENGINE_MEMORY = ("weights", "kv_cache", "cuda_graph")  # SGLang's memory tags
 
 
@@ -21,12 +25,33 @@ class Turns:
         self.released: list[str] = []  # engine memory tags released now
         self.trainer_offloaded = False
         self.log: list[str] = []  # transitions, in order (for tests and debugging)
+        self.seconds: dict[str, float] = defaultdict(float)  # driver wall time per transition
+
+    def take_times(self) -> dict[str, float]:
+        """``time/turns/<transition>`` seconds since the last call (engine_release,
+        engine_resume, trainer_offload, trainer_onload), their sum ``time/turns``, and
+        ``time/turns/in_rollout``: the part spent before a rollout, inside its phase."""
+        times, self.seconds = dict(self.seconds), defaultdict(float)
+        in_rollout = times.pop("in_rollout", 0.0)
+        if not times:
+            return {}
+        out = {f"time/turns/{name}": seconds for name, seconds in times.items()}
+        return out | {"time/turns": sum(times.values()), "time/turns/in_rollout": in_rollout}
+
+    @contextmanager
+    def _timed(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - start
 
     def training(self) -> None:
         """Before log-probs and training: the devices belong to the trainer."""
         held = [tag for tag in ENGINE_MEMORY if tag not in self.released]
         if held:
-            self.rollout.release_memory(held)
+            with self._timed("engine_release"):
+                self.rollout.release_memory(held)
             self.released += held
             self.log.append(f"release {'+'.join(held)}")
         self._trainer_on()
@@ -45,8 +70,13 @@ class Turns:
                 "colocated engines released their weights for training and have not been "
                 "synced since; set engine.sync_every=1 (or cluster.colocate=false)"
             )
+        with self._timed("in_rollout"):
+            self._hand_over_to_engines()
+
+    def _hand_over_to_engines(self) -> None:
         if not self.trainer_offloaded:
-            self.trainer.offload()
+            with self._timed("trainer_offload"):
+                self.trainer.offload()
             self.trainer_offloaded = True
             self.log.append("offload trainer")
         self._resume(list(self.released))
@@ -54,13 +84,15 @@ class Turns:
     def _resume(self, tags: list[str]) -> None:
         tags = [tag for tag in tags if tag in self.released]
         if tags:
-            self.rollout.resume_memory(tags)
+            with self._timed("engine_resume"):
+                self.rollout.resume_memory(tags)
             self.released = [tag for tag in self.released if tag not in tags]
             self.log.append(f"resume {'+'.join(tags)}")
 
     def _trainer_on(self) -> None:
         if self.trainer_offloaded:
-            self.trainer.onload()
+            with self._timed("trainer_onload"):
+                self.trainer.onload()
             self.trainer_offloaded = False
             self.log.append("onload trainer")
 

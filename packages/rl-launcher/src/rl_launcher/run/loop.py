@@ -87,7 +87,15 @@ def run_step(run: Run, buffer: DataBuffer, step: int, feed=None) -> dict[str, fl
         metrics |= sync(run, version=step)
         feed.after_sync()
     clock.lap("sync")
+    metrics |= turn_times(run)
     return metrics | split_step(clock.times(), metrics, trained_tokens(parts))
+
+
+def turn_times(run: Run) -> dict[str, float]:
+    """Colocated GPUs: the step's engine release/resume and trainer offload/onload times
+    (:meth:`rl_launcher.run.colocation.Turns.take_times`); nothing otherwise."""
+    turns = getattr(run.trainer, "turns", None)
+    return turns.take_times() if turns is not None else {}
 
 
 def trained_tokens(parts: list[list]) -> int:
@@ -101,14 +109,20 @@ def split_step(times: dict[str, float], metrics: dict, tokens: int) -> dict[str,
     rollout (the rollout phase, and in the overlapping loops the wait for it to end) and
     outside the trainer's own log-prob and training compute (``time/*_compute``, measured
     in the workers): orchestration, data movement, offload/onload, weight sync and idle.
+    Colocated, the hand-over to the engines before a rollout (trainer offload, engine
+    resume: ``time/turns/in_rollout``) counts as overhead, not as rollout. Also the
+    overhead without the weight sync (``time/overhead_excl_sync``, ``..._frac``).
     Throughput: trained tokens per second of the backend's compute
     (``perf/train_tokens_per_s``) and of the train phase's wall time
     (``perf/train_tokens_per_s_wall``, Ray calls and data transfer included)."""
     step = times["time/step"]
     compute = metrics.get("time/log_probs_compute", 0.0) + metrics.get("time/train_compute", 0.0)
     rollout = times.get("time/rollout", 0.0) + times.get("time/rollout_wait", 0.0)
+    rollout -= metrics.get("time/turns/in_rollout", 0.0)
     overhead = max(step - rollout - compute, 0.0)
+    no_sync = max(overhead - times.get("time/sync", 0.0), 0.0)
     out = times | {"time/overhead": overhead, "time/overhead_frac": overhead / step}
+    out |= {"time/overhead_excl_sync": no_sync, "time/overhead_excl_sync_frac": no_sync / step}
     if metrics.get("time/train_compute") and times.get("time/train"):
         out["perf/train_tokens_per_s"] = tokens / metrics["time/train_compute"]
         out["perf/train_tokens_per_s_wall"] = tokens / times["time/train"]

@@ -218,9 +218,14 @@ class TrainGroup:
 def call_latency(metrics: dict, *, sent: float, received: float) -> dict[str, float]:
     """Rank 0's entry and exit stamps (popped from ``metrics``) as the time the call took
     to reach the worker (``time/train_dispatch``: Ray scheduling, argument transfer) and
-    to come back (``time/train_return``); on one node both clocks are the same."""
+    to come back (``time/train_return``), and the worker's own wall time in the call
+    (``time/train_call``); on one node both clocks are the same."""
     entered, left = metrics.pop("time/train_entered_at"), metrics.pop("time/train_left_at")
-    return {"time/train_dispatch": entered - sent, "time/train_return": received - left}
+    return {
+        "time/train_dispatch": entered - sent,
+        "time/train_return": received - left,
+        "time/train_call": left - entered,  # the worker's wall time in the call
+    }
 
 
 def with_old_log_probs(batches: list[TrainBatch], log_probs: list) -> list[TrainBatch]:
