@@ -9,12 +9,17 @@ here. rl-fsdp runs first (its warm-up step includes compiling FlexAttention / th
 then the plain loop (fewer measured steps: it is the slower one). Progress goes to stderr;
 prints one JSON object, whose ``figure.levers`` says which GPU-step levers ran (compiled
 MLPs / norms / attention modules, single-rank FSDP settings; each has a flag turning it
-off: --no-compile-blocks, --no-compile-attention, --reshard-after-forward, --reduce-fp32)
-and ``figure.fallback_errors`` what failed and was measured the simpler way.
+off: --no-compile-blocks, --no-compile-attention, --reshard-after-forward,
+--reshard-after-backward, --reduce-fp32)
+and ``figure.fallback_errors`` what failed and was measured the simpler way. With
+--profile, one more rl-fsdp step runs under torch.profiler (after the timed ones, so it
+costs nothing otherwise): ``figure.profile`` has the step's device-busy fraction, the top
+kernels and their time by category (rl_fsdp.profiling).
 
     python bench/train_fsdp.py                                  # CPU, tiny shape
     python bench/train_fsdp.py --shape 1.5b --data full         # GPU: 4 x 2048 tokens
     python bench/train_fsdp.py --shape 1.5b --data varlen       # GPU: lengths 128..4096
+    python bench/train_fsdp.py --shape 1.5b --data varlen --profile   # + where time goes
 """
 
 import argparse
@@ -35,6 +40,7 @@ from rl_core.packing import cu_seqlens_from_lengths
 from rl_fsdp import FSDPBackend, FSDPConfig, fusion, modeling
 from rl_fsdp.metrics import train_flops
 from rl_fsdp.modeling import enable_activation_checkpointing
+from rl_fsdp.torch_varlen import PROBE_ERRORS
 
 
 def parse_args(argv=None):
@@ -67,7 +73,17 @@ def parse_args(argv=None):
     parser.add_argument(
         "--reshard-after-forward", action="store_true", help="ZeRO-3 resharding on one rank"
     )
+    parser.add_argument(
+        "--reshard-after-backward",
+        action="store_true",
+        help="free the layers after every micro-batch (one rank: gather once per step)",
+    )
     parser.add_argument("--reduce-fp32", action="store_true", help="fp32 grads reduce on one rank")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile one more rl-fsdp step: busy fraction, top kernels, categories",
+    )
     return parser.parse_args(argv)
 
 
@@ -167,7 +183,8 @@ def _plain_hf_step(args, model_config: dict, batch: TrainBatch, device):
 def fsdp_step(args, model_config: dict, batch: TrainBatch, device) -> tuple[float, FSDPBackend]:
     """Seconds per rl-fsdp step. On a GPU, a failure is recorded in ``FALLBACK_ERRORS``
     and the step measured again: without --compile-layers, then without the compiled
-    attention modules, then without any compiled blocks, then with sdpa_per_doc."""
+    attention modules, then without any compiled blocks, then with sdpa_per_doc; a failure
+    naming the varlen kernel is measured again with sdpa_grouped first."""
     fallbacks = [
         ("compile_layers", False),
         ("no_compile_attention", True),
@@ -184,6 +201,8 @@ def fsdp_step(args, model_config: dict, batch: TrainBatch, device) -> tuple[floa
             what = f"{args.compile_layers=} {args.no_compile_blocks=} "
             what += f"{args.no_compile_attention=} {args.attention=}"
             FALLBACK_ERRORS.append(f"{what}: {err!r}"[:400])
+            if "varlen" in repr(err).lower() and args.attention != "sdpa_grouped":
+                fallbacks.insert(0, ("attention", "sdpa_grouped"))  # the kernel failed
         name, value = fallbacks.pop(0)
         _log(f"failed ({FALLBACK_ERRORS[-1]}); measuring again with {name}={value}")
         setattr(args, name, value)
@@ -204,6 +223,7 @@ def _fsdp_step(args, model_config: dict, batch: TrainBatch, device):
         compile_blocks=False if args.no_compile_blocks or args.compile_layers else None,
         compile_attention=not args.no_compile_attention,
         reshard_after_forward=True if args.reshard_after_forward else None,
+        reshard_after_backward=True if args.reshard_after_backward else None,
         reduce_dtype="fp32" if args.reduce_fp32 else None,
         max_tokens_per_micro_batch=args.max_tokens,
         lr=1e-6,
@@ -211,7 +231,15 @@ def _fsdp_step(args, model_config: dict, batch: TrainBatch, device):
     backend = FSDPBackend(config)
     _log(f"rl-fsdp built (attention {backend.attention}, levers {levers(backend)})")
     step_s = _timed(lambda: backend.train_step(batch), args.steps, device, "figure")
+    if args.profile:
+        from rl_fsdp.profiling import profile_step
+
+        PROFILE.update(profile_step(lambda: backend.train_step(batch), device))
+        _log(f"profiled step: {PROFILE['busy_fraction']:.1%} busy, {PROFILE['categories_ms']}")
     return step_s, backend
+
+
+PROFILE: dict = {}  # --profile: one more rl-fsdp step under torch.profiler
 
 
 def levers(backend: FSDPBackend) -> dict:
@@ -227,6 +255,7 @@ def levers(backend: FSDPBackend) -> dict:
         },
         "compile_layers": config.compile_layers,
         "reshard_after_forward": modeling.reshard_after_forward(config, world),
+        "reshard_after_backward": modeling.reshard_after_backward(config, world),
         "reduce_dtype": str(modeling.reduce_dtype(config, world)).removeprefix("torch."),
         "attention": backend.attention,
         "activation_checkpointing": config.activation_checkpointing,
@@ -291,9 +320,10 @@ def main(argv=None) -> dict:
             "activation_checkpointing": args.checkpointing,
             "compile_layers": args.compile_layers,
             "levers": lever_report,
-            "fallback_errors": FALLBACK_ERRORS + fusion.COMPILE_FAILURES,
+            "fallback_errors": FALLBACK_ERRORS + fusion.COMPILE_FAILURES + PROBE_ERRORS,
             "steps": args.steps,
             "peak_memory_gib": PEAK_MEMORY_GIB.get("figure"),
+            **({"profile": PROFILE} if args.profile else {}),
         },
         "baseline": {
             "name": "plain HF loop (padded, SDPA, HF cross-entropy, fused AdamW)",

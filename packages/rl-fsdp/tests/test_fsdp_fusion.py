@@ -12,7 +12,12 @@ from fsdp_tiny import CONFIGS, plain_model, tokens_batch
 
 from rl_fsdp import fusion
 from rl_fsdp.config import FSDPConfig
-from rl_fsdp.modeling import blocks_compiled, reduce_dtype, reshard_after_forward
+from rl_fsdp.modeling import (
+    blocks_compiled,
+    reduce_dtype,
+    reshard_after_backward,
+    reshard_after_forward,
+)
 
 MODEL = {"model_config": CONFIGS["qwen2"], "device": "cpu"}
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -161,6 +166,44 @@ def test_single_rank_settings_are_bit_identical(world_of_one):
         assert torch.equal(fast_params[name], value), name
     for name, value in slow_grads.items():
         assert torch.equal(fast_grads[name], value), name
+
+
+def _count_gathers(monkeypatch) -> list[int]:
+    """Counts the FSDP parameter-group unshards that do work (all-gather + cast)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    calls, unshard = [0], FSDPParamGroup.unshard
+
+    def counted(self, *args, **kwargs):
+        calls[0] += not self.is_unsharded and self._all_gather_result is None
+        return unshard(self, *args, **kwargs)
+
+    monkeypatch.setattr(FSDPParamGroup, "unshard", counted)
+    return calls
+
+
+def test_layers_stay_gathered_through_a_steps_micro_batches(world_of_one, monkeypatch):
+    """reshard_after_backward=False (the single-rank default): one gather per layer and
+    step instead of one per micro-batch, every unit sharded after the step, and the same
+    losses, gradients and parameters bit for bit as resharding after every backward."""
+    from torch.distributed.tensor import DTensor
+
+    cfg = FSDPConfig(**MODEL, precision="bf16")
+    assert (reshard_after_backward(cfg, 1), reshard_after_backward(cfg, 2)) == (False, True)
+    assert reshard_after_backward(replace(cfg, reshard_after_backward=True), 1) is True
+    gathers = _count_gathers(monkeypatch)
+    kept, kept_losses, kept_grads = _train(world_of_one)
+    kept_gathers, gathers[0] = gathers[0], 0
+    freed, freed_losses, freed_grads = _train(world_of_one, reshard_after_backward=True)
+    units = CONFIGS["qwen2"]["num_hidden_layers"] + 1
+    assert kept_gathers == 2 * units and gathers[0] == 2 * 3 * units  # 2 steps x 3 micro
+    assert all(isinstance(p, DTensor) for p in kept.model.parameters())
+    assert kept_losses == freed_losses
+    freed_params, kept_params = _full_params(freed), _full_params(kept)
+    for name, value in freed_params.items():
+        assert torch.equal(kept_params[name], value), name
+    for name, value in freed_grads.items():
+        assert torch.equal(kept_grads[name], value), name
 
 
 def test_log_probs_leave_every_layer_sharded_on_one_rank(world_of_one):

@@ -2,16 +2,18 @@
 
 Hugging Face models call a registered attention function per layer with
 ``query [1, H, N, D]``, ``key/value [1, H_kv, N, D]``; the extra keyword ``rl_layout``
-(a :class:`PackedLayout`) given to the model's forward reaches it untouched. Five
+(a :class:`PackedLayout`) given to the model's forward reaches it untouched. Six
 implementations, all equal to running each sequence alone:
 
 - ``flash_varlen``: flash-attn's ``flash_attn_varlen_func`` with cu_seqlens (GPU, fastest);
+- ``torch_varlen``: the same FlashAttention-2 varlen kernel as shipped inside torch >= 2.10
+  (:mod:`rl_fsdp.torch_varlen`; one launch per layer; the CUDA default without flash-attn);
 - ``flex``: FlexAttention with a document-causal block mask (:mod:`rl_fsdp.flex`),
   compiled once on CUDA (GPU without flash-attn);
 - ``sdpa_mask``: one SDPA call with a block-diagonal causal mask ``[N, N]`` (CPU, short N);
 - ``sdpa_grouped``: sequences of similar length padded into a few batched causal SDPA
   calls (:mod:`rl_fsdp.grouped`; SDPA's flash kernel, a handful of launches per layer
-  even for hundreds of short RL sequences; the default on CUDA without flash-attn);
+  even for hundreds of short RL sequences; the CUDA default on a torch without varlen);
 - ``sdpa_per_doc``: one causal SDPA call per sequence (keeps SDPA's flash kernel, no
   ``[N, N]`` mask, but one launch per sequence and layer).
 Without ``rl_layout`` (ordinary padded calls) it falls back to Hugging Face's SDPA path.
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 
 from rl_fsdp.flex import bucket_length, document_block_mask, flex_available, flex_packed_attention
 from rl_fsdp.grouped import build_groups, grouped_attention
+from rl_fsdp.torch_varlen import probe, varlen_attention, varlen_function
 
 PACKED_ATTENTION = "rl_packed"
 # sdpa_grouped runs layouts of at most this many sequences one SDPA call per sequence: a
@@ -82,27 +85,49 @@ def flash_attn_available() -> bool:
 
 def resolve_attention(impl: str, device: torch.device, precision: str = "fp32") -> str:
     """Name of the implementation to use; "auto" picks the fastest available on ``device``
-    for ``precision`` (flash-attn computes in bf16 on CUDA only)."""
-    flash_ok = device.type == "cuda" and precision == "bf16"
-    if impl == "flash_varlen" and not flash_ok:
-        raise ValueError("attention='flash_varlen' needs device='cuda' and precision='bf16'")
-    if impl == "flash_varlen" and not flash_attn_available():
-        raise ValueError("attention='flash_varlen' needs flash-attn: pip install flash-attn")
-    if impl == "flex" and device.type != "cuda":
-        raise ValueError("attention='flex' needs device='cuda' (FlexAttention has no CPU backward)")
-    if impl == "flex" and not flex_available(device):
-        raise ValueError("attention='flex' needs torch>=2.5 with FlexAttention and triton")
+    for ``precision`` (the varlen kernels compute in bf16 on CUDA only)."""
+    _check_explicit(impl, device, precision)
     if impl != "auto":
         return impl
-    if device.type != "cuda":
+    return auto_attention(
+        device.type,
+        precision,
+        flash_attn=flash_attn_available(),
+        torch_varlen=lambda: probe(device) is None,
+    )
+
+
+def auto_attention(device_type: str, precision: str, *, flash_attn: bool, torch_varlen) -> str:
+    """What "auto" picks; ``torch_varlen()`` says whether torch's varlen kernel works here
+    (called only when it is the candidate: it runs a probe on the device)."""
+    if device_type != "cuda":
         return "sdpa_mask"
-    if flash_ok and flash_attn_available():
+    if precision == "bf16" and flash_attn:
         return "flash_varlen"
+    if precision == "bf16" and torch_varlen():
+        return "torch_varlen"
     # Measured on an H200 (docs/benchmarks.md): flex was slower than one SDPA per sequence
     # (0.5b full 0.73x vs 0.94x of the plain loop), so flex stays opt-in; one SDPA per
     # sequence left the GPU idle on RL batches of hundreds of short sequences (4 % busy in
     # the loop), which the grouped calls fix.
     return "sdpa_grouped"
+
+
+def _check_explicit(impl: str, device: torch.device, precision: str) -> None:
+    """ValueError with the fix for an explicit choice that cannot run here."""
+    varlen_ok = device.type == "cuda" and precision == "bf16"
+    if impl in ("flash_varlen", "torch_varlen") and not varlen_ok:
+        raise ValueError(f"attention={impl!r} needs device='cuda' and precision='bf16'")
+    if impl == "flash_varlen" and not flash_attn_available():
+        raise ValueError("attention='flash_varlen' needs flash-attn: pip install flash-attn")
+    if impl == "torch_varlen" and varlen_function() is None:
+        raise ValueError("attention='torch_varlen' needs torch>=2.10 (torch.nn.attention.varlen)")
+    if impl == "torch_varlen" and (error := probe(device)):
+        raise ValueError(f"attention='torch_varlen' does not work here ({error}); use 'auto'")
+    if impl == "flex" and device.type != "cuda":
+        raise ValueError("attention='flex' needs device='cuda' (FlexAttention has no CPU backward)")
+    if impl == "flex" and not flex_available(device):
+        raise ValueError("attention='flex' needs torch>=2.5 with FlexAttention and triton")
 
 
 def block_causal_mask(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -142,6 +167,10 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, **kw
         raise ValueError(f"packed attention takes one packed row, got batch {query.shape[0]}")
     if layout.impl == "flash_varlen":
         return _flash_varlen(query, key, value, layout, scaling, dropout), None
+    if layout.impl == "torch_varlen":
+        out = varlen_attention(query, key, value, layout.cu_seqlens, layout.max_seqlen, scaling,
+                               dropout)  # fmt: skip
+        return out, None
     if layout.impl == "flex":
         out = flex_packed_attention(query, key, value, layout.block_mask, scaling, dropout)
         return out.transpose(1, 2).contiguous(), None

@@ -12,7 +12,15 @@ from rl_core.importance import IS_LEVELS, IS_MODES
 from rl_core.kl import KL_KINDS
 from rl_core.losses import POLICY_LOSSES
 
-ATTENTION_IMPLS = ("auto", "flash_varlen", "flex", "sdpa_mask", "sdpa_grouped", "sdpa_per_doc")
+ATTENTION_IMPLS = (
+    "auto",
+    "flash_varlen",
+    "torch_varlen",
+    "flex",
+    "sdpa_mask",
+    "sdpa_grouped",
+    "sdpa_per_doc",
+)
 PRECISIONS = ("fp32", "bf16")
 LR_DECAYS = ("constant", "linear", "cosine")
 MODES = ("rl", "sft")
@@ -34,12 +42,13 @@ class FSDPConfig:
     """"fp32" (everything fp32) or "bf16" (bf16 compute and all-gather, fp32 master
     weights and fp32 gradient reduction)."""
     attention: str = "auto"
-    """Packed attention: "flash_varlen" (flash-attn), "flex" (FlexAttention with a
+    """Packed attention: "flash_varlen" (flash-attn), "torch_varlen" (the same varlen
+    kernel shipped in torch >= 2.10, bf16 on cuda), "flex" (FlexAttention with a
     document-causal block mask, compiled on cuda), "sdpa_mask" (one SDPA call with a
     block-diagonal causal mask), "sdpa_grouped" (sequences of similar length padded into a
     few batched causal SDPA calls), "sdpa_per_doc" (one causal SDPA per sequence) or "auto"
-    (on cuda flash_varlen if installed, else sdpa_grouped; sdpa_mask on cpu; flex is
-    opt-in until it measures faster)."""
+    (on cuda with bf16: flash_varlen if installed, else torch_varlen if torch has it and a
+    probe passes, else sdpa_grouped; sdpa_mask on cpu; flex is opt-in)."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer in the backward pass (less memory, ~1/3 more compute)."""
     compile_layers: bool = False
@@ -61,6 +70,11 @@ class FSDPConfig:
     """Free gathered layer weights after forward (ZeRO-3); False keeps them (ZeRO-2-like:
     the backward needs no second all-gather and cast). None = False on a single rank
     without cpu_offload (nothing to save: the shard is the whole layer), True otherwise."""
+    reshard_after_backward: bool | None = None
+    """Free gathered layer weights after every micro-batch's backward. None = the same as
+    ``reshard_after_forward``: on a single rank the layers then stay gathered through a
+    step's micro-batches and are freed once after the last (no re-gather and bf16 re-cast
+    per micro-batch; the same numbers bit for bit)."""
     reduce_dtype: str | None = None
     """dtype of the gradient reduction ("fp32" or "bf16"). None = fp32, except on a single
     rank where it is the compute dtype: nothing is summed there, so the result is the same

@@ -26,7 +26,8 @@ from rl_fsdp.distributed import (
 )
 from rl_fsdp.forward import micro_batch, plan_micro_batches
 from rl_fsdp.metrics import train_flops
-from rl_fsdp.modeling import build_model, shard_model
+from rl_fsdp.modeling import build_model, gathered_through, reshard_after_backward, shard_model
+from rl_fsdp.offload import HostStash, training_tensors
 from rl_fsdp.optim import build_optimizer
 
 
@@ -44,6 +45,7 @@ class ShardedTrainer:
         self.optimizer, self.scheduler = build_optimizer(self.model, config)
         self.step = 0
         self.offloaded = False
+        self._stash = HostStash()  # pinned host copies while offloaded (colocated turns)
 
     # --- to be provided by subclasses --------------------------------------------------
     def micro_batch_loss(self, mb: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
@@ -60,11 +62,13 @@ class ShardedTrainer:
         """Accumulate this step's gradients over micro-batches; metrics summed over ranks."""
         batch = global_denominators(batch.to(self.device), self.device)
         sums: dict[str, float] = defaultdict(float)
-        for seq_indices in self.plan(batch, self.config.max_tokens_per_micro_batch):
-            loss, metrics = self.micro_batch_loss(micro_batch(batch, seq_indices))
-            (loss * self.dist.world_size).backward()
-            for key, value in metrics.items():
-                sums[key] += value
+        keep = not reshard_after_backward(self.config, self.dist.world_size)
+        with gathered_through(self.model, keep):
+            for seq_indices in self.plan(batch, self.config.max_tokens_per_micro_batch):
+                loss, metrics = self.micro_batch_loss(micro_batch(batch, seq_indices))
+                (loss * self.dist.world_size).backward()
+                for key, value in metrics.items():
+                    sums[key] += value
         sums["perf/num_tokens"] = float(batch.num_tokens)
         sums["perf/attn_tokens_sq"] = float(sum(n * n for n in batch.seq_lengths()))
         return all_reduce_sum(dict(sums), self.device)
@@ -114,6 +118,7 @@ class ShardedTrainer:
 
     # --- checkpoints and memory --------------------------------------------------------
     def save_checkpoint(self, path: Path) -> None:
+        self.onload()
         checkpoint.save(Path(path), self.model, self.optimizer, self.scheduler, self.step)
 
     def load_checkpoint(self, path: Path) -> None:
@@ -121,28 +126,15 @@ class ShardedTrainer:
         self.step = checkpoint.load(Path(path), self.model, self.optimizer, self.scheduler)
 
     def offload(self) -> None:
-        """Parameters, gradients and optimizer state to CPU (a no-op on a CPU run)."""
+        """Parameters, gradients and optimizer state to pinned host memory, freeing their
+        device memory (:mod:`rl_fsdp.offload`; a no-op on a CPU run)."""
         if self.device.type != "cpu" and not self.offloaded:
-            _move_all(self.model, self.optimizer, torch.device("cpu"))
+            tensors = training_tensors(self.model, self.optimizer)
+            self._stash.release(t for t in tensors if t.device.type == "cuda")
             torch.cuda.empty_cache()
         self.offloaded = True
 
     def onload(self) -> None:
-        if self.device.type != "cpu" and self.offloaded and not self.config.cpu_offload:
-            _move_all(self.model, self.optimizer, self.device)
+        if self._stash.released:
+            self._stash.restore()
         self.offloaded = False
-
-
-def _move_all(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device):
-    model.to(device)
-    for param in model.parameters():
-        if param.grad is not None:
-            param.grad = param.grad.to(device)
-    # Unfused AdamW keeps its step counters on CPU; fused keeps them with the parameters.
-    move_steps = bool(optimizer.defaults.get("fused"))
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and (key != "step" or move_steps):
-                state[key] = value.to(device, non_blocking=True)
-    if device.type == "cuda":
-        torch.cuda.synchronize()

@@ -5,6 +5,7 @@ final norm, head), over one data-parallel mesh of all ranks. Tested families: Qw
 Qwen3, Llama; any HF decoder whose layers are listed in ``_no_split_modules`` works.
 """
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -118,6 +119,32 @@ def reshard_after_forward(config: FSDPConfig, world_size: int) -> bool:
     if config.reshard_after_forward is not None:
         return config.reshard_after_forward
     return world_size > 1 or config.cpu_offload
+
+
+def reshard_after_backward(config: FSDPConfig, world_size: int) -> bool:
+    """Whether layers are freed after every micro-batch's backward; by default only when
+    they are also freed after forward (without it: on one rank, the layers stay gathered
+    through a step's micro-batches and are freed once after the last one)."""
+    if config.reshard_after_backward is not None:
+        return config.reshard_after_backward
+    return reshard_after_forward(config, world_size)
+
+
+@contextmanager
+def gathered_through(model: nn.Module, keep: bool):
+    """Within: FSDP units of ``model`` stay gathered after backward when ``keep`` (the
+    next micro-batch's forward needs no new all-gather and bf16 cast of the same
+    weights); on exit every unit is resharded, so the optimizer updates the sharded
+    parameters and the next gather sees the update."""
+    if not keep:
+        yield
+        return
+    model.set_reshard_after_backward(False)
+    try:
+        yield
+    finally:
+        model.set_reshard_after_backward(True)
+        reshard_all(model)
 
 
 def reduce_dtype(config: FSDPConfig, world_size: int) -> torch.dtype:
