@@ -126,9 +126,11 @@ class ShardedTrainer:
         self.step = checkpoint.load(Path(path), self.model, self.optimizer, self.scheduler)
 
     def offload(self) -> None:
-        """Parameters, gradients and optimizer state to pinned host memory, freeing their
-        device memory (:mod:`rl_fsdp.offload`; a no-op on a CPU run)."""
+        """Parameters and optimizer state to pinned host memory, freeing their device
+        memory (:mod:`rl_fsdp.offload`; a no-op on a CPU run). The finished step's
+        gradients are dropped (the next step starts from zero)."""
         if self.device.type != "cpu" and not self.offloaded:
+            self.optimizer.zero_grad(set_to_none=True)
             tensors = training_tensors(self.model, self.optimizer)
             self._stash.release(t for t in tensors if t.device.type == "cuda")
             torch.cuda.empty_cache()

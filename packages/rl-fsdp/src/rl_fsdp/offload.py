@@ -24,7 +24,7 @@ class HostStash:
 
     def __init__(self, *, pin: bool | None = None):
         self.pin = torch.cuda.is_available() if pin is None else pin
-        self._host: dict[int, torch.Tensor] = {}  # storage key -> uint8 host buffer
+        self._host: dict[int, torch.Tensor] = {}  # storage position -> uint8 host buffer
         self._released: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
 
     @property
@@ -36,7 +36,8 @@ class HostStash:
         if self._released:
             raise RuntimeError("HostStash.release called twice without restore")
         storages = _distinct_storages(tensors)
-        for key, storage in storages.items():
+        # buffers are matched by position: a regrown storage has a new address
+        for key, storage in enumerate(storages.values()):
             host = self._host_buffer(key, storage.nbytes())
             host.copy_(_bytes_of(storage), non_blocking=self.pin)
             self._released.append((storage, host))
@@ -87,11 +88,8 @@ def _wait(storages: Iterable[torch.UntypedStorage]) -> None:
 
 
 def training_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None):
-    """Parameters, gradients and optimizer state tensors (step counters included: a fused
-    AdamW keeps them on the device)."""
-    for param in model.parameters():
-        yield param
-        if param.grad is not None:
-            yield param.grad
+    """Parameters and optimizer state tensors (step counters included: a fused AdamW keeps
+    them on the device). Gradients are not state: drop them before releasing."""
+    yield from model.parameters()
     for state in optimizer.state.values() if optimizer is not None else ():
         yield from (value for value in state.values() if isinstance(value, torch.Tensor))
