@@ -24,8 +24,9 @@ from rl_core.objective import policy_objective, sft_objective
 from rl_fsdp.config import FSDPConfig
 from rl_fsdp.distributed import DistInfo
 from rl_fsdp.engine import ShardedTrainer
-from rl_fsdp.forward import micro_batch, packed_log_probs, token_indices
+from rl_fsdp.forward import packed_log_probs
 from rl_fsdp.modeling import DTYPES, build_model, freeze, reshard_all, shard_model
+from rl_fsdp.transfer import copy_to_device
 from rl_fsdp.weights import iter_weight_buckets, write_hf_dir
 
 __all__ = ["FSDPBackend", "FSDPConfig"]
@@ -50,17 +51,15 @@ class FSDPBackend(ShardedTrainer):
         """Log-probs ``[N]`` of the next tokens (0 at sequence ends), no graph built."""
         net = self._pick(model)
         self.onload()
-        batch = batch.to(self.device)
-        out = torch.zeros(batch.num_tokens, dtype=torch.float32, device=self.device)
+        host = batch.to("cpu")
+        out = torch.zeros(host.num_tokens, dtype=torch.float32, device=self.device)
         budget = self.config.micro_batch_tokens_for_log_probs
         with torch.no_grad(), self._swapped_in(net):
-            for seqs in self.plan(batch, budget):
-                mb = micro_batch(batch, seqs)
+            for seqs, mb in self.micro_batches(host, budget):
                 lp, _ = self._log_probs(net, mb, with_entropy=False, budget=budget)
-                if seqs:
-                    out[token_indices(batch, seqs).to(self.device)] = lp
+                self.place(out, host, seqs, lp)
             reshard_all(net)  # the root (and layers on one rank) stay gathered after forward
-        out[batch.cu_seqlens[1:].long() - 1] = 0.0
+        out[copy_to_device({"ends": host.cu_seqlens[1:].long() - 1}, self.device)["ends"]] = 0.0
         return out
 
     def _pick(self, model: str) -> torch.nn.Module:
@@ -97,7 +96,7 @@ class FSDPBackend(ShardedTrainer):
         )
 
     # --- the loss of one micro-batch ---------------------------------------------------
-    def micro_batch_loss(self, mb: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
+    def micro_batch_loss(self, mb: TrainBatch) -> tuple[torch.Tensor, dict]:
         rl = self.config.mode == "rl"
         budget = self.config.max_tokens_per_micro_batch
         log_probs, entropy = self._log_probs(self.model, mb, with_entropy=rl, budget=budget)
@@ -142,7 +141,7 @@ class FSDPBackend(ShardedTrainer):
         metrics.update(objective_metrics)
         if mb.ref_log_probs is not None and cfg.kl_coef == 0.0:  # report KL even if unused
             kl = approx_kl(log_probs.detach(), mb.ref_log_probs, kind=cfg.kl_kind)
-            metrics["actor/kl"] = float(self._aggregate(kl, mb))
+            metrics["actor/kl"] = self._aggregate(kl, mb)  # read back once per step
         return loss, metrics
 
     def _aggregate(self, per_token: torch.Tensor, mb: TrainBatch) -> torch.Tensor:
@@ -169,7 +168,8 @@ class FSDPBackend(ShardedTrainer):
             cap=self.config.rollout_is_cap,
             cu_seqlens=mb.cu_seqlens,
         )
-        share = float(mb.loss_mask.sum()) / max(mb.global_num_tokens, 1.0)
+        # float64 on the device: the same rounding as Python floats, no read-back
+        share = mb.loss_mask.sum().to(torch.float64) / max(mb.global_num_tokens, 1.0)
         return weights, {key: value * share for key, value in metrics.items()}
 
     # --- weights out -------------------------------------------------------------------
