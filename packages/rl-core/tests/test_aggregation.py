@@ -63,3 +63,15 @@ def test_packed_equals_padded():
 def test_unknown_mode():
     with pytest.raises(ValueError, match="token-mean"):
         aggregate(X, MASK, mode="sum")
+
+
+def test_segment_ids_with_a_known_size_never_reads_the_device_back():
+    from rl_core.aggregation import segment_ids
+
+    cu = torch.tensor([0, 2, 2, 5])
+    assert segment_ids(cu).tolist() == [0, 0, 2, 2, 2]
+    assert segment_ids(cu, 5).tolist() == [0, 0, 2, 2, 2]
+    with pytest.raises(ValueError, match="covers 5 tokens but the tensor has 6"):
+        segment_ids(cu, 6)
+    on_meta = segment_ids(cu.to("meta"), 5)  # 'meta' raises on any read-back
+    assert on_meta.shape == (5,) and on_meta.device.type == "meta"

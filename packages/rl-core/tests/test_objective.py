@@ -123,3 +123,47 @@ def test_unknown_loss_name():
             mask=data["mask"],
             loss_name="grpo",
         )
+
+
+@pytest.mark.parametrize("agg_mode", ["token-mean", "seq-mean-token-mean"])
+def test_tensor_metrics_equal_the_float_metrics_and_need_no_read_back(agg_mode):
+    """tensor_metrics=True returns the same numbers as 0-d tensors; on the 'meta' device
+    (where any read-back raises) the whole objective then runs, seq-mean modes included."""
+    gen = torch.Generator().manual_seed(5)
+    lengths = [3, 5, 4]
+    cu = cu_seqlens_from_lengths(lengths)
+    n = sum(lengths)
+    inputs = {
+        "log_probs": torch.randn(n, generator=gen) - 1,
+        "old_log_probs": torch.randn(n, generator=gen) - 1,
+        "advantages": torch.randn(n, generator=gen),
+        "mask": (torch.rand(n, generator=gen) > 0.2).float(),
+        "entropy": torch.rand(n, generator=gen),
+        "ref_log_probs": torch.randn(n, generator=gen) - 1,
+    }
+    common = {"kl_coef": 0.1, "entropy_coef": 0.01, "agg_mode": agg_mode, "cu_seqlens": cu,
+              "num_tokens": 9.0, "num_seqs": 3.0}  # fmt: skip
+    _, floats = policy_objective(**inputs, **common)
+    _, tensors = policy_objective(**inputs, **common, tensor_metrics=True)
+    assert set(floats) == set(tensors)
+    assert all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in tensors.values())
+    assert {k: float(v) for k, v in tensors.items()} == floats
+    on_meta = {k: v.to("meta") for k, v in inputs.items()}
+    loss, metrics = policy_objective(**on_meta, **common | {"cu_seqlens": cu.to("meta")},
+                                     tensor_metrics=True)  # fmt: skip
+    assert loss.device.type == "meta" and all(v.device.type == "meta" for v in metrics.values())
+    with pytest.raises(RuntimeError, match="meta"):  # the float path does read back
+        policy_objective(**on_meta, **common | {"cu_seqlens": cu.to("meta")})
+
+
+def test_sft_and_importance_tensor_metrics():
+    log_probs, mask = torch.tensor([-1.0, -2.0, -0.5]), torch.tensor([1.0, 1.0, 0.0])
+    _, floats = sft_objective(log_probs=log_probs, mask=mask)
+    _, tensors = sft_objective(log_probs=log_probs, mask=mask, tensor_metrics=True)
+    assert (
+        {k: float(v) for k, v in tensors.items()} == floats == {"loss/sft": 1.5, "loss/total": 1.5}
+    )
+    old, rollout = torch.tensor([-1.0, -1.0, -1.0]), torch.tensor([-1.5, -1.0, -0.2])
+    _, floats = rollout_importance_weights(old, rollout, mask)
+    _, tensors = rollout_importance_weights(old, rollout, mask, tensor_metrics=True)
+    assert {k: float(v) for k, v in tensors.items()} == floats

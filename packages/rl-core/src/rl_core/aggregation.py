@@ -87,12 +87,19 @@ def row_sums_and_counts(
 
 
 def segment_ids(cu_seqlens: torch.Tensor, num_tokens: int | None = None) -> torch.Tensor:
-    """Sequence index of every packed token: ``[N]`` int64 from ``cu_seqlens`` ``[B + 1]``."""
+    """Sequence index of every packed token: ``[N]`` int64 from ``cu_seqlens`` ``[B + 1]``.
+
+    With ``num_tokens`` the output size is known, so a GPU ``cu_seqlens`` is never read
+    back; the check that it covers ``num_tokens`` tokens runs where that is free (host)."""
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    ids = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
-    if num_tokens is not None and ids.numel() != num_tokens:
-        raise ValueError(f"cu_seqlens covers {ids.numel()} tokens but the tensor has {num_tokens}")
-    return ids
+    seqs = torch.arange(lengths.numel(), device=lengths.device)
+    if num_tokens is None:
+        return torch.repeat_interleave(seqs, lengths)
+    if lengths.device.type == "cpu" and int(lengths.sum()) != num_tokens:
+        raise ValueError(
+            f"cu_seqlens covers {int(lengths.sum())} tokens but the tensor has {num_tokens}"
+        )
+    return torch.repeat_interleave(seqs, lengths, output_size=num_tokens)
 
 
 def _at_least_one(denominator: float | torch.Tensor) -> torch.Tensor | float:

@@ -33,10 +33,12 @@ def rollout_importance_weights(
     cap: float = 2.0,
     lower: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    tensor_metrics: bool = False,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Importance weights pi_old / pi_rollout and the metrics users watch.
 
-    Returns ``(weights, metrics)``; metrics: ``mismatch/abs_log_ratio_mean`` (mean
+    Returns ``(weights, metrics)`` (metrics as Python floats, or as detached 0-d tensors
+    with ``tensor_metrics``); metrics: ``mismatch/abs_log_ratio_mean`` (mean
     |Δ log-prob| over valid tokens), ``mismatch/frac_capped`` (fraction of valid tokens
     whose weight was truncated or masked), ``mismatch/weight_mean``.
     """
@@ -67,8 +69,10 @@ def rollout_importance_weights(
     weights = (weights * weights_mask).detach()
     num_valid = weights_mask.sum().clamp(min=1.0)
     metrics = {
-        "mismatch/abs_log_ratio_mean": float(log_ratio.abs().sum() / num_valid),
-        "mismatch/frac_capped": float((outside.float() * weights_mask).sum() / num_valid),
-        "mismatch/weight_mean": float(weights.sum() / num_valid),
+        "mismatch/abs_log_ratio_mean": log_ratio.abs().sum() / num_valid,
+        "mismatch/frac_capped": (outside.float() * weights_mask).sum() / num_valid,
+        "mismatch/weight_mean": weights.sum() / num_valid,
     }
+    if not tensor_metrics:
+        metrics = {key: float(value) for key, value in metrics.items()}
     return weights, metrics

@@ -35,13 +35,17 @@ def policy_objective(
     num_seqs: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
     norm_length: float | None = None,
+    tensor_metrics: bool = False,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Loss = agg(pg · w) + kl_coef · agg(kl) - entropy_coef · agg(entropy).
 
     Shapes: every per-token tensor ``[B, T]`` (or packed ``[N]`` with ``cu_seqlens``).
     ``importance_weights`` (e.g. from :func:`rl_core.importance.rollout_importance_weights`)
-    multiply the per-token policy loss. Returns ``(loss, metrics)``.
+    multiply the per-token policy loss. Returns ``(loss, metrics)``; metrics are Python
+    floats, or detached 0-d tensors with ``tensor_metrics`` (no device read-back: a
+    trainer sums them over micro-batches and reads them once per step).
     """
+    value = _detached if tensor_metrics else _as_float
     policy_loss_fn = POLICY_LOSSES.get(loss_name)
     pg_loss, clipfrac = policy_loss_fn(
         log_probs,
@@ -68,18 +72,26 @@ def policy_objective(
         )
 
     loss = agg(pg_loss)
-    metrics = {"loss/pg": float(loss.detach()), "pg/clipfrac": float(agg(clipfrac))}
+    metrics = {"loss/pg": value(loss), "pg/clipfrac": value(agg(clipfrac))}
     if ref_log_probs is not None and kl_coef != 0.0:
         kl_term = agg(approx_kl(log_probs, ref_log_probs, kind=kl_kind))
         loss = loss + kl_coef * kl_term
-        metrics["loss/kl"] = float(kl_term.detach())
+        metrics["loss/kl"] = value(kl_term)
     if entropy is not None:
         entropy_term = agg(entropy)
         if entropy_coef != 0.0:
             loss = loss + entropy_coef * agg(entropy_loss(entropy))
-        metrics["actor/entropy"] = float(entropy_term.detach())
-    metrics["loss/total"] = float(loss.detach())
+        metrics["actor/entropy"] = value(entropy_term)
+    metrics["loss/total"] = value(loss)
     return loss, metrics
+
+
+def _as_float(tensor: torch.Tensor) -> float:
+    return float(tensor.detach())
+
+
+def _detached(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach()
 
 
 def sft_objective(
@@ -90,8 +102,10 @@ def sft_objective(
     num_tokens: float | None = None,
     num_seqs: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    tensor_metrics: bool = False,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Supervised fine-tuning: aggregated negative log-likelihood of the masked tokens."""
+    """Supervised fine-tuning: aggregated negative log-likelihood of the masked tokens
+    (metrics as in :func:`policy_objective`)."""
     loss = aggregate(
         sft_loss(log_probs),
         mask,
@@ -100,4 +114,5 @@ def sft_objective(
         num_tokens=num_tokens,
         num_seqs=num_seqs,
     )
-    return loss, {"loss/sft": float(loss.detach()), "loss/total": float(loss.detach())}
+    value = _detached(loss) if tensor_metrics else _as_float(loss)
+    return loss, {"loss/sft": value, "loss/total": value}

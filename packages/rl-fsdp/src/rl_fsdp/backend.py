@@ -101,7 +101,12 @@ class FSDPBackend(ShardedTrainer):
         budget = self.config.max_tokens_per_micro_batch
         log_probs, entropy = self._log_probs(self.model, mb, with_entropy=rl, budget=budget)
         if not rl:
-            return sft_objective(log_probs=log_probs, mask=mb.loss_mask, **self._denominators(mb))
+            return sft_objective(
+                log_probs=log_probs,
+                mask=mb.loss_mask,
+                tensor_metrics=True,
+                **self._denominators(mb),
+            )
         return self._policy_loss(mb, log_probs, entropy)
 
     def _denominators(self, mb: TrainBatch) -> dict:
@@ -136,6 +141,7 @@ class FSDPBackend(ShardedTrainer):
             kl_kind=cfg.kl_kind,
             importance_weights=weights,
             norm_length=cfg.norm_length,
+            tensor_metrics=True,  # summed on the device, read back once per step
             **self._denominators(mb),
         )
         metrics.update(objective_metrics)
@@ -167,6 +173,7 @@ class FSDPBackend(ShardedTrainer):
             mode=self.config.rollout_is,
             cap=self.config.rollout_is_cap,
             cu_seqlens=mb.cu_seqlens,
+            tensor_metrics=True,
         )
         # float64 on the device: the same rounding as Python floats, no read-back
         share = mb.loss_mask.sum().to(torch.float64) / max(mb.global_num_tokens, 1.0)
