@@ -58,6 +58,19 @@ def test_batch_from_samples_alignment_by_hand():
     assert targets.tolist() == [6, 7, 8, 9, 0, 2, 3, 0]
 
 
+def test_next_token_targets_with_empty_sequences_and_without_read_back():
+    tokens = torch.tensor([5, 6, 7, 8, 9])
+    for cu, expected in [
+        ([0, 0, 2, 2, 5], [6, 0, 8, 9, 0]),  # empty first and middle sequences
+        ([0, 2, 5, 5], [6, 0, 8, 9, 0]),  # empty last sequence
+        ([0, 0, 0, 5], [6, 7, 8, 9, 0]),
+    ]:
+        assert next_token_targets(tokens, torch.tensor(cu)).tolist() == expected, cu
+    assert next_token_targets(torch.zeros(0, dtype=torch.long), torch.tensor([0, 0])).numel() == 0
+    on_meta = next_token_targets(tokens.to("meta"), torch.tensor([0, 2, 5]).to("meta"))
+    assert on_meta.shape == (5,) and on_meta.is_meta  # 'meta' raises on any read-back
+
+
 def test_select_keeps_global_denominators_and_validates():
     batch = batch_from_samples(make_samples(), advantages=[1.0, 1.0])
     part = batch.select([1])

@@ -19,7 +19,7 @@ from rl_fsdp import FSDPConfig
 from rl_fsdp.backend import FSDPBackend
 from rl_fsdp.critic import FSDPCritic
 from rl_fsdp.distributed import add_metrics, all_reduce_metrics
-from rl_fsdp.forward import micro_batch, packed_log_probs, plan_micro_batches, targets_at_ends
+from rl_fsdp.forward import micro_batch, packed_log_probs, plan_micro_batches
 from rl_fsdp.modeling import build_model
 from rl_fsdp.transfer import DeviceMicroBatch, pack, to_device, unpack
 
@@ -65,9 +65,9 @@ def test_device_micro_batch_holds_what_rl_core_would_compute():
     mb = to_device(micro_batch(host, [0, 2, 3]), torch.device("cpu"))
     assert isinstance(mb, DeviceMicroBatch) and mb.host_cu_seqlens.tolist() == [0, 0, 3, 8]
     assert torch.equal(mb.position_ids, position_ids_from_cu_seqlens(mb.cu_seqlens))
-    assert mb.seq_ends.tolist() == [2, 7]
-    expected = next_token_targets(mb.tokens, mb.cu_seqlens)
-    assert torch.equal(targets_at_ends(mb.tokens, mb.seq_ends), expected)
+    expected = torch.roll(mb.tokens, -1)
+    expected[[2, 7]] = 0  # the ends of the two non-empty sequences
+    assert torch.equal(next_token_targets(mb.tokens, mb.cu_seqlens), expected)
     assert mb.global_num_tokens == host.global_num_tokens
 
 

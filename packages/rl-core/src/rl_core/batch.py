@@ -50,11 +50,14 @@ class TrainBatch:
     global_num_seqs: float | None = None
 
     def __post_init__(self):
+        self._check_fields(int(self.cu_seqlens[-1]))
+
+    def _check_fields(self, boundaries_end: int) -> None:
+        """``boundaries_end`` (the last cu_seqlens entry, read where that is free) covers
+        the tokens, and every per-token field has one value per token."""
         num_tokens = self.tokens.shape[0]
-        if int(self.cu_seqlens[-1]) != num_tokens:
-            raise ValueError(
-                f"cu_seqlens ends at {int(self.cu_seqlens[-1])}, tokens has {num_tokens}"
-            )
+        if boundaries_end != num_tokens:
+            raise ValueError(f"cu_seqlens ends at {boundaries_end}, tokens has {num_tokens}")
         for name in PER_TOKEN_FIELDS:
             value = getattr(self, name)
             if value is not None and value.shape != (num_tokens,):
@@ -115,11 +118,13 @@ class TrainBatch:
 def next_token_targets(tokens: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Target of every position: the next token of the same sequence, 0 at each sequence end.
 
-    ``[N]`` -> ``[N]``; pair with a mask that is 0 at sequence ends.
+    ``[N]`` -> ``[N]``; pair with a mask that is 0 at sequence ends. No value is read back
+    from a GPU ``cu_seqlens``: an empty sequence's "end" is the previous sequence's end,
+    or -1 for leading empty ones, which wraps to position N - 1, the last sequence's end.
     """
     targets = torch.roll(tokens, shifts=-1)
-    ends = cu_seqlens[1:].long() - 1
-    targets[ends[ends >= 0]] = 0
+    if tokens.numel():
+        targets[cu_seqlens[1:].long() - 1] = 0
     return targets
 
 

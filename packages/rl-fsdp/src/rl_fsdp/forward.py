@@ -68,17 +68,9 @@ def _forward(model: nn.Module, batch: TrainBatch, impl: str, pad_to: int):
             device_cu_seqlens=batch.cu_seqlens,
             position_ids=batch.position_ids,
         )
-        return logits, targets_at_ends(batch.tokens, batch.seq_ends)
-    logits = packed_forward(model, batch.tokens, batch.cu_seqlens, impl, pad_to)
+    else:
+        logits = packed_forward(model, batch.tokens, batch.cu_seqlens, impl, pad_to)
     return logits, next_token_targets(batch.tokens, batch.cu_seqlens.to(batch.tokens.device))
-
-
-def targets_at_ends(tokens: torch.Tensor, seq_ends: torch.Tensor) -> torch.Tensor:
-    """rl_core.batch.next_token_targets with the sequence ends given ``[B']`` (no mask
-    indexing on the device): the next token of each position, 0 at each sequence end."""
-    targets = torch.roll(tokens, shifts=-1)
-    targets[seq_ends] = 0
-    return targets
 
 
 def packed_log_probs(

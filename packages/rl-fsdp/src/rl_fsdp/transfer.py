@@ -1,21 +1,20 @@
 """Micro-batches built on the host and moved to the device in one copy.
 
 The step's batch arrives on the host (from the launcher). Everything a micro-batch's
-forward needs that depends on sequence boundaries (cu_seqlens, position ids, the sequence
-ends whose targets are zeroed) is computed here from HOST tensors, packed with the
-micro-batch's tensors into one byte buffer, pinned (CUDA only) and copied with
-``non_blocking=True``: the host never waits for the GPU to drain, and no boundary is ever
+forward needs that depends on sequence boundaries (cu_seqlens, position ids) is computed
+here from HOST tensors, packed with the micro-batch's tensors into one byte buffer, pinned
+(CUDA only) and copied with ``non_blocking=True``: the host never waits for the GPU to drain, and no boundary is ever
 read back from the device.
 
-Shapes: N tokens, B sequences; ``position_ids`` ``[N]`` int64; ``seq_ends`` ``[B']`` int64
-(last position of every non-empty sequence); ``host_cu_seqlens`` ``[B + 1]`` int32.
+Shapes: N tokens, B sequences; ``position_ids`` ``[N]`` int64; ``host_cu_seqlens``
+``[B + 1]`` int32.
 """
 
 from dataclasses import dataclass, fields
 
 import torch
 
-from rl_core.batch import PER_TOKEN_FIELDS, TrainBatch
+from rl_core.batch import TrainBatch
 from rl_core.packing import position_ids_from_cu_seqlens
 
 
@@ -26,23 +25,10 @@ class DeviceMicroBatch(TrainBatch):
 
     host_cu_seqlens: torch.Tensor
     position_ids: torch.Tensor
-    seq_ends: torch.Tensor
 
     def __post_init__(self):
         """TrainBatch's checks, against the host boundaries (no device read-back)."""
-        num_tokens = self.tokens.shape[0]
-        if int(self.host_cu_seqlens[-1]) != num_tokens:
-            raise ValueError(f"cu_seqlens end at {int(self.host_cu_seqlens[-1])}, N={num_tokens}")
-        for name in PER_TOKEN_FIELDS:
-            value = getattr(self, name)
-            if value is not None and value.shape != (num_tokens,):
-                raise ValueError(f"{name} has shape {tuple(value.shape)}, expected ({num_tokens},)")
-
-
-def sequence_ends(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Last position of every non-empty sequence ``[B']`` int64 (host in, host out)."""
-    ends = cu_seqlens[1:].long() - 1
-    return ends[ends >= 0]
+        self._check_fields(int(self.host_cu_seqlens[-1]))
 
 
 def to_device(mb: TrainBatch, device: torch.device) -> DeviceMicroBatch:
@@ -53,7 +39,6 @@ def to_device(mb: TrainBatch, device: torch.device) -> DeviceMicroBatch:
     tensors = {f.name: getattr(mb, f.name) for f in fields(TrainBatch)}
     tensors = {name: t for name, t in tensors.items() if isinstance(t, torch.Tensor)}
     tensors["position_ids"] = position_ids_from_cu_seqlens(host_cu)
-    tensors["seq_ends"] = sequence_ends(host_cu)
     moved = copy_to_device(tensors, device)
     others = {f.name: getattr(mb, f.name) for f in fields(TrainBatch) if f.name not in moved}
     return DeviceMicroBatch(host_cu_seqlens=host_cu, **others, **moved)
