@@ -56,9 +56,41 @@ def test_first_fit_pack_by_hand_and_error():
 def test_first_fit_pack_properties(lengths, budget):
     bins = first_fit_pack(lengths, max_tokens=budget)
     assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
-    assert all(sum(lengths[i] for i in b) <= budget for b in bins)
-    # first-fit decreasing never uses more than 11/9·OPT + 1 bins; OPT >= total / budget
-    assert len(bins) <= 11 / 9 * (-(-sum(lengths) // budget)) + 1
+    loads = [sum(lengths[i] for i in b) for b in bins]
+    assert all(load <= budget for load in loads)
+    # first fit: a later bin was opened only because its first item fit in no earlier bin,
+    # so no two bins together fit in one
+    assert all(a + b > budget for a, b in zip(loads, loads[1:]))
+
+
+def fewest_bins(lengths: list[int], budget: int) -> int:
+    """The optimum, by search over subsets (small inputs only)."""
+    n = len(lengths)
+    full = (1 << n) - 1
+    fits = [sum(lengths[i] for i in range(n) if mask >> i & 1) <= budget for mask in range(full + 1)]
+    best = [0] + [n] * full
+    for mask in range(1, full + 1):
+        low = mask & -mask  # the lowest item goes into some bin: enumerate that bin
+        sub = mask
+        while sub:
+            if sub & low and fits[sub]:
+                best[mask] = min(best[mask], best[mask ^ sub] + 1)
+            sub = (sub - 1) & mask
+    return best[full]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(1, 60), min_size=1, max_size=9), st.integers(60, 120))
+def test_first_fit_pack_within_the_ffd_bound_of_the_optimum(lengths, budget):
+    # first-fit decreasing uses at most 11/9 OPT + 6/9 bins (Dosa, 2007)
+    opt = fewest_bins(lengths, budget)
+    assert len(first_fit_pack(lengths, max_tokens=budget)) <= 11 / 9 * opt + 6 / 9
+
+
+def test_fewest_bins_by_hand():
+    assert fewest_bins([49, 52, 52, 52, 52], 100) == 5  # no two fit together
+    assert fewest_bins([6, 5, 3, 2, 2, 2], 10) == 2  # 6+2+2 and 5+3+2
+    assert len(first_fit_pack([6, 5, 3, 2, 2, 2], max_tokens=10)) == 3  # 6+3, 5+2+2, 2
 
 
 def test_pack_unpack_round_trip_with_left_and_right_padding():
