@@ -140,6 +140,25 @@ def test_turns_release_before_training_and_refuse_unsynced_generation():
         turns.generating()
 
 
+def test_turns_with_a_resident_trainer_or_resident_engines():
+    calls: list = []
+    turns = Turns(Recorder(calls), Recorder(calls), offload_trainer=False)
+    turns.generating()
+    turns.training()
+    turns.syncing()
+    turns.generating()
+    tags = ["weights", "kv_cache", "cuda_graph"]
+    assert calls == [("release_memory", tags), ("empty_cache",), ("resume_memory", tags)]
+    calls.clear()
+    turns = Turns(Recorder(calls), Recorder(calls), release_engines=False)
+    turns.generating()
+    turns.training()
+    turns.syncing()
+    turns.generating()
+    turns.generating()  # no sync needed: the engines kept their weights
+    assert calls == [("offload",), ("onload",), ("offload",)]
+
+
 class SlowRecorder(Recorder):
     """A Recorder whose calls take ``seconds[name]`` of wall time."""
 
@@ -183,6 +202,12 @@ def test_turns_are_needed_on_shared_gpus_only():
     config = gpu_config("--engine.sync_every", "2")
     with pytest.raises(ValueError, match=re.escape("set engine.sync_every=1")):
         check_turns(config)
+    check_turns(gpu_config("--engine.sync_every", "2", "--engine.release_when_idle", "false"))
+    config = gpu_config("--backend.offload_when_idle", "false")
+    assert turns_needed(config, plan_from_config(config))  # the engines still take turns
+    config = gpu_config("--backend.offload_when_idle", "false",
+                        "--engine.release_when_idle", "false")  # fmt: skip
+    assert not turns_needed(config, plan_from_config(config))
     config = gpu_config("--rollout.loop", "one_step_async")
     with pytest.raises(ValueError, match=re.escape("cluster.colocate=false or rollout.loop=sync")):
         check_turns(config)

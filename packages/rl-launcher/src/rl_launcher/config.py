@@ -90,7 +90,9 @@ class BackendConfig:
     )
     micro_batch_tokens: int = option(4096, help="Token budget of one micro-batch.", low=1)
     offload_when_idle: bool = option(
-        True, help="Colocated mode: move training state off the device while engines generate."
+        True,
+        help="Colocated on GPUs: move training state to host memory while engines generate "
+        "(false: it stays on the device when both fit).",
     )
     tensor_parallel: int = option(1, help="Megatron tensor-parallel size.", low=1)
     pipeline_parallel: int = option(1, help="Megatron pipeline-parallel size.", low=1)
@@ -237,8 +239,18 @@ class EngineConfig:
         help="Weight transport; auto picks tensor (colocated) or distributed (disaggregated).",
         choices=("auto", "tensor", "distributed", "disk"),
     )
-    weight_bucket_bytes: int = option(512 << 20, help="Bytes per weight-sync bucket.", low=1)
+    weight_bucket_bytes: int = option(1 << 30, help="Bytes per weight-sync bucket.", low=1)
+    weight_flatten: bool = option(
+        True,
+        help="Send each bucket as one flat buffer (SGLang's flattened_bucket format): one "
+        "tensor handle or one broadcast per bucket instead of one per tensor.",
+    )
     sync_every: int = option(1, help="Sync weights every N training steps.", low=1)
+    release_when_idle: bool = option(
+        True,
+        help="Colocated on GPUs: engines release weights, KV cache and CUDA graphs while the "
+        "trainer works, and resume them for the weight sync (needs sync_every=1).",
+    )
     health_interval_s: float = option(
         5.0,
         help="Seconds between engine health checks; a dead engine is restarted, given the "

@@ -6,6 +6,10 @@
                trainer (CUDA IPC)
     generate   training state offloaded
 
+Each side's half is optional: ``engine.release_when_idle`` (the engines' release/resume)
+and ``backend.offload_when_idle`` (the trainer's offload/onload). When the training state
+fits beside the engine's memory, keeping it resident saves moving it twice a step.
+
 A real SGLang engine's released weights come back uninitialised, so generation right after
 training, without a weight sync in between, is refused (``engine.sync_every`` must be 1).
 The trainer group calls :meth:`Turns.training` / :meth:`Turns.syncing` and the rollout
@@ -20,8 +24,10 @@ ENGINE_MEMORY = ("weights", "kv_cache", "cuda_graph")  # SGLang's memory tags
 
 
 class Turns:
-    def __init__(self, trainer, rollout):
+    def __init__(self, trainer, rollout, *, offload_trainer: bool = True,
+                 release_engines: bool = True):  # fmt: skip
         self.trainer, self.rollout = trainer, rollout
+        self.offload_trainer, self.release_engines = offload_trainer, release_engines
         self.released: list[str] = []  # engine memory tags released now
         self.trainer_offloaded = False
         self.log: list[str] = []  # transitions, in order (for tests and debugging)
@@ -49,7 +55,7 @@ class Turns:
     def training(self) -> None:
         """Before log-probs and training: the devices belong to the trainer."""
         held = [tag for tag in ENGINE_MEMORY if tag not in self.released]
-        if held:
+        if held and self.release_engines:
             with self._timed("engine_release"):
                 self.rollout.release_memory(held)
             self.released += held
@@ -59,7 +65,12 @@ class Turns:
     def syncing(self) -> None:
         """Before a weight sync: engine memory resident, trainer weights on the device.
         Everything released is resumed at once: SGLang 0.5.15 is proven with a full
-        release followed by a full resume; resuming the weights alone first is not."""
+        release followed by a full resume; resuming the weights alone first is not. So
+        the trainer's state and the engines' memory must fit together here; a resident
+        trainer first returns the blocks its caching allocator keeps (activations)."""
+        if self.released and not self.offload_trainer:
+            with self._timed("trainer_empty_cache"):
+                self.trainer.empty_cache()
         self._resume(list(self.released))
         self._trainer_on()
 
@@ -74,7 +85,7 @@ class Turns:
             self._hand_over_to_engines()
 
     def _hand_over_to_engines(self) -> None:
-        if not self.trainer_offloaded:
+        if self.offload_trainer and not self.trainer_offloaded:
             with self._timed("trainer_offload"):
                 self.trainer.offload()
             self.trainer_offloaded = True
@@ -98,8 +109,14 @@ class Turns:
 
 
 def turns_needed(config, plan) -> bool:
-    """Trainer and engines share GPUs and ``backend.offload_when_idle`` is on."""
-    return plan.colocate and config.cluster.device == "cuda" and config.backend.offload_when_idle
+    """Trainer and engines share GPUs and one of them gives its memory up when idle."""
+    shared = plan.colocate and config.cluster.device == "cuda"
+    return shared and (config.backend.offload_when_idle or config.engine.release_when_idle)
+
+
+def make_turns(config, trainer, rollout) -> Turns:
+    return Turns(trainer, rollout, offload_trainer=config.backend.offload_when_idle,
+                 release_engines=config.engine.release_when_idle)  # fmt: skip
 
 
 def check_turns(config) -> None:
@@ -109,9 +126,9 @@ def check_turns(config) -> None:
             "colocated GPUs cannot do (they take turns): set cluster.colocate=false or "
             "rollout.loop=sync"
         )
-    if config.engine.sync_every != 1:
+    if config.engine.release_when_idle and config.engine.sync_every != 1:
         raise ValueError(
             "colocated on GPUs the engines' memory is released while training, so their "
             f"weights must be synced every step: set engine.sync_every=1 (got "
-            f"{config.engine.sync_every}), or backend.offload_when_idle=false"
+            f"{config.engine.sync_every}), or engine.release_when_idle=false"
         )

@@ -162,12 +162,12 @@ def minibatches(rank_batches: list, num_minibatches: int) -> list[list]:
 def sync(run: Run, *, version: int) -> dict[str, float]:
     """Trainer weights into every engine; the engines then report ``version``."""
     wait_for_restarts(run)
-    sent = run.trainer.sync_weights(run.rollout.engine_urls, str(version), **run.sync_options)
+    synced = run.trainer.sync_weights(run.rollout.engine_urls, str(version), **run.sync_options)
     engine_versions = run.rollout.weight_versions()
     if any(v != str(version) for v in engine_versions):
         raise RuntimeError(f"weight sync to version {version} left engines at {engine_versions}")
     run.weight_version = version  # what a restarted engine is given (run.engine_health)
-    return {"sync/bytes": sent, "sync/weight_version": float(version)}
+    return synced | {"sync/weight_version": float(version)}
 
 
 def sample_version(sample, default: int) -> int:

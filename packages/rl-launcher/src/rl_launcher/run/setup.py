@@ -130,7 +130,7 @@ def watch_engines(run: Run) -> None:
 
 
 def _start_rollout(run: Run, model_dir: Path, tokenizer, run_dir: Path) -> None:
-    from rl_launcher.run.colocation import Turns, check_turns, turns_needed
+    from rl_launcher.run.colocation import check_turns, make_turns, turns_needed
     from rl_launcher.run.engines import engine_gpus
     from rl_launcher.run.rollout_manager import RolloutManager
 
@@ -139,7 +139,7 @@ def _start_rollout(run: Run, model_dir: Path, tokenizer, run_dir: Path) -> None:
     run.rollout.engine_gpus = engine_gpus(run.plan, run.placement)
     if turns_needed(run.config, run.plan):
         check_turns(run.config)
-        run.rollout.turns = run.trainer.turns = Turns(run.trainer, run.rollout)
+        run.rollout.turns = run.trainer.turns = make_turns(run.config, run.trainer, run.rollout)
     run._cleanup.append(run.rollout.stop)
     run.rollout.start()
     watch_engines(run)

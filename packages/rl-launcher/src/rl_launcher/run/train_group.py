@@ -75,12 +75,15 @@ class TrainWorker:
         times, self.busy_s = dict(self.busy_s), defaultdict(float)
         return {f"time/{part}": seconds for part, seconds in times.items()}
 
-    def sync_weights(self, engine_urls: list[str], version: str, how: dict) -> float:
+    def sync_weights(self, engine_urls: list[str], version: str, how: dict) -> dict:
         """Gather full weights (all ranks) and load them into every engine (rank 0).
-        ``how``: see :func:`rl_launcher.run.weight_sync.sync_options`. Returns bytes sent."""
+        ``how``: see :func:`rl_launcher.run.weight_sync.sync_options`. Returns the bytes
+        sent (``sync/bytes``) and this rank's wall time in the call (``time/sync_call``)."""
+        start = time.perf_counter()
         self.onload()
         buckets = self.backend.export_weights(bucket_bytes=how["bucket_bytes"])
-        return self.weights.sync(buckets, engine_urls, version, how)
+        sent = self.weights.sync(buckets, engine_urls, version, how)
+        return {"sync/bytes": sent, "time/sync_call": time.perf_counter() - start}
 
     def offload(self) -> None:
         """Training state to host memory (colocated engines generate meanwhile)."""
@@ -90,6 +93,13 @@ class TrainWorker:
             self.backend.offload()
             self.offloaded = True
         if torch.cuda.is_available():  # the engines need the cached blocks back
+            torch.cuda.empty_cache()
+
+    def empty_cache(self) -> None:
+        """Cached device blocks back to the driver (colocated engines resume into them)."""
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.empty_cache()
 
     def onload(self) -> None:
@@ -191,7 +201,7 @@ class TrainGroup:
         metrics = self.call("train_steps", per_rank)[0]
         return metrics | call_latency(metrics, sent=sent, received=time.time())
 
-    def sync_weights(self, engine_urls: list[str], version: str, **how) -> float:
+    def sync_weights(self, engine_urls: list[str], version: str, **how) -> dict:
         self._turn("syncing")
         return self.call("sync_weights", engine_urls=engine_urls, version=version, how=how)[0]
 
@@ -200,6 +210,9 @@ class TrainGroup:
 
     def onload(self) -> None:
         self.call("onload")
+
+    def empty_cache(self) -> None:
+        self.call("empty_cache")
 
     def save(self, path: str) -> None:
         self.call("save", path=path)

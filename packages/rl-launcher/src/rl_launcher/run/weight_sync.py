@@ -41,7 +41,8 @@ def sync_options(config, run_dir: Path) -> dict:
     return {"transport": transport, "bucket_bytes": engine.weight_bucket_bytes,
             "path": str(run_dir / "sync_weights"), "engine_kind": engine.kind,
             "group_backend": "nccl" if device == "cuda" else "gloo",
-            "master_address": engine.host, "tp_size": engine.devices_per_engine}  # fmt: skip
+            "master_address": engine.host, "tp_size": engine.devices_per_engine,
+            "flatten": engine.weight_flatten}  # fmt: skip
 
 
 class EngineWeightSync:
@@ -75,10 +76,10 @@ class EngineWeightSync:
 
         if how["transport"] == "tensor":
             await transports.update_from_tensor(self.clients(urls), bucket, weight_version=version,
-                                                tp_size=how["tp_size"])  # fmt: skip
+                                                tp_size=how["tp_size"], flatten=how["flatten"])  # fmt: skip
             return
         sender = await self._connected_sender(urls, how)
-        await sender.send(bucket, weight_version=version)
+        await sender.send(bucket, weight_version=version, flatten=how["flatten"])
 
     async def _connected_sender(self, urls, how):
         """The process group with the engines, joined on the first sync."""
