@@ -5,13 +5,14 @@
 # summary (bench/e2e_summary.py) to $OUT/summary_<phase>.json.
 #
 #   bash bench/gpu_e2e.sh colocated      # GPU 0: FSDP + SGLang, then FSDP + embedded engine;
-#                                        # GPU 1 meanwhile: Megatron + SGLang (one GPU each)
+#                                        # GPU 1 meanwhile: Megatron + SGLang, then FSDP +
+#                                        # SGLang with the training state left resident
 #   bash bench/gpu_e2e.sh disaggregated  # GPUs 0+1: one_step_async, then sync
 #   bash bench/gpu_e2e.sh weight_sync    # GPUs 0+1: NCCL weight sync into real SGLang
-# On a 4-GPU machine both phases can run at once: GPU_A=0 GPU_B=1 for the colocated phase,
-# GPU_PAIR=2,3 for the disaggregated one. STEPS=N overrides the configs' num_steps.
+# On a 4-GPU machine both phases run at once with `bash bench/gpu_e2e.sh all` (colocated on
+# GPUs 0 and 1, disaggregated on 2+3). STEPS=N overrides the configs' num_steps.
 set -u
-phase=${1:?usage: bash bench/gpu_e2e.sh colocated|disaggregated|weight_sync}
+phase=${1:?usage: bash bench/gpu_e2e.sh colocated|disaggregated|all|weight_sync}
 OUT=${OUT:-runs/gpu_e2e}
 RUNS=${RUNS:-/tmp/gpu_e2e}  # run directories (model copies stay here, off $OUT)
 mkdir -p "$OUT" "$RUNS"
@@ -48,19 +49,26 @@ colocated_sglang)  # only the two SGLang runs, side by side
   train colocated_megatron "${GPU_B:-1}" 300 --config examples/gpu/colocated_megatron.yaml &
   wait
   ;;
-colocated)
-  (train colocated_fsdp "${GPU_A:-0}" 300 --config examples/gpu/colocated_fsdp.yaml
+colocated)  # two chains of two runs, one chain per GPU
+  (train colocated_fsdp "${GPU_A:-0}" 270 --config examples/gpu/colocated_fsdp.yaml
    train colocated_embedded "${GPU_A:-0}" 240 --config examples/gpu/colocated_fsdp.yaml \
      --engine.kind embedded) &
-  (train colocated_megatron "${GPU_B:-1}" 300 --config examples/gpu/colocated_megatron.yaml) &
+  (train colocated_megatron "${GPU_B:-1}" 270 --config examples/gpu/colocated_megatron.yaml
+   train colocated_fsdp_resident "${GPU_B:-1}" 240 --config examples/gpu/colocated_fsdp.yaml \
+     --backend.offload_when_idle false) &  # the engine takes turns, the trainer stays
   wait
   python3 bench/e2e_summary.py "$RUNS"/colocated_* > "$OUT/summary_colocated.json"
   ;;
 disaggregated)
-  train disagg_async "${GPU_PAIR:-0,1}" 250 --config examples/gpu/disaggregated.yaml
+  train disagg_async "${GPU_PAIR:-0,1}" 270 --config examples/gpu/disaggregated.yaml
   train disagg_sync "${GPU_PAIR:-0,1}" 240 --config examples/gpu/disaggregated.yaml --rollout.loop sync
   python3 bench/e2e_summary.py "$RUNS"/disagg_* --pair disagg_async disagg_sync \
     > "$OUT/summary_disaggregated.json"
+  ;;
+all)  # a 4-GPU machine: the colocated phase on GPUs 0 and 1, the disaggregated one on 2+3
+  GPU_A=0 GPU_B=1 bash "$0" colocated &
+  GPU_PAIR=2,3 bash "$0" disaggregated &
+  wait
   ;;
 weight_sync)  # the disaggregated weight-sync bench with real SGLang (the colocated one: --engines);
   # SGLang's first start on a fresh machine takes ~2.5 min of the limit
@@ -70,7 +78,7 @@ weight_sync)  # the disaggregated weight-sync bench with real SGLang (the coloca
   echo "weight_sync: exit $? at $(date +%T)"
   ;;
 *)
-  echo "unknown phase $phase (colocated, disaggregated or weight_sync)" >&2
+  echo "unknown phase $phase (colocated, disaggregated, all or weight_sync)" >&2
   exit 2
   ;;
 esac
