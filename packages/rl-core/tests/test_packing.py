@@ -1,3 +1,5 @@
+import itertools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -60,14 +62,16 @@ def test_first_fit_pack_properties(lengths, budget):
     assert all(load <= budget for load in loads)
     # first fit: a later bin was opened only because its first item fit in no earlier bin,
     # so no two bins together fit in one
-    assert all(a + b > budget for a, b in zip(loads, loads[1:]))
+    assert all(a + b > budget for a, b in itertools.pairwise(loads))
 
 
 def fewest_bins(lengths: list[int], budget: int) -> int:
     """The optimum, by search over subsets (small inputs only)."""
     n = len(lengths)
     full = (1 << n) - 1
-    fits = [sum(lengths[i] for i in range(n) if mask >> i & 1) <= budget for mask in range(full + 1)]
+    fits = [
+        sum(lengths[i] for i in range(n) if mask >> i & 1) <= budget for mask in range(full + 1)
+    ]
     best = [0] + [n] * full
     for mask in range(1, full + 1):
         low = mask & -mask  # the lowest item goes into some bin: enumerate that bin
