@@ -53,16 +53,14 @@ class PackedLayout:
 
     @classmethod
     def from_cu_seqlens(
-        cls, cu_seqlens: torch.Tensor, impl: str, device, *, pad_to: int = 0, on_device=None
+        cls, cu_seqlens: torch.Tensor, impl: str, device, *, pad_to: int = 0
     ) -> "PackedLayout":
         """From host (no sync) or device cu_seqlens (one sync for the host lengths).
         ``pad_to``: FlexAttention pads to the bucket of ``max(N, pad_to)`` (pass the
-        micro-batch budget: every micro-batch then shares one compiled shape).
-        ``on_device``: the int32 copy of ``cu_seqlens`` already on ``device``, if any."""
+        micro-batch budget: every micro-batch then shares one compiled shape)."""
         host = cu_seqlens.cpu()
         lengths = tuple((host[1:] - host[:-1]).tolist())
-        if on_device is None:
-            on_device = host.to(device=device, dtype=torch.int32, non_blocking=True)
+        on_device = host.to(device=device, dtype=torch.int32, non_blocking=True)
         mask = groups = restore = None
         if impl == "flex":
             mask = document_block_mask(on_device, bucket_length(max(int(host[-1]), pad_to)))
@@ -135,9 +133,7 @@ def _check_explicit(impl: str, device: torch.device, precision: str) -> None:
 def block_causal_mask(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """``[N, N]`` bool, True where query i may attend key j (same sequence, j <= i)."""
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    seq_ids = torch.repeat_interleave(  # output_size given: no read-back of the lengths
-        torch.arange(lengths.numel(), device=lengths.device), lengths, output_size=num_tokens
-    )
+    seq_ids = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
     same_seq = seq_ids.unsqueeze(0) == seq_ids.unsqueeze(1)
     causal = torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=lengths.device).tril()
     return same_seq & causal

@@ -24,9 +24,8 @@ from rl_core.objective import policy_objective, sft_objective
 from rl_fsdp.config import FSDPConfig
 from rl_fsdp.distributed import DistInfo
 from rl_fsdp.engine import ShardedTrainer
-from rl_fsdp.forward import packed_log_probs
+from rl_fsdp.forward import micro_batch, packed_log_probs, token_indices
 from rl_fsdp.modeling import DTYPES, build_model, freeze, reshard_all, shard_model
-from rl_fsdp.transfer import copy_to_device
 from rl_fsdp.weights import iter_weight_buckets, write_hf_dir
 
 __all__ = ["FSDPBackend", "FSDPConfig"]
@@ -51,15 +50,17 @@ class FSDPBackend(ShardedTrainer):
         """Log-probs ``[N]`` of the next tokens (0 at sequence ends), no graph built."""
         net = self._pick(model)
         self.onload()
-        host = batch.to("cpu")
-        out = torch.zeros(host.num_tokens, dtype=torch.float32, device=self.device)
+        batch = batch.to(self.device)
+        out = torch.zeros(batch.num_tokens, dtype=torch.float32, device=self.device)
         budget = self.config.micro_batch_tokens_for_log_probs
         with torch.no_grad(), self._swapped_in(net):
-            for seqs, mb in self.micro_batches(host, budget):
+            for seqs in self.plan(batch, budget):
+                mb = micro_batch(batch, seqs)
                 lp, _ = self._log_probs(net, mb, with_entropy=False, budget=budget)
-                self.place(out, host, seqs, lp)
+                if seqs:
+                    out[token_indices(batch, seqs).to(self.device)] = lp
             reshard_all(net)  # the root (and layers on one rank) stay gathered after forward
-        out[copy_to_device({"ends": host.cu_seqlens[1:].long() - 1}, self.device)["ends"]] = 0.0
+        out[batch.cu_seqlens[1:].long() - 1] = 0.0
         return out
 
     def _pick(self, model: str) -> torch.nn.Module:
@@ -96,17 +97,12 @@ class FSDPBackend(ShardedTrainer):
         )
 
     # --- the loss of one micro-batch ---------------------------------------------------
-    def micro_batch_loss(self, mb: TrainBatch) -> tuple[torch.Tensor, dict]:
+    def micro_batch_loss(self, mb: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
         rl = self.config.mode == "rl"
         budget = self.config.max_tokens_per_micro_batch
         log_probs, entropy = self._log_probs(self.model, mb, with_entropy=rl, budget=budget)
         if not rl:
-            return sft_objective(
-                log_probs=log_probs,
-                mask=mb.loss_mask,
-                tensor_metrics=True,
-                **self._denominators(mb),
-            )
+            return sft_objective(log_probs=log_probs, mask=mb.loss_mask, **self._denominators(mb))
         return self._policy_loss(mb, log_probs, entropy)
 
     def _denominators(self, mb: TrainBatch) -> dict:
@@ -141,13 +137,12 @@ class FSDPBackend(ShardedTrainer):
             kl_kind=cfg.kl_kind,
             importance_weights=weights,
             norm_length=cfg.norm_length,
-            tensor_metrics=True,  # summed on the device, read back once per step
             **self._denominators(mb),
         )
         metrics.update(objective_metrics)
         if mb.ref_log_probs is not None and cfg.kl_coef == 0.0:  # report KL even if unused
             kl = approx_kl(log_probs.detach(), mb.ref_log_probs, kind=cfg.kl_kind)
-            metrics["actor/kl"] = self._aggregate(kl, mb)  # read back once per step
+            metrics["actor/kl"] = float(self._aggregate(kl, mb))
         return loss, metrics
 
     def _aggregate(self, per_token: torch.Tensor, mb: TrainBatch) -> torch.Tensor:
@@ -173,10 +168,8 @@ class FSDPBackend(ShardedTrainer):
             mode=self.config.rollout_is,
             cap=self.config.rollout_is_cap,
             cu_seqlens=mb.cu_seqlens,
-            tensor_metrics=True,
         )
-        # float64 on the device: the same rounding as Python floats, no read-back
-        share = mb.loss_mask.sum().to(torch.float64) / max(mb.global_num_tokens, 1.0)
+        share = float(mb.loss_mask.sum()) / max(mb.global_num_tokens, 1.0)
         return weights, {key: value * share for key, value in metrics.items()}
 
     # --- weights out -------------------------------------------------------------------

@@ -12,7 +12,7 @@ from rl_core.aggregation import aggregate
 from rl_core.batch import TrainBatch
 from rl_core.losses import value_loss
 from rl_fsdp.engine import ShardedTrainer
-from rl_fsdp.forward import packed_values
+from rl_fsdp.forward import micro_batch, packed_values, token_indices
 from rl_fsdp.modeling import reshard_all
 
 
@@ -22,17 +22,19 @@ class FSDPCritic(ShardedTrainer):
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
         """Values ``[N]`` float32 of this rank's batch, no graph built."""
         self.onload()
-        host = batch.to("cpu")
-        out = torch.zeros(host.num_tokens, dtype=torch.float32, device=self.device)
+        batch = batch.to(self.device)
+        out = torch.zeros(batch.num_tokens, dtype=torch.float32, device=self.device)
         budget = self.config.micro_batch_tokens_for_log_probs
         with torch.no_grad():
-            for seqs, mb in self.micro_batches(host, budget):
+            for seqs in self.plan(batch, budget):
+                mb = micro_batch(batch, seqs)
                 values = packed_values(self.model, mb, impl=self.attention, pad_to=budget)
-                self.place(out, host, seqs, values)
+                if seqs:
+                    out[token_indices(batch, seqs).to(self.device)] = values
             reshard_all(self.model)
         return out
 
-    def micro_batch_loss(self, mb: TrainBatch) -> tuple[torch.Tensor, dict]:
+    def micro_batch_loss(self, mb: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
         if mb.returns is None:
             raise ValueError("the critic needs batch.returns (e.g. from rl_core.advantages.gae)")
         budget = self.config.max_tokens_per_micro_batch
@@ -54,9 +56,9 @@ class FSDPCritic(ShardedTrainer):
             )
 
         loss = agg(per_token)
-        metrics = {  # device tensors: read back once per step
-            "loss/value": loss.detach(),
-            "critic/clipfrac": agg(clipfrac),
-            "critic/values_mean": agg(values.detach()),
+        metrics = {
+            "loss/value": float(loss.detach()),
+            "critic/clipfrac": float(agg(clipfrac)),
+            "critic/values_mean": float(agg(values.detach())),
         }
         return loss, metrics

@@ -8,6 +8,7 @@ ranks. FSDP averages gradients over ranks, hence the backward of ``loss · world
 
 import math
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -18,18 +19,16 @@ from rl_fsdp.attention import resolve_attention
 from rl_fsdp.config import FSDPConfig
 from rl_fsdp.distributed import (
     DistInfo,
-    add_metrics,
     all_reduce_max_int,
-    all_reduce_metrics,
+    all_reduce_sum,
     global_denominators,
     init_distributed,
 )
-from rl_fsdp.forward import micro_batch, plan_micro_batches, token_indices
+from rl_fsdp.forward import micro_batch, plan_micro_batches
 from rl_fsdp.metrics import train_flops
 from rl_fsdp.modeling import build_model, gathered_through, reshard_after_backward, shard_model
 from rl_fsdp.offload import HostStash, training_tensors
 from rl_fsdp.optim import build_optimizer
-from rl_fsdp.transfer import copy_to_device, to_device
 
 
 class ShardedTrainer:
@@ -49,9 +48,8 @@ class ShardedTrainer:
         self._stash = HostStash()  # pinned host copies while offloaded (colocated turns)
 
     # --- to be provided by subclasses --------------------------------------------------
-    def micro_batch_loss(self, mb: TrainBatch) -> tuple[torch.Tensor, dict]:
-        """Loss of one micro-batch (its share of the step's loss) and its metric shares
-        (floats, or 0-d device tensors to be read back once per step)."""
+    def micro_batch_loss(self, mb: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        """Loss of one micro-batch (its share of the step's loss) and its metric shares."""
         raise NotImplementedError
 
     # --- the step ----------------------------------------------------------------------
@@ -60,51 +58,32 @@ class ShardedTrainer:
         plan = plan_micro_batches(batch, max_tokens)
         return plan_micro_batches(batch, max_tokens, all_reduce_max_int(len(plan), self.device))
 
-    def micro_batches(self, host: TrainBatch, max_tokens: int):
-        """``(sequence indices, DeviceMicroBatch)`` of this rank's plan, each built from the
-        HOST batch and moved in one non-blocking copy (:mod:`rl_fsdp.transfer`)."""
-        for seq_indices in self.plan(host, max_tokens):
-            yield seq_indices, to_device(micro_batch(host, seq_indices), self.device)
-
-    def place(self, out: torch.Tensor, host: TrainBatch, seqs: list[int], values) -> None:
-        """``out[tokens of seqs] = values``, the token positions built on the host."""
-        if seqs:
-            index = copy_to_device({"i": token_indices(host, seqs)}, self.device)["i"]
-            out[index] = values
-
     def forward_backward(self, batch: TrainBatch) -> dict[str, float]:
         """Accumulate this step's gradients over micro-batches; metrics summed over ranks."""
-        return all_reduce_metrics(self._accumulate(batch), self.device)
-
-    def _accumulate(self, batch: TrainBatch) -> dict[str, float | torch.Tensor]:
-        """Backward of every micro-batch; metric shares summed on this rank, tensor-valued
-        ones kept on the device (read back once per step)."""
-        host = global_denominators(batch.to("cpu"), self.device)
-        sums: dict[str, float | torch.Tensor] = {}
+        batch = global_denominators(batch.to(self.device), self.device)
+        sums: dict[str, float] = defaultdict(float)
         keep = not reshard_after_backward(self.config, self.dist.world_size)
         with gathered_through(self.model, keep):
-            for _, mb in self.micro_batches(host, self.config.max_tokens_per_micro_batch):
-                loss, metrics = self.micro_batch_loss(mb)
+            for seq_indices in self.plan(batch, self.config.max_tokens_per_micro_batch):
+                loss, metrics = self.micro_batch_loss(micro_batch(batch, seq_indices))
                 (loss * self.dist.world_size).backward()
-                add_metrics(sums, metrics)
-        sums["perf/num_tokens"] = float(host.num_tokens)
-        sums["perf/attn_tokens_sq"] = float(sum(n * n for n in host.seq_lengths()))
-        return sums
+                for key, value in metrics.items():
+                    sums[key] += value
+        sums["perf/num_tokens"] = float(batch.num_tokens)
+        sums["perf/attn_tokens_sq"] = float(sum(n * n for n in batch.seq_lengths()))
+        return all_reduce_sum(dict(sums), self.device)
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """zero_grad, micro-batched forward/backward, clip, AdamW step, schedule step.
 
-        The step's metrics and the gradient norm come back to the host in one read.
         A non-finite loss or gradient norm on any rank skips the update on every rank
         (:mod:`rl_fsdp.faults`): parameters, optimizer state, schedule and ``step`` stay
         unchanged and ``train/nonfinite_skipped`` is 1."""
         self.onload()
         start = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        sums = self._accumulate(batch)
-        norm = {"train/grad_norm": self.clip_gradients()}
-        metrics = all_reduce_metrics(sums, self.device, unreduced=norm)
-        grad_norm = metrics.pop("train/grad_norm")
+        metrics = self.forward_backward(batch)
+        grad_norm = self.clip_gradients()
         skipped = faults.any_rank_nonfinite(metrics, grad_norm, self.device)
         metrics.update(faults.step_metrics(skipped=skipped, grad_norm=grad_norm))
         metrics["train/lr"] = self.scheduler.get_last_lr()[0]
@@ -118,15 +97,14 @@ class ShardedTrainer:
         metrics.update(self._throughput(metrics, time.perf_counter() - start))
         return metrics
 
-    def clip_gradients(self) -> torch.Tensor:
-        """Global gradient norm (all shards) before clipping, a 0-d tensor left on the
-        device (no read-back); clips to max_grad_norm."""
+    def clip_gradients(self) -> float:
+        """Global gradient norm (all shards) before clipping; clips to max_grad_norm."""
         max_norm = self.config.max_grad_norm or math.inf
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
-        return norm
+        return float(norm)
 
     def _throughput(self, metrics: dict[str, float], seconds: float) -> dict[str, float]:
         tokens = metrics.pop("perf/num_tokens")

@@ -15,62 +15,24 @@ from rl_core.batch import PER_TOKEN_FIELDS, TrainBatch, next_token_targets
 from rl_core.logprobs import log_probs_and_entropy
 from rl_core.packing import first_fit_pack, position_ids_from_cu_seqlens
 from rl_fsdp.attention import PackedLayout
-from rl_fsdp.transfer import DeviceMicroBatch
 
 
 def packed_forward(
-    model: nn.Module,
-    tokens: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    impl: str,
-    pad_to: int = 0,
-    *,
-    device_cu_seqlens: torch.Tensor | None = None,
-    position_ids: torch.Tensor | None = None,
+    model: nn.Module, tokens: torch.Tensor, cu_seqlens: torch.Tensor, impl: str, pad_to: int = 0
 ):
     """Run ``model`` on one packed row; returns its output's ``logits[0]``: ``[N, ...]``.
-    ``pad_to``: the micro-batch budget (FlexAttention's padded shape, see PackedLayout).
-    With HOST ``cu_seqlens`` and their device copy and ``position_ids`` already on the
-    device (a :class:`~rl_fsdp.transfer.DeviceMicroBatch`), nothing here waits for the GPU."""
+    ``pad_to``: the micro-batch budget (FlexAttention's padded shape, see PackedLayout)."""
     device = tokens.device
-    layout = PackedLayout.from_cu_seqlens(
-        cu_seqlens, impl, device, pad_to=pad_to, on_device=device_cu_seqlens
-    )
-    if position_ids is None:
-        host_cu = torch.tensor((0, *itertools.accumulate(layout.lengths)), dtype=torch.int64)
-        position_ids = position_ids_from_cu_seqlens(host_cu).to(device, non_blocking=True)
+    layout = PackedLayout.from_cu_seqlens(cu_seqlens, impl, device, pad_to=pad_to)
+    host_cu = torch.tensor((0, *itertools.accumulate(layout.lengths)), dtype=torch.int64)
+    position_ids = position_ids_from_cu_seqlens(host_cu).to(device, non_blocking=True)
     out = model(
         input_ids=tokens.unsqueeze(0),
         position_ids=position_ids.unsqueeze(0),
-        attention_mask=no_mask(device),
         use_cache=False,
         rl_layout=layout,
     )
     return out.logits[0]
-
-
-def no_mask(device) -> torch.Tensor:
-    """An empty 4D mask: Hugging Face then skips its mask preparation, whose packed-sequence
-    detection (``masking_utils.find_packed_sequence_indices``) reads a device value back
-    on every forward. The packed attention never reads it (boundaries are ``rl_layout``)."""
-    return torch.empty((1, 1, 0, 0), dtype=torch.bool, device=device)
-
-
-def _forward(model: nn.Module, batch: TrainBatch, impl: str, pad_to: int):
-    """(logits ``[N, ...]``, next-token targets ``[N]``) of a packed (micro-)batch."""
-    if isinstance(batch, DeviceMicroBatch):  # built on the host: no read-back
-        logits = packed_forward(
-            model,
-            batch.tokens,
-            batch.host_cu_seqlens,
-            impl,
-            pad_to,
-            device_cu_seqlens=batch.cu_seqlens,
-            position_ids=batch.position_ids,
-        )
-    else:
-        logits = packed_forward(model, batch.tokens, batch.cu_seqlens, impl, pad_to)
-    return logits, next_token_targets(batch.tokens, batch.cu_seqlens.to(batch.tokens.device))
 
 
 def packed_log_probs(
@@ -85,7 +47,8 @@ def packed_log_probs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of each next token ``[N]`` (0 at sequence ends) and optionally entropy ``[N]``,
     through rl_core's chunked log-softmax (no float32 ``[N, V]`` softmax kept)."""
-    logits, targets = _forward(model, batch, impl, pad_to)
+    logits = packed_forward(model, batch.tokens, batch.cu_seqlens, impl, pad_to)
+    targets = next_token_targets(batch.tokens, batch.cu_seqlens.to(batch.tokens.device))
     return log_probs_and_entropy(
         logits,
         targets,
@@ -99,7 +62,7 @@ def packed_values(
     model: nn.Module, batch: TrainBatch, *, impl: str, pad_to: int = 0
 ) -> torch.Tensor:
     """A value-head model's per-position values ``[N]`` float32."""
-    return _forward(model, batch, impl, pad_to)[0][:, 0].float()
+    return packed_forward(model, batch.tokens, batch.cu_seqlens, impl, pad_to)[:, 0].float()
 
 
 def plan_micro_batches(batch: TrainBatch, max_tokens: int, num_micro_batches: int | None = None):

@@ -14,12 +14,10 @@ shared by all layers; gathering and scattering are ``index_select`` calls, so au
 flows through them.
 """
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-from rl_fsdp.transfer import copy_to_device
 
 
 @dataclass(frozen=True)
@@ -61,25 +59,14 @@ def build_groups(lengths: tuple[int, ...], device) -> tuple[list[Group], torch.T
             gather += [start + min(t, n - 1) for t in range(width)]
             keep += [row * width + t for t in range(n)]
             order += range(start, start + n)
-        groups.append(Group(_ids(gather), _ids(keep), len(members), width))
+        groups.append(Group(_ids(gather, device), _ids(keep, device), len(members), width))
     restore = torch.empty(len(order), dtype=torch.long)
     restore[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
-    return _to_device(groups, restore, device)
+    return groups, restore.to(device, non_blocking=True)
 
 
-def _ids(values: list[int]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long)
-
-
-def _to_device(groups: list[Group], restore: torch.Tensor, device):
-    """All index tensors in one pinned, non-blocking copy (:mod:`rl_fsdp.transfer`)."""
-    host = {"restore": restore}
-    for i, group in enumerate(groups):
-        host[f"gather{i}"], host[f"keep{i}"] = group.gather, group.keep
-    moved = copy_to_device(host, device)
-    groups = [replace(g, gather=moved[f"gather{i}"], keep=moved[f"keep{i}"])
-              for i, g in enumerate(groups)]  # fmt: skip
-    return groups, moved["restore"]
+def _ids(values: list[int], device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
 
 
 def grouped_attention(query, key, value, groups: list[Group], restore, scaling, dropout):
