@@ -161,8 +161,11 @@ def _check_new_weights(url, new_model, old_model, version):
     out = asyncio.run(generate(url, sampling_params={"max_new_tokens": 12, "ignore_eos": True}))
     got = logprobs_of(out)
     assert out["meta_info"]["weight_version"] == version
-    assert mean_abs_diff(got, reference_logprobs(new_model, PROMPT, out["output_ids"])) < 0.1
-    assert mean_abs_diff(got, reference_logprobs(old_model, PROMPT, out["output_ids"])) > 0.3
+    # a bf16 engine against an fp32 reference of a random model: 0.125 seen on an H200
+    # (2026-11-22) for the disk path, whose fp32 files the engine rounds to bf16
+    near = mean_abs_diff(got, reference_logprobs(new_model, PROMPT, out["output_ids"]))
+    far = mean_abs_diff(got, reference_logprobs(old_model, PROMPT, out["output_ids"]))
+    assert near < 0.2 and far > max(0.3, 2 * near), (near, far)
 
 
 def test_sglang_update_from_tensor_by_cuda_ipc(sglang_cluster, hf_model):
