@@ -33,6 +33,8 @@ def sglang_style_engine_rank(rank: int, port: int, queue) -> None:
     for buffer in buffers:
         torch.distributed.broadcast(buffer, src=0, group=group)
     queue.put([b.tolist() for b in buffers])
+    # gloo's threads must stop before the interpreter does (an abort at exit otherwise)
+    torch.distributed.destroy_process_group(group)
 
 
 def test_sender_and_sglang_style_engine_ranks_share_one_group():
