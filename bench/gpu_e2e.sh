@@ -7,12 +7,14 @@
 #   bash bench/gpu_e2e.sh colocated      # GPU 0: FSDP + SGLang, then FSDP + embedded engine;
 #                                        # GPU 1 meanwhile: Megatron + SGLang, then FSDP +
 #                                        # SGLang with the training state left resident
+#   bash bench/gpu_e2e.sh colocated_resident  # GPU 0: training state resident; GPU 1: no
+#                                        # turns at all (trainer and engine both resident)
 #   bash bench/gpu_e2e.sh disaggregated  # GPUs 0+1: one_step_async, then sync
 #   bash bench/gpu_e2e.sh weight_sync    # GPUs 0+1: NCCL weight sync into real SGLang
 # On a 4-GPU machine both phases run at once with `bash bench/gpu_e2e.sh all` (colocated on
 # GPUs 0 and 1, disaggregated on 2+3). STEPS=N overrides the configs' num_steps.
 set -u
-phase=${1:?usage: bash bench/gpu_e2e.sh colocated|disaggregated|all|weight_sync}
+phase=${1:?usage: bash bench/gpu_e2e.sh colocated|colocated_resident|disaggregated|all|weight_sync}
 OUT=${OUT:-runs/gpu_e2e}
 RUNS=${RUNS:-/tmp/gpu_e2e}  # run directories (model copies stay here, off $OUT)
 mkdir -p "$OUT" "$RUNS"
@@ -59,6 +61,15 @@ colocated)  # two chains of two runs, one chain per GPU
   wait
   python3 bench/e2e_summary.py "$RUNS"/colocated_* > "$OUT/summary_colocated.json"
   ;;
+colocated_resident)  # FSDP + SGLang with the training state resident (GPU A), and with no
+  # turns at all, both resident (GPU B): what the turns cost when everything fits
+  train colocated_fsdp_resident "${GPU_A:-0}" 270 --config examples/gpu/colocated_fsdp.yaml \
+    --backend.offload_when_idle false &
+  train colocated_fsdp_no_turns "${GPU_B:-1}" 270 --config examples/gpu/colocated_fsdp.yaml \
+    --backend.offload_when_idle false --engine.release_when_idle false &
+  wait
+  python3 bench/e2e_summary.py "$RUNS"/colocated_fsdp_* > "$OUT/summary_colocated_resident.json"
+  ;;
 disaggregated)
   train disagg_async "${GPU_PAIR:-0,1}" 270 --config examples/gpu/disaggregated.yaml
   train disagg_sync "${GPU_PAIR:-0,1}" 240 --config examples/gpu/disaggregated.yaml --rollout.loop sync
@@ -78,7 +89,7 @@ weight_sync)  # the disaggregated weight-sync bench with real SGLang (the coloca
   echo "weight_sync: exit $? at $(date +%T)"
   ;;
 *)
-  echo "unknown phase $phase (colocated, disaggregated, all or weight_sync)" >&2
+  echo "unknown phase $phase (colocated, colocated_resident, disaggregated, all or weight_sync)" >&2
   exit 2
   ;;
 esac
