@@ -159,6 +159,19 @@ def test_turns_with_a_resident_trainer_or_resident_engines():
     assert calls == [("offload",), ("onload",), ("offload",)]
 
 
+def test_sglang_memory_saver_only_when_the_engines_release_their_memory():
+    from types import SimpleNamespace
+
+    from rl_launcher.run.rollout_manager import RolloutManager
+
+    def saver(turns) -> bool:
+        return RolloutManager._engines_release(SimpleNamespace(turns=turns))
+
+    assert not saver(None)
+    assert saver(Turns(Recorder([]), Recorder([])))
+    assert not saver(Turns(Recorder([]), Recorder([]), release_engines=False))
+
+
 class SlowRecorder(Recorder):
     """A Recorder whose calls take ``seconds[name]`` of wall time."""
 

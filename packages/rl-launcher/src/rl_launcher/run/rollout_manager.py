@@ -54,7 +54,7 @@ class RolloutManager:
         engine = self.config.engine
         self.engines = engine_processes(
             self.config, model_dir=self.model_dir, log_dir=self.log_dir, gpus=self.engine_gpus,
-            max_batch_size=self._batch_limit(), memory_saver=self.turns is not None,
+            max_batch_size=self._batch_limit(), memory_saver=self._engines_release(),
         )  # fmt: skip
         ranks = self.config.cluster.devices_per_node  # training ranks beside these engines
         threads = engine_threads_env(self.config, ranks_per_node=ranks)
@@ -68,6 +68,11 @@ class RolloutManager:
             router = Router(urls, host=engine.host, log_dir=self.log_dir)
             self.router = tie_to_this_process(router).start()
         return self
+
+    def _engines_release(self) -> bool:
+        """Colocated turns in which the engines give their memory up (SGLang's memory
+        saver, which ``/release_memory_occupation`` needs)."""
+        return self.turns is not None and self.turns.release_engines
 
     def _batch_limit(self) -> int:
         samples = self.config.rollout.batch_size * self.config.rollout.group_size
