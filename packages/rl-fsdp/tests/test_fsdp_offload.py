@@ -93,3 +93,15 @@ def test_fsdp_state_round_trip_leaves_training_unchanged(world_of_one):
         stashed.model.state_dict().items(), plain.model.state_dict().values(), strict=True
     ):
         assert torch.equal(got.full_tensor(), want.full_tensor()), name
+
+
+def test_one_rank_exports_its_parameters_without_gathering(world_of_one):
+    """On one rank a parameter's local shard is the whole tensor: the export hands it out
+    as is (no all-gather, no copy) and equals the gathered value."""
+    backend = _backend(world_of_one)
+    params = dict(backend.model.named_parameters())
+    exported = [item for bucket in backend.export_weights(bucket_bytes=1 << 30) for item in bucket]
+    assert [name for name, _ in exported] == list(params)
+    for name, tensor in exported:
+        assert torch.equal(tensor, params[name].full_tensor())
+        assert tensor.data_ptr() == params[name].to_local().data_ptr()  # not a copy

@@ -33,7 +33,8 @@ class TrainingBackend(Protocol):
 
     def export_weights(self, *, bucket_bytes: int) -> Iterator[WeightBucket]:
         """Full HF-named tensors, a bucket of at most ``bucket_bytes`` at a time (a single
-        tensor larger than the bound travels alone)."""
+        tensor larger than the bound travels alone). A tensor may share storage with the
+        backend's own parameters: copy it to keep it past the next training step."""
         ...
 
     def save_checkpoint(self, path: Path) -> None:

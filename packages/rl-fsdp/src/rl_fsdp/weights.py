@@ -1,8 +1,9 @@
 """Weights out of the sharded model: byte-bounded buckets of full HF-named tensors, and a
 plain Hugging Face directory written from them.
 
-Each parameter is all-gathered alone (``DTensor.full_tensor``), so a rank never holds
-more than the bucket being filled plus one tensor. Tied weights appear once (under the
+Each parameter is all-gathered alone (``DTensor.full_tensor``; on one rank its local
+shard is already whole), so a rank never holds more than the bucket being filled plus one
+tensor. Tied weights appear once (under the
 name ``named_parameters`` gives them, e.g. ``model.embed_tokens.weight``); the HF config's
 ``tie_word_embeddings`` restores the tie on load.
 """
@@ -33,9 +34,14 @@ TOKENIZER_FILES = (
 
 
 def full_tensor(param: torch.Tensor) -> torch.Tensor:
-    """The unsharded value of a (possibly DTensor) parameter, detached."""
+    """The unsharded value of a (possibly DTensor) parameter, detached. On a mesh of one
+    rank the local shard is the whole tensor: returned as is (no gather, no copy)."""
     value = param.detach()
-    return value.full_tensor() if hasattr(value, "full_tensor") else value
+    if not hasattr(value, "full_tensor"):
+        return value
+    if value.device_mesh.size() == 1:
+        return value.to_local()
+    return value.full_tensor()
 
 
 def iter_weight_buckets(
