@@ -8,7 +8,7 @@ import struct
 import pytest
 
 from rl_launcher.cli import plot_main
-from rl_launcher.plots import plot_run
+from rl_launcher.plots import plot_run, time_split, time_split_series
 from rl_launcher.run_log import MetricsLog, format_progress, read_metrics, truncate_metrics
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -104,6 +104,25 @@ def test_rl_plot_only_draws_what_exists_and_refuses_empty_runs(tmp_path, capsys)
         plot_run(tmp_path)
     assert plot_main([str(tmp_path / "missing")]) == 2
     assert "no metrics file" in capsys.readouterr().err
+
+
+def test_time_split_sums_to_the_step():
+    colocated = {"time/step": 3.0, "time/rollout": 1.6, "time/turns/in_rollout": 0.1,
+                 "time/log_probs": 0.5, "time/log_probs_compute": 0.2, "time/train": 0.6,
+                 "time/train_compute": 0.5, "time/sync": 0.2}  # fmt: skip
+    split = time_split(colocated)
+    expected = {"rollout": 1.5, "log-probs": 0.2, "train": 0.5, "sync": 0.2, "eval": 0.0}
+    assert split == pytest.approx(expected | {"other": 0.6})
+    assert sum(split.values()) == pytest.approx(3.0)
+    overlapped = {"time/step": 2.0, "time/rollout": 0.01, "time/rollout_wait": 0.8,
+                  "time/log_probs": 0.3, "time/train": 0.8, "time/sync": 0.09}  # fmt: skip
+    split = time_split(overlapped)  # no worker compute recorded: the phases' wall time
+    assert split["rollout"] == pytest.approx(0.81) and split["log-probs"] == 0.3
+    assert split["other"] == pytest.approx(0.0) and time_split({"step": 1}) is None
+    records = [{"step": 1, **colocated}, {"step": 2, "rollout/reward/mean": 0.5}]
+    data = time_split_series(records)
+    assert list(data) == ["rollout", "log-probs", "train", "sync", "other"]  # no eval
+    assert data["rollout"] == ([1], [pytest.approx(1.5)])
 
 
 def test_truncate_drops_the_steps_a_resumed_run_redoes(tmp_path):

@@ -119,6 +119,8 @@ def test_cli_trains_checkpoints_and_resumes(tmp_path, capsys):
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["loss/kl"] >= 0 for r in records) and records[2]["loss/kl"] > 0
+    # garbage-collection pauses, the driver's and the trainer's (start-up objects frozen)
+    assert all(r["time/gc"] >= r["time/gc_max"] >= 0 and r["time/trainer_gc"] >= 0 for r in records)
     # the fresh engines got the checkpoint's weights (version 2) before step 3's rollout
     assert records[2]["rollout/weight_version_min"] == 2.0
     assert records[2]["mismatch/logprob_abs_diff_max"] < LOGPROB_TOL

@@ -1,14 +1,14 @@
 """``rl-plot``: PNG charts of a run's metrics.jsonl, written to ``<run_dir>/plots/``.
 
 Charts (each written when its metrics exist): reward, eval pass@k, KL, entropy, response
-length and the step-time split. Rendering uses matplotlib's Agg canvas directly (no
-pyplot, no display needed).
+length and the step-time split (:func:`time_split`). Rendering uses matplotlib's Agg canvas
+directly (no pyplot, no display needed).
 """
 
 from pathlib import Path
 from typing import Any
 
-from rl_launcher.run_log import TIME_PARTS, read_metrics
+from rl_launcher.run_log import read_metrics
 
 LINE_CHARTS = {
     "reward": ("rollout/reward/mean", "mean training reward"),
@@ -34,6 +34,48 @@ def series(records: list[dict[str, Any]], keys: list[str]) -> Series:
     return out
 
 
+def time_split(record: dict[str, Any]) -> dict[str, float] | None:
+    """One step's seconds as rollout / log-probs / train / sync / eval / other, summing to
+    ``time/step``. Rollout: its phase and, in the overlapping loops, the wait for it, less
+    a colocated hand-over to the engines. Log-probs and train: the workers' own compute
+    when recorded, else the phases' wall time. Other: the rest (orchestration, data
+    movement, colocated turns, idle): ``time/overhead_excl_sync`` less any eval."""
+    step = record.get("time/step")
+    if not isinstance(step, int | float):
+        return None
+
+    def seconds(*keys: str) -> float:
+        for key in keys:
+            if isinstance(record.get(key), int | float):
+                return float(record[key])
+        return 0.0
+
+    parts = {
+        "rollout": seconds("time/rollout")
+        + seconds("time/rollout_wait")
+        - seconds("time/turns/in_rollout"),
+        "log-probs": seconds("time/log_probs_compute", "time/log_probs"),
+        "train": seconds("time/train_compute", "time/train"),
+        "sync": seconds("time/sync"),
+        "eval": seconds("time/eval"),
+    }
+    parts = {name: max(value, 0.0) for name, value in parts.items()}
+    parts["other"] = max(float(step) - sum(parts.values()), 0.0)
+    return parts
+
+
+def time_split_series(records: list[dict[str, Any]]) -> Series:
+    """:func:`time_split` of every step that has a ``time/step``, as chart series (a part
+    that is zero at every step is left out)."""
+    splits = [(r["step"], split) for r in records if (split := time_split(r))]
+    out: Series = {}
+    for name in splits[0][1] if splits else ():
+        values = [split[name] for _, split in splits]
+        if any(values):
+            out[name] = ([step for step, _ in splits], values)
+    return out
+
+
 def plot_run(run_dir: str | Path) -> list[Path]:
     """Write every chart the metrics allow; returns their paths."""
     run_dir = Path(run_dir)
@@ -47,7 +89,7 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     eval_keys = sorted({k for r in records for k in r if k.startswith("eval/") and "pass@" in k})
     if data := series(records, eval_keys):
         written.append(_line_chart(out_dir / "eval_pass_at_k.png", data, "eval pass@k"))
-    if data := series(records, [f"time/{part}" for part in TIME_PARTS]):
+    if data := time_split_series(records):
         written.append(_time_chart(out_dir / "time_split.png", data))
     if not written:
         raise ValueError(
@@ -81,14 +123,18 @@ def _line_chart(path: Path, data: Series, title: str) -> Path:
 
 
 def _time_chart(path: Path, data: Series) -> Path:
-    """Stacked seconds per step of each phase (a missing phase counts as 0 at that step)."""
+    """Stacked seconds per step of each part. The y axis stops at 1.5 times the slowest
+    step after the third (start-up steps, e.g. compilation, would flatten the rest)."""
     figure, axes = _figure("step time split")
-    steps = sorted({s for steps, _ in data.values() for s in steps})
-    stacks = []
-    for key in data:
-        by_step = dict(zip(*data[key], strict=True))
-        stacks.append([by_step.get(s, 0.0) for s in steps])
-    axes.stackplot(steps, stacks, labels=[k.removeprefix("time/") for k in data])
+    steps = next(iter(data.values()))[0]
+    stacks = [values for _, values in data.values()]
+    axes.stackplot(steps, stacks, labels=list(data))
+    totals = [sum(values) for values in zip(*stacks, strict=True)]
+    if len(totals) > 5 and max(totals[3:]) > 0:
+        top = 1.5 * max(totals[3:])
+        if max(totals[:3]) > top:
+            axes.set_ylim(0, top)
+            axes.set_title("step time split (first steps clipped)")
     axes.set_ylabel("seconds")
     axes.legend(fontsize="small", loc="upper left")
     figure.savefig(path, format="png")

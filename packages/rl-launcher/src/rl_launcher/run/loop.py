@@ -25,6 +25,7 @@ from rl_launcher.run.critic import make_buffer, train_critic
 from rl_launcher.run.engine_health import wait_for_restarts
 from rl_launcher.run.extras import after_step, dump_step, load_extras, save_extras
 from rl_launcher.run.feeds import SyncFeed, make_feed
+from rl_launcher.run.gc_pauses import GcPauses, freeze_startup, unfreeze
 from rl_launcher.run.setup import Run, start_run
 from rl_launcher.run.train_group import with_old_log_probs
 from rl_launcher.run_log import format_progress, truncate_metrics
@@ -51,11 +52,15 @@ def _train(config) -> Path:
     with contextlib.closing(start_run(config)) as run:
         first = resume(run) + 1 if config.checkpoint.resume else 1
         buffer = make_buffer(run)  # a GaeBuffer (critic values) for advantage_estimator=gae
+        freeze_startup()  # full collections walk only what the steps leave
+        pauses = GcPauses()
+        run._cleanup += [pauses.close, unfreeze]
         feed = make_feed(run, last_step=config.num_steps)  # sync, one_step_async or async
         run._cleanup.append(feed.close)
         for step in range(first, config.num_steps + 1):
             metrics = run_step(run, buffer, step, feed)
             metrics |= after_step(run, step)  # evaluation, counted reward errors
+            metrics |= pauses.take()  # the driver's garbage-collection pauses
             finish_step(run, step, metrics, save)
     _plot(Path(config.logging.run_dir))
     return Path(config.logging.run_dir)

@@ -22,6 +22,7 @@ import ray
 from rl_core.batch import TrainBatch
 from rl_launcher.run import faults
 from rl_launcher.run.backends import BackendSpec, fsdp_config  # noqa: F401  (re-exported)
+from rl_launcher.run.gc_pauses import GcPauses, freeze_startup
 
 
 class TrainWorker:
@@ -37,6 +38,8 @@ class TrainWorker:
                                      master_addr=master_addr, master_port=master_port)  # fmt: skip
         self.weights, self.offloaded = EngineWeightSync(rank), False
         self.busy_s: dict[str, float] = defaultdict(float)  # time in the backend, by part
+        freeze_startup()  # a full collection mid-step would leave the GPU waiting
+        self.gc_pauses = GcPauses()
 
     def data_rank(self) -> int:
         from rl_launcher.run.backends import data_rank
@@ -66,6 +69,7 @@ class TrainWorker:
                 metrics, common_metrics(self.backend.train_step(batch))
             )  # skipped (non-finite) minibatches are counted, not overwritten
         metrics = {key: float(value) for key, value in metrics.items()}  # no device tensors
+        metrics["time/trainer_gc"] = self.gc_pauses.take()["time/gc"]
         _wait_for_device()  # the last optimizer step's kernels count as compute
         self.busy_s["train_compute"] += time.perf_counter() - start
         stamps = {"time/train_entered_at": entered, "time/train_left_at": time.time()}
