@@ -88,3 +88,33 @@ def test_bad_reward_values():
         RewardGuard(faulty_reward, None, on_error="ignore")
     with pytest.raises(ValueError, match="reward_on_error"):
         RolloutConfig(num_groups=1, reward_on_error="ignore")
+
+
+def test_reward_threads_are_reused_and_a_hung_call_gets_replaced():
+    import threading
+
+    from rl_sglang.rollout.rewards import DaemonThreads
+
+    threads = DaemonThreads(name="reward-test")
+    release = threading.Event()
+
+    def fails():
+        raise KeyError("no answer")
+
+    async def go():
+        sequential = [await threads.submit(lambda i=i: i * 2) for i in range(50)]
+        busy_names = {t.ident for t in threading.enumerate() if t.name == "reward-test"}
+        hung = threads.submit(release.wait)  # holds its thread until released
+        after = await asyncio.wait_for(threads.submit(lambda: "served"), 5)
+        started = {t.ident for t in threading.enumerate() if t.name == "reward-test"}
+        assert len(started) == len(busy_names) + 1  # the hung call's thread was replaced
+        with pytest.raises(KeyError, match="no answer"):
+            await threads.submit(fails)
+        release.set()
+        assert await hung is True
+        return sequential, busy_names, after
+
+    sequential, busy_names, after = asyncio.run(go())
+    assert sequential == [2 * i for i in range(50)] and after == "served"
+    # fifty calls one after another: one thread, reused (a thread per call made fifty)
+    assert len(busy_names) == 1

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import inspect
 import math
+import queue
 import threading
 from collections.abc import Callable
 
@@ -82,26 +83,57 @@ class RewardGuard:
             sample.metadata["reward_dropped"] = True
 
 
+class DaemonThreads:
+    """Daemon threads that run calls handed to them from event loops, reused: a call
+    starts a new thread only when none is idle (a thread that never returns stays busy for
+    good, and the next call gets a new one). Starting a thread per call cost the rollout's
+    event loop 0.15-0.4 s of CPU per 1,024 samples on a 2-core machine, and each start
+    waits for the new thread to take the GIL from whatever else runs in the process."""
+
+    def __init__(self, name: str = "reward"):
+        self.name = name  # of its threads
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = 0
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable, *args) -> asyncio.Future:
+        """``fn(*args)`` on one of the threads; the future resolves on the caller's loop."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._lock:
+            start = self._idle == 0
+            self._idle -= 0 if start else 1  # an idle thread is now taken
+        self._jobs.put((fn, args, loop, future))
+        if start:
+            threading.Thread(target=self._serve, name=self.name, daemon=True).start()
+        return future
+
+    def _serve(self) -> None:
+        while True:
+            fn, args, loop, future = self._jobs.get()
+            try:
+                outcome = (fn(*args), None)
+            except Exception as error:  # handed to the awaiting coroutine
+                outcome = (None, error)
+            with self._lock:  # idle before the caller hears back: its next call reuses us
+                self._idle += 1
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+                loop.call_soon_threadsafe(_settle, future, *outcome)
+            del fn, args, loop, future, outcome  # hold nothing while idle
+
+
+def _settle(future: asyncio.Future, value, error) -> None:
+    if not future.done():  # cancelled by a timeout meanwhile
+        future.set_exception(error) if error is not None else future.set_result(value)
+
+
+REWARD_THREADS = DaemonThreads()
+
+
 def in_daemon_thread(fn: Callable, *args) -> asyncio.Future:
-    """``fn(*args)`` in a new daemon thread (unlike ``asyncio.to_thread``, a call that never
+    """``fn(*args)`` in a daemon thread (unlike ``asyncio.to_thread``, a call that never
     returns does not block the event loop's shutdown or the interpreter's exit)."""
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-
-    def settle(value, error) -> None:
-        if not future.done():  # cancelled by a timeout meanwhile
-            future.set_exception(error) if error is not None else future.set_result(value)
-
-    def work() -> None:
-        try:
-            outcome = (fn(*args), None)
-        except Exception as error:  # handed to the awaiting coroutine
-            outcome = (None, error)
-        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
-            loop.call_soon_threadsafe(settle, *outcome)
-
-    threading.Thread(target=work, name="reward", daemon=True).start()
-    return future
+    return REWARD_THREADS.submit(fn, *args)
 
 
 def bad_reward(value) -> str | None:
