@@ -153,6 +153,15 @@ def _full_params(backend) -> dict[str, torch.Tensor]:
     return {k: v.full_tensor() for k, v in backend.model.state_dict().items()}
 
 
+def _assert_same_state(got, got_grads: dict, expected, expected_grads: dict) -> None:
+    """Bit-identical full parameters and gradients of two backends."""
+    got_params = _full_params(got)
+    for name, value in _full_params(expected).items():
+        assert torch.equal(got_params[name], value), name
+    for name, value in expected_grads.items():
+        assert torch.equal(got_grads[name], value), name
+
+
 def test_single_rank_settings_are_bit_identical(world_of_one):
     """reshard_after_forward=False + bf16 reduction (the single-rank defaults) against
     ZeRO-3 resharding + fp32 reduction: the same losses, gradients and parameters, exactly."""
@@ -161,11 +170,7 @@ def test_single_rank_settings_are_bit_identical(world_of_one):
         world_of_one, reshard_after_forward=True, reduce_dtype="fp32"
     )
     assert fast_losses == slow_losses
-    slow_params, fast_params = _full_params(slow), _full_params(fast)
-    for name, value in slow_params.items():
-        assert torch.equal(fast_params[name], value), name
-    for name, value in slow_grads.items():
-        assert torch.equal(fast_grads[name], value), name
+    _assert_same_state(fast, fast_grads, slow, slow_grads)
 
 
 def _count_gathers(monkeypatch) -> list[int]:
@@ -199,11 +204,7 @@ def test_layers_stay_gathered_through_a_steps_micro_batches(world_of_one, monkey
     assert kept_gathers == 2 * units and gathers[0] == 2 * 3 * units  # 2 steps x 3 micro
     assert all(isinstance(p, DTensor) for p in kept.model.parameters())
     assert kept_losses == freed_losses
-    freed_params, kept_params = _full_params(freed), _full_params(kept)
-    for name, value in freed_params.items():
-        assert torch.equal(kept_params[name], value), name
-    for name, value in freed_grads.items():
-        assert torch.equal(kept_grads[name], value), name
+    _assert_same_state(kept, kept_grads, freed, freed_grads)
 
 
 def test_log_probs_leave_every_layer_sharded_on_one_rank(world_of_one):
