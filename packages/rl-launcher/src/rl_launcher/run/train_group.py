@@ -91,13 +91,10 @@ class TrainWorker:
 
     def offload(self) -> None:
         """Training state to host memory (colocated engines generate meanwhile)."""
-        import torch
-
         if not self.offloaded:
             self.backend.offload()
             self.offloaded = True
-        if torch.cuda.is_available():  # the engines need the cached blocks back
-            torch.cuda.empty_cache()
+        self.empty_cache()  # the engines need the cached blocks back
 
     def empty_cache(self) -> None:
         """Cached device blocks back to the driver (colocated engines resume into them)."""
