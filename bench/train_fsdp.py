@@ -14,7 +14,10 @@ off: --no-compile-blocks, --no-compile-attention, --reshard-after-forward,
 and ``figure.fallback_errors`` what failed and was measured the simpler way. With
 --profile, one more rl-fsdp step runs under torch.profiler (after the timed ones, so it
 costs nothing otherwise): ``figure.profile`` has the step's device-busy fraction, the top
-kernels and their time by category (rl_fsdp.profiling).
+kernels and their time by category (rl_fsdp.profiling). With --sync-debug, one more step
+counts where the host waited for the device (``figure.syncs``, by source line). With
+--fill-micro-batches every packed pass runs at exactly --max-tokens (FSDPConfig
+fill_micro_batches: one shape for the compiled blocks).
 
     python bench/train_fsdp.py                                  # CPU, tiny shape
     python bench/train_fsdp.py --shape 1.5b --data full         # GPU: 4 x 2048 tokens
@@ -79,6 +82,16 @@ def parse_args(argv=None):
         help="free the layers after every micro-batch (one rank: gather once per step)",
     )
     parser.add_argument("--reduce-fp32", action="store_true", help="fp32 grads reduce on one rank")
+    parser.add_argument(
+        "--fill-micro-batches",
+        action="store_true",
+        help="every pass at exactly --max-tokens (one filler sequence): one compiled shape",
+    )
+    parser.add_argument(
+        "--sync-debug",
+        action="store_true",
+        help="one more rl-fsdp step under CUDA's sync debug mode: where the host waited",
+    )
     parser.add_argument(
         "--profile",
         action="store_true",
@@ -226,6 +239,7 @@ def _fsdp_step(args, model_config: dict, batch: TrainBatch, device):
         reshard_after_backward=True if args.reshard_after_backward else None,
         reduce_dtype="fp32" if args.reduce_fp32 else None,
         max_tokens_per_micro_batch=args.max_tokens,
+        fill_micro_batches=args.fill_micro_batches,
         lr=1e-6,
     )
     backend = FSDPBackend(config)
@@ -236,10 +250,16 @@ def _fsdp_step(args, model_config: dict, batch: TrainBatch, device):
 
         PROFILE.update(profile_step(lambda: backend.train_step(batch), device))
         _log(f"profiled step: {PROFILE['busy_fraction']:.1%} busy, {PROFILE['categories_ms']}")
+    if args.sync_debug:
+        from rl_fsdp.profiling import sync_points
+
+        SYNCS.update(sync_points(lambda: backend.train_step(batch), device))
+        _log(f"host syncs in one step: {SYNCS['total']}")
     return step_s, backend
 
 
 PROFILE: dict = {}  # --profile: one more rl-fsdp step under torch.profiler
+SYNCS: dict = {}  # --sync-debug: one more step under CUDA's sync debug mode
 
 
 def levers(backend: FSDPBackend) -> dict:
@@ -319,11 +339,13 @@ def main(argv=None) -> dict:
             "attention": attention,
             "activation_checkpointing": args.checkpointing,
             "compile_layers": args.compile_layers,
+            "fill_micro_batches": args.fill_micro_batches,
             "levers": lever_report,
             "fallback_errors": FALLBACK_ERRORS + fusion.COMPILE_FAILURES + PROBE_ERRORS,
             "steps": args.steps,
             "peak_memory_gib": PEAK_MEMORY_GIB.get("figure"),
             **({"profile": PROFILE} if args.profile else {}),
+            **({"syncs": SYNCS} if args.sync_debug else {}),
         },
         "baseline": {
             "name": "plain HF loop (padded, SDPA, HF cross-entropy, fused AdamW)",

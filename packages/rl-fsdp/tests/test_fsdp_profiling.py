@@ -1,12 +1,22 @@
 """rl_fsdp.profiling: the step summary by hand (overlapping kernels counted once in the
 busy time, totals per name and category), kernel names of a real H100/H200 trace sorted
-into their categories, and one real profiled training step on CPU."""
+into their categories, one real profiled training step on CPU, and the counting of
+sync-debug warnings by call site."""
+
+import warnings
 
 import pytest
 import torch
 from fsdp_tiny import CONFIGS, tokens_batch
 
-from rl_fsdp.profiling import category, profile_step, summarize
+from rl_fsdp.profiling import (
+    category,
+    count_sync_warnings,
+    profile_step,
+    summarize,
+    sync_points,
+    sync_report,
+)
 
 
 @pytest.mark.parametrize(
@@ -94,3 +104,28 @@ def test_profile_of_a_real_cpu_training_step():
     assert len(totals) == 5 and totals == sorted(totals, reverse=True)
     assert report["categories_ms"]["gemm"] > 0 and report["categories_ms"]["attention"] > 0
     assert sum(report["categories_ms"].values()) == pytest.approx(report["kernel_ms"], rel=1e-2)
+
+
+def _waits_for_device():
+    warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
+
+
+def test_sync_warnings_are_counted_by_call_site_and_others_still_shown():
+    with pytest.warns(UserWarning, match="unrelated"):
+        with count_sync_warnings(frames=2) as counts:
+            for _ in range(3):
+                _waits_for_device()
+            _waits_for_device()
+            warnings.warn("unrelated", UserWarning, stacklevel=1)
+    report = sync_report(counts, top=5)
+    assert report["total"] == 4
+    assert [entry["count"] for entry in report["top"]] == [3, 1]
+    first = report["top"][0]["where"]
+    assert first.count(" > ") == 1 and first.endswith("_waits_for_device")
+    assert "test_sync_warnings_are_counted" in first
+
+
+def test_sync_points_skip_without_cuda():
+    ran = []
+    report = sync_points(lambda: ran.append(1), torch.device("cpu"))
+    assert report["total"] == 0 and "skipped" in report and not ran

@@ -94,6 +94,7 @@ class FSDPBackend(ShardedTrainer):
             chunk_size=self.config.logits_chunk_size,
             with_entropy=with_entropy,
             pad_to=budget,
+            fill_to=self.fill_to(budget),
         )
 
     # --- the loss of one micro-batch ---------------------------------------------------

@@ -28,7 +28,9 @@ class FSDPCritic(ShardedTrainer):
         with torch.no_grad():
             for seqs in self.plan(batch, budget):
                 mb = micro_batch(batch, seqs)
-                values = packed_values(self.model, mb, impl=self.attention, pad_to=budget)
+                values = packed_values(
+                    self.model, mb, impl=self.attention, pad_to=budget, fill_to=self.fill_to(budget)
+                )
                 if seqs:
                     out[token_indices(batch, seqs).to(self.device)] = values
             reshard_all(self.model)
@@ -38,7 +40,8 @@ class FSDPCritic(ShardedTrainer):
         if mb.returns is None:
             raise ValueError("the critic needs batch.returns (e.g. from rl_core.advantages.gae)")
         budget = self.config.max_tokens_per_micro_batch
-        values = packed_values(self.model, mb, impl=self.attention, pad_to=budget)
+        fill_to = self.fill_to(budget)
+        values = packed_values(self.model, mb, impl=self.attention, pad_to=budget, fill_to=fill_to)
         old_values = mb.old_values if mb.old_values is not None else values.detach()
         per_token, clipfrac = value_loss(
             values, old_values, mb.returns, clip=self.config.value_clip

@@ -53,6 +53,10 @@ class ShardedTrainer:
         raise NotImplementedError
 
     # --- the step ----------------------------------------------------------------------
+    def fill_to(self, budget: int) -> int:
+        """The row length of every packed pass of ``budget`` tokens (0: as packed)."""
+        return budget if self.config.fill_micro_batches else 0
+
     def plan(self, batch: TrainBatch, max_tokens: int) -> list[list[int]]:
         """Micro-batches of this rank, padded to the largest count over ranks."""
         plan = plan_micro_batches(batch, max_tokens)

@@ -9,9 +9,15 @@ there are none, the ``aten::`` operators, by self time (their own work, not thei
 children's). ``busy_fraction`` = union of the kernels' intervals / the step's wall time
 (host launch gaps and syncs are what is missing from 1); ``idle_gaps`` lists the
 longest stretches without a kernel and the kernels around them.
+
+:func:`sync_points` runs a step under CUDA's sync debug mode and counts where the host
+waited for the device (``.item()``, ``.cpu()``, ``.tolist()``, ...), by source line.
 """
 
 import time
+import traceback
+import warnings
+from collections import Counter
 
 import torch
 
@@ -127,3 +133,73 @@ def _union(intervals) -> float:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+SYNC_WARNING = "synchronizing"  # in the text of torch's sync-debug warning
+
+
+def sync_points(step, device: torch.device, *, frames: int = 3, top: int = 20) -> dict:
+    """Run ``step()`` once with ``torch.cuda.set_sync_debug_mode("warn")``; every host
+    sync is counted under the last ``frames`` frames of its Python stack (innermost
+    last). ``{"total": n, "top": [{"count", "where"}, ...]}``; on CPU nothing syncs and
+    the step is not run (``"skipped"`` says so)."""
+    if device.type != "cuda":
+        return {"total": 0, "top": [], "skipped": "no CUDA device: nothing to wait for"}
+    previous = torch.cuda.get_sync_debug_mode()
+    with count_sync_warnings(frames) as counts:
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    return sync_report(counts, top=top)
+
+
+class count_sync_warnings:  # noqa: N801 (a context manager used like a function)
+    """Within the block, each warning naming a synchronizing CUDA operation is counted
+    (a Counter of stack summaries, :func:`where`) instead of shown; others pass on."""
+
+    def __init__(self, frames: int = 3):
+        self.frames, self.counts = frames, Counter()
+
+    def __enter__(self) -> Counter:
+        self._catch = warnings.catch_warnings()
+        self._catch.__enter__()
+        warnings.simplefilter("always")
+        shown = warnings.showwarning
+
+        def count(message, category, filename, lineno, file=None, line=None):
+            if SYNC_WARNING in str(message):
+                self.counts[where(traceback.extract_stack()[:-1], self.frames)] += 1
+            else:
+                shown(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = count
+        return self.counts
+
+    def __exit__(self, *exc):
+        self._catch.__exit__(*exc)
+        return False
+
+
+def where(stack: traceback.StackSummary, frames: int) -> str:
+    """The last ``frames`` frames outside the warnings machinery, ``file:line func`` each,
+    joined with `` > `` (outermost first)."""
+    kept = [f for f in stack if f.filename != __file__ and not f.filename.endswith("warnings.py")]
+    parts = [f"{_short(f.filename)}:{f.lineno} {f.name}" for f in kept[-frames:]]
+    return " > ".join(parts)
+
+
+def sync_report(counts: Counter, *, top: int) -> dict:
+    ranked = counts.most_common(top)
+    return {"total": sum(counts.values()),
+            "top": [{"count": n, "where": place} for place, n in ranked]}  # fmt: skip
+
+
+def _short(filename: str) -> str:
+    """A path from its package or site-packages folder on (``rl_fsdp/forward.py``)."""
+    parts = filename.replace("\\", "/").split("/")
+    for anchor in ("site-packages", "src", "bench"):
+        if anchor in parts:
+            return "/".join(parts[len(parts) - parts[::-1].index(anchor) :])
+    return "/".join(parts[-2:])
