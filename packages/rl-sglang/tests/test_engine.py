@@ -296,3 +296,20 @@ def test_staggered_finishes_and_joins_keep_each_rows_cache(engine, tiny_model):
         assert len(out["output_ids"]) == budget
         expected = teacher_forced_logprobs(tiny_model, prompt, out["output_ids"])
         assert logprobs_of(out) == pytest.approx(expected, abs=1e-4)
+
+
+def test_updates_follow_parameters_that_moved_during_a_release(engine):
+    """The engine keeps the state_dict it copies updates into; a release/resume (on a GPU:
+    weights to host and back, new storage) must not leave it writing into old storage."""
+    head = engine.model.lm_head.weight
+    before = head.detach().clone()
+    call = engine.scheduler.call
+    try:
+        call(lambda: engine.apply_update([("lm_head.weight", before + 1.0)], {})).result(30)
+        engine.release_memory()
+        head.data = head.data.clone()  # what model.to() does to every parameter
+        engine.resume_memory()
+        call(lambda: engine.apply_update([("lm_head.weight", before + 2.0)], {})).result(30)
+        torch.testing.assert_close(engine.model.lm_head.weight.detach(), before + 2.0)
+    finally:
+        call(lambda: engine.apply_update([("lm_head.weight", before)], {})).result(30)

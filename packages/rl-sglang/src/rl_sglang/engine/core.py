@@ -76,6 +76,7 @@ class Engine:
         )
         self.weight_receivers: dict[str, weights.WeightReceiver] = {}
         self.memory_released = False
+        self._weight_targets: dict | None = None  # state_dict() for updates, reset on moves
 
     def _make_runner(self, max_batch_size: int):
         if self.runner_kind == "static":
@@ -167,12 +168,13 @@ class Engine:
         num_in_flight = self.scheduler.num_running
         if body.get("abort_all_requests"):
             self.scheduler.abort_now(None, message="aborted for a weight update")
-        count = weights.copy_into_model(self.model, named)
+        if self._weight_targets is None:  # the parameters' current storage
+            self._weight_targets = self.model.state_dict()
+        count = weights.copy_into_model(self.model, named, self._weight_targets)
         if hasattr(self.scheduler.runner, "refresh_weights"):  # its fused copies
             self.scheduler.runner.refresh_weights()
         version = self.bump_version(body.get("weight_version"))
-        if self.device.type == "cuda" and body.get("flush_cache", True):
-            torch.cuda.empty_cache()
+        # flush_cache: this engine keeps no prefix cache, so there is nothing to drop
         return {
             "success": True,
             "message": f"updated {count} tensors; weight_version {version}",
@@ -186,6 +188,7 @@ class Engine:
         self.scheduler.pause_now("retract")
         if self.device.type == "cuda":
             self.scheduler.runner = None
+            self._weight_targets = None  # the parameters get new storage
             self.model.to("cpu")
             torch.cuda.empty_cache()
         self.memory_released = True
@@ -193,6 +196,7 @@ class Engine:
     def resume_memory(self) -> None:
         """Weights back on the device, a fresh runner (CUDA graphs captured against the new
         parameter storage), generation continued."""
+        self._weight_targets = None  # the parameters may have new storage
         if self.scheduler.runner is None:
             self.model.to(self.device)
             self.scheduler.runner = self._make_runner(self.scheduler.max_batch_size)

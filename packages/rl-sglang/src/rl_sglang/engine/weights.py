@@ -21,12 +21,18 @@ from rl_sglang.engine.safe_pickle import allowed_global
 NamedTensors = list[tuple[str, torch.Tensor]]
 
 
-def copy_into_model(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+def copy_into_model(
+    model: torch.nn.Module,
+    named: Iterable[tuple[str, torch.Tensor]],
+    targets: dict[str, torch.Tensor] | None = None,
+) -> int:
     """Copy each tensor into the parameter or buffer of that HF name; returns how many.
+    ``targets``: the model's ``state_dict()`` when the caller keeps one (it shares storage
+    with the live parameters until they move); built here otherwise.
 
     Raises ValueError on an unknown name or a shape mismatch, before touching the model.
     """
-    targets = model.state_dict()  # shares storage with the live parameters (tied ones too)
+    targets = model.state_dict() if targets is None else targets  # tied weights share storage
     named = list(named)
     for name, tensor in named:
         if name not in targets:
@@ -37,9 +43,10 @@ def copy_into_model(model: torch.nn.Module, named: Iterable[tuple[str, torch.Ten
                 f"weight {name!r} has shape {tuple(tensor.shape)}, the model expects "
                 f"{tuple(targets[name].shape)}"
             )
+    destinations = [targets[name] for name, _ in named]
+    sources = [t.to(d.device) for (_, t), d in zip(named, destinations, strict=True)]
     with torch.no_grad():
-        for name, tensor in named:
-            targets[name].copy_(tensor.to(targets[name].device))
+        torch._foreach_copy_(destinations, sources)  # a few fused launches, not one per tensor
     return len(named)
 
 
