@@ -21,7 +21,7 @@ PARTS = ("step", "rollout", "log_probs", "train", "sync", "rollout_wait", "overh
          "overhead_excl_sync", "log_probs_compute", "train_compute", "onload", "train_call",
          "train_dispatch", "train_return", "turns", "turns/in_rollout", "turns/engine_release",
          "turns/engine_resume", "turns/trainer_offload", "turns/trainer_onload",
-         "turns/trainer_empty_cache", "sync_call", "gc", "gc_max", "trainer_gc")  # fmt: skip
+         "turns/trainer_empty_cache", "sync_call", "sync_export", "gc", "gc_max", "trainer_gc")  # fmt: skip
 PERF = ("perf/train_tokens_per_s", "perf/train_tokens_per_s_wall", "perf/mfu",
         "time/overhead_frac", "time/overhead_excl_sync_frac", "mismatch/logprob_abs_diff_mean",
         "sync/bytes")  # fmt: skip

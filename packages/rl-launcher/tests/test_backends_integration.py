@@ -43,6 +43,7 @@ def check_weights_reached_the_engines(run, records) -> None:
     assert all(r["mismatch/logprob_abs_diff_max"] < LOGPROB_TOL for r in records)
     assert records[1]["sync/bytes"] > 0 and records[1]["train/grad_norm"] > 0
     assert all(0 < r["time/sync_call"] <= r["time/sync"] for r in records)
+    assert all(0 < r["time/sync_export"] < r["time/sync_call"] for r in records)
 
 
 def test_megatron_tp2_takes_turns_with_the_engine_and_syncs_weights(tmp_path):

@@ -25,6 +25,23 @@ from rl_launcher.run.backends import BackendSpec, fsdp_config  # noqa: F401  (re
 from rl_launcher.run.gc_pauses import GcPauses, freeze_startup
 
 
+class TimedIter:
+    """Iterates ``items``, summing in ``seconds`` the time spent waiting for each one."""
+
+    def __init__(self, items):
+        self.items, self.seconds = iter(items), 0.0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        start = time.perf_counter()
+        try:
+            return next(self.items)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+
 class TrainWorker:
     """One training rank (a Ray actor; see the module docstring)."""
 
@@ -82,12 +99,15 @@ class TrainWorker:
     def sync_weights(self, engine_urls: list[str], version: str, how: dict) -> dict:
         """Gather full weights (all ranks) and load them into every engine (rank 0).
         ``how``: see :func:`rl_launcher.run.weight_sync.sync_options`. Returns the bytes
-        sent (``sync/bytes``) and this rank's wall time in the call (``time/sync_call``)."""
+        sent (``sync/bytes``), this rank's wall time in the call (``time/sync_call``) and
+        the part of it spent producing the buckets (``time/sync_export``: gathering and
+        casting in the backend; the rest is packing and handing them to the engines)."""
         start = time.perf_counter()
         self.onload()
-        buckets = self.backend.export_weights(bucket_bytes=how["bucket_bytes"])
+        buckets = TimedIter(self.backend.export_weights(bucket_bytes=how["bucket_bytes"]))
         sent = self.weights.sync(buckets, engine_urls, version, how)
-        return {"sync/bytes": sent, "time/sync_call": time.perf_counter() - start}
+        return {"sync/bytes": sent, "time/sync_call": time.perf_counter() - start,
+                "time/sync_export": buckets.seconds}  # fmt: skip
 
     def offload(self) -> None:
         """Training state to host memory (colocated engines generate meanwhile)."""
