@@ -15,9 +15,7 @@ and ``figure.fallback_errors`` what failed and was measured the simpler way. Wit
 --profile, one more rl-fsdp step runs under torch.profiler (after the timed ones, so it
 costs nothing otherwise): ``figure.profile`` has the step's device-busy fraction, the top
 kernels and their time by category (rl_fsdp.profiling). With --sync-debug, one more step
-counts where the host waited for the device (``figure.syncs``, by source line). With
---fill-micro-batches every packed pass runs at exactly --max-tokens (FSDPConfig
-fill_micro_batches: one shape for the compiled blocks).
+counts where the host waited for the device (``figure.syncs``, by source line).
 
     python bench/train_fsdp.py                                  # CPU, tiny shape
     python bench/train_fsdp.py --shape 1.5b --data full         # GPU: 4 x 2048 tokens
@@ -82,11 +80,6 @@ def parse_args(argv=None):
         help="free the layers after every micro-batch (one rank: gather once per step)",
     )
     parser.add_argument("--reduce-fp32", action="store_true", help="fp32 grads reduce on one rank")
-    parser.add_argument(
-        "--fill-micro-batches",
-        action="store_true",
-        help="every pass at exactly --max-tokens (one filler sequence): one compiled shape",
-    )
     parser.add_argument(
         "--sync-debug",
         action="store_true",
@@ -239,7 +232,6 @@ def _fsdp_step(args, model_config: dict, batch: TrainBatch, device):
         reshard_after_backward=True if args.reshard_after_backward else None,
         reduce_dtype="fp32" if args.reduce_fp32 else None,
         max_tokens_per_micro_batch=args.max_tokens,
-        fill_micro_batches=args.fill_micro_batches,
         lr=1e-6,
     )
     backend = FSDPBackend(config)
@@ -339,7 +331,6 @@ def main(argv=None) -> dict:
             "attention": attention,
             "activation_checkpointing": args.checkpointing,
             "compile_layers": args.compile_layers,
-            "fill_micro_batches": args.fill_micro_batches,
             "levers": lever_report,
             "fallback_errors": FALLBACK_ERRORS + fusion.COMPILE_FAILURES + PROBE_ERRORS,
             "steps": args.steps,

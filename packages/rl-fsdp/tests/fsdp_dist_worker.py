@@ -60,10 +60,6 @@ def _checks(spec: dict, dist_info, workdir: Path) -> dict:
         metrics = backend.forward_backward(local)
         out["grads_by_budget"][budget] = (metrics, _full_grads(backend.model))
     backend.config.max_tokens_per_micro_batch = spec["budgets"][0]
-    backend.config.fill_micro_batches = True  # every pass filled up to the small budget
-    backend.optimizer.zero_grad(set_to_none=True)
-    out["filled"] = (backend.forward_backward(local), _full_grads(backend.model))
-    backend.config.fill_micro_batches = False
     sft = dataclasses.replace(backend.config, mode="sft")
     backend.config, actor_config = sft, backend.config
     backend.optimizer.zero_grad(set_to_none=True)

@@ -154,14 +154,6 @@ def test_micro_batching_changes_nothing(run):
     _assert_grads_close(small[1], large[1])
 
 
-def test_filled_micro_batches_change_nothing(run):
-    _, res, _ = run
-    small, filled = res["grads_by_budget"][SMALL_BUDGET], res["filled"]
-    assert filled[0]["loss/total"] == pytest.approx(small[0]["loss/total"], rel=1e-5)
-    assert filled[0]["actor/entropy"] == pytest.approx(small[0]["actor/entropy"], rel=1e-5)
-    _assert_grads_close(filled[1], small[1])
-
-
 def test_sft_mode_matches_single_process(run):
     batch, res, _ = run
     model = plain_model(CONFIGS["qwen2"])

@@ -6,7 +6,7 @@ import torch
 from fsdp_tiny import CONFIGS, padded_log_probs, padded_logits, plain_model, tokens_batch
 
 from rl_fsdp.attention import block_causal_mask, register_packed_attention
-from rl_fsdp.forward import packed_forward, packed_log_probs, with_filler
+from rl_fsdp.forward import packed_forward, packed_log_probs
 
 
 def test_block_causal_mask_by_hand():
@@ -72,29 +72,3 @@ def test_packed_log_probs_and_grads_equal_padded(impl, temperature):
     (got * batch.loss_mask).sum().backward()
     for (name, p), q in zip(model.named_parameters(), packed_model.parameters(), strict=True):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=name)
-
-
-@pytest.mark.parametrize("impl", ["sdpa_mask", "sdpa_per_doc"])
-def test_filled_row_gives_the_same_log_probs_and_grads(impl):
-    """fill_micro_batches: a filler sequence up to the budget changes neither the real
-    tokens' log-probs nor the gradients (it attends only to itself and is cut off)."""
-    batch = tokens_batch()
-    fill_to = batch.num_tokens + 13
-    plain, filled = _packed_model("qwen2"), _packed_model("qwen2")
-    want, _ = packed_log_probs(plain, batch, impl=impl, chunk_size=16)
-    got, _ = packed_log_probs(filled, batch, impl=impl, chunk_size=16, fill_to=fill_to)
-    assert got.shape == want.shape == (batch.num_tokens,)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    (want * batch.loss_mask).sum().backward()
-    (got * batch.loss_mask).sum().backward()
-    for (name, p), q in zip(plain.named_parameters(), filled.parameters(), strict=True):
-        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
-
-
-def test_with_filler_appends_one_sequence_and_leaves_full_rows_alone():
-    tokens, cu = torch.arange(1, 6), torch.tensor([0, 2, 5], dtype=torch.int32)
-    filled, filled_cu = with_filler(tokens, cu, 8)
-    assert filled.tolist() == [1, 2, 3, 4, 5, 0, 0, 0]
-    assert filled_cu.tolist() == [0, 2, 5, 8]
-    same, same_cu = with_filler(tokens, cu, 5)
-    assert same is tokens and same_cu.tolist() == [0, 2, 5]

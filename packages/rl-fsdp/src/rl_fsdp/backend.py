@@ -94,7 +94,6 @@ class FSDPBackend(ShardedTrainer):
             chunk_size=self.config.logits_chunk_size,
             with_entropy=with_entropy,
             pad_to=budget,
-            fill_to=self.fill_to(budget),
         )
 
     # --- the loss of one micro-batch ---------------------------------------------------
@@ -103,7 +102,12 @@ class FSDPBackend(ShardedTrainer):
         budget = self.config.max_tokens_per_micro_batch
         log_probs, entropy = self._log_probs(self.model, mb, with_entropy=rl, budget=budget)
         if not rl:
-            return sft_objective(log_probs=log_probs, mask=mb.loss_mask, **self._denominators(mb))
+            return sft_objective(
+                log_probs=log_probs,
+                mask=mb.loss_mask,
+                tensor_metrics=True,
+                **self._denominators(mb),
+            )
         return self._policy_loss(mb, log_probs, entropy)
 
     def _denominators(self, mb: TrainBatch) -> dict:
@@ -138,12 +142,13 @@ class FSDPBackend(ShardedTrainer):
             kl_kind=cfg.kl_kind,
             importance_weights=weights,
             norm_length=cfg.norm_length,
+            tensor_metrics=True,  # summed on the device, read back once per step
             **self._denominators(mb),
         )
         metrics.update(objective_metrics)
         if mb.ref_log_probs is not None and cfg.kl_coef == 0.0:  # report KL even if unused
             kl = approx_kl(log_probs.detach(), mb.ref_log_probs, kind=cfg.kl_kind)
-            metrics["actor/kl"] = float(self._aggregate(kl, mb))
+            metrics["actor/kl"] = self._aggregate(kl, mb)  # read back once per step
         return loss, metrics
 
     def _aggregate(self, per_token: torch.Tensor, mb: TrainBatch) -> torch.Tensor:
@@ -169,8 +174,9 @@ class FSDPBackend(ShardedTrainer):
             mode=self.config.rollout_is,
             cap=self.config.rollout_is_cap,
             cu_seqlens=mb.cu_seqlens,
+            tensor_metrics=True,
         )
-        share = float(mb.loss_mask.sum()) / max(mb.global_num_tokens, 1.0)
+        share = mb.loss_mask.sum().to(torch.float64) / max(mb.global_num_tokens, 1.0)
         return weights, {key: value * share for key, value in metrics.items()}
 
     # --- weights out -------------------------------------------------------------------

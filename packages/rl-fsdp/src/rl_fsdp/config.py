@@ -86,11 +86,6 @@ class FSDPConfig:
     # --- batching ----------------------------------------------------------------------
     max_tokens_per_micro_batch: int = 8192
     """Token budget of one packed micro-batch (rl_core.packing.first_fit_pack)."""
-    fill_micro_batches: bool = False
-    """Run every packed pass at exactly its token budget, the unused tokens being one
-    filler sequence that attends only to itself and is cut from the outputs: compiled
-    blocks then see one shape instead of one per micro-batch length (the filler's
-    compute is the price)."""
     log_prob_max_tokens: int | None = None
     """Token budget for no-grad log-prob passes; None = ``max_tokens_per_micro_batch``."""
     logits_chunk_size: int = 1024

@@ -28,9 +28,7 @@ class FSDPCritic(ShardedTrainer):
         with torch.no_grad():
             for seqs in self.plan(batch, budget):
                 mb = micro_batch(batch, seqs)
-                values = packed_values(
-                    self.model, mb, impl=self.attention, pad_to=budget, fill_to=self.fill_to(budget)
-                )
+                values = packed_values(self.model, mb, impl=self.attention, pad_to=budget)
                 if seqs:
                     out[token_indices(batch, seqs).to(self.device)] = values
             reshard_all(self.model)
@@ -40,8 +38,7 @@ class FSDPCritic(ShardedTrainer):
         if mb.returns is None:
             raise ValueError("the critic needs batch.returns (e.g. from rl_core.advantages.gae)")
         budget = self.config.max_tokens_per_micro_batch
-        fill_to = self.fill_to(budget)
-        values = packed_values(self.model, mb, impl=self.attention, pad_to=budget, fill_to=fill_to)
+        values = packed_values(self.model, mb, impl=self.attention, pad_to=budget)
         old_values = mb.old_values if mb.old_values is not None else values.detach()
         per_token, clipfrac = value_loss(
             values, old_values, mb.returns, clip=self.config.value_clip
@@ -60,8 +57,8 @@ class FSDPCritic(ShardedTrainer):
 
         loss = agg(per_token)
         metrics = {
-            "loss/value": float(loss.detach()),
-            "critic/clipfrac": float(agg(clipfrac)),
-            "critic/values_mean": float(agg(values.detach())),
+            "loss/value": loss.detach(),  # read back once per step
+            "critic/clipfrac": agg(clipfrac),
+            "critic/values_mean": agg(values.detach()),
         }
         return loss, metrics

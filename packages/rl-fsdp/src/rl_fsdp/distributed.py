@@ -102,6 +102,37 @@ def all_reduce_sum(values: dict[str, float], device: torch.device) -> dict[str, 
     return dict(zip(keys, stacked.tolist(), strict=True))
 
 
+def add_metrics(sums: dict, metrics: dict) -> None:
+    """``sums[key] += value`` in float64, tensors staying on their device (no read-back).
+    Float64 on the device rounds exactly as Python floats do, so reading the sums back
+    once gives the same floats as reading every micro-batch's value."""
+    for key, value in metrics.items():
+        if isinstance(value, torch.Tensor):
+            value = value.detach().to(torch.float64)
+        sums[key] = sums.get(key, 0.0) + value
+
+
+def all_reduce_metrics(
+    values: dict, device: torch.device, *, unreduced: dict | None = None
+) -> dict[str, float]:
+    """:func:`all_reduce_sum` for floats and 0-d device tensors, read back ONCE; the
+    ``unreduced`` ones (e.g. the already global grad norm) ride along unsummed."""
+    keys = sorted(values)
+    lazy = [k for k in keys if isinstance(values[k], torch.Tensor)]
+    eager = [k for k in keys if not isinstance(values[k], torch.Tensor)]
+    host = torch.tensor([float(values[k]) for k in eager], dtype=torch.float64)
+    parts = [torch.stack([values[k].to(torch.float64) for k in lazy])] if lazy else []
+    stacked = torch.cat([*parts, host.to(device)])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(stacked)
+    extra = sorted(unreduced or {})
+    if extra:
+        norms = [torch.as_tensor(unreduced[k]).detach().reshape(1) for k in extra]
+        stacked = torch.cat([stacked, *(n.to(stacked.device, torch.float64) for n in norms)])
+    out = dict(zip(lazy + eager + extra, stacked.tolist(), strict=True))
+    return {key: out[key] for key in keys + extra}
+
+
 def all_reduce_max_int(value: int, device: torch.device) -> int:
     if dist.get_world_size() == 1:
         return value

@@ -8,7 +8,6 @@ ranks. FSDP averages gradients over ranks, hence the backward of ``loss · world
 
 import math
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -19,8 +18,9 @@ from rl_fsdp.attention import resolve_attention
 from rl_fsdp.config import FSDPConfig
 from rl_fsdp.distributed import (
     DistInfo,
+    add_metrics,
     all_reduce_max_int,
-    all_reduce_sum,
+    all_reduce_metrics,
     global_denominators,
     init_distributed,
 )
@@ -53,10 +53,6 @@ class ShardedTrainer:
         raise NotImplementedError
 
     # --- the step ----------------------------------------------------------------------
-    def fill_to(self, budget: int) -> int:
-        """The row length of every packed pass of ``budget`` tokens (0: as packed)."""
-        return budget if self.config.fill_micro_batches else 0
-
     def plan(self, batch: TrainBatch, max_tokens: int) -> list[list[int]]:
         """Micro-batches of this rank, padded to the largest count over ranks."""
         plan = plan_micro_batches(batch, max_tokens)
@@ -64,30 +60,37 @@ class ShardedTrainer:
 
     def forward_backward(self, batch: TrainBatch) -> dict[str, float]:
         """Accumulate this step's gradients over micro-batches; metrics summed over ranks."""
+        return all_reduce_metrics(self._accumulate(batch), self.device)
+
+    def _accumulate(self, batch: TrainBatch) -> dict:
+        """Backward of every micro-batch; metric shares summed on this rank, tensor-valued
+        ones kept on the device (read back once per step)."""
         batch = global_denominators(batch.to(self.device), self.device)
-        sums: dict[str, float] = defaultdict(float)
+        sums: dict = {}
         keep = not reshard_after_backward(self.config, self.dist.world_size)
         with gathered_through(self.model, keep):
             for seq_indices in self.plan(batch, self.config.max_tokens_per_micro_batch):
                 loss, metrics = self.micro_batch_loss(micro_batch(batch, seq_indices))
                 (loss * self.dist.world_size).backward()
-                for key, value in metrics.items():
-                    sums[key] += value
+                add_metrics(sums, metrics)
         sums["perf/num_tokens"] = float(batch.num_tokens)
         sums["perf/attn_tokens_sq"] = float(sum(n * n for n in batch.seq_lengths()))
-        return all_reduce_sum(dict(sums), self.device)
+        return sums
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """zero_grad, micro-batched forward/backward, clip, AdamW step, schedule step.
 
+        The step's metrics and the gradient norm come back to the host in one read.
         A non-finite loss or gradient norm on any rank skips the update on every rank
         (:mod:`rl_fsdp.faults`): parameters, optimizer state, schedule and ``step`` stay
         unchanged and ``train/nonfinite_skipped`` is 1."""
         self.onload()
         start = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        metrics = self.forward_backward(batch)
-        grad_norm = self.clip_gradients()
+        sums = self._accumulate(batch)
+        norm = {"train/grad_norm": self.clip_gradients()}
+        metrics = all_reduce_metrics(sums, self.device, unreduced=norm)
+        grad_norm = metrics.pop("train/grad_norm")
         skipped = faults.any_rank_nonfinite(metrics, grad_norm, self.device)
         metrics.update(faults.step_metrics(skipped=skipped, grad_norm=grad_norm))
         metrics["train/lr"] = self.scheduler.get_last_lr()[0]
@@ -101,14 +104,15 @@ class ShardedTrainer:
         metrics.update(self._throughput(metrics, time.perf_counter() - start))
         return metrics
 
-    def clip_gradients(self) -> float:
-        """Global gradient norm (all shards) before clipping; clips to max_grad_norm."""
+    def clip_gradients(self) -> torch.Tensor:
+        """Global gradient norm (all shards) before clipping, a 0-d tensor left on the
+        device (no read-back); clips to max_grad_norm."""
         max_norm = self.config.max_grad_norm or math.inf
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
-        return float(norm)
+        return norm
 
     def _throughput(self, metrics: dict[str, float], seconds: float) -> dict[str, float]:
         tokens = metrics.pop("perf/num_tokens")

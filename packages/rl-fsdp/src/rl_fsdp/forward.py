@@ -18,20 +18,10 @@ from rl_fsdp.attention import PackedLayout
 
 
 def packed_forward(
-    model: nn.Module,
-    tokens: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    impl: str,
-    pad_to: int = 0,
-    fill_to: int = 0,
+    model: nn.Module, tokens: torch.Tensor, cu_seqlens: torch.Tensor, impl: str, pad_to: int = 0
 ):
     """Run ``model`` on one packed row; returns its output's ``logits[0]``: ``[N, ...]``.
-    ``pad_to``: the micro-batch budget (FlexAttention's padded shape, see PackedLayout).
-    ``fill_to``: run a row of exactly that many tokens when N is shorter, the rest being
-    one filler sequence that attends only to itself (its outputs are cut off), so that
-    every pass has the same shape (compiled code then never sees a new one)."""
-    num_tokens = tokens.shape[0]
-    tokens, cu_seqlens = with_filler(tokens, cu_seqlens, fill_to)
+    ``pad_to``: the micro-batch budget (FlexAttention's padded shape, see PackedLayout)."""
     device = tokens.device
     layout = PackedLayout.from_cu_seqlens(cu_seqlens, impl, device, pad_to=pad_to)
     host_cu = torch.tensor((0, *itertools.accumulate(layout.lengths)), dtype=torch.int64)
@@ -42,18 +32,7 @@ def packed_forward(
         use_cache=False,
         rl_layout=layout,
     )
-    return out.logits[0, :num_tokens]
-
-
-def with_filler(tokens: torch.Tensor, cu_seqlens: torch.Tensor, fill_to: int):
-    """``tokens [N]`` and ``cu_seqlens`` with one more sequence of token 0 reaching
-    ``fill_to`` tokens (unchanged when N >= fill_to). cu_seqlens comes back on the host."""
-    host_cu = cu_seqlens.cpu()
-    extra = fill_to - tokens.shape[0]
-    if extra <= 0:
-        return tokens, host_cu
-    tokens = torch.cat([tokens, tokens.new_zeros(extra)])
-    return tokens, torch.cat([host_cu, host_cu.new_tensor([fill_to])])
+    return out.logits[0]
 
 
 def packed_log_probs(
@@ -65,12 +44,10 @@ def packed_log_probs(
     chunk_size: int | None = None,
     with_entropy: bool = False,
     pad_to: int = 0,
-    fill_to: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of each next token ``[N]`` (0 at sequence ends) and optionally entropy ``[N]``,
-    through rl_core's chunked log-softmax (no float32 ``[N, V]`` softmax kept).
-    ``pad_to``, ``fill_to``: see :func:`packed_forward`."""
-    logits = packed_forward(model, batch.tokens, batch.cu_seqlens, impl, pad_to, fill_to)
+    through rl_core's chunked log-softmax (no float32 ``[N, V]`` softmax kept)."""
+    logits = packed_forward(model, batch.tokens, batch.cu_seqlens, impl, pad_to)
     targets = next_token_targets(batch.tokens, batch.cu_seqlens.to(batch.tokens.device))
     return log_probs_and_entropy(
         logits,
@@ -82,11 +59,10 @@ def packed_log_probs(
 
 
 def packed_values(
-    model: nn.Module, batch: TrainBatch, *, impl: str, pad_to: int = 0, fill_to: int = 0
+    model: nn.Module, batch: TrainBatch, *, impl: str, pad_to: int = 0
 ) -> torch.Tensor:
     """A value-head model's per-position values ``[N]`` float32."""
-    logits = packed_forward(model, batch.tokens, batch.cu_seqlens, impl, pad_to, fill_to)
-    return logits[:, 0].float()
+    return packed_forward(model, batch.tokens, batch.cu_seqlens, impl, pad_to)[:, 0].float()
 
 
 def plan_micro_batches(batch: TrainBatch, max_tokens: int, num_micro_batches: int | None = None):
