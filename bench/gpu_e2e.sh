@@ -24,6 +24,7 @@ export RL_SGLANG_PYTHONPATH=${RL_SGLANG_PYTHONPATH:-/tmp/sgsite} NCCL_NVLS_ENABL
 train() {  # train NAME GPUS LIMIT_S ARGS...: one rl-train run on GPUS, at most LIMIT_S seconds
   local name=$1 gpus=$2 limit=$3
   shift 3
+  rm -rf "${RUNS:?}/$name"  # a run of an earlier phase on this machine (its files are in $OUT)
   spy "$name" &
   CUDA_VISIBLE_DEVICES=$gpus timeout -k 20 "$limit" python3 -m rl_launcher.cli "$@" \
     ${STEPS:+--num_steps "$STEPS"} --logging.run_dir "$RUNS/$name" > "$OUT/$name.log" 2>&1
