@@ -190,9 +190,11 @@ def test_streaming_health_and_info_endpoints(cluster, tiny_dir):
             ]
             await client.health_generate()
             await client.flush_cache()
-            return chunks, await client.model_info(), await client.request("GET", "/model_info")
+            frozen = await client.freeze_gc()
+            return chunks, await client.model_info(), await client.request("GET", "/model_info"), frozen
 
-    chunks, info, alias = run(go())
+    chunks, info, alias, frozen = run(go())
+    assert int(frozen.split(":")[1].split()[0]) > 10_000  # the model, tokenizer, aiohttp, ...
     assert [len(c["output_ids"]) for c in chunks] == [1, 2, 3, 4, 4]  # cumulative, then final
     assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
     assert info == alias and info["model_path"] == str(tiny_dir) and info["is_generation"]

@@ -29,6 +29,7 @@ CONTROL = [  # every endpoint that replaces weights, frees memory or stops work
     ("POST", "/abort_request", {"abort_all": True}),
     ("POST", "/pause_generation", {"mode": "abort"}),
     ("POST", "/flush_cache", None),
+    ("POST", "/freeze_gc", None),
 ]
 
 

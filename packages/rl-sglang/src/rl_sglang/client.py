@@ -127,6 +127,12 @@ class EngineClient:
     async def flush_cache(self) -> None:
         await self.request("POST", "/flush_cache")
 
+    async def freeze_gc(self) -> str:
+        """Move every object the server's processes hold now into Python's permanent
+        generation (``gc.freeze``), so later full collections skip them; the server's
+        answer (text)."""
+        return await self.request("POST", "/freeze_gc")
+
     async def pause(self, mode: str = "abort") -> dict:
         return await self.request("POST", "/pause_generation", {"mode": mode})
 

@@ -7,6 +7,7 @@
 
 import argparse
 import asyncio
+import gc
 import hmac
 import json
 import logging
@@ -164,6 +165,13 @@ async def flush_cache(request: web.Request) -> web.Response:
     engine = _engine(request)
     await engine.on_scheduler(lambda: engine.device.type == "cuda" and _empty_cuda_cache())
     return web.Response(text="Cache flushed.")
+
+
+@routes.route("*", "/freeze_gc")
+async def freeze_gc(request: web.Request) -> web.Response:
+    # One process here (server and scheduler thread): what is alive now is never scanned again
+    gc.freeze()
+    return web.Response(text=f"Garbage collection frozen: {gc.get_freeze_count()} objects.\n")
 
 
 def _empty_cuda_cache() -> None:
