@@ -1,7 +1,7 @@
 """An engine SIGKILLed between two steps of a real run (Ray, an rl-fsdp training actor, two
 embedded engines behind the real sglang-router): the health monitor restarts it with the
-trainer's weights, the next step still trains on a full batch, and the weight sync after
-it reaches both engines."""
+trainer's weights (and a frozen garbage collector), the next step still trains on a full
+batch, and the weight sync after it reaches both engines."""
 
 import os
 import signal
@@ -28,6 +28,8 @@ def test_killed_engine_is_restarted_and_the_run_goes_on(tmp_path):
     try:
         buffer = DataBuffer.from_config(config, num_ranks=run.num_ranks)
         run_step(run, buffer, 1, SyncFeed(run))
+        frozen = run.rollout.freeze_gc()  # what the loop does after its first step
+        assert len(frozen) == 2 and all(a.startswith("Garbage collection frozen") for a in frozen)
         victim = run.rollout.engines[1]
         os.kill(victim.process.pid, signal.SIGKILL)
         metrics = run_step(run, buffer, 2, SyncFeed(run))

@@ -251,6 +251,12 @@ class EngineConfig:
         help="Colocated on GPUs: engines release weights, KV cache and CUDA graphs while the "
         "trainer works, and resume them for the weight sync (needs sync_every=1).",
     )
+    freeze_gc: bool = option(
+        True,
+        help="After the first step, freeze each engine's garbage collector (SGLang's "
+        "/freeze_gc; also after an engine restart): later full collections in the engine's "
+        "processes skip the model, caches and tokenizer built at start-up.",
+    )
     health_interval_s: float = option(
         5.0,
         help="Seconds between engine health checks; a dead engine is restarted, given the "

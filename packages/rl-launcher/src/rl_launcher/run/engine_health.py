@@ -56,6 +56,8 @@ def restore(run, engine) -> None:
     async def load():
         async with EngineClient(engine.url, api_key=engine.api_key) as client:
             await client.update_weights_from_disk(str(path), weight_version=version)
+            if run.config.engine.freeze_gc:  # as the loop did for the engines after step 1
+                await client.freeze_gc()
 
     asyncio.run(load())
     print(f"rl-train: engine {engine.url} restarted with the weights of version {version}",

@@ -13,6 +13,7 @@ resumes from the newest complete checkpoint, runs ``num_steps`` steps writing
 """
 
 import contextlib
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -59,11 +60,23 @@ def _train(config) -> Path:
         run._cleanup.append(feed.close)
         for step in range(first, config.num_steps + 1):
             metrics = run_step(run, buffer, step, feed)
+            if step == first:
+                freeze_engine_gc(run)  # the engines are warm: their start-up objects stay
             metrics |= after_step(run, step)  # evaluation, counted reward errors
             metrics |= pauses.take()  # the driver's garbage-collection pauses
             finish_step(run, step, metrics, save)
     _plot(Path(config.logging.run_dir))
     return Path(config.logging.run_dir)
+
+
+def freeze_engine_gc(run) -> None:
+    """``engine.freeze_gc``: every engine's processes move what they hold after the first
+    step into Python's permanent generation, so their later full collections (pauses in
+    the middle of a rollout) walk only what the steps leave."""
+    if not run.config.engine.freeze_gc or not hasattr(run.rollout, "freeze_gc"):
+        return
+    for url, answer in zip(run.rollout.engine_urls, run.rollout.freeze_gc(), strict=True):
+        print(f"rl-train: engine {url}: {answer}", file=sys.stderr, flush=True)
 
 
 def check_loop(config) -> None:

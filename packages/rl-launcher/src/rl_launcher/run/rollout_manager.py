@@ -196,6 +196,18 @@ class RolloutManager:
         infos = (self.client(url).request("GET", "/model_info") for url in self.engine_urls)
         return [str(info["weight_version"]) for info in await asyncio.gather(*infos)]
 
+    def freeze_gc(self) -> list[str]:
+        """``gc.freeze()`` in every engine's processes (SGLang's ``/freeze_gc``); what each
+        engine answered, or why it could not (an engine without the endpoint keeps its
+        collector as it is: this is an optimisation, not a requirement)."""
+        return self.call(self._freeze_all())
+
+    async def _freeze_all(self) -> list[str]:
+        calls = (self.client(url).freeze_gc() for url in self.engine_urls)
+        answers = await asyncio.gather(*calls, return_exceptions=True)
+        return [str(a).strip() if not isinstance(a, Exception) else f"not frozen: {a}"
+                for a in answers]  # fmt: skip
+
     def release_memory(self, tags: list[str]) -> None:
         """Every engine frees the memory of ``tags`` (weights, kv_cache, cuda_graph)."""
         self.call(self._on_engines("/release_memory_occupation", {"tags": list(tags)}))
