@@ -111,12 +111,11 @@ def _waits_for_device():
 
 
 def test_sync_warnings_are_counted_by_call_site_and_others_still_shown():
-    with pytest.warns(UserWarning, match="unrelated"):
-        with count_sync_warnings(frames=2) as counts:
-            for _ in range(3):
-                _waits_for_device()
+    with pytest.warns(UserWarning, match="unrelated"), count_sync_warnings(frames=2) as counts:
+        for _ in range(3):
             _waits_for_device()
-            warnings.warn("unrelated", UserWarning, stacklevel=1)
+        _waits_for_device()
+        warnings.warn("unrelated", UserWarning, stacklevel=1)
     report = sync_report(counts, top=5)
     assert report["total"] == 4
     assert [entry["count"] for entry in report["top"]] == [3, 1]

@@ -191,7 +191,12 @@ def test_streaming_health_and_info_endpoints(cluster, tiny_dir):
             await client.health_generate()
             await client.flush_cache()
             frozen = await client.freeze_gc()
-            return chunks, await client.model_info(), await client.request("GET", "/model_info"), frozen
+            return (
+                chunks,
+                await client.model_info(),
+                await client.request("GET", "/model_info"),
+                frozen,
+            )
 
     chunks, info, alias, frozen = run(go())
     assert int(frozen.split(":")[1].split()[0]) > 10_000  # the model, tokenizer, aiohttp, ...

@@ -14,6 +14,7 @@ longest stretches without a kernel and the kernels around them.
 waited for the device (``.item()``, ``.cpu()``, ``.tolist()``, ...), by source line.
 """
 
+import contextlib
 import time
 import traceback
 import warnings
@@ -155,31 +156,23 @@ def sync_points(step, device: torch.device, *, frames: int = 3, top: int = 20) -
     return sync_report(counts, top=top)
 
 
-class count_sync_warnings:  # noqa: N801 (a context manager used like a function)
-    """Within the block, each warning naming a synchronizing CUDA operation is counted
-    (a Counter of stack summaries, :func:`where`) instead of shown; others pass on."""
-
-    def __init__(self, frames: int = 3):
-        self.frames, self.counts = frames, Counter()
-
-    def __enter__(self) -> Counter:
-        self._catch = warnings.catch_warnings()
-        self._catch.__enter__()
+@contextlib.contextmanager
+def count_sync_warnings(frames: int = 3):
+    """Within the block, each warning naming a synchronizing CUDA operation is counted in
+    the yielded Counter (by stack summary, :func:`where`) instead of shown; others pass on."""
+    counts: Counter = Counter()
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
         shown = warnings.showwarning
 
         def count(message, category, filename, lineno, file=None, line=None):
             if SYNC_WARNING in str(message):
-                self.counts[where(traceback.extract_stack()[:-1], self.frames)] += 1
+                counts[where(traceback.extract_stack()[:-1], frames)] += 1
             else:
                 shown(message, category, filename, lineno, file, line)
 
         warnings.showwarning = count
-        return self.counts
-
-    def __exit__(self, *exc):
-        self._catch.__exit__(*exc)
-        return False
+        yield counts
 
 
 def where(stack: traceback.StackSummary, frames: int) -> str:
