@@ -10,6 +10,8 @@
 #                                           # python bench/train_fsdp.py ARGS
 # `run` prints one line per run (variant, exit status, rl-fsdp and plain-loop tokens/s) and
 # writes each run's JSON report to $OUT/ab_<variant>_<round>.json (OUT defaults to runs/ab).
+# VARIANT_ARGS="exp_cuda-graphs:--fill-micro-batches --compile-mode reduce-overhead" adds
+# arguments for one variant only (entries separated by ';'; flags only its bench knows).
 # BENCH=bench/train_megatron.py switches the bench, ROUNDS=N the number of rounds (2),
 # LIMIT_S the seconds one run may take (150), PYTHON the interpreter (python3).
 set -u
@@ -28,9 +30,19 @@ pythonpath() {  # pythonpath ROOT: ROOT's package sources, then the device's sit
   echo "$(ls -d "$1"/packages/*/src | tr '\n' ':')/tmp/site"
 }
 
+variant_args() {  # variant_args NAME: the extra arguments VARIANT_ARGS gives NAME, if any
+  local entry
+  IFS=';' read -ra entries <<< "${VARIANT_ARGS:-}"
+  for entry in "${entries[@]}"; do
+    [ "${entry%%:*}" = "$1" ] && echo "${entry#*:}"
+  done
+}
+
 run_one() {  # run_one NAME ROOT ROUND ARGS...
   local name=$1 root=$2 round=$3
   shift 3
+  # shellcheck disable=SC2046  # the extra arguments split on spaces on purpose
+  set -- "$@" $(variant_args "$name")
   local log="$OUT/ab_${name}_${round}.log"
   (cd "$root" && PYTHONPATH=$(pythonpath "$root") timeout "${LIMIT_S:-150}" \
     "${PYTHON:-python3}" "${BENCH:-bench/train_fsdp.py}" "$@" > "$log" 2>&1)
