@@ -24,7 +24,7 @@ from rl_core.objective import policy_objective, sft_objective
 from rl_fsdp.config import FSDPConfig
 from rl_fsdp.distributed import DistInfo
 from rl_fsdp.engine import ShardedTrainer
-from rl_fsdp.forward import micro_batch, packed_log_probs, token_indices
+from rl_fsdp.forward import packed_log_probs
 from rl_fsdp.modeling import DTYPES, build_model, freeze, reshard_all, shard_model
 from rl_fsdp.weights import iter_weight_buckets, write_hf_dir
 
@@ -51,14 +51,13 @@ class FSDPBackend(ShardedTrainer):
         net = self._pick(model)
         self.onload()
         batch = batch.to(self.device)
-        out = torch.zeros(batch.num_tokens, dtype=torch.float32, device=self.device)
         budget = self.config.micro_batch_tokens_for_log_probs
+
+        def log_probs(mb: TrainBatch) -> torch.Tensor:
+            return self._log_probs(net, mb, with_entropy=False, budget=budget)[0]
+
         with torch.no_grad(), self._swapped_in(net):
-            for seqs in self.plan(batch, budget):
-                mb = micro_batch(batch, seqs)
-                lp, _ = self._log_probs(net, mb, with_entropy=False, budget=budget)
-                if seqs:
-                    out[token_indices(batch, seqs).to(self.device)] = lp
+            out = self.per_token(batch, budget, log_probs)
             reshard_all(net)  # the root (and layers on one rank) stay gathered after forward
         out[batch.cu_seqlens[1:].long() - 1] = 0.0
         return out
@@ -97,7 +96,7 @@ class FSDPBackend(ShardedTrainer):
         )
 
     # --- the loss of one micro-batch ---------------------------------------------------
-    def micro_batch_loss(self, mb: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
+    def micro_batch_loss(self, mb: TrainBatch) -> tuple[torch.Tensor, dict]:
         rl = self.config.mode == "rl"
         budget = self.config.max_tokens_per_micro_batch
         log_probs, entropy = self._log_probs(self.model, mb, with_entropy=rl, budget=budget)

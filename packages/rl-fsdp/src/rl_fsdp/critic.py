@@ -12,7 +12,7 @@ from rl_core.aggregation import aggregate
 from rl_core.batch import TrainBatch
 from rl_core.losses import value_loss
 from rl_fsdp.engine import ShardedTrainer
-from rl_fsdp.forward import micro_batch, packed_values, token_indices
+from rl_fsdp.forward import packed_values
 from rl_fsdp.modeling import reshard_all
 
 
@@ -23,18 +23,17 @@ class FSDPCritic(ShardedTrainer):
         """Values ``[N]`` float32 of this rank's batch, no graph built."""
         self.onload()
         batch = batch.to(self.device)
-        out = torch.zeros(batch.num_tokens, dtype=torch.float32, device=self.device)
         budget = self.config.micro_batch_tokens_for_log_probs
+
+        def values(mb: TrainBatch) -> torch.Tensor:
+            return packed_values(self.model, mb, impl=self.attention, pad_to=budget)
+
         with torch.no_grad():
-            for seqs in self.plan(batch, budget):
-                mb = micro_batch(batch, seqs)
-                values = packed_values(self.model, mb, impl=self.attention, pad_to=budget)
-                if seqs:
-                    out[token_indices(batch, seqs).to(self.device)] = values
+            out = self.per_token(batch, budget, values)
             reshard_all(self.model)
         return out
 
-    def micro_batch_loss(self, mb: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
+    def micro_batch_loss(self, mb: TrainBatch) -> tuple[torch.Tensor, dict]:
         if mb.returns is None:
             raise ValueError("the critic needs batch.returns (e.g. from rl_core.advantages.gae)")
         budget = self.config.max_tokens_per_micro_batch

@@ -24,7 +24,7 @@ from rl_fsdp.distributed import (
     global_denominators,
     init_distributed,
 )
-from rl_fsdp.forward import micro_batch, plan_micro_batches
+from rl_fsdp.forward import micro_batch, plan_micro_batches, token_indices
 from rl_fsdp.metrics import train_flops
 from rl_fsdp.modeling import build_model, gathered_through, reshard_after_backward, shard_model
 from rl_fsdp.offload import HostStash, training_tensors
@@ -48,8 +48,9 @@ class ShardedTrainer:
         self._stash = HostStash()  # pinned host copies while offloaded (colocated turns)
 
     # --- to be provided by subclasses --------------------------------------------------
-    def micro_batch_loss(self, mb: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        """Loss of one micro-batch (its share of the step's loss) and its metric shares."""
+    def micro_batch_loss(self, mb: TrainBatch) -> tuple[torch.Tensor, dict]:
+        """Loss of one micro-batch (its share of the step's loss) and its metric shares
+        (floats, or 0-d device tensors to be read back once per step)."""
         raise NotImplementedError
 
     # --- the step ----------------------------------------------------------------------
@@ -58,15 +59,26 @@ class ShardedTrainer:
         plan = plan_micro_batches(batch, max_tokens)
         return plan_micro_batches(batch, max_tokens, all_reduce_max_int(len(plan), self.device))
 
+    def per_token(self, batch: TrainBatch, budget: int, forward) -> torch.Tensor:
+        """``[N]`` float32 on the device: ``forward(micro_batch)`` (``[n]`` per micro-batch
+        of ``budget`` tokens) placed at its tokens' positions in ``batch`` (on the device).
+        The caller sets the grad mode and reshards afterwards."""
+        out = torch.zeros(batch.num_tokens, dtype=torch.float32, device=self.device)
+        for seqs in self.plan(batch, budget):
+            values = forward(micro_batch(batch, seqs))
+            if seqs:  # an empty plan entry is a dummy pass that keeps ranks in step
+                out[token_indices(batch, seqs).to(self.device)] = values
+        return out
+
     def forward_backward(self, batch: TrainBatch) -> dict[str, float]:
         """Accumulate this step's gradients over micro-batches; metrics summed over ranks."""
         return all_reduce_metrics(self._accumulate(batch), self.device)
 
-    def _accumulate(self, batch: TrainBatch) -> dict:
+    def _accumulate(self, batch: TrainBatch) -> dict[str, float | torch.Tensor]:
         """Backward of every micro-batch; metric shares summed on this rank, tensor-valued
         ones kept on the device (read back once per step)."""
         batch = global_denominators(batch.to(self.device), self.device)
-        sums: dict = {}
+        sums: dict[str, float | torch.Tensor] = {}
         keep = not reshard_after_backward(self.config, self.dist.world_size)
         with gathered_through(self.model, keep):
             for seq_indices in self.plan(batch, self.config.max_tokens_per_micro_batch):
