@@ -140,3 +140,28 @@ def test_no_engine_restarts_while_engines_take_turns_or_share_a_weight_group(cap
         watch_engines(run)
         assert not hasattr(rollout, "monitor")
         assert why in capsys.readouterr().err
+
+
+def test_an_engine_that_cannot_freeze_its_gc_is_reported_not_fatal():
+    """rollout_manager.freeze_gc, used after step 1 and after an engine restart: an engine
+    without /freeze_gc (an older SGLang answers 404) gives a reason, not an exception."""
+    import asyncio
+
+    from rl_launcher.run.rollout_manager import freeze_gc
+    from rl_sglang.client import EngineError
+
+    class Engine:
+        def __init__(self, answer):
+            self.answer = answer
+
+        async def freeze_gc(self):
+            if isinstance(self.answer, Exception):
+                raise self.answer
+            return self.answer
+
+    old = Engine(EngineError("http://127.0.0.1:1/freeze_gc", 404, "Not Found"))
+    assert asyncio.run(freeze_gc(Engine("Garbage collection frozen.\n"))) == (
+        "Garbage collection frozen."
+    )
+    reason = asyncio.run(freeze_gc(old))
+    assert reason.startswith("not frozen:") and "404" in reason

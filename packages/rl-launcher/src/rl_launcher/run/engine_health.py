@@ -45,6 +45,7 @@ def watch_engines(run) -> None:
 
 def restore(run, engine) -> None:
     """Give a restarted ``engine`` the trainer's weights and the run's weight version."""
+    from rl_launcher.run.rollout_manager import freeze_gc
     from rl_sglang.client import EngineClient
 
     if run.trainer is None:  # rollout-only: never synced, the start-up weights are current
@@ -53,13 +54,15 @@ def restore(run, engine) -> None:
     run.trainer.export_hf(str(path))
     version = str(run.weight_version)
 
-    async def load():
+    async def load() -> str | None:
         async with EngineClient(engine.url, api_key=engine.api_key) as client:
             await client.update_weights_from_disk(str(path), weight_version=version)
             if run.config.engine.freeze_gc:  # as the loop did for the engines after step 1
-                await client.freeze_gc()
+                return await freeze_gc(client)
+        return None
 
-    asyncio.run(load())
+    if frozen := asyncio.run(load()):
+        print(f"rl-train: engine {engine.url}: {frozen}", file=sys.stderr, flush=True)
     print(f"rl-train: engine {engine.url} restarted with the weights of version {version}",
           file=sys.stderr, flush=True)  # fmt: skip
 

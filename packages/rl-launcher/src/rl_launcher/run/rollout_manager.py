@@ -203,10 +203,7 @@ class RolloutManager:
         return self.call(self._freeze_all())
 
     async def _freeze_all(self) -> list[str]:
-        calls = (self.client(url).freeze_gc() for url in self.engine_urls)
-        answers = await asyncio.gather(*calls, return_exceptions=True)
-        return [str(a).strip() if not isinstance(a, Exception) else f"not frozen: {a}"
-                for a in answers]  # fmt: skip
+        return await asyncio.gather(*(freeze_gc(self.client(u)) for u in self.engine_urls))
 
     def release_memory(self, tags: list[str]) -> None:
         """Every engine frees the memory of ``tags`` (weights, kv_cache, cuda_graph)."""
@@ -231,6 +228,15 @@ class RolloutManager:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
+
+
+async def freeze_gc(client) -> str:
+    """One engine's answer to ``/freeze_gc``, or why it did not freeze: an engine without
+    the endpoint keeps its collector as it is (an optimisation, not a requirement)."""
+    try:
+        return str(await client.freeze_gc()).strip()
+    except Exception as error:  # reported, never fatal
+        return f"not frozen: {error}"
 
 
 async def _close_all(clients) -> None:
