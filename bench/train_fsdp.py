@@ -15,7 +15,9 @@ and ``figure.fallback_errors`` what failed and was measured the simpler way. Wit
 --profile, one more rl-fsdp step runs under torch.profiler (after the timed ones, so it
 costs nothing otherwise): ``figure.profile`` has the step's device-busy fraction, the top
 kernels and their time by category (rl_fsdp.profiling). With --sync-debug, one more step
-counts where the host waited for the device (``figure.syncs``, by source line).
+counts where the host waited for the device (``figure.syncs``, by source line). With
+--host-profile, one more step runs under cProfile (``figure.host_profile``: the functions
+taking the host's time). --baseline-steps 0 skips the plain loop (A/B runs of rl-fsdp only).
 
     python bench/train_fsdp.py                                  # CPU, tiny shape
     python bench/train_fsdp.py --shape 1.5b --data full         # GPU: 4 x 2048 tokens
@@ -89,6 +91,11 @@ def parse_args(argv=None):
         "--profile",
         action="store_true",
         help="profile one more rl-fsdp step: busy fraction, top kernels, categories",
+    )
+    parser.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="one more rl-fsdp step under cProfile: where the host's time goes",
     )
     return parser.parse_args(argv)
 
@@ -247,11 +254,17 @@ def _fsdp_step(args, model_config: dict, batch: TrainBatch, device):
 
         SYNCS.update(sync_points(lambda: backend.train_step(batch), device))
         _log(f"host syncs in one step: {SYNCS['total']}")
+    if args.host_profile:
+        from rl_fsdp.profiling import host_profile
+
+        HOST.update(host_profile(lambda: backend.train_step(batch), device))
+        _log(f"host profile: {HOST['functions'][:3]}")
     return step_s, backend
 
 
 PROFILE: dict = {}  # --profile: one more rl-fsdp step under torch.profiler
 SYNCS: dict = {}  # --sync-debug: one more step under CUDA's sync debug mode
+HOST: dict = {}  # --host-profile: one more step under cProfile
 
 
 def levers(backend: FSDPBackend) -> dict:
@@ -318,7 +331,7 @@ def main(argv=None) -> dict:
     attention, lever_report = backend.attention, levers(backend)
     del backend
     _free(device)
-    baseline_s = plain_hf_loop(args, model_config, batch, device)
+    baseline_s = plain_hf_loop(args, model_config, batch, device) if args.baseline_steps else None
     result = {
         "bench": "train_fsdp",
         "shape": args.shape,
@@ -337,16 +350,10 @@ def main(argv=None) -> dict:
             "peak_memory_gib": PEAK_MEMORY_GIB.get("figure"),
             **({"profile": PROFILE} if args.profile else {}),
             **({"syncs": SYNCS} if args.sync_debug else {}),
+            **({"host_profile": HOST} if args.host_profile else {}),
         },
-        "baseline": {
-            "name": "plain HF loop (padded, SDPA, HF cross-entropy, fused AdamW)",
-            "activation_checkpointing": not args.baseline_no_checkpointing,
-            "steps": args.baseline_steps,
-            "tokens_per_s": batch.num_tokens / baseline_s,
-            "mfu": flops / baseline_s / (peak * 1e12),
-            "peak_memory_gib": PEAK_MEMORY_GIB.get("baseline"),
-        },
-        "ratio": baseline_s / fsdp_s,
+        "baseline": baseline_report(args, batch, flops, peak, baseline_s),
+        "ratio": baseline_s / fsdp_s if baseline_s else None,
         "matmul_tflops": peak,
         "hardware": torch.cuda.get_device_name(device)
         if device.type == "cuda"
@@ -357,6 +364,23 @@ def main(argv=None) -> dict:
     }
     print(json.dumps(result, indent=2))
     return result
+
+
+def baseline_report(args, batch: TrainBatch, flops: float, peak: float, seconds) -> dict:
+    """The plain loop's figures, or what says it did not run (--baseline-steps 0)."""
+    report = {
+        "name": "plain HF loop (padded, SDPA, HF cross-entropy, fused AdamW)",
+        "activation_checkpointing": not args.baseline_no_checkpointing,
+        "steps": args.baseline_steps,
+    }
+    if seconds is None:
+        return {**report, "skipped": "--baseline-steps 0"}
+    return {
+        **report,
+        "tokens_per_s": batch.num_tokens / seconds,
+        "mfu": flops / seconds / (peak * 1e12),
+        "peak_memory_gib": PEAK_MEMORY_GIB.get("baseline"),
+    }
 
 
 def _transformers_version() -> str:

@@ -12,6 +12,7 @@ from fsdp_tiny import CONFIGS, tokens_batch
 from rl_fsdp.profiling import (
     category,
     count_sync_warnings,
+    host_profile,
     profile_step,
     summarize,
     sync_points,
@@ -97,6 +98,7 @@ def test_profile_of_a_real_cpu_training_step():
         backend = FSDPBackend(config, dist_info=info)
         batch = tokens_batch().with_global_denominators()
         report = profile_step(lambda: backend.train_step(batch), torch.device("cpu"), top=5)
+        host = host_profile(lambda: backend.train_step(batch), torch.device("cpu"), top=50)
     finally:
         dist.destroy_process_group()
     assert 0.0 < report["busy_fraction"] <= 1.0 and report["step_ms"] > 0
@@ -104,6 +106,13 @@ def test_profile_of_a_real_cpu_training_step():
     assert len(totals) == 5 and totals == sorted(totals, reverse=True)
     assert report["categories_ms"]["gemm"] > 0 and report["categories_ms"]["attention"] > 0
     assert sum(report["categories_ms"].values()) == pytest.approx(report["kernel_ms"], rel=1e-2)
+    own = [f["own_ms"] for f in host["functions"]]
+    assert len(own) == 50 and own == sorted(own, reverse=True)
+    assert 0 < sum(own) <= host["profiled_ms"] + 1e-6 and host["step_ms"] > 0
+    # the step's own code and FSDP's hooks are in the profile, named by package path
+    assert any("rl_fsdp/" in f["where"] for f in host["functions"]) or any(
+        "torch/distributed/fsdp" in f["where"] for f in host["functions"]
+    )
 
 
 def _waits_for_device():

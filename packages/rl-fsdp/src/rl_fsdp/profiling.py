@@ -12,9 +12,15 @@ longest stretches without a kernel and the kernels around them.
 
 :func:`sync_points` runs a step under CUDA's sync debug mode and counts where the host
 waited for the device (``.item()``, ``.cpu()``, ``.tolist()``, ...), by source line.
+
+:func:`host_profile` runs a step under ``cProfile``: where the host's own time goes
+(Python functions and the C calls they make: FSDP hooks, compiled-graph wrappers, kernel
+launches), which decides the step's speed when the device waits for the host.
 """
 
 import contextlib
+import cProfile
+import pstats
 import time
 import traceback
 import warnings
@@ -196,3 +202,30 @@ def _short(filename: str) -> str:
         if anchor in parts:
             return "/".join(parts[len(parts) - parts[::-1].index(anchor) :])
     return "/".join(parts[-2:])
+
+
+def host_profile(step, device: torch.device, *, top: int = 30) -> dict:
+    """Run ``step()`` once under ``cProfile``. ``{"step_ms", "profiled_ms", "functions":
+    [{"where", "calls", "own_ms", "total_ms"}, ...]}``: the ``top`` functions by their own
+    time (``own_ms``; ``total_ms`` includes what they call), ``where`` as ``file:line name``.
+    ``step_ms`` is the wall time of the profiled step (cProfile slows Python down, so
+    read the shares, not the absolute figures)."""
+    _sync(device)
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.enable()
+    try:
+        step()
+        _sync(device)
+    finally:
+        profiler.disable()
+    wall_ms = (time.perf_counter() - start) * 1e3
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (cc, calls, own, total, _)}
+    ranked = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
+    functions = [
+        {"where": f"{_short(file)}:{line} {name}"[:160], "calls": calls,
+         "own_ms": round(own * 1e3, 3), "total_ms": round(total * 1e3, 3)}
+        for (file, line, name), (_, calls, own, total, _) in ranked
+    ]  # fmt: skip
+    profiled = sum(own for _, _, own, _, _ in stats.values()) * 1e3
+    return {"step_ms": wall_ms, "profiled_ms": profiled, "functions": functions}
