@@ -10,7 +10,7 @@ then the plain loop (fewer measured steps: it is the slower one). Progress goes 
 prints one JSON object, whose ``figure.levers`` says which GPU-step levers ran (compiled
 MLPs / norms / attention modules, single-rank FSDP settings; each has a flag turning it
 off: --no-compile-blocks, --no-compile-attention, --reshard-after-forward,
---reshard-after-backward, --reduce-fp32)
+--reshard-after-backward, --reduce-fp32, --fsdp-on-one-rank)
 and ``figure.fallback_errors`` what failed and was measured the simpler way. With
 --profile, one more rl-fsdp step runs under torch.profiler (after the timed ones, so it
 costs nothing otherwise): ``figure.profile`` has the step's device-busy fraction, the top
@@ -82,6 +82,11 @@ def parse_args(argv=None):
         help="free the layers after every micro-batch (one rank: gather once per step)",
     )
     parser.add_argument("--reduce-fp32", action="store_true", help="fp32 grads reduce on one rank")
+    parser.add_argument(
+        "--fsdp-on-one-rank",
+        action="store_true",
+        help="FSDP2 on one GPU too (default there: float32 masters + bf16 copy, no FSDP)",
+    )
     parser.add_argument(
         "--sync-debug",
         action="store_true",
@@ -238,6 +243,7 @@ def _fsdp_step(args, model_config: dict, batch: TrainBatch, device):
         reshard_after_forward=True if args.reshard_after_forward else None,
         reshard_after_backward=True if args.reshard_after_backward else None,
         reduce_dtype="fp32" if args.reduce_fp32 else None,
+        fsdp_on_one_rank=True if args.fsdp_on_one_rank else None,
         max_tokens_per_micro_batch=args.max_tokens,
         lr=1e-6,
     )
@@ -279,6 +285,7 @@ def levers(backend: FSDPBackend) -> dict:
             "compiled_classes": fusion.compiled_classes(backend.model),
         },
         "compile_layers": config.compile_layers,
+        "fsdp": modeling.is_fsdp(backend.model),
         "reshard_after_forward": modeling.reshard_after_forward(config, world),
         "reshard_after_backward": modeling.reshard_after_backward(config, world),
         "reduce_dtype": str(modeling.reduce_dtype(config, world)).removeprefix("torch."),

@@ -11,7 +11,7 @@ All ranks call every method together with their own part of the batch.
 """
 
 import copy
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -25,7 +25,7 @@ from rl_fsdp.config import FSDPConfig
 from rl_fsdp.distributed import DistInfo
 from rl_fsdp.engine import ShardedTrainer
 from rl_fsdp.forward import packed_log_probs
-from rl_fsdp.modeling import DTYPES, build_model, freeze, reshard_all, shard_model
+from rl_fsdp.modeling import DTYPES, build_model, freeze, is_fsdp, reshard_all, shard_model
 from rl_fsdp.weights import iter_weight_buckets, write_hf_dir
 
 __all__ = ["FSDPBackend", "FSDPConfig"]
@@ -41,6 +41,8 @@ class FSDPBackend(ShardedTrainer):
     def _build_reference(self) -> torch.nn.Module:
         """A frozen, sharded copy of the initial weights (same source and seed)."""
         ref = freeze(shard_model(build_model(self.config), self.config, self.device))
+        if not is_fsdp(ref):  # frozen: computes in its own dtype, no master copy
+            ref.to(self.device, DTYPES[self.config.precision])
         if self.config.ref_offload and self.device.type != "cpu":
             ref.to("cpu")
         return ref
@@ -56,7 +58,8 @@ class FSDPBackend(ShardedTrainer):
         def log_probs(mb: TrainBatch) -> torch.Tensor:
             return self._log_probs(net, mb, with_entropy=False, budget=budget)[0]
 
-        with torch.no_grad(), self._swapped_in(net):
+        compute = self.computing() if net is self.model else nullcontext()
+        with torch.no_grad(), self._swapped_in(net), compute:
             out = self.per_token(batch, budget, log_probs)
             reshard_all(net)  # the root (and layers on one rank) stay gathered after forward
         out[batch.cu_seqlens[1:].long() - 1] = 0.0

@@ -66,6 +66,11 @@ class FSDPConfig:
     Not with attention "flex" (its kernel is compiled per length bucket on its own)."""
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state on CPU (FSDP2 offload policy)."""
+    fsdp_on_one_rank: bool | None = None
+    """Shard with FSDP2 on a single rank too. None = on CPU or with ``cpu_offload``; a
+    single GPU otherwise keeps float32 master parameters and a bf16 compute copy itself
+    (:mod:`rl_fsdp.master`: the same arithmetic without FSDP's per-step gather and
+    reduce copies, which communicate nothing on one rank)."""
     reshard_after_forward: bool | None = None
     """Free gathered layer weights after forward (ZeRO-3); False keeps them (ZeRO-2-like:
     the backward needs no second all-gather and cast). None = False on a single rank

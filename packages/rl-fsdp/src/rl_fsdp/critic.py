@@ -28,7 +28,7 @@ class FSDPCritic(ShardedTrainer):
         def values(mb: TrainBatch) -> torch.Tensor:
             return packed_values(self.model, mb, impl=self.attention, pad_to=budget)
 
-        with torch.no_grad():
+        with torch.no_grad(), self.computing():
             out = self.per_token(batch, budget, values)
             reshard_all(self.model)
         return out

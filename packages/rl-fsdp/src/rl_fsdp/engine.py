@@ -8,6 +8,7 @@ ranks. FSDP averages gradients over ranks, hence the backward of ``loss · world
 
 import math
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -25,8 +26,16 @@ from rl_fsdp.distributed import (
     init_distributed,
 )
 from rl_fsdp.forward import micro_batch, plan_micro_batches, token_indices
+from rl_fsdp.master import MasterWeights
 from rl_fsdp.metrics import train_flops
-from rl_fsdp.modeling import build_model, gathered_through, reshard_after_backward, shard_model
+from rl_fsdp.modeling import (
+    DTYPES,
+    build_model,
+    gathered_through,
+    is_fsdp,
+    reshard_after_backward,
+    shard_model,
+)
 from rl_fsdp.offload import HostStash, training_tensors
 from rl_fsdp.optim import build_optimizer
 
@@ -42,6 +51,10 @@ class ShardedTrainer:
         model = build_model(config, head=self.head)
         self.model_config = model.config
         self.model = shard_model(model, config, self.device)
+        # Without FSDP (one GPU by default): float32 masters and a bf16 compute copy.
+        self.master = None
+        if not is_fsdp(self.model):
+            self.master = MasterWeights(self.model, DTYPES[config.precision], self.device)
         self.optimizer, self.scheduler = build_optimizer(self.model, config)
         self.step = 0
         self.offloaded = False
@@ -80,10 +93,12 @@ class ShardedTrainer:
         batch = global_denominators(batch.to(self.device), self.device)
         sums: dict[str, float | torch.Tensor] = {}
         keep = not reshard_after_backward(self.config, self.dist.world_size)
-        with gathered_through(self.model, keep):
+        with self.computing(), gathered_through(self.model, keep):
             for seq_indices in self.plan(batch, self.config.max_tokens_per_micro_batch):
                 loss, metrics = self.micro_batch_loss(micro_batch(batch, seq_indices))
                 (loss * self.dist.world_size).backward()
+                if self.master is not None:
+                    self.master.accumulate()
                 add_metrics(sums, metrics)
         sums["perf/num_tokens"] = float(batch.num_tokens)
         sums["perf/attn_tokens_sq"] = float(sum(n * n for n in batch.seq_lengths()))
@@ -98,7 +113,7 @@ class ShardedTrainer:
         unchanged and ``train/nonfinite_skipped`` is 1."""
         self.onload()
         start = time.perf_counter()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.zero_grad()
         sums = self._accumulate(batch)
         norm = {"train/grad_norm": self.clip_gradients()}
         metrics = all_reduce_metrics(sums, self.device, unreduced=norm)
@@ -107,14 +122,26 @@ class ShardedTrainer:
         metrics.update(faults.step_metrics(skipped=skipped, grad_norm=grad_norm))
         metrics["train/lr"] = self.scheduler.get_last_lr()[0]
         if skipped:
-            self.optimizer.zero_grad(set_to_none=True)  # drop the poisoned gradients
+            self.zero_grad()  # drop the poisoned gradients
         else:
             self.optimizer.step()
             self.scheduler.step()
             self.step += 1
+            if self.master is not None:
+                self.master.refresh()
         metrics["train/step"] = float(self.step)
         metrics.update(self._throughput(metrics, time.perf_counter() - start))
         return metrics
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.master is not None:
+            self.master.zero_grads()
+
+    def computing(self):
+        """Context of forward and backward passes: without FSDP, the parameters are their
+        bf16 compute copy within (:meth:`rl_fsdp.master.MasterWeights.computing`)."""
+        return self.master.computing() if self.master is not None else nullcontext()
 
     def clip_gradients(self) -> torch.Tensor:
         """Global gradient norm (all shards) before clipping, a 0-d tensor left on the
@@ -144,14 +171,17 @@ class ShardedTrainer:
     def load_checkpoint(self, path: Path) -> None:
         self.onload()
         self.step = checkpoint.load(Path(path), self.model, self.optimizer, self.scheduler)
+        if self.master is not None:
+            self.master.refresh()
 
     def offload(self) -> None:
         """Parameters and optimizer state to pinned host memory, freeing their device
         memory (:mod:`rl_fsdp.offload`; a no-op on a CPU run). The finished step's
         gradients are dropped (the next step starts from zero)."""
         if self.device.type != "cpu" and not self.offloaded:
-            self.optimizer.zero_grad(set_to_none=True)
-            tensors = training_tensors(self.model, self.optimizer)
+            self.zero_grad()
+            tensors = [*training_tensors(self.model, self.optimizer)]
+            tensors += self.master.buffers() if self.master is not None else []
             self._stash.release(t for t in tensors if t.device.type == "cuda")
             torch.cuda.empty_cache()
         self.offloaded = True

@@ -72,12 +72,17 @@ def shard_model(model: nn.Module, config: FSDPConfig, device: torch.device) -> n
     if config.compile_layers and device.type != "cuda":
         raise ValueError("compile_layers=True compiles for a GPU; use device='cuda' or drop it")
     world = torch.distributed.get_world_size()
-    mesh = init_device_mesh(device.type, (world,))
     if config.activation_checkpointing:
         enable_activation_checkpointing(model)
     if blocks_compiled(config, device):
         # Flex keeps its own compiled kernel per bucket (traced with dynamic shapes it failed).
         compile_blocks(model, attention=config.compile_attention and config.attention != "flex")
+    if not uses_fsdp(config, world, device):
+        if config.compile_layers:
+            for layer in decoder_layers(model):
+                layer.compile(dynamic=True)
+        return model  # parameters move with rl_fsdp.master.MasterWeights
+    mesh = init_device_mesh(device.type, (world,))
     mixed = MixedPrecisionPolicy(
         param_dtype=DTYPES[config.precision], reduce_dtype=reduce_dtype(config, world)
     )
@@ -94,6 +99,22 @@ def shard_model(model: nn.Module, config: FSDPConfig, device: torch.device) -> n
     # The root (embeddings, head) is needed again first thing in backward: keep it gathered.
     fully_shard(model, reshard_after_forward=False, **kwargs)
     return model
+
+
+def uses_fsdp(config: FSDPConfig, world_size: int, device: torch.device) -> bool:
+    """Whether the model is sharded with FSDP2: with more than one rank, and on one rank
+    when ``fsdp_on_one_rank`` (None: on CPU or with ``cpu_offload``)."""
+    if world_size > 1:
+        return True
+    if config.fsdp_on_one_rank is not None:
+        return config.fsdp_on_one_rank
+    return device.type != "cuda" or config.cpu_offload
+
+
+def is_fsdp(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
 
 
 def reshard_all(model: nn.Module) -> None:
@@ -136,7 +157,7 @@ def gathered_through(model: nn.Module, keep: bool):
     next micro-batch's forward needs no new all-gather and bf16 cast of the same
     weights); on exit every unit is resharded, so the optimizer updates the sharded
     parameters and the next gather sees the update."""
-    if not keep:
+    if not keep or not is_fsdp(model):
         yield
         return
     model.set_reshard_after_backward(False)

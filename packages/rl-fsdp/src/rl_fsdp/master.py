@@ -1,0 +1,111 @@
+"""One rank without FSDP: float32 master parameters, a low-precision copy to compute with.
+
+FSDP2 on a world of one communicates nothing, yet every step it casts and copies each
+parameter through its gather buffers, and each gradient through its reduce buffers: on
+an H200 at 1.5B parameters about 27 ms of copy kernels and some 800 small launches per
+step (docs/benchmarks.md). :class:`MasterWeights` does the same arithmetic with four
+flat buffers, the way Megatron keeps its parameter and gradient buffers:
+
+- the module's parameters are views of one float32 buffer (what the optimizer,
+  checkpoints and weight export see, as FSDP's sharded parameters were);
+- a ``compute_dtype`` copy of that buffer, refreshed in one cast after each optimizer
+  step (:meth:`refresh`);
+- inside :meth:`computing` every parameter's ``data`` is its view of the copy and its
+  ``grad`` a view of a flat gradient buffer of the same dtype, which autograd
+  accumulates into in place;
+- after each micro-batch's backward :meth:`accumulate` adds that buffer into a float32
+  gradient buffer in one kernel (the sum FSDP's reduce made, in the same order), so a
+  step's gradient is summed in float32 over micro-batches;
+- on leaving :meth:`computing` the parameters get their float32 data back and, after a
+  backward, their float32 gradients.
+
+With ``compute_dtype`` float32 (CPU runs) there is no copy: compute and master are one.
+Every trainable parameter gets a gradient (zero where a step did not use it).
+"""
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+
+class MasterWeights:
+    def __init__(self, model: nn.Module, compute_dtype: torch.dtype, device: torch.device):
+        self.params = [p for p in model.parameters()]  # tied weights once
+        self.numels = [p.numel() for p in self.params]
+        self.master = _flatten(self.params, torch.float32, device)
+        self._point(self.master)
+        self.mixed = compute_dtype != torch.float32
+        self.compute = self.master.to(compute_dtype) if self.mixed else self.master
+        self.grads = torch.zeros_like(self.master)  # float32 sum over micro-batches
+        self.pass_grads = torch.zeros_like(self.compute) if self.mixed else self.grads
+        self.active = False
+        self.has_grads = False  # a backward was accumulated since zero_grads
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The flat buffers (for offloading: everything this object keeps on the device)."""
+        return [self.master, self.compute, self.grads, self.pass_grads]
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Copy the float32 parameters into the compute copy (after they changed)."""
+        if self.mixed:
+            self.compute.copy_(self.master)
+
+    def zero_grads(self) -> None:
+        self.grads.zero_()
+        if self.mixed:
+            self.pass_grads.zero_()
+        self.has_grads = False
+
+    @contextmanager
+    def computing(self):
+        """Within: parameters and gradients are views of the compute copy and of the
+        per-pass gradient buffer (re-entrant: an inner use keeps the outer state)."""
+        if self.active:
+            yield
+            return
+        self._point(self.compute, self.pass_grads)
+        self.active = True
+        try:
+            yield
+        finally:
+            self.active = False
+            self._point(self.master, self.grads if self.has_grads else None)
+
+    @torch.no_grad()
+    def accumulate(self) -> None:
+        """After a backward inside :meth:`computing`: add its gradients into the float32
+        sum and clear the per-pass buffer (one kernel each)."""
+        if self.mixed:
+            self.grads.add_(self.pass_grads)
+            self.pass_grads.zero_()
+        self.has_grads = True
+
+    def _point(self, data: torch.Tensor, grads: torch.Tensor | None = None) -> None:
+        """Every parameter's ``data`` (and ``grad``) as its view of the flat buffers."""
+        for param, value, grad in zip(
+            self.params, _views(data, self.params), _views(grads, self.params), strict=True
+        ):
+            param.grad = None  # a grad must match its parameter's dtype when assigned
+            param.data = value
+            if grad is not None and param.requires_grad:
+                param.grad = grad
+
+
+def _flatten(params: list[nn.Parameter], dtype: torch.dtype, device) -> torch.Tensor:
+    flat = torch.empty(sum(p.numel() for p in params), dtype=dtype, device=device)
+    for param, view in zip(params, _views(flat, params), strict=True):
+        view.copy_(param.detach())
+    return flat
+
+
+def _views(flat: torch.Tensor | None, params: list[nn.Parameter]):
+    """The slices of ``flat`` shaped like each of ``params`` (Nones without ``flat``)."""
+    if flat is None:
+        yield from (None for _ in params)
+        return
+    offset = 0
+    for param in params:
+        yield flat[offset : offset + param.numel()].view(param.shape)
+        offset += param.numel()

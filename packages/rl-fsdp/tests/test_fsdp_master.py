@@ -1,0 +1,137 @@
+"""One rank without FSDP (rl_fsdp.master): float32 master parameters and a bf16 compute
+copy give FSDP's numbers on one rank, and the backend's other paths (log-probs, resume,
+export) keep working on it. Run on CPU in bf16, where FSDP on one rank is the default."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+from fsdp_tiny import CONFIGS, tokens_batch
+
+from rl_fsdp.config import FSDPConfig
+from rl_fsdp.master import MasterWeights
+from rl_fsdp.modeling import is_fsdp, uses_fsdp
+
+UNTIED = {**CONFIGS["qwen2"], "tie_word_embeddings": False}
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+@pytest.fixture(scope="module")
+def world_of_one():
+    import torch.distributed as dist
+
+    from rl_fsdp.distributed import init_distributed
+
+    yield init_distributed(device="cpu")
+    dist.destroy_process_group()
+
+
+def test_when_fsdp_is_used():
+    cfg = FSDPConfig(model_config=CONFIGS["qwen2"], device="cpu")
+    assert (uses_fsdp(cfg, 1, CPU), uses_fsdp(cfg, 1, CUDA), uses_fsdp(cfg, 2, CUDA)) == (
+        True,
+        False,
+        True,
+    )
+    assert uses_fsdp(replace(cfg, cpu_offload=True), 1, CUDA)
+    assert uses_fsdp(replace(cfg, fsdp_on_one_rank=True), 1, CUDA)
+    assert not uses_fsdp(replace(cfg, fsdp_on_one_rank=False), 1, CPU)
+
+
+def test_master_weights_by_hand():
+    """bf16 compute views inside, float32 data outside; two backwards summed in float32
+    exactly as the sum of their bf16 gradients; refresh after an update."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    master = MasterWeights(model, torch.bfloat16, CPU)
+    xs = [torch.randn(4, 8) for _ in range(2)]
+    expected = [torch.zeros_like(p, dtype=torch.float32) for p in model.parameters()]
+    master.zero_grads()
+    with master.computing():
+        assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+        for x in xs:
+            model(x.bfloat16()).float().square().sum().backward()
+            for total, param in zip(expected, model.parameters(), strict=True):
+                total += param.grad.float()
+            master.accumulate()
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    for total, param in zip(expected, model.parameters(), strict=True):
+        assert torch.equal(param.grad, total)
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # what an optimizer step does to the masters
+    master.refresh()
+    with master.computing():
+        assert torch.equal(model[0].weight, (master.master[:64].view(8, 8)).bfloat16())
+    master.zero_grads()
+    with master.computing():
+        pass
+    assert all(p.grad is None for p in model.parameters())  # no backward: no gradients
+
+
+def _train(world_of_one, steps: int = 2, **overrides):
+    from rl_fsdp import FSDPBackend
+
+    config = FSDPConfig(
+        model_config=UNTIED, device="cpu", precision="bf16", lr=1e-2, max_tokens_per_micro_batch=48
+    )
+    backend = FSDPBackend(replace(config, **overrides), dist_info=world_of_one)
+    batch = _rl_batch()
+    assert len(backend.plan(batch, 48)) == 3
+    losses = []
+    for _ in range(steps):
+        metrics = backend.train_step(batch)
+        losses.append((metrics["loss/total"], metrics["train/grad_norm"]))
+    return backend, losses
+
+
+def _rl_batch():
+    batch = tokens_batch()
+    batch.advantages = torch.randn(batch.num_tokens, generator=torch.Generator().manual_seed(3))
+    return batch.with_global_denominators()
+
+
+def _state(backend) -> dict[str, torch.Tensor]:
+    def local(t):
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+    params = {k: local(v) for k, v in backend.model.state_dict().items()}
+    grads = {f"{k}.grad": local(p.grad) for k, p in backend.model.named_parameters()}
+    return {**params, **grads}
+
+
+def test_same_numbers_as_fsdp_on_one_rank(world_of_one):
+    """Two bf16 steps of three micro-batches: the same losses, grad norms, parameters and
+    gradients bit for bit as FSDP2 on one rank (an untied model: with tied embeddings the
+    shared weight's two contributions may round in another order)."""
+    plain, plain_losses = _train(world_of_one, fsdp_on_one_rank=False)
+    assert not is_fsdp(plain.model) and plain.master is not None
+    sharded, sharded_losses = _train(world_of_one)
+    assert is_fsdp(sharded.model)
+    assert plain_losses == sharded_losses
+    got, expected = _state(plain), _state(sharded)
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name
+
+
+def test_log_probs_resume_and_export_without_fsdp(world_of_one, tmp_path):
+    """Log-probs use the updated compute copy; a checkpoint resumed into a fresh backend
+    continues exactly; exported weights are the float32 masters."""
+    backend, _ = _train(world_of_one, steps=1, fsdp_on_one_rank=False)
+    batch = _rl_batch()
+    before = backend.compute_log_probs(batch)
+    backend.save_checkpoint(tmp_path / "ckpt")
+    after_step = backend.train_step(batch)
+    assert not torch.equal(backend.compute_log_probs(batch), before)  # updated weights used
+    fresh, _ = _train(world_of_one, steps=0, fsdp_on_one_rank=False, seed=7)
+    fresh.load_checkpoint(tmp_path / "ckpt")
+    assert torch.equal(fresh.compute_log_probs(batch), before)
+    resumed = fresh.train_step(batch)
+    assert (resumed["loss/total"], resumed["train/grad_norm"]) == (
+        after_step["loss/total"],
+        after_step["train/grad_norm"],
+    )
+    exported = {n: t for bucket in fresh.export_weights(bucket_bytes=1 << 20) for n, t in bucket}
+    for name, param in backend.model.named_parameters():
+        assert exported[name].dtype == torch.float32
+        assert torch.equal(exported[name], param.detach()), name
