@@ -52,7 +52,9 @@ import json, sys
 log, out, name, status = sys.argv[1:]
 text = open(log).read()
 try:
-    report = json.loads(text[text.index("{\n"):])
+    # the report is the last top-level object (a log line may print one before it)
+    start = text.rindex("\n{\n") + 1 if "\n{\n" in text else text.index("{\n")
+    report = json.loads(text[start : text.rindex("\n}") + 2])
 except ValueError:
     print(f"{name}: exit {status}, no report (see {log})")
     sys.exit()
