@@ -1,4 +1,5 @@
-"""On a CUDA machine (skipped elsewhere): a bf16 mixed-precision training step over nccl,
+"""On a CUDA machine (skipped elsewhere): a bf16 mixed-precision training step on one GPU
+(float32 master weights, the default there, and FSDP2 over nccl),
 log-prob parity with the plain Hugging Face forward, and real offload/onload moves (all
 through the default attention on CUDA: torch_varlen unless flash-attn is installed);
 torch_varlen's bf16 logits and gradients against per-sequence SDPA and its training step;
@@ -66,6 +67,25 @@ def test_log_probs_match_plain_hf_forward(backend):
 
 
 def test_bf16_step_trains_and_offload_moves_memory(backend):
+    """On one GPU without FSDP by default (float32 masters, bf16 compute copy)."""
+    assert backend.master is not None
+    _train_then_offload(backend)
+
+
+def test_fsdp_on_one_gpu_trains_and_offloads(backend):
+    from rl_fsdp import FSDPBackend
+
+    config = replace(backend.config, fsdp_on_one_rank=True, reference=False)
+    sharded = FSDPBackend(config, dist_info=backend.dist)
+    assert sharded.master is None
+    _train_then_offload(sharded)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _train_then_offload(backend) -> None:
     batch = _rl_batch()
     batch.old_log_probs = backend.compute_log_probs(batch).cpu()
     first = backend.train_step(batch)
@@ -74,16 +94,16 @@ def test_bf16_step_trains_and_offload_moves_memory(backend):
     assert torch.isfinite(torch.tensor(first["train/grad_norm"]))
     assert last["loss/total"] < first["loss/total"]
     assert 0 < last["perf/mfu"] < 1
-    before = {k: v.full_tensor().clone() for k, v in backend.model.state_dict().items()}
+    before = {k: _local(v).clone() for k, v in backend.model.state_dict().items()}
     held = torch.cuda.memory_allocated()
     backend.offload()  # storages emptied in place; their bytes wait in pinned host memory
-    local = [p.to_local() for p in backend.model.parameters()]
+    local = [_local(p) for p in backend.model.parameters()]
     state_bytes = sum(t.numel() * t.element_size() * 3 for t in local)
     assert held - torch.cuda.memory_allocated() >= state_bytes  # weights + 2 AdamW moments
-    assert next(backend.model.parameters()).to_local().untyped_storage().nbytes() == 0
+    assert _local(next(backend.model.parameters())).untyped_storage().nbytes() == 0
     backend.onload()
     for name, value in backend.model.state_dict().items():
-        assert torch.equal(value.full_tensor(), before[name]), name
+        assert torch.equal(_local(value), before[name]), name
     assert torch.isfinite(torch.tensor(backend.train_step(batch)["loss/total"]))
 
 
