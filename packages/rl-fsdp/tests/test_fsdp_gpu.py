@@ -75,7 +75,7 @@ def test_bf16_step_trains_and_offload_moves_memory(backend):
 def test_fsdp_on_one_gpu_trains_and_offloads(backend):
     from rl_fsdp import FSDPBackend
 
-    config = replace(backend.config, fsdp_on_one_rank=True, reference=False)
+    config = replace(backend.config, fsdp_on_one_rank=True, reference=False, ref_offload=False)
     sharded = FSDPBackend(config, dist_info=backend.dist)
     assert sharded.master is None
     _train_then_offload(sharded)
