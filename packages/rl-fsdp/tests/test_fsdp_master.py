@@ -36,6 +36,8 @@ def test_when_fsdp_is_used():
     assert uses_fsdp(replace(cfg, cpu_offload=True), 1, CUDA)
     assert uses_fsdp(replace(cfg, fsdp_on_one_rank=True), 1, CUDA)
     assert not uses_fsdp(replace(cfg, fsdp_on_one_rank=False), 1, CPU)
+    with pytest.raises(ValueError, match="cpu_offload"):
+        FSDPConfig(model_config=CONFIGS["qwen2"], cpu_offload=True, fsdp_on_one_rank=False)
 
 
 def test_master_weights_by_hand():

@@ -193,6 +193,10 @@ class FSDPConfig:
             raise ValueError("agg_mode='seq-mean-token-sum-norm' needs norm_length (packed input)")
         if self.ref_offload and not self.reference:
             raise ValueError("ref_offload=True needs reference=True")
+        if self.cpu_offload and self.fsdp_on_one_rank is False:
+            raise ValueError(
+                "cpu_offload=True is FSDP2's offload policy; drop fsdp_on_one_rank=False"
+            )
         if self.compile_layers and self.activation_checkpointing:
             raise ValueError(
                 "compile_layers=True with activation_checkpointing=True runs the layers "
