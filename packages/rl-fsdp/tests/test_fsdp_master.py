@@ -70,6 +70,26 @@ def test_master_weights_by_hand():
     assert all(p.grad is None for p in model.parameters())  # no backward: no gradients
 
 
+def test_scratch_buffers_freed_and_rebuilt_for_offload():
+    """Offloaded, only the float32 parameters keep their bytes; back, the compute copy is
+    rebuilt from them and the gradients are zero."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    master = MasterWeights(model, torch.bfloat16, CPU)
+    with master.computing():
+        model(torch.randn(2, 8).bfloat16()).float().sum().backward()
+        master.accumulate()
+    kept = master.master.clone()
+    master.free_scratch()
+    assert [t.untyped_storage().nbytes() for t in master.scratch()] == [0, 0, 0]
+    assert torch.equal(master.master, kept)
+    master.restore_scratch()
+    assert torch.equal(master.compute, kept.bfloat16())
+    assert not master.grads.any() and not master.pass_grads.any()
+    with master.computing():
+        assert torch.equal(model.weight, kept[:64].view(8, 8).bfloat16())
+
+
 def _train(world_of_one, steps: int = 2, **overrides):
     from rl_fsdp import FSDPBackend
 

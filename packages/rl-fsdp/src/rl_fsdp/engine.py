@@ -180,13 +180,16 @@ class ShardedTrainer:
         gradients are dropped (the next step starts from zero)."""
         if self.device.type != "cpu" and not self.offloaded:
             self.zero_grad()
-            tensors = [*training_tensors(self.model, self.optimizer)]
-            tensors += self.master.buffers() if self.master is not None else []
+            tensors = training_tensors(self.model, self.optimizer)
             self._stash.release(t for t in tensors if t.device.type == "cuda")
+            if self.master is not None:
+                self.master.free_scratch()  # rebuilt from the parameters on onload
             torch.cuda.empty_cache()
         self.offloaded = True
 
     def onload(self) -> None:
         if self._stash.released:
             self._stash.restore()
+            if self.master is not None:
+                self.master.restore_scratch()
         self.offloaded = False

@@ -20,6 +20,8 @@ flat buffers, the way Megatron keeps its parameter and gradient buffers:
   backward, their float32 gradients.
 
 With ``compute_dtype`` float32 (CPU runs) there is no copy: compute and master are one.
+Offloaded (colocated turns), only the float32 parameters travel to the host; the other
+buffers are freed and rebuilt (:meth:`free_scratch`, :meth:`restore_scratch`).
 Every trainable parameter gets a gradient (zero where a step did not use it).
 """
 
@@ -42,9 +44,24 @@ class MasterWeights:
         self.active = False
         self.has_grads = False  # a backward was accumulated since zero_grads
 
-    def buffers(self) -> list[torch.Tensor]:
-        """The flat buffers (for offloading: everything this object keeps on the device)."""
-        return [self.master, self.compute, self.grads, self.pass_grads]
+    def scratch(self) -> list[torch.Tensor]:
+        """The buffers derived from the float32 parameters or reset every step: the
+        compute copy and the gradient buffers (not the parameters themselves)."""
+        return [t for t in (self.compute, self.grads, self.pass_grads) if t is not self.master]
+
+    def free_scratch(self) -> None:
+        """Give the scratch buffers' device memory back (while offloaded): nothing in them
+        needs keeping, so nothing is copied to the host."""
+        for tensor in self.scratch():
+            tensor.untyped_storage().resize_(0)
+
+    def restore_scratch(self) -> None:
+        """Regrow the scratch buffers: the compute copy from the float32 parameters,
+        zero gradients."""
+        for tensor in self.scratch():
+            tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
+        self.refresh()
+        self.zero_grads()
 
     @torch.no_grad()
     def refresh(self) -> None:
