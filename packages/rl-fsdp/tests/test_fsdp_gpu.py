@@ -69,6 +69,7 @@ def test_log_probs_match_plain_hf_forward(backend):
 def test_bf16_step_trains_and_offload_moves_memory(backend):
     """On one GPU without FSDP by default (float32 masters, bf16 compute copy)."""
     assert backend.master is not None
+    assert all(b.device.type == "cuda" for b in backend.model.buffers())  # rotary, ...
     _train_then_offload(backend)
 
 

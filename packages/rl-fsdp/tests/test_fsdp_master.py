@@ -40,6 +40,20 @@ def test_when_fsdp_is_used():
         FSDPConfig(model_config=CONFIGS["qwen2"], cpu_offload=True, fsdp_on_one_rank=False)
 
 
+def test_buffers_move_without_the_parameters():
+    """Without FSDP the model's buffers (rotary frequencies) go to the device up front,
+    not copied there in every forward; the parameters wait for MasterWeights."""
+    from fsdp_tiny import plain_model
+
+    from rl_fsdp.modeling import move_buffers
+
+    model = plain_model(CONFIGS["qwen2"])
+    assert any(True for _ in model.buffers())
+    move_buffers(model, torch.device("meta"))
+    assert all(b.device.type == "meta" for b in model.buffers())
+    assert all(p.device.type == "cpu" for p in model.parameters())
+
+
 def test_master_weights_by_hand():
     """bf16 compute views inside, float32 data outside; two backwards summed in float32
     exactly as the sum of their bf16 gradients; refresh after an update."""

@@ -81,7 +81,8 @@ def shard_model(model: nn.Module, config: FSDPConfig, device: torch.device) -> n
         if config.compile_layers:
             for layer in decoder_layers(model):
                 layer.compile(dynamic=True)
-        return model  # parameters move with rl_fsdp.master.MasterWeights
+        move_buffers(model, device)  # parameters move with rl_fsdp.master.MasterWeights
+        return model
     mesh = init_device_mesh(device.type, (world,))
     mixed = MixedPrecisionPolicy(
         param_dtype=DTYPES[config.precision], reduce_dtype=reduce_dtype(config, world)
@@ -99,6 +100,14 @@ def shard_model(model: nn.Module, config: FSDPConfig, device: torch.device) -> n
     # The root (embeddings, head) is needed again first thing in backward: keep it gathered.
     fully_shard(model, reshard_after_forward=False, **kwargs)
     return model
+
+
+def move_buffers(model: nn.Module, device: torch.device) -> None:
+    """Every module buffer (rotary frequencies, ...) to ``device``, parameters left where
+    they are (a full float32 copy of them on the device would only be transient)."""
+    for module in model.modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            module._buffers[name] = buffer.to(device)
 
 
 def uses_fsdp(config: FSDPConfig, world_size: int, device: torch.device) -> bool:
