@@ -171,3 +171,35 @@ def test_log_probs_resume_and_export_without_fsdp(world_of_one, tmp_path):
     for name, param in backend.model.named_parameters():
         assert exported[name].dtype == torch.float32
         assert torch.equal(exported[name], param.detach()), name
+
+
+def test_reference_and_critic_without_fsdp(world_of_one):
+    """The frozen reference is a plain module in the compute dtype (no master copy) and
+    gives the actor's log-probs before any update; the critic trains on master weights
+    with the numbers of an FSDP2 critic."""
+    from rl_fsdp import FSDPCritic
+
+    actor, _ = _train(world_of_one, steps=0, fsdp_on_one_rank=False, reference=True)
+    assert not is_fsdp(actor.ref_model)
+    assert all(p.dtype == torch.bfloat16 for p in actor.ref_model.parameters())
+    batch = _rl_batch()
+    assert torch.equal(actor.compute_log_probs(batch, model="ref"), actor.compute_log_probs(batch))
+
+    batch.returns = torch.randn(batch.num_tokens, generator=torch.Generator().manual_seed(5))
+    results = []
+    for fsdp in (False, True):
+        config = FSDPConfig(
+            model_config=UNTIED,
+            device="cpu",
+            precision="bf16",
+            lr=1e-2,
+            max_tokens_per_micro_batch=48,
+            fsdp_on_one_rank=fsdp,
+        )
+        critic = FSDPCritic(config, dist_info=world_of_one)
+        assert (critic.master is None) == fsdp
+        losses = [critic.train_step(batch)["loss/value"] for _ in range(2)]
+        results.append((losses, critic.compute_values(batch)))
+    (plain_losses, plain_values), (sharded_losses, sharded_values) = results
+    assert plain_losses == sharded_losses
+    assert torch.equal(plain_values, sharded_values)

@@ -25,7 +25,15 @@ from rl_fsdp.config import FSDPConfig
 from rl_fsdp.distributed import DistInfo
 from rl_fsdp.engine import ShardedTrainer
 from rl_fsdp.forward import packed_log_probs
-from rl_fsdp.modeling import DTYPES, build_model, freeze, is_fsdp, reshard_all, shard_model
+from rl_fsdp.modeling import (
+    DTYPES,
+    build_model,
+    compute_params_only,
+    freeze,
+    is_fsdp,
+    reshard_all,
+    shard_model,
+)
 from rl_fsdp.weights import iter_weight_buckets, write_hf_dir
 
 __all__ = ["FSDPBackend", "FSDPConfig"]
@@ -41,8 +49,8 @@ class FSDPBackend(ShardedTrainer):
     def _build_reference(self) -> torch.nn.Module:
         """A frozen, sharded copy of the initial weights (same source and seed)."""
         ref = freeze(shard_model(build_model(self.config), self.config, self.device))
-        if not is_fsdp(ref):  # frozen: computes in its own dtype, no master copy
-            ref.to(self.device, DTYPES[self.config.precision])
+        if not is_fsdp(ref):  # frozen: parameters in the compute dtype, no master copy
+            compute_params_only(ref, self.device, DTYPES[self.config.precision])
         if self.config.ref_offload and self.device.type != "cpu":
             ref.to("cpu")
         return ref

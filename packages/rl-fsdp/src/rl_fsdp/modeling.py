@@ -110,6 +110,14 @@ def move_buffers(model: nn.Module, device: torch.device) -> None:
             module._buffers[name] = buffer.to(device)
 
 
+def compute_params_only(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Parameters to ``device`` in ``dtype``; buffers to ``device`` in their own dtype (the
+    rotary frequencies stay float32, as under FSDP's mixed precision)."""
+    for param in model.parameters():
+        param.data = param.data.to(device, dtype)
+    move_buffers(model, device)
+
+
 def uses_fsdp(config: FSDPConfig, world_size: int, device: torch.device) -> bool:
     """Whether the model is sharded with FSDP2: with more than one rank, and on one rank
     when ``fsdp_on_one_rank`` (None: on CPU or with ``cpu_offload``)."""
