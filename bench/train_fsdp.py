@@ -98,6 +98,12 @@ def parse_args(argv=None):
         help="profile one more rl-fsdp step: busy fraction, top kernels, categories",
     )
     parser.add_argument(
+        "--host-threads",
+        type=int,
+        default=None,
+        help="torch.set_num_threads(N) before the run (GPU: the host's small tensor ops)",
+    )
+    parser.add_argument(
         "--host-profile",
         action="store_true",
         help="one more rl-fsdp step under cProfile: where the host's time goes",
@@ -315,6 +321,8 @@ def _timed(step, steps: int, device, name: str) -> float:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.host_threads:
+        torch.set_num_threads(args.host_threads)
     device = torch.device("cuda" if torch.cuda.is_available() and args.shape != "tiny" else "cpu")
     big = args.shape != "tiny"
     full = args.data == "full"
@@ -354,6 +362,7 @@ def main(argv=None) -> dict:
             "levers": lever_report,
             "fallback_errors": FALLBACK_ERRORS + fusion.COMPILE_FAILURES + PROBE_ERRORS,
             "steps": args.steps,
+            "host_threads": torch.get_num_threads(),
             "peak_memory_gib": PEAK_MEMORY_GIB.get("figure"),
             **({"profile": PROFILE} if args.profile else {}),
             **({"syncs": SYNCS} if args.sync_debug else {}),
