@@ -32,9 +32,11 @@ from torch import nn
 
 
 class MasterWeights:
+    """The flat buffers of one model's parameters on ``device`` (see the module docstring);
+    the model's parameters become views of the float32 one at construction."""
+
     def __init__(self, model: nn.Module, compute_dtype: torch.dtype, device: torch.device):
-        self.params = [p for p in model.parameters()]  # tied weights once
-        self.numels = [p.numel() for p in self.params]
+        self.params = list(model.parameters())  # tied weights once
         self.master = _flatten(self.params, torch.float32, device)
         self._point(self.master)
         self.mixed = compute_dtype != torch.float32
