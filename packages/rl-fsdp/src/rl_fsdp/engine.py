@@ -179,7 +179,8 @@ class ShardedTrainer:
         memory (:mod:`rl_fsdp.offload`; a no-op on a CPU run). The finished step's
         gradients are dropped (the next step starts from zero)."""
         if self.device.type != "cpu" and not self.offloaded:
-            self.zero_grad()
+            # not self.zero_grad(): the master's gradient buffers are freed below, not zeroed
+            self.optimizer.zero_grad(set_to_none=True)
             tensors = training_tensors(self.model, self.optimizer)
             self._stash.release(t for t in tensors if t.device.type == "cuda")
             if self.master is not None:

@@ -77,10 +77,11 @@ def shard_model(model: nn.Module, config: FSDPConfig, device: torch.device) -> n
     if blocks_compiled(config, device):
         # Flex keeps its own compiled kernel per bucket (traced with dynamic shapes it failed).
         compile_blocks(model, attention=config.compile_attention and config.attention != "flex")
+    if config.compile_layers:
+        for layer in decoder_layers(model):
+            # In place (parameter names unchanged); dynamic: micro-batch lengths vary.
+            layer.compile(dynamic=True)
     if not uses_fsdp(config, world, device):
-        if config.compile_layers:
-            for layer in decoder_layers(model):
-                layer.compile(dynamic=True)
         move_buffers(model, device)  # parameters move with rl_fsdp.master.MasterWeights
         return model
     mesh = init_device_mesh(device.type, (world,))
@@ -93,9 +94,6 @@ def shard_model(model: nn.Module, config: FSDPConfig, device: torch.device) -> n
     elif device.type == "cuda":
         model.to(device)
     for layer in decoder_layers(model):
-        if config.compile_layers:
-            # In place (parameter names unchanged); dynamic: micro-batch lengths vary.
-            layer.compile(dynamic=True)
         fully_shard(layer, reshard_after_forward=reshard_after_forward(config, world), **kwargs)
     # The root (embeddings, head) is needed again first thing in backward: keep it gathered.
     fully_shard(model, reshard_after_forward=False, **kwargs)
