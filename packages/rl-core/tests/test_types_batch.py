@@ -82,3 +82,30 @@ def test_select_keeps_global_denominators_and_validates():
         TrainBatch(tokens=torch.zeros(3), cu_seqlens=torch.tensor([0, 3]), loss_mask=torch.ones(2))
     with pytest.raises(ValueError, match="cu_seqlens ends at 2"):
         TrainBatch(tokens=torch.zeros(3), cu_seqlens=torch.tensor([0, 2]), loss_mask=torch.ones(3))
+
+
+def test_device_batch_splits_without_reading_the_device():
+    """On 'meta' every read-back raises: moving, lengths and select must use the host copy."""
+    batch = batch_from_samples(make_samples(), advantages=[1.0, 1.0])
+    on_meta = batch.to("meta")
+    assert on_meta.tokens.is_meta and on_meta.cu_seqlens.is_meta
+    assert on_meta.host_cu_seqlens.tolist() == [0, 5, 8]
+    assert on_meta.seq_lengths() == [5, 3]
+    part = on_meta.select([1, 0])
+    assert part.tokens.is_meta and part.tokens.shape == (8,)
+    assert part.host_cu_seqlens.tolist() == [0, 3, 8] and part.cu_seqlens.is_meta
+    assert part.loss_mask.shape == (8,) and part.global_num_tokens == 2.0
+    # the same selection on the host gives those boundaries and tokens
+    on_host = batch.select([1, 0])
+    assert on_host.cu_seqlens.tolist() == [0, 3, 8]
+    assert on_host.tokens.tolist() == [1, 2, 3, 5, 6, 7, 8, 9]
+
+
+def test_new_device_boundaries_are_read_back_not_trusted():
+    """replace() with other device boundaries must not keep the old host copy."""
+    from dataclasses import replace
+
+    on_meta = batch_from_samples(make_samples()).to("meta")
+    with pytest.raises(NotImplementedError):  # it tries to read the new boundaries
+        replace(on_meta, cu_seqlens=torch.tensor([0, 4, 8], device="meta"))
+    assert replace(on_meta, advantages=None).host_cu_seqlens.tolist() == [0, 5, 8]

@@ -72,3 +72,20 @@ def test_packed_log_probs_and_grads_equal_padded(impl, temperature):
     (got * batch.loss_mask).sum().backward()
     for (name, p), q in zip(model.named_parameters(), packed_model.parameters(), strict=True):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_packed_forward_skips_hugging_faces_mask_code(monkeypatch):
+    """A packed pass never runs Hugging Face's mask preparation (its packed-sequence
+    check reads position ids back from the device); the logits stay those of the padded
+    forward (tested above for every implementation)."""
+    import transformers.masking_utils as masking
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("mask code ran")
+
+    monkeypatch.setattr(masking, "find_packed_sequence_indices", refuse)
+    model = plain_model(CONFIGS["qwen2"])
+    model.config._attn_implementation = register_packed_attention()
+    batch = tokens_batch()
+    logits = packed_forward(model, batch.tokens, batch.cu_seqlens, "sdpa_per_doc")
+    torch.testing.assert_close(logits, padded_logits(model, batch), rtol=1e-4, atol=1e-4)

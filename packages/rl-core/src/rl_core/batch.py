@@ -13,14 +13,20 @@ loss_mask 0; so do prompt positions.
 ``global_num_tokens`` / ``global_num_seqs`` are the loss denominators of the whole step
 (all data-parallel ranks, all micro-batches); :meth:`select` keeps them, so every part's
 loss is its share of the full-batch loss.
+
+A batch also keeps ``host_cu_seqlens``, a host copy of its boundaries that stays behind
+when the batch moves to a GPU (:meth:`to`). Lengths, checks and :meth:`select` read it, so
+splitting a GPU batch into micro-batches never waits for the device. A batch built with
+other device boundaries (``dataclasses.replace(batch, cu_seqlens=...)``) reads them back
+once instead. Treat ``cu_seqlens`` as immutable: the copy is not refreshed.
 """
 
+import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-from rl_core.aggregation import segment_ids
 from rl_core.packing import cu_seqlens_from_lengths
 from rl_core.types import Sample
 
@@ -48,9 +54,24 @@ class TrainBatch:
     old_values: torch.Tensor | None = None
     global_num_tokens: float | None = None
     global_num_seqs: float | None = None
+    # the host copy of cu_seqlens (module docstring); set by __post_init__, to and select
+    host_bounds: "HostBounds | None" = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
-        self._check_fields(int(self.cu_seqlens[-1]))
+        cu = self.cu_seqlens
+        if cu.device.type == "cpu":
+            host = cu
+        elif self.host_bounds is not None and self.host_bounds.of is cu:
+            host = self.host_bounds.values
+        else:
+            host = cu.cpu()  # boundaries made on the device: read back once
+        self.host_bounds = HostBounds(host, cu)
+        self._check_fields(int(host[-1]))
+
+    @property
+    def host_cu_seqlens(self) -> torch.Tensor:
+        """``cu_seqlens`` on the host (no read of the device)."""
+        return self.host_bounds.values
 
     def _check_fields(self, boundaries_end: int) -> None:
         """``boundaries_end`` (the last cu_seqlens entry, read where that is free) covers
@@ -72,47 +93,72 @@ class TrainBatch:
         return self.tokens.shape[0]
 
     def seq_lengths(self) -> list[int]:
-        return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
+        bounds = self.host_cu_seqlens.tolist()
+        return [end - start for start, end in itertools.pairwise(bounds)]
 
     def with_global_denominators(self) -> "TrainBatch":
         """This batch as the whole step: its own valid tokens and sequences as denominators."""
-        mask = self.loss_mask.float()
-        seq_has_tokens = torch.zeros(self.num_seqs).index_add(
-            0, segment_ids(self.cu_seqlens).cpu(), mask.cpu()
-        )
+        # valid tokens before each boundary, so a sequence's count is a difference
+        before = torch.cumsum(self.loss_mask.detach().cpu().double(), 0)
+        before = torch.nn.functional.pad(before, (1, 0))
+        bounds = self.host_cu_seqlens.long()
+        per_seq = before[bounds[1:]] - before[bounds[:-1]]
         return replace(
             self,
-            global_num_tokens=float(mask.sum()),
-            global_num_seqs=float((seq_has_tokens > 0).sum()),
+            global_num_tokens=float(before[-1]),
+            global_num_seqs=float((per_seq > 0).sum()),
         )
 
     def select(self, seq_indices: Sequence[int]) -> "TrainBatch":
-        """The sub-batch of the given sequences (in that order), keeping global denominators."""
-        picked_seqs = torch.as_tensor(list(seq_indices), dtype=torch.long)
-        bounds = self.cu_seqlens.to("cpu", torch.long)
-        starts, lengths = bounds[:-1][picked_seqs], (bounds[1:] - bounds[:-1])[picked_seqs]
-        new_bounds = cu_seqlens_from_lengths(lengths.tolist())
-        # token t of the result is old token t + (old start - new start) of its sequence
-        shift = torch.repeat_interleave(starts - new_bounds[:-1].long(), lengths)
-        token_index = (torch.arange(int(lengths.sum())) + shift).to(self.tokens.device)
-        picked = {
+        """The sub-batch of the given sequences (in that order), keeping global denominators.
+        On a GPU batch nothing is read back from the device: the token index is built on
+        the host from ``host_cu_seqlens`` and copied asynchronously."""
+        bounds = self.host_cu_seqlens.tolist()
+        picked = [range(bounds[i], bounds[i + 1]) for i in seq_indices]
+        host_index = torch.tensor(list(itertools.chain.from_iterable(picked)), dtype=torch.long)
+        new_bounds = cu_seqlens_from_lengths([len(r) for r in picked])
+        token_index = to_device(host_index, self.tokens.device)
+        gathered = {
             name: None if getattr(self, name) is None else getattr(self, name)[token_index]
             for name in PER_TOKEN_FIELDS
         }
+        cu_seqlens = to_device(new_bounds, self.cu_seqlens.device)
         return replace(
             self,
             tokens=self.tokens[token_index],
-            cu_seqlens=new_bounds.to(self.cu_seqlens.device),
-            **picked,
+            cu_seqlens=cu_seqlens,
+            host_bounds=HostBounds(new_bounds, cu_seqlens),
+            **gathered,
         )
 
     def to(self, device: torch.device | str) -> "TrainBatch":
+        """This batch on ``device``; host-to-GPU copies go through pinned memory and do not
+        wait for the device (:func:`to_device`). ``host_cu_seqlens`` stays on the host."""
         moved = {
-            f.name: getattr(self, f.name).to(device)
+            f.name: to_device(getattr(self, f.name), device)
             for f in fields(self)
             if isinstance(getattr(self, f.name), torch.Tensor)
         }
-        return replace(self, **moved)
+        host_bounds = HostBounds(self.host_cu_seqlens, moved["cu_seqlens"])
+        return replace(self, **moved, host_bounds=host_bounds)
+
+
+@dataclass(frozen=True, eq=False)
+class HostBounds:
+    """``values``: a host copy of the boundaries tensor ``of`` (the batch's cu_seqlens).
+    A batch trusts the copy only while ``of`` is its own cu_seqlens object."""
+
+    values: torch.Tensor
+    of: torch.Tensor
+
+
+def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``tensor.to(device)``; from the host to a GPU through pinned memory, asynchronously
+    (a copy from pageable memory would make the host wait for the device's queue)."""
+    device = torch.device(device)
+    if tensor.device.type == "cpu" and device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def next_token_targets(tokens: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -123,8 +169,8 @@ def next_token_targets(tokens: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.
     or -1 for leading empty ones, which wraps to position N - 1, the last sequence's end.
     """
     targets = torch.roll(tokens, shifts=-1)
-    if tokens.numel():
-        targets[cu_seqlens[1:].long() - 1] = 0
+    if tokens.numel():  # index_fill_ takes the 0 as a kernel argument (no host copy)
+        targets.index_fill_(0, cu_seqlens[1:].long() - 1, 0)
     return targets
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from rl_core.batch import to_device
 from rl_fsdp.flex import bucket_length, document_block_mask, flex_available, flex_packed_attention
 from rl_fsdp.grouped import build_groups, grouped_attention
 from rl_fsdp.torch_varlen import probe, varlen_attention, varlen_function
@@ -60,7 +61,7 @@ class PackedLayout:
         micro-batch budget: every micro-batch then shares one compiled shape)."""
         host = cu_seqlens.cpu()
         lengths = tuple((host[1:] - host[:-1]).tolist())
-        on_device = host.to(device=device, dtype=torch.int32, non_blocking=True)
+        on_device = to_device(host.to(torch.int32), device)
         mask = groups = restore = None
         if impl == "flex":
             mask = document_block_mask(on_device, bucket_length(max(int(host[-1]), pad_to)))

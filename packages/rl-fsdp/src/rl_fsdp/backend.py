@@ -70,7 +70,7 @@ class FSDPBackend(ShardedTrainer):
         with torch.no_grad(), self._swapped_in(net), compute:
             out = self.per_token(batch, budget, log_probs)
             reshard_all(net)  # the root (and layers on one rank) stay gathered after forward
-        out[batch.cu_seqlens[1:].long() - 1] = 0.0
+        out.index_fill_(0, batch.cu_seqlens[1:].long() - 1, 0.0)  # sequence ends
         return out
 
     def _pick(self, model: str) -> torch.nn.Module:

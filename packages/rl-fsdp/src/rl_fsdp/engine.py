@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from rl_core.batch import TrainBatch
+from rl_core.batch import TrainBatch, to_device
 from rl_fsdp import checkpoint, faults
 from rl_fsdp.attention import resolve_attention
 from rl_fsdp.config import FSDPConfig
@@ -80,7 +80,7 @@ class ShardedTrainer:
         for seqs in self.plan(batch, budget):
             values = forward(micro_batch(batch, seqs))
             if seqs:  # an empty plan entry is a dummy pass that keeps ranks in step
-                out[token_indices(batch, seqs).to(self.device)] = values
+                out[to_device(token_indices(batch, seqs), self.device)] = values
         return out
 
     def forward_backward(self, batch: TrainBatch) -> dict[str, float]:
@@ -90,7 +90,9 @@ class ShardedTrainer:
     def _accumulate(self, batch: TrainBatch) -> dict[str, float | torch.Tensor]:
         """Backward of every micro-batch; metric shares summed on this rank, tensor-valued
         ones kept on the device (read back once per step)."""
-        batch = global_denominators(batch.to(self.device), self.device)
+        # denominators on the host, then one asynchronous copy: nothing here waits for the
+        # device, so the host queues the next micro-batch while the last one still runs
+        batch = global_denominators(batch, self.device).to(self.device)
         sums: dict[str, float | torch.Tensor] = {}
         keep = not reshard_after_backward(self.config, self.dist.world_size)
         with self.computing(), gathered_through(self.model, keep):
@@ -107,7 +109,8 @@ class ShardedTrainer:
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """zero_grad, micro-batched forward/backward, clip, AdamW step, schedule step.
 
-        The step's metrics and the gradient norm come back to the host in one read.
+        Nothing is read back from the device until the optimizer step is queued; then the
+        step's metrics, the gradient norm and the skip decision come back in one read.
         A non-finite loss or gradient norm on any rank skips the update on every rank
         (:mod:`rl_fsdp.faults`): parameters, optimizer state, schedule and ``step`` stay
         unchanged and ``train/nonfinite_skipped`` is 1."""
@@ -115,20 +118,22 @@ class ShardedTrainer:
         start = time.perf_counter()
         self.zero_grad()
         sums = self._accumulate(batch)
-        norm = {"train/grad_norm": self.clip_gradients()}
-        metrics = all_reduce_metrics(sums, self.device, unreduced=norm)
+        grad_norm = self.clip_gradients()
+        flag = faults.nonfinite_flag(sums, grad_norm, self.device)
+        faults.guarded_step(self.optimizer, flag)
+        if self.master is not None:
+            self.master.refresh()  # unchanged values when the step was skipped
+        late = {"train/grad_norm": grad_norm, "train/nonfinite_skipped": flag}
+        metrics = all_reduce_metrics(sums, self.device, unreduced=late)
+        skipped = bool(metrics.pop("train/nonfinite_skipped"))
         grad_norm = metrics.pop("train/grad_norm")
-        skipped = faults.any_rank_nonfinite(metrics, grad_norm, self.device)
         metrics.update(faults.step_metrics(skipped=skipped, grad_norm=grad_norm))
         metrics["train/lr"] = self.scheduler.get_last_lr()[0]
         if skipped:
             self.zero_grad()  # drop the poisoned gradients
         else:
-            self.optimizer.step()
             self.scheduler.step()
             self.step += 1
-            if self.master is not None:
-                self.master.refresh()
         metrics["train/step"] = float(self.step)
         metrics.update(self._throughput(metrics, time.perf_counter() - start))
         return metrics

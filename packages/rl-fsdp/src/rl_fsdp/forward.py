@@ -11,7 +11,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from rl_core.batch import PER_TOKEN_FIELDS, TrainBatch, next_token_targets
+from rl_core.batch import PER_TOKEN_FIELDS, HostBounds, TrainBatch, next_token_targets, to_device
 from rl_core.logprobs import log_probs_and_entropy
 from rl_core.packing import first_fit_pack, position_ids_from_cu_seqlens
 from rl_fsdp.attention import PackedLayout
@@ -21,18 +21,28 @@ def packed_forward(
     model: nn.Module, tokens: torch.Tensor, cu_seqlens: torch.Tensor, impl: str, pad_to: int = 0
 ):
     """Run ``model`` on one packed row; returns its output's ``logits[0]``: ``[N, ...]``.
-    ``pad_to``: the micro-batch budget (FlexAttention's padded shape, see PackedLayout)."""
+    ``cu_seqlens``: pass the host copy (``batch.host_cu_seqlens``); device boundaries are
+    read back once. ``pad_to``: the micro-batch budget (FlexAttention's padded shape, see
+    PackedLayout)."""
     device = tokens.device
     layout = PackedLayout.from_cu_seqlens(cu_seqlens, impl, device, pad_to=pad_to)
     host_cu = torch.tensor((0, *itertools.accumulate(layout.lengths)), dtype=torch.int64)
-    position_ids = position_ids_from_cu_seqlens(host_cu).to(device, non_blocking=True)
+    position_ids = to_device(position_ids_from_cu_seqlens(host_cu), device)
     out = model(
         input_ids=tokens.unsqueeze(0),
         position_ids=position_ids.unsqueeze(0),
+        attention_mask=_no_mask(device),
         use_cache=False,
         rl_layout=layout,
     )
     return out.logits[0]
+
+
+def _no_mask(device) -> torch.Tensor:
+    """An empty 4D mask. Hugging Face takes a 4D mask as already built and skips its mask
+    code, whose packed-sequence check reads the position ids back from the device (one
+    sync per pass); the packed attention ignores it (boundaries come from ``rl_layout``)."""
+    return torch.empty((1, 1, 0, 0), device=device)
 
 
 def packed_log_probs(
@@ -47,7 +57,7 @@ def packed_log_probs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of each next token ``[N]`` (0 at sequence ends) and optionally entropy ``[N]``,
     through rl_core's chunked log-softmax (no float32 ``[N, V]`` softmax kept)."""
-    logits = packed_forward(model, batch.tokens, batch.cu_seqlens, impl, pad_to)
+    logits = packed_forward(model, batch.tokens, batch.host_cu_seqlens, impl, pad_to)
     targets = next_token_targets(batch.tokens, batch.cu_seqlens.to(batch.tokens.device))
     return log_probs_and_entropy(
         logits,
@@ -62,7 +72,8 @@ def packed_values(
     model: nn.Module, batch: TrainBatch, *, impl: str, pad_to: int = 0
 ) -> torch.Tensor:
     """A value-head model's per-position values ``[N]`` float32."""
-    return packed_forward(model, batch.tokens, batch.cu_seqlens, impl, pad_to)[:, 0].float()
+    logits = packed_forward(model, batch.tokens, batch.host_cu_seqlens, impl, pad_to)
+    return logits[:, 0].float()
 
 
 def plan_micro_batches(batch: TrainBatch, max_tokens: int, num_micro_batches: int | None = None):
@@ -89,16 +100,20 @@ def micro_batch(batch: TrainBatch, seq_indices: list[int]) -> TrainBatch:
         return batch.select(seq_indices)
     zeros = torch.zeros(1, device=batch.tokens.device)
     dummy = {name: zeros.clone() for name in PER_TOKEN_FIELDS if getattr(batch, name) is not None}
+    bounds = torch.tensor([0, 1], dtype=torch.int32)
+    cu_seqlens = to_device(bounds, batch.cu_seqlens.device)
     return replace(
         batch,
         tokens=torch.zeros(1, dtype=torch.long, device=batch.tokens.device),
-        cu_seqlens=torch.tensor([0, 1], dtype=torch.int32, device=batch.cu_seqlens.device),
+        cu_seqlens=cu_seqlens,
+        host_bounds=HostBounds(bounds, cu_seqlens),
         **dummy,
     )
 
 
 def token_indices(batch: TrainBatch, seq_indices: list[int]) -> torch.Tensor:
-    """Positions in ``batch``'s packed tokens of the sequences ``seq_indices``: ``[n]``."""
-    bounds = batch.cu_seqlens.tolist()
+    """Positions in ``batch``'s packed tokens of the sequences ``seq_indices``: ``[n]``
+    on the host."""
+    bounds = batch.host_cu_seqlens.tolist()
     parts = [torch.arange(bounds[i], bounds[i + 1]) for i in seq_indices]
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from rl_core.batch import to_device
+
 
 @dataclass(frozen=True)
 class Group:
@@ -62,11 +64,11 @@ def build_groups(lengths: tuple[int, ...], device) -> tuple[list[Group], torch.T
         groups.append(Group(_ids(gather, device), _ids(keep, device), len(members), width))
     restore = torch.empty(len(order), dtype=torch.long)
     restore[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
-    return groups, restore.to(device, non_blocking=True)
+    return groups, to_device(restore, device)
 
 
 def _ids(values: list[int], device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+    return to_device(torch.tensor(values, dtype=torch.long), device)
 
 
 def grouped_attention(query, key, value, groups: list[Group], restore, scaling, dropout):
