@@ -86,7 +86,7 @@ def test_master_weights_by_hand():
 
 def test_scratch_buffers_freed_and_rebuilt_for_offload():
     """Offloaded, only the float32 parameters keep their bytes; back, the compute copy is
-    rebuilt from them and the gradients are zero."""
+    rebuilt from them, the per-pass gradients are zero and no gradient is held."""
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 8)
     master = MasterWeights(model, torch.bfloat16, CPU)
@@ -99,9 +99,30 @@ def test_scratch_buffers_freed_and_rebuilt_for_offload():
     assert torch.equal(master.master, kept)
     master.restore_scratch()
     assert torch.equal(master.compute, kept.bfloat16())
-    assert not master.grads.any() and not master.pass_grads.any()
+    assert not master.pass_grads.any() and not master.has_grads
     with master.computing():
         assert torch.equal(model.weight, kept[:64].view(8, 8).bfloat16())
+    assert model.weight.grad is None
+
+
+def test_gradients_sum_over_passes_without_zeroing_the_float32_buffer():
+    """The first pass after zero_grads is copied into the float32 sum, later ones added:
+    stale values in that buffer never leak into a step's gradient."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8, bias=False)
+    master = MasterWeights(model, torch.bfloat16, CPU)
+    inputs = [torch.randn(2, 8).bfloat16() for _ in range(2)]
+    expected = torch.zeros(8, 8)
+    for step in range(2):
+        master.zero_grads()
+        master.grads.fill_(123.0)  # what an earlier step or an offload leaves there
+        with master.computing():
+            for x in inputs:
+                model(x).float().sum().backward()
+                if step == 0:  # the sum of the passes' bf16 gradients, in float32
+                    expected += model.weight.grad.float()
+                master.accumulate()
+        assert torch.equal(model.weight.grad, expected)
 
 
 def _train(world_of_one, steps: int = 2, **overrides):

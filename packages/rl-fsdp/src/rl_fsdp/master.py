@@ -15,7 +15,8 @@ flat buffers, the way Megatron keeps its parameter and gradient buffers:
   accumulates into in place;
 - after each micro-batch's backward :meth:`accumulate` adds that buffer into a float32
   gradient buffer in one kernel (the sum FSDP's reduce made, in the same order), so a
-  step's gradient is summed in float32 over micro-batches;
+  step's gradient is summed in float32 over micro-batches; the step's first pass is
+  copied rather than added, so the float32 buffer is never zeroed;
 - on leaving :meth:`computing` the parameters get their float32 data back and, after a
   backward, their float32 gradients.
 
@@ -72,9 +73,9 @@ class MasterWeights:
             self.compute.copy_(self.master)
 
     def zero_grads(self) -> None:
-        self.grads.zero_()
-        if self.mixed:
-            self.pass_grads.zero_()
+        """Forget the step's gradients: the float32 sum is overwritten by the next
+        :meth:`accumulate`; the per-pass buffer, which autograd adds into, is zeroed."""
+        self.pass_grads.zero_()
         self.has_grads = False
 
     @contextmanager
@@ -95,9 +96,13 @@ class MasterWeights:
     @torch.no_grad()
     def accumulate(self) -> None:
         """After a backward inside :meth:`computing`: add its gradients into the float32
-        sum and clear the per-pass buffer (one kernel each)."""
+        sum (copy them, for the step's first) and clear the per-pass buffer (one kernel
+        each)."""
         if self.mixed:
-            self.grads.add_(self.pass_grads)
+            if self.has_grads:
+                self.grads.add_(self.pass_grads)
+            else:
+                self.grads.copy_(self.pass_grads)
             self.pass_grads.zero_()
         self.has_grads = True
 
