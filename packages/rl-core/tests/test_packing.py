@@ -125,3 +125,10 @@ def test_position_ids_restart_per_sequence():
     cu = cu_seqlens_from_lengths([3, 1, 2])
     assert position_ids_from_cu_seqlens(cu).tolist() == [0, 1, 2, 0, 0, 1]
     assert cu.dtype == torch.int32
+    empty_ones = cu_seqlens_from_lengths([0, 2, 0, 0, 3, 0])
+    assert position_ids_from_cu_seqlens(empty_ones).tolist() == [0, 1, 0, 1, 2]
+    assert position_ids_from_cu_seqlens(cu_seqlens_from_lengths([])).numel() == 0
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(0, 50, (200,), generator=gen).tolist()
+    expected = [p for n in lengths for p in range(n)]
+    assert position_ids_from_cu_seqlens(cu_seqlens_from_lengths(lengths)).tolist() == expected

@@ -112,7 +112,13 @@ def pad_packed(
 
 
 def position_ids_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Positions restarting at 0 for every packed sequence: ``[N]`` int64."""
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths)
-    return torch.arange(int(cu_seqlens[-1]), device=cu_seqlens.device) - starts
+    """Positions restarting at 0 for every packed sequence: ``[N]`` int64.
+
+    Each token's sequence start is a running maximum over the starts marked at their
+    positions (no ``repeat_interleave``, whose CPU kernel wakes the whole thread pool for
+    a few thousand elements: milliseconds per call on a many-core host)."""
+    cu = cu_seqlens.long()
+    starts = cu[:-1][cu[1:] > cu[:-1]]  # of the non-empty sequences
+    marks = torch.zeros(int(cu[-1]), dtype=torch.long, device=cu.device)
+    marks[starts] = starts
+    return torch.arange(marks.numel(), device=cu.device) - torch.cummax(marks, 0).values
