@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from rl_core.batch import TrainBatch
+from rl_core.batch import TrainBatch, to_device
 from rl_core.packing import balanced_partitions
 
 
@@ -122,7 +122,7 @@ def all_reduce_metrics(
     eager = [k for k in keys if not isinstance(values[k], torch.Tensor)]
     host = torch.tensor([float(values[k]) for k in eager], dtype=torch.float64)
     parts = [torch.stack([values[k].to(torch.float64) for k in lazy])] if lazy else []
-    stacked = torch.cat([*parts, host.to(device)])
+    stacked = torch.cat([*parts, to_device(host, device)])
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(stacked)
     extra = sorted(unreduced or {})
