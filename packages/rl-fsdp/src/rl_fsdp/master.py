@@ -45,8 +45,7 @@ class MasterWeights:
         self.pass_grads = torch.zeros_like(self.compute) if self.mixed else self.grads
         # each parameter's view of each buffer, made once: slicing them anew cost the
         # host ~3 ms per buffer and step at 340 parameters (storage resizes keep views valid)
-        views = {id(t): list(_views(t, self.params)) for t in [*self.scratch(), self.master]}
-        self.views = {name: views[id(getattr(self, name))] for name in BUFFERS}
+        self.views = {name: list(_views(getattr(self, name), self.params)) for name in BUFFERS}
         self._point("master")
         self.active = False
         self.has_grads = False  # a backward was accumulated since zero_grads
