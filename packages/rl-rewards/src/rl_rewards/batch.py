@@ -1,16 +1,16 @@
 """Score many samples with a per-sample timeout; a raising or hung reward never stalls a batch.
 
-With ``workers >= 1`` each sample runs in one of ``workers`` processes (forkserver); a sample
-that passes its deadline gets its process killed and replaced, so even a sympy call stuck in
-C code or an infinite loop is cut off. With ``workers == 0`` samples run in this process and
-the timeout is a ``SIGALRM`` timer (main thread on Unix only; elsewhere no timeout).
+With ``workers >= 1`` each sample runs in one of ``workers`` processes (forkserver,
+:class:`rl_rewards.workers.Worker`); a sample that passes its deadline gets its process
+killed and replaced, so even a sympy call stuck in C code or an infinite loop is cut off.
+With ``workers == 0`` samples run in this process and the timeout is a ``SIGALRM`` timer
+(main thread on Unix only; elsewhere no timeout).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import multiprocessing
 import signal
 import threading
 import time
@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from typing import Any
 
-from rl_rewards.registry import RewardFn, get_reward
+from rl_rewards.registry import RewardFn
+from rl_rewards.workers import Outcome, RewardRef, Worker, call, resolve_reward, worker_context
 
+__all__ = ["BatchReport", "RewardRef", "ScoreResult", "call_reward", "resolve_reward",
+           "score_batch"]  # fmt: skip
 ON_FAILURE = ("zero", "drop")
-RewardRef = str | RewardFn  # a registered name / dotted path, or a picklable callable
-_FLUSH_S = 0.05
-_PRELOAD = ["rl_rewards.math.reward", "rl_rewards.math.latex", "rl_rewards.qa", "rl_rewards.choice"]
 
 
 @dataclass(frozen=True)
@@ -66,21 +66,16 @@ class BatchReport:
         return [i for i, r in enumerate(self.results) if r.score is not None]
 
 
-def resolve_reward(reward: RewardRef, options: dict[str, Any] | None = None) -> RewardFn:
-    """A callable from a name / dotted path (with ``options`` bound) or a callable as is."""
-    if isinstance(reward, str):
-        return get_reward(reward, **(options or {}))
-    if options:
-        raise ValueError("options are only accepted with a reward given by name")
-    return reward
-
-
 def call_reward(fn: RewardFn, response: str, label: Any) -> ScoreResult:
     """Run one reward; an exception or a non-finite / non-numeric score becomes an error."""
-    try:
-        value = fn(response, label)
-    except Exception as exc:  # a reward's failure is data here: recorded, never raised
-        return ScoreResult(0.0, "error", f"{type(exc).__name__}: {exc}"[:500])
+    return _score_result(call(fn, response, label))
+
+
+def _score_result(outcome: Outcome) -> ScoreResult:
+    """A call's outcome as a score: anything but a finite number is an error scoring 0."""
+    value = outcome.value
+    if outcome.status != "ok":
+        return ScoreResult(0.0, outcome.status, outcome.reason)
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         return ScoreResult(0.0, "error", f"reward returned {value!r}, not a finite number")
     return ScoreResult(float(value))
@@ -110,94 +105,37 @@ def _call_with_alarm(fn: RewardFn, response: str, label: Any, timeout_s: float) 
         signal.signal(signal.SIGALRM, previous)
 
 
-def _worker_main(conn, current, reward: RewardRef, options: dict[str, Any] | None) -> None:
-    """Score chunks; results go back in small batches (at least every ``_FLUSH_S``), so the
-    parent sees progress often enough to time out a stuck sample, at little pipe cost.
-    ``current`` (shared memory) holds the index being scored, so the parent knows which
-    sample to blame if this process hangs or dies with results not yet sent."""
-    fn = resolve_reward(reward, options)
-    while True:
-        chunk = conn.recv()
-        if chunk is None:
-            return
-        done, last_flush = [], time.monotonic()
-        for index, response, label in chunk:
-            current.value = index
-            done.append((index, call_reward(fn, response, label)))
-            if time.monotonic() - last_flush > _FLUSH_S:
-                conn.send(done)
-                done, last_flush = [], time.monotonic()
-        if done:
-            conn.send(done)
-
-
-class _Worker:
-    """One scoring process, the indices it still owes (in order) and the current deadline."""
-
-    def __init__(self, ctx, reward: RewardRef, options: dict[str, Any] | None):
-        self.conn, child_conn = ctx.Pipe()
-        self.current = ctx.Value("q", -1, lock=False)
-        self.process = ctx.Process(
-            target=_worker_main, args=(child_conn, self.current, reward, options), daemon=True
-        )
-        self.process.start()
-        child_conn.close()
-        self.owed: deque[int] = deque()
-        self.deadline = math.inf
-
-    def send(self, chunk: list[tuple[int, str, Any]], timeout_s: float) -> None:
-        self.conn.send(chunk)
-        self.owed.extend(index for index, _, _ in chunk)
-        self.deadline = time.monotonic() + timeout_s
-
-    def stop(self, kill: bool) -> None:
-        if not kill:
-            try:
-                self.conn.send(None)
-            except OSError:  # already gone (BrokenPipeError): nothing to ask
-                kill = True
-        if kill:
-            self.process.kill()
-        self.process.join(timeout=5)
-        self.conn.close()
-
-
-def _context():
-    ctx = multiprocessing.get_context(
-        "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-    )
-    if ctx.get_start_method() == "forkserver":
-        ctx.set_forkserver_preload(_PRELOAD)
-    return ctx
-
-
 class _Pool:
-    """Processes fed chunks of samples; a worker that shows no progress for ``timeout_s``
-    is killed, its current sample recorded as a timeout, and the rest of its chunk requeued.
-    (A sample may so run up to ``timeout_s + _FLUSH_S`` before it is cut off.)"""
+    """Worker processes fed chunks of samples; a worker that shows no progress for
+    ``timeout_s`` is killed, its current sample recorded as a timeout, and the rest of its
+    chunk requeued. (A sample may so run up to ``timeout_s`` plus the 50 ms a result may
+    wait to be sent; a new worker's clock starts once it has loaded the reward.)"""
 
     def __init__(self, tasks, reward, options, workers, timeout_s, record, chunk_size):
         self.tasks, self.pending = tasks, deque(range(len(tasks)))
         self.reward, self.options, self.timeout_s, self.record = reward, options, timeout_s, record
-        self.chunk_size, self.ctx = chunk_size, _context()
+        self.chunk_size, self.ctx = chunk_size, worker_context()
         self.pool = [self._new_worker() for _ in range(min(workers, len(tasks)))]
 
-    def _new_worker(self) -> _Worker:
-        return _Worker(self.ctx, self.reward, self.options)
+    def _new_worker(self) -> Worker:
+        return Worker(self.ctx, self.reward, self.options)
 
     def run(self) -> None:
         try:
             while self.pending or any(w.owed for w in self.pool):
                 self._feed()
-                busy = [w for w in self.pool if w.owed]
-                wait_s = max(0.0, min(w.deadline for w in busy) - time.monotonic())
-                ready = set(wait([w.conn for w in busy], timeout=wait_s))
+                wait_s = max(0.0, min(w.deadline for w in self.pool) - time.monotonic())
+                wait([w.conn for w in self.pool if not w.broken], timeout=wait_s)
                 for slot, worker in enumerate(self.pool):
-                    if worker.owed:
-                        self.pool[slot] = self._collect(worker, worker.conn in ready)
+                    for index, outcome in worker.collect():
+                        self.record(index, _score_result(outcome))
+                    if worker.broken:  # finished but unsent ones are scored again
+                        self.pending.extendleft(reversed(worker.owed))
+                        self.pool[slot] = self._new_worker()
         finally:
             for worker in self.pool:
-                worker.stop(kill=bool(worker.owed))
+                if not worker.broken:
+                    worker.stop(kill=bool(worker.owed))
 
     def _feed(self) -> None:
         for worker in self.pool:
@@ -205,28 +143,6 @@ class _Pool:
                 take = min(self.chunk_size, len(self.pending))
                 chunk = [self.tasks[self.pending.popleft()] for _ in range(take)]
                 worker.send(chunk, self.timeout_s)
-
-    def _collect(self, worker: _Worker, is_ready: bool) -> _Worker:
-        """Drain ``worker``'s finished results; on timeout or death replace the worker."""
-        try:
-            while is_ready and worker.owed and worker.conn.poll():
-                for index, result in worker.conn.recv():
-                    assert index == worker.owed.popleft()
-                    self.record(index, result)
-                worker.deadline = time.monotonic() + self.timeout_s
-            if not worker.owed or time.monotonic() < worker.deadline:
-                return worker
-            failed = ScoreResult(0.0, "timeout", f"exceeded {self.timeout_s:g} s")
-        except EOFError:
-            worker.process.join(timeout=5)
-            failed = ScoreResult(0.0, "error", f"worker died (exit code {worker.process.exitcode})")
-        culprit = worker.current.value if worker.current.value in worker.owed else worker.owed[0]
-        worker.owed.remove(culprit)
-        self.record(culprit, failed)
-        self.pending.extendleft(reversed(worker.owed))  # finished but unsent ones: scored again
-        worker.owed.clear()
-        worker.stop(kill=True)
-        return self._new_worker()
 
 
 def score_batch(
