@@ -3,6 +3,7 @@ configured (0 or the group dropped), counted, and the rollout completes; or, by 
 the rollout stops with the error."""
 
 import asyncio
+import functools
 import time
 
 import pytest
@@ -10,9 +11,9 @@ import pytest
 from conftest import run
 from rl_core.types import Sample
 from rl_sglang.client import EngineClient
-from rl_sglang.rollout.default import RolloutConfig, default_rollout
+from rl_sglang.rollout.default import RolloutConfig, default_rollout, scalar_reward
 from rl_sglang.rollout.generate import GenerateContext
-from rl_sglang.rollout.rewards import RewardFailed, RewardGuard, bad_reward
+from rl_sglang.rollout.rewards import RewardFailed, RewardGuard, bad_reward, reward_name
 
 pytestmark = pytest.mark.integration
 FAULTS = ["raise", "nan", "inf", "hang", "async_hang"]
@@ -76,8 +77,37 @@ def test_drop_leaves_failed_groups_out_and_refills_the_batch(cluster):
 @pytest.mark.parametrize("label", ["raise", "nan"])
 def test_raise_is_the_default_and_names_the_failure(cluster, label):
     expected = ZeroDivisionError if label == "raise" else RewardFailed
-    with pytest.raises(expected, match="broken verifier" if label == "raise" else "non-finite"):
+    with pytest.raises(
+        expected, match="broken verifier" if label == "raise" else "non-finite"
+    ) as info:
         _rollout(cluster, [label], num_groups=1)
+    where = "reward 'faulty_reward' on sample 0"
+    if label == "raise":  # the reward's own exception, with a note saying where
+        assert info.value.__notes__ == [f"in {where}"]
+    else:
+        assert str(info.value).startswith(f"{where}: non-finite: reward returned nan")
+        assert "reward_on_error='raise' stops the rollout" in str(info.value)
+
+
+def test_failures_name_the_reward_function():
+    class Named:
+        name = "pkg.mod:fn"
+
+        async def score(self, sample):
+            return 1.0
+
+    assert reward_name(Named().score) == "pkg.mod:fn"  # the launcher's rewards
+    assert reward_name(faulty_reward) == "faulty_reward"
+    assert reward_name(functools.partial(faulty_reward)) == "faulty_reward"
+
+
+def test_a_mapping_reward_without_its_key_names_the_keys_and_the_option():
+    sample = Sample(tokens=[1], reward={"acc": 1.0, "fmt": 0.5}, index=3)
+    assert scalar_reward(sample, "acc") == 1.0
+    for key in (None, "accuracy"):
+        with pytest.raises(ValueError, match=r"sample 3 is a mapping with keys \['acc', 'fmt'\]; "
+                           r"set reward_key \(RolloutConfig.reward_key"):  # fmt: skip
+            scalar_reward(sample, key)
 
 
 def test_bad_reward_values():

@@ -62,6 +62,7 @@ class RolloutConfig:
     max_retries: int = 3
     retry_backoff_s: float = 0.5
     reward_timeout_s: float | None = None  # set: sync rewards run in a thread, timed out
+    # (that thread cannot be stopped: see rl_sglang.rollout.rewards for rewards that may hang)
     reward_on_error: str = "raise"
 
     def __post_init__(self):
@@ -87,9 +88,14 @@ class RolloutResult:
 
 
 def scalar_reward(sample: Sample, key: str | None) -> float:
+    """``sample.reward``, or its entry ``key`` when the reward is a mapping."""
     if isinstance(sample.reward, dict):
-        if key is None:
-            raise ValueError("rewards are dicts; set RolloutConfig.reward_key to pick one")
+        if key not in sample.reward:
+            raise ValueError(
+                f"the reward of sample {sample.index} is a mapping with keys "
+                f"{sorted(map(str, sample.reward))}; set reward_key (RolloutConfig.reward_key; "
+                f"in rl-train, algorithm.reward_key) to the one to use, not {key!r}"
+            )
         return float(sample.reward[key])
     return float(sample.reward or 0.0)
 

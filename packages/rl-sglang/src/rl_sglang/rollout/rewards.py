@@ -6,16 +6,20 @@
 A reward that raises, returns a non-finite number (NaN, inf, in a dict too) or a non-number,
 or, with ``timeout_s``, takes longer, is handled per ``on_error``:
 
-- ``"raise"`` (default): the exception propagates (NaN and timeouts as :class:`RewardFailed`),
-  the rollout stops; the launcher turns this into a clear exit.
+- ``"raise"`` (default): the exception propagates, with a note naming the reward and the
+  sample (NaN and timeouts as :class:`RewardFailed`, whose message names them and the
+  option), and the rollout stops.
 - ``"zero"``: ``sample.reward = 0.0`` and ``sample.metadata["reward_error"]``; counted.
 - ``"drop"``: reward None and ``sample.metadata["reward_dropped"]``; the rollout drops the
   group (over-sampling replaces it); counted.
 
 With ``timeout_s`` a synchronous reward runs in its own daemon thread, since a hung call
 cannot be interrupted on the event loop; a thread that never returns is left behind (Python
-cannot kill threads): for rewards that may hang for good, score in processes with
-``rl_rewards.batch.score_batch(workers=N)``, which kills them.
+cannot kill threads), and one spinning while it holds the GIL slows the event loop down.
+For rewards that may hang for good, score in processes that can be killed: pass a
+coroutine function that awaits ``rl_rewards.pool.RewardPool.score`` (as the launcher
+does) and leave ``timeout_s`` to the pool. A coroutine function is awaited on the event
+loop, under ``timeout_s``.
 """
 
 import asyncio
@@ -40,16 +44,19 @@ class RewardGuard:
         if on_error not in REWARD_ON_ERROR:
             raise ValueError(f"reward_on_error must be one of {REWARD_ON_ERROR}, got {on_error!r}")
         self.reward_fn, self.timeout_s, self.on_error = reward_fn, timeout_s, on_error
+        self.name = reward_name(reward_fn)
         self.counts = {"reward_errors": 0, "reward_timeouts": 0}
 
     async def score(self, sample: Sample) -> None:
         try:
             value = await self._call(sample)
         except TimeoutError:
-            self._fail(sample, "reward_timeouts", f"timeout: no reward within {self.timeout_s}s")
+            limit = f"timeout: no reward within reward_timeout_s={self.timeout_s:g} s"
+            self._fail(sample, "reward_timeouts", limit)
             return
         except Exception as error:  # a reward's failure is data here: counted, kept
             if self.on_error == "raise":
+                error.add_note(f"in reward {self.name!r} on sample {sample.index}")
                 raise
             self._fail(sample, "reward_errors", f"error: {type(error).__name__}: {error}"[:500])
             return
@@ -74,7 +81,10 @@ class RewardGuard:
     def _fail(self, sample: Sample, counter: str, reason: str) -> None:
         self.counts[counter] += 1
         if self.on_error == "raise":
-            raise RewardFailed(f"sample {sample.index}: {reason}")
+            raise RewardFailed(
+                f"reward {self.name!r} on sample {sample.index}: {reason} (reward_on_error="
+                "'raise' stops the rollout; 'zero' or 'drop' counts such samples and goes on)"
+            )
         sample.metadata["reward_error"] = reason
         if self.on_error == "zero":
             sample.reward = 0.0
@@ -129,6 +139,16 @@ def _settle(future: asyncio.Future, value, error) -> None:
 
 
 REWARD_THREADS = DaemonThreads()  # every RewardGuard's synchronous rewards under a timeout
+
+
+def reward_name(fn: Callable) -> str:
+    """What messages call ``fn``: the ``name`` of its object (the launcher's rewards have
+    one; for a bound method, its object's), else its qualified name."""
+    named = getattr(getattr(fn, "__self__", fn), "name", None)
+    if isinstance(named, str):
+        return named
+    fn = getattr(fn, "func", fn)  # a functools.partial names its function
+    return getattr(fn, "__qualname__", None) or repr(fn)
 
 
 def bad_reward(value) -> str | None:
