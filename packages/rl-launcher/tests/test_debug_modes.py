@@ -30,13 +30,18 @@ def boom_reward(response: str, label) -> float:
     return float(response.strip() == label)
 
 
-def write_config(tmp_path: Path, **sections) -> Path:
+def boom_or_nan_reward(response: str, label) -> float:
+    """NaN on the rows labelled "nan"; otherwise :func:`boom_reward`."""
+    return float("nan") if label == "nan" else boom_reward(response, label)
+
+
+def write_config(tmp_path: Path, rows=ROWS, reward="boom_reward", **sections) -> Path:
     data = tmp_path / "data.jsonl"
-    data.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in ROWS))
+    data.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
     tree = yaml.safe_load((QUICKSTART / "config.yaml").read_text())
     tree["model"]["tokenizer_path"] = str(QUICKSTART / "tokenizer")
     tree["data"]["train"] = [{"path": str(data)}]
-    tree["rollout"].update(batch_size=4, group_size=2, reward=f"{__name__}:boom_reward")
+    tree["rollout"].update(batch_size=4, group_size=2, reward=f"{__name__}:{reward}")
     tree["logging"] = {"run_dir": str(tmp_path / "run")}
     for name, values in sections.items():
         tree.setdefault(name, {}).update(values)
@@ -67,11 +72,23 @@ def test_rollout_only_dumps_and_counts_skipped_rewards_and_rows(tmp_path, capsys
 
 
 @pytest.mark.integration
+def test_nan_rewards_are_counted_with_the_errors_in_the_metrics(tmp_path):
+    rows = [{"prompt": "1+1=", "label": "2"}, {"prompt": "2+2=", "label": "boom"},
+            {"prompt": "3+1=", "label": "nan"}, {"prompt": "0+0=", "label": "nan"}]  # fmt: skip
+    config = write_config(tmp_path, rows, "boom_or_nan_reward",
+                          rollout={"rollout_only": True, "on_reward_error": "skip"})  # fmt: skip
+    assert main(["--config", str(config), "--num_steps", "1"]) == 0
+    [record] = read_metrics(tmp_path / "run")
+    assert record["rollout/reward_errors"] == 6.0  # 2 samples raised, 4 returned NaN
+    assert record["rollout/aborted_samples"] == 6.0 and record["rollout/reward_timeouts"] == 0.0
+
+
+@pytest.mark.integration
 def test_a_reward_that_raises_stops_the_run_with_exit_2(tmp_path, capsys):
     config = write_config(tmp_path, rollout={"rollout_only": True})
     assert main(["--config", str(config), "--num_steps", "1"]) == 2
     err = capsys.readouterr().err
-    assert "boom_reward' raised on sample" in err and "KeyError" in err
+    assert "boom_reward' failed on sample" in err and "KeyError" in err
     assert "rollout.on_reward_error=skip" in err
 
 

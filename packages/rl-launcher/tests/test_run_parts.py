@@ -49,7 +49,7 @@ def test_reward_sees_the_response_without_eos_and_names_a_failing_reward():
     assert reward(sample(prompt, [*seven, tokenizer.eos_token_id], "7")) == 1.0
     assert reward(sample(prompt, seven + seven, "7")) == 0.0
     failing = load_reward(f"{__name__}:raising_reward", tokenizer)  # a dotted path
-    with pytest.raises(RewardError, match=r"raising_reward' raised on sample 0 \(response '7'"):
+    with pytest.raises(RewardError, match=r"raising_reward' failed on sample 0 \(response '7'"):
         failing(sample(prompt, seven, label="7"))
     with pytest.raises(ValueError, match="unknown reward 'nope'"):
         load_reward("nope", tokenizer)

@@ -20,7 +20,8 @@ class Evaluator:
     def __init__(self, config, tokenizer):
         self.config, self.tokenizer = config, tokenizer
         self.reward_fn = load_reward(config.rollout.reward, tokenizer,
-                                     on_error=config.rollout.on_reward_error)  # fmt: skip
+                                     on_error=config.rollout.on_reward_error,
+                                     reward_key=config.algorithm.reward_key)  # fmt: skip
         self.datasets = {}
         for spec in config.eval.datasets:
             dataset = load_dataset(
@@ -57,7 +58,7 @@ class Evaluator:
         async with EngineClient(url) as client:
             ctx = GenerateContext(client=client, tokenizer=self.tokenizer)
             return await eval_rollout(
-                ctx, self.datasets, self.reward_fn, n_samples_per_prompt=evaluation.samples_per_prompt,
+                ctx, self.datasets, self.reward_fn.rollout_fn, n_samples_per_prompt=evaluation.samples_per_prompt,
                 ks=evaluation.pass_k, sampling_params=self.sampling_params(),
                 max_concurrency=max(1, min(256, samples)),
                 reward_key=self.config.algorithm.reward_key,

@@ -2,7 +2,7 @@
 
 - :func:`dump_step` (when a step has its groups): rollout dumps;
 - :func:`after_step` (after a step's metrics, before they are written): counted reward
-  errors, evaluation every ``eval.interval`` steps;
+  failures (:func:`reward_counts`), evaluation every ``eval.interval`` steps;
 - :func:`save_extras` / :func:`load_extras` (with each checkpoint): the critic, the
   Hugging Face export (``checkpoint.save_hf``), the dump numbering.
 
@@ -25,13 +25,21 @@ def after_step(run, step: int) -> dict[str, float]:
     """Metrics the features add to step ``step``'s record."""
     from rl_launcher.run.evaluation import maybe_evaluate
 
-    metrics = data_stats(run)
-    reward_fn = getattr(run.rollout, "reward_fn", None)
-    if reward_fn is not None and hasattr(reward_fn, "take_error_count"):
-        metrics["rollout/reward_errors"] = float(reward_fn.take_error_count())
+    metrics = data_stats(run) | reward_counts(run)
     if (monitor := run.extras.get("gpu_monitor")) is not None:
         metrics |= monitor.take()  # gpu/util/<i>, gpu/mem_gb/<i> over the step
     return metrics | maybe_evaluate(run, step)
+
+
+def reward_counts(run) -> dict[str, float]:
+    """``rollout/reward_errors`` and ``rollout/reward_timeouts`` since the last step: the
+    failures the run's reward skipped plus those rl-sglang's rollout counted itself, which
+    the rollout manager adds to the reward's counts (``take_rollout_counts``), so neither
+    hides the other, in every loop."""
+    reward_fn = getattr(run.rollout, "reward_fn", None)
+    if reward_fn is None or not hasattr(reward_fn, "take_counts"):
+        return {}
+    return {f"rollout/{name}": float(count) for name, count in reward_fn.take_counts().items()}
 
 
 def data_stats(run) -> dict[str, float]:

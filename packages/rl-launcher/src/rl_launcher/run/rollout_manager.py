@@ -20,17 +20,21 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from rl_core.types import Sample
-from rl_launcher.run.reward import load_reward
+from rl_launcher.run.reward import COUNTS, load_reward
 
 ROUTER_NEEDED = "engine.use_router=false works with one engine; set engine.num_engines=1"
 
 
 class RolloutManager:
     def __init__(self, config, *, model_dir: Path, tokenizer, source, log_dir: Path):
+        if not config.engine.use_router and config.engine.num_engines > 1:
+            raise ValueError(ROUTER_NEEDED)
         self.config, self.model_dir, self.tokenizer = config, Path(model_dir), tokenizer
         self.source, self.log_dir = source, Path(log_dir)
-        self.reward_fn = load_reward(config.rollout.reward, tokenizer,
-                                     on_error=config.rollout.on_reward_error)  # fmt: skip
+        self.reward_fn = load_reward(  # with a time limit, its worker processes start here
+            config.rollout.reward, tokenizer, on_error=config.rollout.on_reward_error,
+            timeout_s=config.rollout.reward_timeout_s, reward_key=config.algorithm.reward_key,
+        )  # fmt: skip
         self.engines, self.router, self._loop = [], None, asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-loop",
                                         daemon=True)  # fmt: skip
@@ -40,8 +44,6 @@ class RolloutManager:
         self._requeued: list[Sample] = []  # drawn before a resume: handed out first
         self.engine_gpus, self.turns = None, None  # set by run.setup (GPU ids, colocation)
         self.monitor = None  # rl_sglang.health.HealthMonitor, set by run.engine_health
-        if not config.engine.use_router and config.engine.num_engines > 1:
-            raise ValueError(ROUTER_NEEDED)
 
     def start(self) -> "RolloutManager":
         """Start the engines (embedded or SGLang, :mod:`rl_launcher.run.engines`) all at
@@ -123,16 +125,19 @@ class RolloutManager:
         settings = self.rollout_settings(num_groups)
         prompts = (self.next_prompt() for _ in range(num_prompts))
         ctx = GenerateContext(client=self.client(url), tokenizer=self.tokenizer)
-        result = await default_rollout(ctx, prompts, self.reward_fn, settings, resume=resume)
+        reward_fn = self.reward_fn.rollout_fn
+        result = await default_rollout(ctx, prompts, reward_fn, settings, resume=resume)
+        take_rollout_counts(self.reward_fn, result.metrics)
         for group in [*result.groups, *result.leftovers]:
             relabel(group)
         result.groups.sort(key=lambda group: group[0].group_index)
         return result
 
     def rollout_settings(self, num_groups: int):
-        """rl-sglang's RolloutConfig for ``num_groups`` groups. A reward that times out or
-        returns NaN/inf stops the run (``on_reward_error=raise``) or its group is dropped
-        and counted (``skip``), like one that raises."""
+        """rl-sglang's RolloutConfig for ``num_groups`` groups. The run's reward applies
+        ``rollout.reward_timeout_s`` and ``rollout.on_reward_error`` itself
+        (:mod:`rl_launcher.run.reward`: a failure it skips is a sample aborted and counted),
+        so rl-sglang's guard has no time limit and raises what gets past it."""
         from rl_sglang.rollout.default import RolloutConfig
 
         rollout = self.config.rollout
@@ -141,8 +146,8 @@ class RolloutManager:
             sampling_params=self.sampling_params(), partial_rollout=True,
             max_concurrency=num_groups * rollout.group_size,
             generate_fn=None if rollout.function == "default" else rollout.function,
-            reward_timeout_s=rollout.reward_timeout_s,
-            reward_on_error="raise" if rollout.on_reward_error == "raise" else "drop",
+            reward_timeout_s=None, reward_on_error="raise",
+            reward_key=self.config.algorithm.reward_key,
         )  # fmt: skip
 
     def next_prompt(self) -> Sample:
@@ -225,6 +230,7 @@ class RolloutManager:
         for server in [self.router, *self.engines]:
             if server is not None:
                 server.stop()
+        self.reward_fn.close()  # its worker processes; calls still waiting fail
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
@@ -241,6 +247,15 @@ async def freeze_gc(client) -> str:
 
 async def _close_all(clients) -> None:
     await asyncio.gather(*(client.close() for client in clients))
+
+
+def take_rollout_counts(reward, metrics: dict[str, float]) -> None:
+    """Move the reward failures rl-sglang's rollout counted (``rollout/reward_errors``,
+    ``rollout/reward_timeouts`` in ``metrics``) into the run's ``reward``, whose counts
+    reach every step's record in every loop (:func:`rl_launcher.run.extras.reward_counts`):
+    one count per name, neither hiding the other."""
+    for name in COUNTS:
+        reward.count(name, int(metrics.pop(f"rollout/{name}", 0)))
 
 
 def relabel(group: list[Sample]) -> None:
