@@ -62,11 +62,12 @@ def main(argv: list[str] | None = None) -> int:
 def run_training(config) -> int:
     import signal
 
-    from rl_launcher.ray_cluster import prepare_local_ray_env
+    from rl_launcher.ray_cluster import check_before_ray, prepare_local_ray_env
 
     prepare_local_ray_env(config.cluster.ray_address)  # before the loop's modules import ray
     from rl_launcher.run import faults
     from rl_launcher.run.reward import RewardError
+    from rl_launcher.run_dirs import prepare_run_dirs
     from rl_rewards import get_reward
 
     reason = not_wired(config)
@@ -76,6 +77,8 @@ def run_training(config) -> int:
     # SIGTERM unwinds like Ctrl-C, so engines, router and Ray are stopped on the way out
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
+        check_before_ray(config)  # GPUs and cluster address: seconds, not a wait inside Ray
+        prepare_run_dirs(config)  # unwritable run / checkpoint directories, before the run
         get_reward(config.rollout.reward)  # an unknown reward fails before anything starts
         run_mode(config)(config)
     except (ValueError, RewardError) as error:

@@ -17,15 +17,25 @@ from rl_core.importance import IS_LEVELS, IS_MODES
 from rl_core.kl import KL_KINDS
 from rl_core.losses import POLICY_LOSSES
 
+# bound -> (how a message says it, how docs/config.md says it)
+BOUNDS = {"low": (">=", "At least"), "above": (">", "Above"), "high": ("<=", "At most"),
+          "below": ("<", "Below")}  # fmt: skip
 
-def meta(help: str, *, choices=None, low=None) -> dict[str, Any]:
-    """Field metadata: its documentation and validation rules."""
-    return {"help": help, "choices": choices, "low": low}
+
+def meta(help: str, *, choices=None, **bounds) -> dict[str, Any]:
+    """Field metadata: its documentation and validation rules.
+
+    ``bounds`` may hold ``low`` (value >= low), ``above`` (> above), ``high`` (<= high)
+    and ``below`` (< below); a float must also be finite.
+    """
+    unknown = set(bounds) - set(BOUNDS)
+    assert not unknown, f"unknown bounds {unknown}; use {list(BOUNDS)}"
+    return {"help": help, "choices": choices, **{name: bounds.get(name) for name in BOUNDS}}
 
 
-def option(default: Any = MISSING, *, help: str, choices=None, low=None) -> Any:
+def option(default: Any = MISSING, *, help: str, choices=None, **bounds) -> Any:
     """A field with an immutable default (or none: required) and its metadata."""
-    return field(default=default, metadata=meta(help, choices=choices, low=low))
+    return field(default=default, metadata=meta(help, choices=choices, **bounds))
 
 
 @dataclass(kw_only=True)
@@ -40,10 +50,18 @@ class ClusterConfig:
     devices_per_node: int = option(
         1, help="GPUs per node (cuda) or CPU bundles per node (cpu).", low=1
     )
-    cpus_per_bundle: float = option(1.0, help="CPUs reserved with each bundle.", low=0)
+    cpus_per_bundle: float = option(
+        1.0, help="CPUs reserved with each bundle (more than 0 on cluster.device=cpu).", low=0
+    )
     colocate: bool = option(
         True,
         help="Training and engines share the devices and take turns; false gives each its own pool.",
+    )
+    connect_timeout_s: float = option(
+        30.0,
+        help="Seconds to wait for the Ray cluster of ray_address (or RAY_ADDRESS) to answer on "
+        "its port before rl-train gives up, naming the address.",
+        above=0,
     )
 
 
@@ -111,17 +129,21 @@ class OptimizerConfig:
     """Optimizer and learning-rate schedule (the critic reuses them unless told)."""
 
     name: str = option("adamw", help="Optimizer.", choices=("adamw", "sgd"))
-    lr: float = option(1e-4, help="Peak learning rate.", low=0)
-    critic_lr: float | None = option(None, help="Critic learning rate; null = lr.", low=0)
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999], metadata=meta("Adam betas."))
-    eps: float = option(1e-8, help="Adam epsilon.", low=0)
+    lr: float = option(1e-4, help="Peak learning rate.", above=0)
+    critic_lr: float | None = option(None, help="Critic learning rate; null = lr.", above=0)
+    betas: list[float] = field(
+        default_factory=lambda: [0.9, 0.999], metadata=meta("Adam betas: two numbers in [0, 1).")
+    )
+    eps: float = option(1e-8, help="Adam epsilon.", above=0)
     weight_decay: float = option(0.0, help="Decoupled weight decay.", low=0)
     grad_clip: float = option(1.0, help="Clip the global gradient norm to this; 0 disables.", low=0)
     schedule: str = option(
         "constant", help="Learning-rate schedule.", choices=("constant", "linear", "cosine")
     )
     warmup_steps: int = option(0, help="Linear warm-up steps.", low=0)
-    min_lr_ratio: float = option(0.0, help="Final lr / peak lr for linear and cosine.", low=0)
+    min_lr_ratio: float = option(
+        0.0, help="Final lr / peak lr for linear and cosine.", low=0, high=1
+    )
 
 
 @dataclass(kw_only=True)
@@ -139,12 +161,14 @@ class AlgorithmConfig:
     clip_high: float | None = option(
         None, help="Upper ratio clip (1 + clip_high); null = clip_low.", low=0
     )
-    dual_clip: float | None = option(None, help="Dual-clip bound c > 1 for negative advantages.")
+    dual_clip: float | None = option(
+        None, help="Dual-clip bound c for negative advantages; null disables it.", above=1
+    )
     kl_coef: float = option(0.0, help="KL-to-reference loss weight; 0 skips the reference.", low=0)
     kl_kind: str = option("low_var_kl", help="KL estimator.", choices=KL_KINDS)
     entropy_coef: float = option(0.0, help="Entropy bonus weight.", low=0)
-    gamma: float = option(1.0, help="Discount (gae, reinforce_plus_plus).", low=0)
-    lam: float = option(1.0, help="GAE lambda.", low=0)
+    gamma: float = option(1.0, help="Discount (gae, reinforce_plus_plus).", low=0, high=1)
+    lam: float = option(1.0, help="GAE lambda.", low=0, high=1)
     group_filter: str = option(
         "keep_all", help="Dynamic-sampling filter applied per prompt group.", choices=GROUP_FILTERS
     )
@@ -160,7 +184,7 @@ class AlgorithmConfig:
     rollout_is_mode: str = option(
         "truncate", help="Rollout importance correction.", choices=IS_MODES
     )
-    rollout_is_cap: float = option(2.0, help="Upper bound of the importance weight.", low=0)
+    rollout_is_cap: float = option(2.0, help="Upper bound of the importance weight.", above=0)
     max_nonfinite_steps: int = option(
         3,
         help="Stop the run after this many steps in a row whose loss or gradients were NaN "
@@ -176,11 +200,20 @@ class RolloutConfig:
     batch_size: int = option(
         8, help="Prompts per training step (mode=sft: examples per step).", low=1
     )
-    group_size: int = option(4, help="Samples per prompt.", low=1)
+    group_size: int = option(
+        4,
+        help="Samples per prompt; the group-relative advantage estimators (grpo, dr_grpo, "
+        "rloo, reinforce_plus_plus_baseline) need at least 2.",
+        low=1,
+    )
     max_response_tokens: int = option(32, help="Response length limit.", low=1)
-    temperature: float = option(1.0, help="Sampling temperature.", low=0)
-    top_p: float = option(1.0, help="Nucleus sampling mass.", low=0)
-    top_k: int = option(-1, help="Top-k sampling; -1 disables.")
+    temperature: float = option(1.0, help="Sampling temperature; 0 = greedy.", low=0)
+    top_p: float = option(1.0, help="Nucleus sampling mass; 1 disables.", above=0, high=1)
+    top_k: int = option(
+        -1,
+        help="Top-k sampling: keep the k >= 1 most likely tokens; -1 = off. 0 is refused "
+        "rather than read as off (Hugging Face's meaning), as SGLang refuses it: write -1.",
+    )
     stop: list[str] = field(default_factory=list, metadata=meta("Stop strings."))
     function: str = option(
         "default", help="Rollout function: a name in rl-sglang or a dotted path module:function."
@@ -214,7 +247,7 @@ class RolloutConfig:
         60.0,
         help="A reward taking longer is a failed one (handled per on_reward_error; NaN and "
         "inf rewards too); null = wait forever.",
-        low=0,
+        above=0,
     )
 
 
@@ -233,7 +266,7 @@ class EngineConfig:
     )
     use_router: bool = option(True, help="Put sglang-router in front of the engines.")
     host: str = option("127.0.0.1", help="Address the servers bind to.")
-    mem_fraction: float = option(0.8, help="Engine memory fraction (sglang).", low=0)
+    mem_fraction: float = option(0.8, help="Engine memory fraction (sglang).", above=0, high=1)
     weight_sync: str = option(
         "auto",
         help="Weight transport; auto picks tensor (colocated) or distributed (disaggregated).",
@@ -264,7 +297,7 @@ class EngineConfig:
         low=0,
     )
     health_timeout_s: float = option(
-        10.0, help="A health check not answered within this is a failed one.", low=0
+        10.0, help="A health check not answered within this is a failed one.", above=0
     )
     max_restarts: int = option(3, help="Restarts per engine before it is left out.", low=0)
     sglang_args: list[str] = field(
@@ -358,7 +391,9 @@ class TrainConfig:
     mode: str = option(
         "rl", help="rl trains on rewards; sft on labelled responses.", choices=("rl", "sft")
     )
-    seed: int = option(42, help="Seed of data order, sampling and initialisation.")
+    seed: int = option(
+        42, help="Seed of data order, sampling and initialisation.", low=0, high=2**32 - 1
+    )
     num_steps: int = option(20, help="Training steps.", low=1)
     cluster: ClusterConfig = field(
         default_factory=ClusterConfig, metadata=meta("Ray cluster and devices.")

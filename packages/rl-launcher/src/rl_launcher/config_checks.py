@@ -4,26 +4,35 @@ while it is built). Each raises ValueError naming the fields involved and a fix.
 from rl_launcher.config import TrainConfig
 from rl_launcher.placement import plan_from_config
 
+# Estimators whose baseline is the other samples of the prompt: a group of one sample has
+# zero advantage (rloo refuses it), so nothing would be learnt from rewards.
+GROUP_RELATIVE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")
+
 
 def check_consistency(config: TrainConfig) -> None:
-    checks = (_check_algorithm, _check_rollout, _check_devices, _check_data, _check_eval,
-              _check_modes)  # fmt: skip
+    checks = (_check_algorithm, _check_optimizer, _check_rollout, _check_sampling,
+              _check_devices, _check_data, _check_eval, _check_modes)  # fmt: skip
     for check in checks:
         check(config)
     plan_from_config(config)  # raises when the device pool cannot hold the layout
 
 
 def _check_algorithm(config: TrainConfig) -> None:
-    algorithm, group_size = config.algorithm, config.rollout.group_size
-    if algorithm.advantage_estimator == "rloo" and group_size < 2:
+    estimator, group_size = config.algorithm.advantage_estimator, config.rollout.group_size
+    trains_on_rewards = config.mode == "rl" and not config.rollout.rollout_only
+    if trains_on_rewards and estimator in GROUP_RELATIVE_ESTIMATORS and group_size < 2:
         raise ValueError(
-            "algorithm.advantage_estimator=rloo needs rollout.group_size >= 2 "
-            f"(got {group_size}); the baseline is the other samples of the prompt"
+            f"algorithm.advantage_estimator={estimator} needs rollout.group_size >= 2 "
+            f"(got {group_size}): its baseline is the other samples of the prompt, so a "
+            "group of one has zero advantage and nothing is learnt; raise rollout.group_size "
+            "or use reinforce_plus_plus"
         )
-    if algorithm.dual_clip is not None and algorithm.dual_clip <= 1.0:
-        raise ValueError(f"algorithm.dual_clip must be > 1 or null, got {algorithm.dual_clip}")
-    if len(config.optimizer.betas) != 2:
-        raise ValueError(f"optimizer.betas needs two numbers, got {config.optimizer.betas}")
+
+
+def _check_optimizer(config: TrainConfig) -> None:
+    betas = config.optimizer.betas
+    if len(betas) != 2 or not all(0.0 <= beta < 1.0 for beta in betas):
+        raise ValueError(f"optimizer.betas must be two numbers in [0, 1), got {betas}")
 
 
 def _check_rollout(config: TrainConfig) -> None:
@@ -39,10 +48,26 @@ def _check_rollout(config: TrainConfig) -> None:
         )
 
 
+def _check_sampling(config: TrainConfig) -> None:
+    """The engines' rules (SGLang's and the embedded engine's) for what they are sent."""
+    top_k = config.rollout.top_k
+    if top_k == 0:
+        raise ValueError(
+            "rollout.top_k=0 is not a way to turn top-k off here (Hugging Face reads it so); "
+            "the engines refuse it: write -1 for off, or a k >= 1"
+        )
+    if top_k < -1:
+        raise ValueError(f"rollout.top_k must be -1 (off) or a k >= 1, got {top_k}")
+
+
 def _check_devices(config: TrainConfig) -> None:
     if config.engine.kind == "sglang" and config.cluster.device != "cuda":
         raise ValueError(
             "engine.kind=sglang needs cluster.device=cuda; on CPU use engine.kind=embedded"
+        )
+    if config.cluster.device == "cpu" and config.cluster.cpus_per_bundle <= 0:
+        raise ValueError(
+            "cluster.cpus_per_bundle must be > 0 on cluster.device=cpu (the CPU is the device)"
         )
     backend = config.backend
     model_parallel = backend.tensor_parallel * backend.pipeline_parallel * backend.context_parallel

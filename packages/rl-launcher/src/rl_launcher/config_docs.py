@@ -7,7 +7,7 @@ import dataclasses
 import json
 from typing import Any, get_type_hints
 
-from rl_launcher.config import TrainConfig
+from rl_launcher.config import BOUNDS, TrainConfig
 from rl_launcher.config_loader import choice_names, type_name
 
 HEADER = """# Configuration reference
@@ -69,9 +69,9 @@ def _meaning(spec: dataclasses.Field) -> str:
     names = choice_names(spec)
     if names:
         text += " One of: " + ", ".join(f"`{n}`" for n in names) + "."
-    low = spec.metadata.get("low")
-    if low is not None:
-        text += f" At least {low}."
+    for name, (_, words) in BOUNDS.items():
+        if spec.metadata.get(name) is not None:
+            text += f" {words} {spec.metadata[name]}."
     return text.replace("|", "\\|")
 
 

@@ -8,6 +8,8 @@ Overrides: ``--section.option VALUE``, ``--section.option=VALUE`` or ``section.o
 
 import dataclasses
 import difflib
+import math
+import operator
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +18,7 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 import yaml
 
 from rl_core.registry import Registry
-from rl_launcher.config import TrainConfig
+from rl_launcher.config import BOUNDS, TrainConfig
 from rl_launcher.config_checks import check_consistency
 
 PASSTHROUGH_PREFIXES = {
@@ -100,30 +102,68 @@ def load_config(
     if command_line.config_path is not None:
         tree = read_yaml(command_line.config_path)
     for key, raw in command_line.overrides:
-        set_dotted(tree, key, parse_value(raw))
+        set_dotted(tree, key, parse_value(raw, key))
     for (section, name), args in command_line.passthrough.items():
         existing = tree.setdefault(section, {}).get(name) or []
         tree[section][name] = [*existing, *args]
     return config_from_tree(tree), command_line
 
 
-def parse_value(raw: str) -> Any:
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key given twice in one mapping is an error
+    (PyYAML keeps the last one silently, so one of two settings would be lost)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: set = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, list | dict):
+                continue  # unhashable: PyYAML's own error names it below
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (each option may be set once)",
+                    key_node.start_mark,
+                )  # fmt: skip
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def parse_value(raw: str, where: str = "value") -> Any:
     """A command-line value as YAML (``3``, ``true``, ``[1, 2]``); text that is not YAML
-    stays text, and the field's type check judges it."""
+    stays text, and the field's type check judges it. ``where`` names it in errors."""
     try:
-        return yaml.safe_load(raw) if raw.strip() else raw
+        return yaml.load(raw, Loader=_UniqueKeyLoader) if raw.strip() else raw
+    except yaml.constructor.ConstructorError as error:
+        raise ValueError(f"{where}: {error.problem} in {raw!r}") from None
     except yaml.YAMLError:
         return raw
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
+    """The mapping in YAML file ``path``; a syntax error or a duplicate key is a
+    ValueError naming the file, line and column."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"config file {str(path)!r} does not exist")
-    tree = yaml.safe_load(path.read_text()) or {}
+    try:
+        tree = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
+    except yaml.YAMLError as error:
+        raise ValueError(_yaml_error_message(path, error)) from None
     if not isinstance(tree, dict):
         raise ValueError(f"config file {str(path)!r} must hold a mapping at the top level")
     return tree
+
+
+def _yaml_error_message(path: Path, error: yaml.YAMLError) -> str:
+    """One line: ``file:line:column: problem (context at line, column)``; lines and
+    columns count from 1. The context is where the unfinished construct began."""
+    mark = getattr(error, "problem_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    context, start = getattr(error, "context", None), getattr(error, "context_mark", None)
+    if context and start is not None:
+        context += f" that began at line {start.line + 1}, column {start.column + 1}"
+    return f"config file {where}: {problem}" + (f" ({context})" if context else "")
 
 
 def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
@@ -232,16 +272,29 @@ def type_name(hint: Any) -> str:
 
 
 def _check_rules(spec: dataclasses.Field, value: Any, where: str) -> Any:
-    choices, low = spec.metadata.get("choices"), spec.metadata.get("low")
+    choices = spec.metadata.get("choices")
     if choices is not None and value is not None:
         allowed = choices.names() if isinstance(choices, Registry) else list(choices)
         if value not in allowed:
             raise ValueError(
                 f"{where}: {value!r} is not allowed; choose one of: {', '.join(allowed)}"
             )
-    if low is not None and isinstance(value, int | float) and value < low:
-        raise ValueError(f"{where}: must be >= {low}, got {value}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{where}: must be a finite number, got {value}")
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        check_bounds(value, spec.metadata, where)
     return value
+
+
+_COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
+
+
+def check_bounds(value: float, rules: dict[str, Any], where: str) -> None:
+    """ValueError naming ``where`` when ``value`` breaks a bound of ``rules`` (see BOUNDS)."""
+    for name, (sign, _) in BOUNDS.items():
+        bound = rules.get(name)
+        if bound is not None and not _COMPARE[sign](value, bound):
+            raise ValueError(f"{where}: must be {sign} {bound}, got {value}")
 
 
 def choice_names(spec: dataclasses.Field) -> list[str] | None:

@@ -47,7 +47,8 @@ def check_fresh(config, run_dir: Path) -> None:
 
     if config.checkpoint.resume:
         return
-    if (run_dir / METRICS_FILE).exists() or checkpoint_dir(config).exists():
+    checkpoints = checkpoint_dir(config)  # made empty by rl_launcher.run_dirs before the run
+    if (run_dir / METRICS_FILE).exists() or (checkpoints.is_dir() and any(checkpoints.iterdir())):
         raise ValueError(
             f"{run_dir} already holds a run; pass --resume to continue it, or set "
             "logging.run_dir to a new directory (or delete the old one)"
