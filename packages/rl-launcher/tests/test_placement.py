@@ -74,3 +74,23 @@ def test_plan_from_config():
         load_config(
             ["cluster.devices_per_node=8", "backend.num_ranks=6", "backend.tensor_parallel=4"]
         )
+
+
+def test_embedded_engines_get_the_runs_context_bound_and_dtype(tmp_path):
+    from rl_launcher.run.engines import engine_max_context, engine_processes
+
+    config, _ = load_config(["--data.max_prompt_tokens", "100", "--rollout.max_response_tokens",
+                             "40", "--eval.max_response_tokens", "60", "--model.dtype",
+                             "bfloat16"])  # fmt: skip
+    assert engine_max_context(config) == 160  # the longest prompt + the longest response
+    config.eval.max_response_tokens = None
+    assert engine_max_context(config) == 140
+    (server,) = engine_processes(config, model_dir=tmp_path, log_dir=tmp_path, gpus=None,
+                                 max_batch_size=8)  # fmt: skip
+    command = server.command()
+    assert command[command.index("--max-context") + 1] == "140"
+    assert command[command.index("--dtype") + 1] == "bfloat16"
+    config.rollout.function = "my_pkg.agent:generate"  # turns may grow the context
+    assert engine_max_context(config) is None
+    config.engine.max_context = 4096
+    assert engine_max_context(config) == 4096

@@ -313,3 +313,26 @@ def test_updates_follow_parameters_that_moved_during_a_release(engine):
         torch.testing.assert_close(engine.model.lm_head.weight.detach(), before + 2.0)
     finally:
         call(lambda: engine.apply_update([("lm_head.weight", before)], {})).result(30)
+
+
+def test_the_runner_choice_names_why_a_model_cannot_take_the_static_path(caplog):
+    from types import SimpleNamespace
+
+    from rl_sglang.engine.core import choose_runner
+    from rl_sglang.engine.static import static_unsupported_reason
+
+    def fake(on_cuda: bool, **config):
+        settings = {"model_type": "llama", "hidden_act": "silu", **config}
+        param = SimpleNamespace(is_cuda=on_cuda)
+        return SimpleNamespace(config=SimpleNamespace(**settings), parameters=lambda: iter([param]))
+
+    assert static_unsupported_reason(fake(True)) is None
+    assert "gelu" in static_unsupported_reason(fake(True, hidden_act="gelu"))
+    assert choose_runner("auto", fake(True)) == "static"
+    assert choose_runner("auto", fake(False)) == "dynamic"  # CPU: no graphs, nothing to say
+    assert not caplog.records
+    with caplog.at_level("WARNING"):
+        assert choose_runner("auto", fake(True, model_type="gemma")) == "dynamic"
+    assert "'gemma'" in caplog.text and "without CUDA graphs" in caplog.text
+    with pytest.raises(ValueError, match="sliding-window"):
+        choose_runner("static", fake(True, use_sliding_window=True))

@@ -265,6 +265,13 @@ class EngineConfig:
         1, help="Devices per engine (its tensor-parallel size).", low=1
     )
     use_router: bool = option(True, help="Put sglang-router in front of the engines.")
+    max_context: int | None = option(
+        None,
+        help="Embedded engine: prompt + response tokens per request (its KV slot size); "
+        "null = data.max_prompt_tokens + the longest response limit (the model's own limit "
+        "with a custom rollout.function).",
+        low=2,
+    )
     host: str = option("127.0.0.1", help="Address the servers bind to.")
     mem_fraction: float = option(0.8, help="Engine memory fraction (sglang).", above=0, high=1)
     weight_sync: str = option(

@@ -292,7 +292,9 @@ def main(argv: list[str] | None = None) -> None:
                     max_batch_size=args.max_batch_size, runner=args.runner,
                     max_context=args.max_context, compile=args.compile)  # fmt: skip
     engine.scheduler.weight_version = args.weight_version
-    print(f"embedded engine ready on http://{args.host}:{args.port}", flush=True)
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    print(f"embedded engine ready on http://{args.host}:{args.port} ({engine.runner_kind} "
+          f"runner, {dtype}, context {engine.max_context})", flush=True)  # fmt: skip
     web.run_app(
         make_app(engine, args.api_key), host=args.host, port=args.port, print=None, access_log=None
     )

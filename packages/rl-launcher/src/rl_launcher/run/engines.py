@@ -9,7 +9,8 @@ server as CUDA_VISIBLE_DEVICES; None on CPU. SGLang servers get their options fr
 config (tensor-parallel size, memory fraction, dtype, seed, weight version "0", the
 memory saver when colocated) overridden by ``--sglang-*`` pass-through options, and their
 PYTHONPATH from ``RL_SGLANG_PYTHONPATH`` (rl-sglang's SGLangServer keeps SGLang's pinned
-transformers out of the trainer's process).
+transformers out of the trainer's process). Embedded engines get the model's dtype and the
+run's context bound (:func:`engine_max_context`).
 """
 
 from pathlib import Path
@@ -54,9 +55,27 @@ def engine_processes(config, *, model_dir: Path, log_dir: Path, gpus: list | Non
     from rl_sglang.process import EmbeddedEngine
 
     device = "cuda" if config.cluster.device == "cuda" else "cpu"
-    return [EmbeddedEngine(model_dir, device=device, host=engine.host, log_dir=log_dir,
-                           max_batch_size=max_batch_size, env=visible_devices(ids))
+    context = engine_max_context(config)
+    extra = [] if context is None else ["--max-context", str(context)]
+    return [EmbeddedEngine(model_dir, device=device, dtype=config.model.dtype, host=engine.host,
+                           log_dir=log_dir, max_batch_size=max_batch_size,
+                           env=visible_devices(ids), extra_args=extra)
             for ids in gpus]  # fmt: skip
+
+
+def engine_max_context(config) -> int | None:
+    """Prompt + response tokens one request may hold in an embedded engine: the run's own
+    bound, which sizes the engine's KV slots (a model's limit, 8,192 for SmolLM2, would
+    make every decode step attend over that many positions per row). ``engine.max_context``
+    when set; else the longest prompt kept plus the longest response limit (rollout or
+    eval); None (the model's limit) for a custom rollout function, whose context may grow
+    over turns."""
+    if config.engine.max_context is not None:
+        return config.engine.max_context
+    if config.rollout.function != "default":
+        return None
+    responses = (config.rollout.max_response_tokens, config.eval.max_response_tokens or 0)
+    return config.data.max_prompt_tokens + max(responses)
 
 
 def visible_devices(gpu_ids) -> dict:

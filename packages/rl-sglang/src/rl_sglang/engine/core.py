@@ -2,6 +2,7 @@
 scheduler, behind methods that take and return SGLang-shaped dicts."""
 
 import asyncio
+import logging
 import uuid
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,8 @@ from rl_sglang.engine.runner import ModelRunner
 from rl_sglang.engine.scheduler import Scheduler
 from rl_sglang.engine.stopping import StopChecker
 from rl_sglang.protocol import SamplingParams, normalize_prompts
+
+logger = logging.getLogger(__name__)
 
 
 def load_model(model_path: str, *, device: str = "cpu", dtype: str = "auto", seed: int = 0):
@@ -243,18 +246,22 @@ RUNNERS = ("auto", "dynamic", "static")
 
 def choose_runner(kind: str, model) -> str:
     """``auto``: the static slot runner (CUDA graphs) on CUDA for Llama-family models, else
-    the dynamic left-padded one."""
-    from rl_sglang.engine.static import supports_static
+    the dynamic left-padded one; on CUDA the log says why a model cannot take the fast path."""
+    from rl_sglang.engine.static import static_unsupported_reason
 
     if kind not in RUNNERS:
         raise ValueError(f"unknown runner {kind!r}; choose one of {RUNNERS}")
-    if kind == "static" and not supports_static(model):
-        raise ValueError(
-            f"the static runner does not support {model.config.model_type}; use dynamic"
-        )
+    reason = static_unsupported_reason(model) if kind != "dynamic" else None
+    if kind == "static" and reason is not None:
+        raise ValueError(f"the static runner cannot take this model ({reason}); use dynamic")
     if kind == "auto":
-        on_cuda = next(model.parameters()).is_cuda
-        return "static" if on_cuda and supports_static(model) else "dynamic"
+        if not next(model.parameters()).is_cuda:
+            return "dynamic"
+        if reason is not None:
+            logger.warning("decoding without CUDA graphs (the dynamic runner, several times "
+                           "slower): %s", reason)  # fmt: skip
+            return "dynamic"
+        return "static"
     return kind
 
 

@@ -28,12 +28,19 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
 def supports_static(model) -> bool:
     """True for the architectures whose layer wiring :class:`StaticRunner` reproduces."""
+    return static_unsupported_reason(model) is None
+
+
+def static_unsupported_reason(model) -> str | None:
+    """Why :class:`StaticRunner` cannot take ``model`` (one line), or None when it can."""
     config = model.config
-    return (
-        config.model_type in SUPPORTED_MODEL_TYPES
-        and not getattr(config, "use_sliding_window", False)
-        and getattr(config, "hidden_act", "silu") == "silu"
-    )
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model_type {config.model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
+    if getattr(config, "use_sliding_window", False):
+        return "sliding-window attention (use_sliding_window) is not supported"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r} is not silu"
+    return None
 
 
 def upcast_greedy_pick(logits_BV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
