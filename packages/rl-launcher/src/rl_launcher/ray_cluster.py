@@ -16,7 +16,13 @@ import sys
 # interpreter), moves relative paths from under the actors and breaks under tox/CI, so it
 # is switched off, unless the user set it. Ray reads it once, when `ray` is first
 # imported: call :func:`prepare_local_ray_env` before anything imports ray.
-LOCAL_RAY_ENV = {"RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+# RAY_AUTH_MODE=token asks for what a new local Ray does by default (a generated token),
+# explicitly, so Ray does not print its notice about having chosen it.
+LOCAL_RAY_ENV = {
+    "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_AUTH_MODE": "token",
+}
 
 
 def prepare_local_ray_env(address: str | None = None) -> None:

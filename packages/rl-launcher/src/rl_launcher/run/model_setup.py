@@ -91,6 +91,8 @@ def gguf_to_hf(gguf_path: str | Path, target: Path, model_config) -> tuple[Path,
         raise ValueError(f"model.path={str(gguf_path)!r} does not exist; give a .gguf file")
     if not (target / "config.json").is_file():
         model, tokenizer = load_gguf(gguf_path, dtype=model_config.dtype)
+        # a BPE tokenizer ignores this clean-up (and warns at every load when it is set)
+        tokenizer.clean_up_tokenization_spaces = False
         model.save_pretrained(target)
         tokenizer.save_pretrained(target)
     return target, load_tokenizer(model_config.tokenizer_path or target)
