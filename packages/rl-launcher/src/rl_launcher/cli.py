@@ -1,6 +1,6 @@
 """Console scripts: ``rl-train`` and ``rl-plot`` (``rl-eval`` is :mod:`rl_launcher.eval_cli`).
 
-``rl-train --config run.yaml [--section.option VALUE ...] [--sglang-* ...] [--resume]``
+``rl-train --config run.yaml [--section.option VALUE ...] [--sglang-* ...] [--resume [STEP|PATH]]``
 trains: the RL loops of :mod:`rl_launcher.run.loop` (train-only on dumped rollouts with
 ``rollout.replay_dir``), SFT (``mode: sft``, :mod:`rl_launcher.run.sft`) or rollout-only
 (``rollout.rollout_only``, :mod:`rl_launcher.run.modes`); ``--print-config`` prints the
@@ -12,7 +12,7 @@ import sys
 
 USAGE = """usage: rl-train [--config FILE] [--section.option VALUE | section.option=VALUE ...]
                 [--sglang-OPTION [VALUE] ...] [--megatron-OPTION [VALUE] ...]
-                [--resume] [--print-config]"""
+                [--resume [STEP|PATH]] [--print-config]"""
 
 
 def not_wired(config) -> str | None:
@@ -47,15 +47,17 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     try:
-        config, command_line = load_config(argv, flags=("--print-config", "--resume"))
+        config, command_line = load_config(
+            argv, flags=("--print-config",), valued_flags=("--resume",)
+        )
     except ValueError as error:
         print(f"rl-train: error: {error}", file=sys.stderr)
         return 2
     if "--print-config" in command_line.flags:
         print(config_to_yaml(config), end="")
         return 0
-    if "--resume" in command_line.flags:
-        config.checkpoint.resume = True
+    if "--resume" in command_line.flags:  # a STEP or PATH, or the newest loadable one
+        config.checkpoint.resume = command_line.flag_values.get("--resume", True)
     return run_training(config)
 
 

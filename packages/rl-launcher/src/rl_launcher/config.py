@@ -373,7 +373,12 @@ class CheckpointConfig:
     dir: str | None = option(None, help="Checkpoint directory; null = <run_dir>/checkpoints.")
     interval: int = option(0, help="Save every N steps; 0 saves only at the end.", low=0)
     keep_last: int = option(2, help="Checkpoints kept on disk.", low=1)
-    resume: bool = option(False, help="Resume from the newest complete checkpoint.")
+    resume: bool | int | str = option(
+        False,
+        help="Resume: true = the newest loadable checkpoint (damaged newer ones are skipped, "
+        "saying why); a step number or a checkpoint directory = that one (rl-train --resume "
+        "[STEP|PATH]).",
+    )
     save_hf: bool = option(False, help="Also export Hugging Face weights with each checkpoint.")
 
 

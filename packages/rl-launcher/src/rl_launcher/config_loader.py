@@ -33,17 +33,29 @@ class CommandLine:
 
     config_path: str | None = None
     flags: set[str] = field(default_factory=set)
+    flag_values: dict[str, str] = field(default_factory=dict)  # of switches given a value
     overrides: list[tuple[str, str]] = field(default_factory=list)
     passthrough: dict[tuple[str, str], list[str]] = field(default_factory=dict)
 
 
-def parse_command_line(argv: list[str], *, flags: tuple[str, ...] = ()) -> CommandLine:
-    """Split ``argv``; ``flags`` are value-less switches such as ``--print-config``."""
+def parse_command_line(
+    argv: list[str], *, flags: tuple[str, ...] = (), valued_flags: tuple[str, ...] = ()
+) -> CommandLine:
+    """Split ``argv``; ``flags`` are value-less switches such as ``--print-config``;
+    ``valued_flags`` switches that may take one value (``--resume [STEP|PATH]``,
+    ``--resume=VALUE``): the next token unless it starts with ``-`` or holds ``=``."""
     parsed, i = CommandLine(), 0
     while i < len(argv):
         token = argv[i]
         if token in flags:
             parsed.flags.add(token)
+        elif (name := token.split("=", 1)[0]) in valued_flags:
+            parsed.flags.add(name)
+            following = argv[i + 1 : i + 2]
+            if "=" in token:
+                parsed.flag_values[name] = token.split("=", 1)[1]
+            elif following and not following[0].startswith("-") and "=" not in following[0]:
+                parsed.flag_values[name], i = following[0], i + 1
         elif token in ("--config", "-c") or token.startswith("--config="):
             parsed.config_path, i = _value_of(argv, i, "--config")
         elif target := _passthrough_target(token):
@@ -94,10 +106,13 @@ def _override_of(argv: list[str], i: int) -> tuple[str, str, int]:
 
 
 def load_config(
-    argv: list[str] | None = None, *, flags: tuple[str, ...] = ()
+    argv: list[str] | None = None,
+    *,
+    flags: tuple[str, ...] = (),
+    valued_flags: tuple[str, ...] = (),
 ) -> tuple[TrainConfig, CommandLine]:
     """The validated config of a command line, and the parsed command line."""
-    command_line = parse_command_line(list(argv or []), flags=flags)
+    command_line = parse_command_line(list(argv or []), flags=flags, valued_flags=valued_flags)
     tree: dict[str, Any] = {}
     if command_line.config_path is not None:
         tree = read_yaml(command_line.config_path)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from rl_launcher.buffer import DataBuffer
-from rl_launcher.run import checkpoints, data_order, faults
+from rl_launcher.run import checkpoints, data_order, faults, resume_choice
 from rl_launcher.run.critic import make_buffer, train_critic
 from rl_launcher.run.engine_health import wait_for_restarts
 from rl_launcher.run.extras import after_step, dump_step, load_extras, save_extras
@@ -50,8 +50,9 @@ def train(config) -> Path:
 
 
 def _train(config) -> Path:
+    chosen = resume_choice.chosen(config)  # before anything starts: a bad --resume fails fast
     with contextlib.closing(start_run(config)) as run:
-        first = resume(run) + 1 if config.checkpoint.resume else 1
+        first = resume(run, chosen) + 1 if config.checkpoint.resume else 1
         buffer = make_buffer(run)  # a GaeBuffer (critic values) for advantage_estimator=gae
         freeze_startup()  # full collections walk only what the steps leave
         pauses = GcPauses()
@@ -250,21 +251,25 @@ def data_state(run: Run) -> dict:
     return {"source": run.source.state_dict(), "pending": []}  # a stand-in (replay)
 
 
-def resume(run: Run) -> int:
-    """Load the newest complete checkpoint (if any); returns its step (0 when none)."""
-    found = checkpoints.newest(checkpoints.checkpoint_dir(run.config))
+def resume(run: Run, found: tuple[Path, dict] | None) -> int:
+    """Load ``found``, the checkpoint ``checkpoint.resume`` named and its state
+    (:func:`resume_choice.chosen`); returns its step (0 when there is none)."""
     if found is None:
         print("rl-train: --resume found no complete checkpoint; starting at step 1", flush=True)
         return 0
     path, state = found
-    run.trainer.load(str(path / "trainer"))
-    load_extras(run, path, state)  # critic
-    if hasattr(run.rollout, "load_data_state"):
-        run.rollout.load_data_state({"source": state["data"],
-                                     "pending": state.get("pending_prompts", [])})  # fmt: skip
-    else:  # a stand-in rollout (replay) is its own source
-        run.source.load_state_dict(state["data"])
-    sync(run, version=int(state["weight_version"]))
+    with resume_choice.loading(path):  # every error names the checkpoint
+        run.trainer.load(str(path / "trainer"))
+        load_extras(run, path, state)  # critic
+        if hasattr(run.rollout, "load_data_state"):
+            run.rollout.load_data_state({"source": state["data"],
+                                         "pending": state.get("pending_prompts", [])})  # fmt: skip
+        else:  # a stand-in rollout (replay) is its own source
+            run.source.load_state_dict(state["data"])
+        version = int(state["weight_version"])
+    root = checkpoints.checkpoint_dir(run.config)
+    resume_choice.set_aside_after(root, int(state["step"]))  # the steps after it are redone
+    sync(run, version=version)
     dropped = truncate_metrics(run.config.logging.run_dir, int(state["step"]))
     data_order.truncate(run.config.logging.run_dir, int(state["step"]))
     print(f"rl-train: resumed from {path} (step {state['step']}; {dropped} later metrics "

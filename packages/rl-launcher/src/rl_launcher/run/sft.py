@@ -17,7 +17,7 @@ from pathlib import Path
 from rl_core.batch import batch_from_samples
 from rl_core.metrics import summarize
 from rl_core.packing import balanced_partitions
-from rl_launcher.run import checkpoints
+from rl_launcher.run import checkpoints, resume_choice
 from rl_launcher.run_log import MetricsLog, truncate_metrics
 
 
@@ -25,8 +25,9 @@ def train_sft(config) -> Path:
     """Run an SFT ``config`` to its last step; returns the run directory."""
     from rl_launcher.run.loop import _plot, finish_step
 
+    chosen = resume_choice.chosen(config)  # before anything starts: a bad --resume fails fast
     with contextlib.closing(start_sft_run(config)) as run:
-        first = resume_sft(run) + 1 if config.checkpoint.resume else 1
+        first = resume_sft(run, chosen) + 1 if config.checkpoint.resume else 1
         for step in range(first, config.num_steps + 1):
             finish_step(run, step, sft_step(run), save_sft)
     _plot(Path(config.logging.run_dir))
@@ -91,17 +92,20 @@ def save_sft(run, step: int) -> Path:
     return path
 
 
-def resume_sft(run) -> int:
-    """Load the newest complete checkpoint (if any); returns its step (0 when none)."""
-    found = checkpoints.newest(checkpoints.checkpoint_dir(run.config))
+def resume_sft(run, found: tuple[Path, dict] | None) -> int:
+    """Load ``found``, the checkpoint ``checkpoint.resume`` named and its state
+    (:func:`resume_choice.chosen`); returns its step (0 when there is none)."""
     if found is None:
         print("rl-train: --resume found no complete checkpoint; starting at step 1", flush=True)
         return 0
     path, state = found
     if state.get("mode") != "sft":
         raise ValueError(f"{path} is an RL checkpoint; an SFT run cannot resume from it")
-    run.trainer.load(str(path / "trainer"))
-    run.source.load_state_dict(state["data"])
+    with resume_choice.loading(path):  # every error names the checkpoint
+        run.trainer.load(str(path / "trainer"))
+        run.source.load_state_dict(state["data"])
+    root = checkpoints.checkpoint_dir(run.config)
+    resume_choice.set_aside_after(root, int(state["step"]))  # the steps after it are redone
     dropped = truncate_metrics(run.config.logging.run_dir, int(state["step"]))
     print(f"rl-train: resumed from {path} (step {state['step']}; {dropped} later metrics "
           "records dropped)", flush=True)  # fmt: skip
