@@ -44,6 +44,18 @@ def test_megatron_spec_maps_the_layout_and_pass_through_options(tmp_path):
     assert (fsdp.name, fsdp.data_parallel, fsdp.config.precision) == ("fsdp", 4, "bf16")
 
 
+def test_a_kl_shaped_reward_alone_loads_the_reference(tmp_path):
+    """algorithm.reward_kl_coef needs the reference's log-probs, not a KL term in the loss."""
+    shaped = ["--algorithm.advantage_estimator", "reinforce_plus_plus"]
+    for extra, loaded in (([], False), (["--algorithm.reward_kl_coef", "0.1"], True)):
+        config, _ = load_config([*shaped, *extra])
+        fsdp = backend_spec(config, model_dir=tmp_path, num_ranks=1).config
+        assert (fsdp.reference, fsdp.kl_coef) == (loaded, 0.0)
+        config.backend.name = "megatron"
+        megatron = backend_spec(config, model_dir=tiny_model_dir(tmp_path), num_ranks=1).config
+        assert (megatron.ref_path, megatron.kl_coef) == (tmp_path if loaded else None, 0.0)
+
+
 def test_megatron_refuses_what_it_cannot_do(tmp_path):
     with pytest.raises(ValueError, match="--megatron-tpp is not a MegatronConfig field"):
         megatron_overrides(["--megatron-tpp", "2"])

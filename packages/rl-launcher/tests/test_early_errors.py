@@ -12,7 +12,7 @@ import torch
 
 from rl_core.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs
 from rl_launcher import cli
-from rl_launcher.config_checks import GROUP_RELATIVE_ESTIMATORS
+from rl_launcher.config_checks import GROUP_RELATIVE_ESTIMATORS, KL_BLIND_ESTIMATORS
 from rl_launcher.config_loader import load_config
 from rl_launcher.ray_cluster import check_reachable
 from rl_launcher.run.setup import check_fresh
@@ -147,6 +147,38 @@ def test_group_relative_list_matches_the_estimators():
         except ValueError:
             learns = False
         assert learns == (name not in GROUP_RELATIVE_ESTIMATORS), name
+
+
+@pytest.mark.parametrize("estimator", KL_BLIND_ESTIMATORS)
+def test_reward_kl_is_refused_where_the_estimator_ignores_it(estimator, guarded, capsys):
+    argv = ["--algorithm.advantage_estimator", estimator, "--algorithm.reward_kl_coef", "0.1"]
+    assert guarded([*argv, "--print-config"]) == 2
+    error = _error_line(capsys)
+    assert (
+        f"algorithm.reward_kl_coef=0.1 has no effect with algorithm.advantage_estimator={estimator}"
+        in error
+    )
+
+
+def test_reward_kl_is_taken_where_the_estimator_reads_it():
+    for estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"):
+        argv = ["--algorithm.advantage_estimator", estimator, "--algorithm.reward_kl_coef", "0.1"]
+        config, _ = load_config(argv)
+        assert config.algorithm.reward_kl_coef == 0.1 and config.algorithm.reward_kl_kind == "k1"
+
+
+def test_kl_blind_list_matches_the_estimators():
+    """An estimator is listed iff filling AdvantageInputs.kl leaves its advantages as they
+    were, so a new estimator in rl_core cannot slip past the check."""
+    rewards, mask = torch.tensor([1.0, 0.0, 3.0, 0.5]), torch.ones(4, 3)
+    kl = torch.tensor([[0.3, -0.1, 0.2], [0.0, 0.4, 0.1], [0.2, 0.2, -0.3], [0.1, 0.0, 0.5]])
+    for name in ADVANTAGE_ESTIMATORS.names():
+        estimator = ADVANTAGE_ESTIMATORS.get(name)
+        common = dict(rewards=rewards, mask=mask, group_size=2, values=torch.zeros(4, 3))
+        without, _ = estimator(AdvantageInputs(**common))
+        with_kl, _ = estimator(AdvantageInputs(**common, kl=kl, kl_coef=0.5))
+        blind = torch.equal(without, with_kl)
+        assert blind == (name in KL_BLIND_ESTIMATORS), name
 
 
 # --- 1. GPUs checked before Ray starts ---------------------------------------------------

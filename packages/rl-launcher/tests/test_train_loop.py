@@ -127,3 +127,16 @@ def test_cli_trains_checkpoints_and_resumes(tmp_path, capsys):
     state = json.loads((run_dir / "checkpoints/step_000003/state.json").read_text())
     assert state["step"] == 3 and state["data"]["num_drawn"] == 12
     assert (run_dir / "plots" / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_reinforce_pp_with_a_kl_shaped_reward(tmp_path):
+    """rl-train with reward_kl_coef: the reference is loaded and the reward's KL is that of
+    the step's old policy to it: 0 at step 1 (the policy is the reference), not at step 2."""
+    run_dir = tmp_path / "run"
+    shaped = ("--algorithm.advantage_estimator", "reinforce_plus_plus",
+              "--algorithm.reward_kl_coef", "0.1")  # fmt: skip
+    assert main(shrunk(run_dir, "--num_steps", "2", "--checkpoint.interval", "0", *shaped)) == 0
+    first, second = read_metrics(run_dir)
+    assert abs(first["algorithm/reward_kl_mean"]) < 1e-6
+    assert abs(second["algorithm/reward_kl_mean"]) > 1e-4  # one step at lr 1e-2 moved it
+    assert "loss/kl" not in second  # the loss has no KL term (algorithm.kl_coef = 0)

@@ -7,16 +7,22 @@ takes the oldest ready groups, computes advantages with the named estimator
 (rl_core ``ADVANTAGE_ESTIMATORS``), packs every sample into one :class:`TrainBatch` (so
 the loss denominators cover the whole step) and splits it across ranks with near-equal
 token counts (``balanced_partitions``).
+
+With a KL-shaped reward (``reward_kl_coef`` > 0) the advantages need the step's old and
+reference log-probs, which the trainer computes from the rank batches: ``pop_step`` then
+leaves ``advantages`` empty and :meth:`DataBuffer.fill_advantages` fills them once the
+log-probs exist. Without it nothing waits: ``pop_step`` computes them as before.
 """
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from rl_core.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs
 from rl_core.batch import TrainBatch, batch_from_samples
 from rl_core.filters import GROUP_FILTERS
+from rl_core.kl import approx_kl
 from rl_core.metrics import summarize
 from rl_core.packing import balanced_partitions
 from rl_core.types import Sample, SampleStatus
@@ -61,18 +67,22 @@ class DataBuffer:
         reward_key: str | None = None,
         gamma: float = 1.0,
         lam: float = 1.0,
+        reward_kl_coef: float = 0.0,
+        reward_kl_kind: str = "k1",
     ):
         self._estimator = ADVANTAGE_ESTIMATORS.get(advantage_estimator)
         self._filter = GROUP_FILTERS.get(group_filter)
         self.group_size, self.num_ranks, self.reward_key = group_size, num_ranks, reward_key
         self.gamma, self.lam = gamma, lam
+        self.reward_kl_coef, self.reward_kl_kind = reward_kl_coef, reward_kl_kind
         self._pending: dict[int, list[Sample]] = {}
         self._ready: list[list[Sample]] = []
         self._counts = {"groups_filtered": 0, "groups_aborted": 0}
         self._rewards_seen: list[float] = []
 
     @classmethod
-    def from_config(cls, config, *, num_ranks: int) -> "DataBuffer":
+    def from_config(cls, config, *, num_ranks: int, **extra) -> "DataBuffer":
+        """The buffer of ``config``; ``extra`` goes to a subclass (a critic's ``value_fn``)."""
         algorithm = config.algorithm
         return cls(
             group_size=config.rollout.group_size,
@@ -82,7 +92,15 @@ class DataBuffer:
             reward_key=algorithm.reward_key,
             gamma=algorithm.gamma,
             lam=algorithm.lam,
+            reward_kl_coef=algorithm.reward_kl_coef,
+            reward_kl_kind=algorithm.reward_kl_kind,
+            **extra,
         )
+
+    @property
+    def defers_advantages(self) -> bool:
+        """True when advantages wait for the step's log-probs (:meth:`fill_advantages`)."""
+        return self.reward_kl_coef > 0
 
     @property
     def num_ready_groups(self) -> int:
@@ -110,12 +128,13 @@ class DataBuffer:
             self._counts["groups_filtered"] += 1
 
     def pop_step(self, num_groups: int) -> StepBatch:
-        """The next step made of the ``num_groups`` oldest ready groups."""
+        """The next step made of the ``num_groups`` oldest ready groups; its batches have
+        no advantages yet when :attr:`defers_advantages` (see :meth:`fill_advantages`)."""
         if num_groups > len(self._ready):
             raise ValueError(f"asked for {num_groups} groups, {len(self._ready)} are ready")
         groups, self._ready = self._ready[:num_groups], self._ready[num_groups:]
         samples = [s for group in groups for s in group]
-        advantages = self.advantages(samples)
+        advantages = None if self.defers_advantages else self.advantages(samples)
         full = batch_from_samples(samples, advantages)
         everything = list(range(len(samples)))
         partitions = (
@@ -123,23 +142,53 @@ class DataBuffer:
             if self.num_ranks == 1
             else balanced_partitions([len(s.tokens) for s in samples], self.num_ranks)
         )
-        return StepBatch(
+        step = StepBatch(
             samples=samples,
             rank_batches=[full if part == everything else full.select(part) for part in partitions],
             partitions=partitions,
             metrics=self._step_metrics(samples),
         )
+        if not self.defers_advantages:
+            step.rank_batches = self._with_targets(step, step.rank_batches)
+        return step
 
-    def advantages(self, samples: list[Sample]) -> list[list[float]]:
-        """Per-response-token advantages of contiguous complete groups."""
+    def fill_advantages(
+        self, step: StepBatch, rank_batches: list[TrainBatch], ref_log_probs: list[torch.Tensor]
+    ) -> list[TrainBatch]:
+        """``rank_batches`` (``step``'s, with ``old_log_probs``) with the advantages that
+        :meth:`pop_step` left for the KL-shaped reward: the per-token KL estimate
+        (``reward_kl_kind``) of the old log-probs against ``ref_log_probs`` (``[N]`` per
+        rank batch) goes to the estimator with ``kl_coef = reward_kl_coef``. Adds the
+        step's mean KL over trained response tokens (``algorithm/reward_kl_mean``)."""
+        assert self.defers_advantages, "pop_step already filled the advantages"
+        per_rank = [
+            approx_kl(b.old_log_probs, ref, kind=self.reward_kl_kind)
+            for b, ref in zip(rank_batches, ref_log_probs, strict=True)
+        ]
+        kl = response_rows(step.samples, step.partitions, per_rank)
+        mask = response_mask(step.samples)
+        step.metrics["algorithm/reward_kl_mean"] = float((kl * mask).sum() / mask.sum().clamp(1))
+        rows = self.advantages(step.samples, kl=kl)
+        rank_batches = [
+            replace(b, advantages=packed(step.samples, rows, part))
+            for b, part in zip(rank_batches, step.partitions, strict=True)
+        ]
+        return self._with_targets(step, rank_batches)
+
+    def _with_targets(self, step: StepBatch, rank_batches: list[TrainBatch]) -> list[TrainBatch]:
+        """What else the step's rank batches need once advantages exist (a critic's)."""
+        return rank_batches
+
+    def advantages(
+        self, samples: list[Sample], kl: torch.Tensor | None = None
+    ) -> list[list[float]]:
+        """Per-response-token advantages of contiguous complete groups; ``kl`` ``[B, T]``:
+        the per-token KL to the reference that the reward pays ``reward_kl_coef`` times."""
         rewards = torch.tensor([scalar_reward(s, self.reward_key) for s in samples])
-        width = max((s.response_length for s in samples), default=0)
-        rows = [s.effective_loss_mask() for s in samples]  # one tensor, not one per sample
-        mask = torch.tensor([row + [0] * (width - len(row)) for row in rows], dtype=torch.float32)
-        mask = mask.reshape(len(samples), width)
         inputs = AdvantageInputs(
-            rewards=rewards, mask=mask, group_size=self.group_size, gamma=self.gamma, lam=self.lam
-        )
+            rewards=rewards, mask=response_mask(samples), group_size=self.group_size,
+            gamma=self.gamma, lam=self.lam, kl=kl, kl_coef=self.reward_kl_coef,
+        )  # fmt: skip
         per_token, _ = self._estimator(inputs)
         return [
             row[: s.response_length] for row, s in zip(per_token.tolist(), samples, strict=True)
@@ -154,3 +203,48 @@ class DataBuffer:
         metrics |= {f"buffer/{name}": float(count) for name, count in self._counts.items()}
         self._rewards_seen, self._counts = [], dict.fromkeys(self._counts, 0)
         return metrics
+
+
+def response_mask(samples: list[Sample]) -> torch.Tensor:
+    """``[B, T]`` loss mask of each sample's response tokens (0 past its end)."""
+    width = max((s.response_length for s in samples), default=0)
+    rows = [s.effective_loss_mask() for s in samples]  # one tensor, not one per sample
+    mask = torch.tensor([row + [0] * (width - len(row)) for row in rows], dtype=torch.float32)
+    return mask.reshape(len(samples), width)
+
+
+def response_rows(
+    samples: list[Sample], partitions: list[list[int]], per_rank: list[torch.Tensor]
+) -> torch.Tensor:
+    """Packed per-token values of each rank batch (``per_rank[r]`` ``[N_r]``, holding
+    ``samples[i]`` for i in ``partitions[r]``) as ``[B, T]`` rows of response tokens, 0 past
+    a response's end. Response token j of a sample with prompt length P sits at position
+    P - 1 + j of its sequence (TrainBatch's prediction-at-position alignment)."""
+    width = max((s.response_length for s in samples), default=0)
+    rows = torch.zeros(len(samples), width)
+    for part, values in zip(partitions, per_rank, strict=True):
+        offset = 0
+        for i in part:
+            sample = samples[i]
+            start = offset + sample.prompt_length - 1
+            rows[i, : sample.response_length] = values[start : start + sample.response_length]
+            offset += len(sample.tokens)
+    return rows
+
+
+def placed(samples: list[Sample], rows) -> list[torch.Tensor]:
+    """Per-sample ``[len(tokens)]`` tensors with ``rows[i]`` (response values) at the
+    positions that predict them; the inverse of :func:`response_rows`."""
+    out = []
+    for sample, row in zip(samples, rows, strict=True):
+        full = torch.zeros(len(sample.tokens))
+        start = sample.prompt_length - 1
+        full[start : start + len(row)] = torch.as_tensor(row, dtype=torch.float32)
+        out.append(full)
+    return out
+
+
+def packed(samples: list[Sample], rows, part: list[int]) -> torch.Tensor:
+    """``[N]`` values of the rank batch holding ``samples[i]`` for i in ``part``."""
+    chosen = [samples[i] for i in part]
+    return torch.cat(placed(chosen, [rows[i] for i in part])) if part else torch.zeros(0)

@@ -164,8 +164,27 @@ class AlgorithmConfig:
     dual_clip: float | None = option(
         None, help="Dual-clip bound c for negative advantages; null disables it.", above=1
     )
-    kl_coef: float = option(0.0, help="KL-to-reference loss weight; 0 skips the reference.", low=0)
-    kl_kind: str = option("low_var_kl", help="KL estimator.", choices=KL_KINDS)
+    kl_coef: float = option(
+        0.0,
+        help="KL-to-reference loss weight. The reference model is loaded only when this or "
+        "reward_kl_coef is > 0.",
+        low=0,
+    )
+    kl_kind: str = option("low_var_kl", help="KL estimator of the loss.", choices=KL_KINDS)
+    reward_kl_coef: float = option(
+        0.0,
+        help="KL-to-reference penalty in the reward: each response token's reward loses this "
+        "times the KL of the step's old policy to the reference before the advantages "
+        "(reinforce_plus_plus, reinforce_plus_plus_baseline, gae; grpo, dr_grpo and rloo "
+        "ignore it and refuse it). Independent of the loss's kl_coef.",
+        low=0,
+    )
+    reward_kl_kind: str = option(
+        "k1",
+        help="KL estimator of the reward penalty; k1 = old - reference log-prob, whose sum "
+        "over a response estimates the sequence KL.",
+        choices=KL_KINDS,
+    )
     entropy_coef: float = option(0.0, help="Entropy bonus weight.", low=0)
     gamma: float = option(1.0, help="Discount (gae, reinforce_plus_plus).", low=0, high=1)
     lam: float = option(1.0, help="GAE lambda.", low=0, high=1)

@@ -7,6 +7,9 @@ from rl_launcher.placement import plan_from_config
 # Estimators whose baseline is the other samples of the prompt: a group of one sample has
 # zero advantage (rloo refuses it), so nothing would be learnt from rewards.
 GROUP_RELATIVE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")
+# Estimators whose advantages never read the per-token KL (AdvantageInputs.kl), so a
+# KL-shaped reward (algorithm.reward_kl_coef) would silently do nothing.
+KL_BLIND_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
 
 
 def check_consistency(config: TrainConfig) -> None:
@@ -26,6 +29,14 @@ def _check_algorithm(config: TrainConfig) -> None:
             f"(got {group_size}): its baseline is the other samples of the prompt, so a "
             "group of one has zero advantage and nothing is learnt; raise rollout.group_size "
             "or use reinforce_plus_plus"
+        )
+    reward_kl = config.algorithm.reward_kl_coef
+    if trains_on_rewards and reward_kl > 0 and estimator in KL_BLIND_ESTIMATORS:
+        raise ValueError(
+            f"algorithm.reward_kl_coef={reward_kl} has no effect with "
+            f"algorithm.advantage_estimator={estimator}, which ignores the per-token KL; use "
+            "reinforce_plus_plus, reinforce_plus_plus_baseline or gae, or put the KL in the "
+            "loss with algorithm.kl_coef (and reward_kl_coef=0)"
         )
 
 

@@ -18,6 +18,8 @@ from typing import Any
 
 import yaml
 
+from rl_launcher.run.reference import needs_reference
+
 PRECISIONS = {"float32": "fp32", "bfloat16": "bf16"}
 MEGATRON_PREFIX = "--megatron-"
 
@@ -65,7 +67,7 @@ def fsdp_config(config, *, model_dir: Path):
         temperature=config.rollout.temperature or 1.0, mode=config.mode,
         loss_name=algo.policy_loss, clip_low=algo.clip_low, clip_high=algo.clip_high,
         dual_clip=algo.dual_clip, agg_mode=algo.loss_agg_mode, entropy_coef=algo.entropy_coef,
-        kl_coef=algo.kl_coef, kl_kind=algo.kl_kind, reference=algo.kl_coef > 0,
+        kl_coef=algo.kl_coef, kl_kind=algo.kl_kind, reference=needs_reference(algo),
         rollout_is=algo.rollout_is_mode if algo.rollout_is_level else None,
         rollout_is_level=algo.rollout_is_level or "token", rollout_is_cap=algo.rollout_is_cap,
         lr=opt.lr, weight_decay=opt.weight_decay, betas=tuple(opt.betas), eps=opt.eps,
@@ -85,7 +87,8 @@ def megatron_config(config, *, model_dir: Path):
             "optimizer.name=adamw, optimizer.schedule=constant and optimizer.warmup_steps=0"
         )
     fields = dict(
-        hf_path=model_dir, ref_path=model_dir if algo.kl_coef > 0 else None, mode=_mode(config),
+        hf_path=model_dir, ref_path=model_dir if needs_reference(algo) else None,
+        mode=_mode(config),
         tp=backend.tensor_parallel, pp=backend.pipeline_parallel, cp=backend.context_parallel,
         ep=backend.expert_parallel, device=config.cluster.device,
         precision=_precision(config, "megatron"), seed=config.seed, lr=opt.lr,

@@ -3,7 +3,8 @@
 Each step, once the buffer has complete groups:
 
     values  = critic(step batch)                    # [B, T] on response tokens (old values)
-    A, R    = rl_core gae(rewards on last token, values, gamma, lam); A whitened
+    A, R    = rl_core gae(rewards on last token [- reward_kl_coef * KL per token], values,
+                          gamma, lam); A whitened
     actor   trains on A;  critic trains on R with rl_core's clipped value loss
 
 The critic group is one Ray actor per training rank (rl-fsdp's :class:`FSDPCritic`, its own
@@ -21,7 +22,14 @@ import torch
 from rl_core.advantages import AdvantageInputs
 from rl_core.batch import TrainBatch, batch_from_samples
 from rl_core.packing import balanced_partitions
-from rl_launcher.buffer import DataBuffer, StepBatch, scalar_reward
+from rl_launcher.buffer import (
+    DataBuffer,
+    StepBatch,
+    packed,
+    response_mask,
+    response_rows,
+    scalar_reward,
+)
 
 
 class CriticWorker:
@@ -131,18 +139,7 @@ def response_values(samples, critic, num_ranks: int) -> torch.Tensor:
     parts = [list(range(len(samples)))] if num_ranks == 1 else balanced_partitions(
         [len(s.tokens) for s in samples], num_ranks)  # fmt: skip
     per_rank = critic.values([batch.select(part) for part in parts])
-    width = max((s.response_length for s in samples), default=0)
-    values = torch.zeros(len(samples), width)
-    for part, rank_values in zip(parts, per_rank, strict=True):
-        offset = 0
-        for i in part:
-            sample = samples[i]
-            start = offset + sample.prompt_length - 1
-            values[i, : sample.response_length] = rank_values[
-                start : start + sample.response_length
-            ]
-            offset += len(sample.tokens)
-    return values
+    return response_rows(samples, parts, per_rank)
 
 
 class GaeBuffer(DataBuffer):
@@ -154,46 +151,30 @@ class GaeBuffer(DataBuffer):
         self.value_fn = value_fn  # samples -> [B, T] response values
         self._targets: tuple[list, list] = ([], [])
 
-    def advantages(self, samples: list) -> list[list[float]]:
+    def advantages(self, samples: list, kl: torch.Tensor | None = None) -> list[list[float]]:
         rewards = torch.tensor([scalar_reward(s, self.reward_key) for s in samples])
-        width = max((s.response_length for s in samples), default=0)
-        mask = torch.zeros(len(samples), width)
-        for i, s in enumerate(samples):
-            mask[i, : s.response_length] = torch.tensor(
-                s.effective_loss_mask(), dtype=torch.float32
-            )
+        mask = response_mask(samples)
         values = self.value_fn(samples)
         inputs = AdvantageInputs(rewards=rewards, mask=mask, values=values * mask,
-                                 group_size=self.group_size, gamma=self.gamma, lam=self.lam)  # fmt: skip
+                                 group_size=self.group_size, gamma=self.gamma, lam=self.lam,
+                                 kl=kl, kl_coef=self.reward_kl_coef)  # fmt: skip
         advantages, returns = self._estimator(inputs)
         rows = [s.response_length for s in samples]
         self._targets = ([r[:n] for r, n in zip(returns.tolist(), rows, strict=True)],
                          [v[:n] for v, n in zip(values.tolist(), rows, strict=True)])  # fmt: skip
         return [a[:n] for a, n in zip(advantages.tolist(), rows, strict=True)]
 
-    def pop_step(self, num_groups: int) -> StepBatch:
-        step = super().pop_step(num_groups)
-        returns, old_values = (self._placed(step.samples, rows) for rows in self._targets)
-        step.rank_batches = [
-            dataclasses.replace(b, returns=torch.cat([returns[i] for i in part]),
-                                old_values=torch.cat([old_values[i] for i in part]))
-            for b, part in zip(step.rank_batches, step.partitions, strict=True)
+    def _with_targets(self, step: StepBatch, rank_batches: list[TrainBatch]) -> list[TrainBatch]:
+        """The critic's targets of the last :meth:`advantages` call in every rank batch."""
+        returns, old_values = self._targets
+        rank_batches = [
+            dataclasses.replace(b, returns=packed(step.samples, returns, part),
+                                old_values=packed(step.samples, old_values, part))
+            for b, part in zip(rank_batches, step.partitions, strict=True)
         ]  # fmt: skip
-        returns_mean = float(torch.cat(returns).sum()) / max(
-            1, sum(len(r) for r in self._targets[0])
-        )
-        step.metrics["critic/returns_mean"] = returns_mean
-        return step
-
-    @staticmethod
-    def _placed(samples, rows) -> list[torch.Tensor]:
-        """Per-sample ``[len(tokens)]`` tensors with response values at predicting positions."""
-        placed = []
-        for sample, row in zip(samples, rows, strict=True):
-            full = torch.zeros(len(sample.tokens))
-            full[sample.prompt_length - 1 : sample.prompt_length - 1 + len(row)] = torch.tensor(row)
-            placed.append(full)
-        return placed
+        num_tokens = max(1, sum(len(r) for r in returns))
+        step.metrics["critic/returns_mean"] = sum(sum(r) for r in returns) / num_tokens
+        return rank_batches
 
 
 def make_buffer(run) -> DataBuffer:
@@ -201,12 +182,9 @@ def make_buffer(run) -> DataBuffer:
     critic = getattr(run, "critic", None)
     if critic is None:
         return DataBuffer.from_config(run.config, num_ranks=run.num_ranks)
-    algorithm = run.config.algorithm
-    return GaeBuffer(
+    return GaeBuffer.from_config(
+        run.config, num_ranks=run.num_ranks,
         value_fn=lambda samples: response_values(samples, critic, run.num_ranks),
-        group_size=run.config.rollout.group_size, num_ranks=run.num_ranks,
-        advantage_estimator=algorithm.advantage_estimator, group_filter=algorithm.group_filter,
-        reward_key=algorithm.reward_key, gamma=algorithm.gamma, lam=algorithm.lam,
     )  # fmt: skip
 
 

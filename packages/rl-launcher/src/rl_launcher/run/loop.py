@@ -27,6 +27,7 @@ from rl_launcher.run.engine_health import wait_for_restarts
 from rl_launcher.run.extras import after_step, dump_step, load_extras, save_extras
 from rl_launcher.run.feeds import SyncFeed, make_feed
 from rl_launcher.run.gc_pauses import GcPauses, freeze_startup, unfreeze
+from rl_launcher.run.reference import with_reference
 from rl_launcher.run.setup import Run, start_run
 from rl_launcher.run.train_group import with_old_log_probs
 from rl_launcher.run_log import format_progress, truncate_metrics
@@ -105,9 +106,7 @@ def run_step(run: Run, buffer: DataBuffer, step: int, feed=None) -> dict[str, fl
     batch = buffer.pop_step(buffer.num_ready_groups)
     old = run.trainer.log_probs(batch.rank_batches)
     rank_batches = with_old_log_probs(batch.rank_batches, old)
-    if config.algorithm.kl_coef > 0:  # KL to the frozen reference in the loss
-        ref = run.trainer.log_probs(rank_batches, model="ref")
-        rank_batches = [replace(b, ref_log_probs=r) for b, r in zip(rank_batches, ref, strict=True)]
+    rank_batches = with_reference(run, buffer, batch, rank_batches)  # KL in loss and/or reward
     clock.lap("log_probs")
     metrics |= batch.metrics | staleness(batch, trainer_version=step - 1)
     metrics |= mismatch(fresh_only(rank_batches, batch, trainer_version=step - 1))
