@@ -53,7 +53,8 @@ def session(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("loops") / "run"
     extra = ("--num_steps", str(3 * STEPS), "--rollout.max_staleness", "1",
              "--rollout.partial_rollout", "true",
-             "--model.init_config.max_position_embeddings", "256")  # fmt: skip
+             "--model.init_config.max_position_embeddings", "256",
+             "--engine.max_context", "256")  # room for the 200 forced tokens below  # fmt: skip
     config, _ = load_config(shrunk(run_dir, *extra))
     run = start_run(config)
     yield Session(run)

@@ -336,3 +336,29 @@ def test_the_runner_choice_names_why_a_model_cannot_take_the_static_path(caplog)
     assert "'gemma'" in caplog.text and "without CUDA graphs" in caplog.text
     with pytest.raises(ValueError, match="sliding-window"):
         choose_runner("static", fake(True, use_sliding_window=True))
+
+
+def test_a_released_static_runner_frees_its_tensors_and_resumes_with_the_same_outputs(
+    tiny_dir, tiny_model
+):
+    """What the engine's memory release does to a static runner (on GPU, between the two
+    the model leaves the device): caches and fused weights are dropped, the compiled step is
+    kept, and after the resume greedy outputs and log-probs are what they were."""
+    model, tokenizer = load_model(str(tiny_dir))
+    engine = Engine(model, tokenizer, max_batch_size=4, runner="static", max_context=64)
+    runner = engine.scheduler.runner
+    body = {"input_ids": [[1, 2, 3], [9] * 7], "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}}  # fmt: skip
+    try:
+        before = generate(engine, **body)
+        layer_fn = runner.layer_fn
+        engine.scheduler.call(runner.release).result()
+        assert runner.keys is None and runner.layers is None and runner.graphs is None
+        engine.scheduler.call(runner.resume).result()
+        after = generate(engine, **body)
+    finally:
+        engine.scheduler.stop()
+    assert runner.layer_fn is layer_fn and len(runner.keys) == model.config.num_hidden_layers
+    assert [o["output_ids"] for o in after] == [o["output_ids"] for o in before]
+    for out_a, out_b in zip(after, before, strict=True):
+        assert logprobs_of(out_a) == pytest.approx(logprobs_of(out_b), abs=1e-6)

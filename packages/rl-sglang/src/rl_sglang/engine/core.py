@@ -79,6 +79,7 @@ class Engine:
         )
         self.weight_receivers: dict[str, weights.WeightReceiver] = {}
         self.memory_released = False
+        self._parked_runner = None  # the runner while memory is released
         self._weight_targets: dict | None = None  # state_dict() for updates, reset on moves
 
     def _make_runner(self, max_batch_size: int):
@@ -189,20 +190,28 @@ class Engine:
         """Retract running requests, then on GPU free the KV cache (the runner) and move the
         weights to host memory; on CPU nothing is freed."""
         self.scheduler.pause_now("retract")
-        if self.device.type == "cuda":
-            self.scheduler.runner = None
+        if self.device.type == "cuda" and self.scheduler.runner is not None:
+            self._parked_runner, self.scheduler.runner = self.scheduler.runner, None
+            if hasattr(self._parked_runner, "release"):  # static: its caches and graphs
+                self._parked_runner.release()
             self._weight_targets = None  # the parameters get new storage
             self.model.to("cpu")
             torch.cuda.empty_cache()
         self.memory_released = True
 
     def resume_memory(self) -> None:
-        """Weights back on the device, a fresh runner (CUDA graphs captured against the new
-        parameter storage), generation continued."""
+        """Weights back on the device and the runner's caches and CUDA graphs rebuilt
+        against the new parameter storage (a static runner keeps its compiled step, so
+        this captures but does not compile), generation continued."""
         self._weight_targets = None  # the parameters may have new storage
         if self.scheduler.runner is None:
             self.model.to(self.device)
-            self.scheduler.runner = self._make_runner(self.scheduler.max_batch_size)
+            runner, self._parked_runner = self._parked_runner, None
+            if hasattr(runner, "resume"):
+                runner.resume()
+            else:
+                runner = self._make_runner(self.scheduler.max_batch_size)
+            self.scheduler.runner = runner
         self.memory_released = False
         self.scheduler.resume_now()
 

@@ -85,36 +85,50 @@ class StaticRunner:
                 f"static decoding supports {SUPPORTED_MODEL_TYPES}, not {model.config.model_type}"
             )
         self.model, self.max_slots, self.max_len = model, max_slots, max_len
-        config, param = model.config, next(model.parameters())
+        config = model.config
         self.head_dim = (
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         )
         self.num_heads = config.num_attention_heads
         self.cache_len = -(-max_len // 16) * 16  # aligned rows for the fused attention kernels
-        shape = (max_slots, config.num_key_value_heads, self.cache_len, self.head_dim)
-        self.keys = [
-            torch.zeros(shape, dtype=param.dtype, device=param.device) for _ in model.model.layers
-        ]
-        self.values = [torch.zeros_like(k) for k in self.keys]
-        self.lengths = torch.zeros(max_slots, dtype=torch.long, device=param.device)
-        self.host_lengths: list[int] = []  # mirror of lengths[:size], read without a sync
-        self.size = 0
-        self.layers = [LayerWeights(layer) for layer in model.model.layers]
         self.eps = norm_eps(model.model.layers[0].input_layernorm)
-        self.rotary_table = rotary_table(model.model.rotary_emb, max_len, param)
-        self.columns_T = torch.arange(self.cache_len, device=param.device)
-        self.mask_values = tuple(
-            torch.tensor(v, dtype=param.dtype, device=param.device) for v in (float("-inf"), 0.0)
-        )
         pick = upcast_greedy_pick
         self.layer_fn = torch.compile(decode_layer, dynamic=True) if compile else decode_layer
         self.pick_fn = torch.compile(pick, dynamic=True) if compile else pick
         self.compiled = compile
-        use_graphs = param.is_cuda if cuda_graphs is None else cuda_graphs
+        self.use_graphs = next(model.parameters()).is_cuda if cuda_graphs is None else cuda_graphs
         self.multi_step = multi_step
-        self.graphs = GraphCache(self, multi_step) if use_graphs else None
+        self.resume()
+
+    def resume(self) -> None:
+        """Allocate the slot caches and fused weights on the model's device and capture the
+        graphs: at start, and after :meth:`release` once the model is back on the device.
+        The compiled functions are kept, so a resume captures but does not compile again."""
+        config, param = self.model.config, next(self.model.parameters())
+        layers = self.model.model.layers
+        shape = (self.max_slots, config.num_key_value_heads, self.cache_len, self.head_dim)
+        self.keys = [torch.zeros(shape, dtype=param.dtype, device=param.device) for _ in layers]
+        self.values = [torch.zeros_like(k) for k in self.keys]
+        self.lengths = torch.zeros(self.max_slots, dtype=torch.long, device=param.device)
+        self.host_lengths: list[int] = []  # mirror of lengths[:size], read without a sync
+        self.size = 0
+        self.layers = [LayerWeights(layer) for layer in layers]
+        self.rotary_table = rotary_table(self.model.model.rotary_emb, self.max_len, param)
+        self.columns_T = torch.arange(self.cache_len, device=param.device)
+        self.mask_values = tuple(
+            torch.tensor(v, dtype=param.dtype, device=param.device) for v in (float("-inf"), 0.0)
+        )
+        self.graphs = GraphCache(self, self.multi_step) if self.use_graphs else None
         if self.graphs is not None:  # before any request: capture writes into free slots
             self._capture()
+
+    def release(self) -> None:
+        """Drop every device tensor this runner owns (caches, fused weights, graphs and
+        their memory pool) so the model can leave the device; :meth:`resume` rebuilds them.
+        Running rows must have been retracted first."""
+        assert self.size == 0, "release with rows still running"
+        self.graphs = self.keys = self.values = self.layers = None
+        self.lengths = self.rotary_table = self.columns_T = self.mask_values = None
 
     def _capture(self) -> None:
         try:
