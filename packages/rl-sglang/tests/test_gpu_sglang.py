@@ -68,13 +68,17 @@ def test_embedded_engine_on_cuda_matches_teacher_forcing(model_dir, runner):
                     max_context=256, compile=runner.endswith("compiled"))  # fmt: skip
     if runner.endswith("compiled"):  # the fallback to eager would hide a compile failure
         assert engine.scheduler.runner.compiled
-    if runner.startswith("static"):  # the greedy half below runs K-step graphs (K = 8)
-        assert engine.scheduler.runner.graphs.multi
+    static = runner.startswith("static")
     prompts = [PROMPT, PROMPT[:2], [7] * 9, [1]]
     try:
         groups, _ = engine.make_requests({"input_ids": prompts, "return_logprob": True,
                                           "sampling_params": {"max_new_tokens": 16, "ignore_eos": True}})  # fmt: skip
         outs = asyncio.run(_run_all(engine, groups))
+        if static:  # sampling never replays (so never captures) the K-step graphs
+            assert not engine.scheduler.runner.graphs.multi
+        # a colocated turn: memory released and resumed, graphs captured again
+        engine.scheduler.call(engine.release_memory).result()
+        engine.scheduler.call(engine.resume_memory).result()
         groups, _ = engine.make_requests(
             {
                 "input_ids": prompts,
@@ -82,6 +86,8 @@ def test_embedded_engine_on_cuda_matches_teacher_forcing(model_dir, runner):
             }
         )
         greedy = asyncio.run(_run_all(engine, groups))
+        if static:  # the greedy half ran K-step graphs (K = 8), captured on first use
+            assert engine.scheduler.runner.graphs.multi
     finally:
         engine.scheduler.stop()
     for prompt, out, best in zip(prompts, outs, greedy, strict=True):
