@@ -4,8 +4,11 @@
 trains: the RL loops of :mod:`rl_launcher.run.loop` (train-only on dumped rollouts with
 ``rollout.replay_dir``), SFT (``mode: sft``, :mod:`rl_launcher.run.sft`) or rollout-only
 (``rollout.rollout_only``, :mod:`rl_launcher.run.modes`); ``--print-config`` prints the
-resolved configuration instead. A reward that raises (unless skipped) exits with status 2. Combinations that cannot run are refused with exit
-status 2 and a message saying so.
+resolved configuration instead. A reward that raises (unless skipped) exits with status 2.
+Combinations that cannot run are refused with exit status 2 and a message saying so, and
+so is a second run into a run directory in use (:mod:`rl_launcher.run_lock`). SIGTERM or
+SIGINT stops the run at a step boundary with a checkpoint and exits with 143 or 130
+(:mod:`rl_launcher.run.stopping`).
 """
 
 import sys
@@ -39,7 +42,8 @@ def run_mode(config):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``rl-train``: returns the process exit status (0 ok, 2 bad input or not available)."""
+    """``rl-train``: returns the process exit status (0 ok, 1 the run stopped on a fault,
+    2 bad input or not available, 128 + N stopped by signal N)."""
     from rl_launcher.config_loader import config_to_yaml, load_config
 
     argv = sys.argv[1:] if argv is None else argv
@@ -62,25 +66,26 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_training(config) -> int:
-    import signal
-
     from rl_launcher.ray_cluster import check_before_ray, prepare_local_ray_env
 
     prepare_local_ray_env(config.cluster.ray_address)  # before the loop's modules import ray
-    from rl_launcher.run import faults
+    from rl_launcher.run import faults, stopping
     from rl_launcher.run.reward import RewardError
     from rl_launcher.run_dirs import prepare_run_dirs
+    from rl_launcher.run_lock import lock_run_dir
     from rl_rewards import get_reward
 
     reason = not_wired(config)
     if reason is not None:
         print(f"rl-train: error: {reason}", file=sys.stderr)
         return 2
-    # SIGTERM unwinds like Ctrl-C, so engines, router and Ray are stopped on the way out
-    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    # SIGTERM and SIGINT: stop at a step boundary with a checkpoint (rl_launcher.run.stopping)
+    stopping.install(config.checkpoint.stop_grace_s)
+    lock = None
     try:
         check_before_ray(config)  # GPUs and cluster address: seconds, not a wait inside Ray
         prepare_run_dirs(config)  # unwritable run / checkpoint directories, before the run
+        lock = lock_run_dir(config.logging.run_dir)  # one run per directory, else exit 2
         get_reward(config.rollout.reward)  # an unknown reward fails before anything starts
         run_mode(config)(config)
     except (ValueError, RewardError) as error:
@@ -91,8 +96,13 @@ def run_training(config) -> int:
     except (faults.RunStopped, faults.TrainActorDied) as error:  # engines etc. already stopped
         print(f"rl-train: stopped: {faults.stop_message(config, error)}", file=sys.stderr)
         return 1
+    except stopping.RunInterrupted as stop:  # engines, router and Ray already stopped
+        print(f"rl-train: {stopping.stopped_message(config, stop)}", file=sys.stderr)
+        return stop.exit_code
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        stopping.uninstall()
+        if lock is not None:
+            lock.release()
     return 0
 
 

@@ -210,6 +210,14 @@ class AlgorithmConfig:
         "or inf (each such update is skipped); 0 never stops.",
         low=0,
     )
+    max_empty_steps: int = option(
+        3,
+        help="Stop the run (exit 1, naming the cause) after this many steps in a row that "
+        "trained no sample: every sample refused by the engine, its reward failed "
+        "(rollout.on_reward_error=skip) or its group filtered out; 0 never stops. A run that "
+        "trains no sample at all fails at its end either way.",
+        low=0,
+    )
 
 
 @dataclass(kw_only=True)
@@ -399,6 +407,18 @@ class CheckpointConfig:
         "[STEP|PATH]).",
     )
     save_hf: bool = option(False, help="Also export Hugging Face weights with each checkpoint.")
+    save_on_stop: bool = option(
+        True,
+        help="On SIGTERM or SIGINT, save a checkpoint of the last completed step before "
+        "exiting (exit 143 or 130; continue with --resume).",
+    )
+    stop_grace_s: float = option(
+        10.0,
+        help="After SIGTERM or SIGINT, how long a step still generating may take to finish; "
+        "then it is abandoned (its prompts are drawn again on resume). A step that trains "
+        "always finishes. A second signal exits at once.",
+        low=0,
+    )
 
 
 @dataclass(kw_only=True)

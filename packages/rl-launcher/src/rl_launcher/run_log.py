@@ -7,13 +7,17 @@ last line, which :func:`read_metrics` skips. Non-finite numbers are stored as nu
 Metric names the progress line and ``rl-plot`` read (all optional):
 ``rollout/reward/mean``, ``rollout/response_length/mean``, ``train/kl``, ``train/entropy``,
 ``eval/<dataset>/pass@<k>``, ``time/step``, ``time/rollout``, ``time/log_probs``,
-``time/train``, ``time/sync``.
+``time/train``, ``time/sync``, ``train/num_samples`` and ``rollout/num_samples`` (samples
+trained / produced by the step's rollout), ``buffer/empty_cause`` (a string: why a step
+trained nothing).
 """
 
+import contextlib
 import json
 import math
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +100,9 @@ def truncate_metrics(run_dir: str | Path, last_step: int) -> int:
 
 
 def format_progress(step: int, num_steps: int, metrics: dict[str, Any]) -> str:
-    """``step 3/20 | reward 0.412 | len 17.3 | kl 0.0012 | 1.23s (rollout 0.80 ...)``."""
+    """``step 3/20 | reward 0.412 | len 17.3 | kl 0.0012 | trained 48/64 | 1.23s (rollout
+    0.80 ...)``; a step that trained nothing says why: ``trained 0/64 (nothing learnt: of 64
+    samples, ...)``."""
     parts = [f"step {step}/{num_steps}"]
     for label, key, spec in (
         ("reward", "rollout/reward/mean", ".3f"),
@@ -107,6 +113,8 @@ def format_progress(step: int, num_steps: int, metrics: dict[str, Any]) -> str:
     ):
         if metrics.get(key) is not None:
             parts.append(f"{label} {metrics[key]:{spec}}")
+    if (trained := trained_part(metrics)) is not None:
+        parts.append(trained)
     if metrics.get("time/step") is not None:
         split = " ".join(
             f"{name} {metrics[f'time/{name}']:.2f}"
@@ -115,3 +123,25 @@ def format_progress(step: int, num_steps: int, metrics: dict[str, Any]) -> str:
         )
         parts.append(f"{metrics['time/step']:.2f}s" + (f" ({split})" if split else ""))
     return " | ".join(parts)
+
+
+def trained_part(metrics: dict[str, Any]) -> str | None:
+    """``trained 48/64`` (samples trained / produced by the step's rollout), with the
+    cause when it is 0 (``buffer/empty_cause``); None for steps that do not count them."""
+    trained, produced = metrics.get("train/num_samples"), metrics.get("rollout/num_samples")
+    if trained is None or produced is None:
+        return None
+    text = f"trained {trained:.0f}/{produced:.0f}"
+    if not trained:
+        text += f" (nothing learnt: {metrics.get('buffer/empty_cause', 'cause unknown')})"
+    return text
+
+
+@contextlib.contextmanager
+def startup_phase(what: str, *, show: bool = True) -> Iterator[None]:
+    """One console line when a start-up phase ends: ``rl-train: trainer ready in 8.1s``,
+    so the 20-30 s before the first step are never silent (``show``: logging.progress)."""
+    start = time.perf_counter()
+    yield
+    if show:
+        print(f"rl-train: {what} in {time.perf_counter() - start:.1f}s", flush=True)

@@ -10,7 +10,12 @@ chunk (``batch_size`` groups each) and puts every finished group into a queue of
 ``batch_size * max_staleness`` groups (generation pauses while it is full, which keeps the
 samples' age bounded). Groups aborted by a weight update (engines paused) come back as
 leftovers: with ``partial`` they keep their tokens, log-probs and weight versions and
-resume; without it, their aborted samples start again from the prompt. :meth:`take`
+resume; without it, their aborted samples start again from the prompt. Groups that
+*failed* (an engine error after its retries, a reward skipped under
+``on_reward_error=skip``: the error is in a sample's metadata) are not tried again but
+queued like finished ones, so the trainer's step drops, counts and names them as the
+synchronous loop does; retried, a batch whose every sample fails would keep the trainer
+waiting for ever without a word. :meth:`take`
 hands ``num_groups`` groups to the trainer, dropping (``stale_policy="drop"``) or keeping
 and counting (``"importance"``) those generated before ``min_version``.
 """
@@ -35,6 +40,11 @@ def restart(group: list[Sample]) -> list[Sample]:
             sample.rollout_log_probs, sample.weight_versions = None, []
             sample.status = SampleStatus.PENDING
     return group
+
+
+def failed(group: list[Sample]) -> bool:
+    """A sample of ``group`` failed for good: an engine error, a skipped reward failure."""
+    return any(s.metadata.get("error") or s.metadata.get("reward_error") for s in group)
 
 
 class ContinuousRollout:
@@ -74,8 +84,9 @@ class ContinuousRollout:
                 result = await self.manager.generate(self.batch_size, fresh, resume=leftovers)
                 self.counts["chunks"] += 1
                 self.counts["groups_aborted"] += len(result.leftovers)
-                leftovers = result.leftovers if self.partial else [restart(g) for g in result.leftovers]  # fmt: skip
-                for group in result.groups:
+                paused = [g for g in result.leftovers if not failed(g)]
+                leftovers = paused if self.partial else [restart(g) for g in paused]
+                for group in [*result.groups, *(g for g in result.leftovers if failed(g))]:
                     self._queue.put_nowait(group)
         except Exception as error:  # the trainer's next take() raises it
             self._queue.put_nowait(error)

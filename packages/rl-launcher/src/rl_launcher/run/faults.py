@@ -10,8 +10,17 @@ complete checkpoint to continue from (``rl-train ... --resume``):
   :class:`TrainActorDied` as soon as Ray reports the death; the run's cleanup then kills
   the other ranks, engines and router, and ``rl-train`` exits with status 1.
 
-The loops call :func:`check_step` after recording a step; the actor group gathers its
-ranks' results with :func:`gather`; ``rl-train`` prints :func:`stop_message`.
+- steps that train nothing: every sample aborted (the engine refused or failed the request,
+  the reward failed under ``rollout.on_reward_error=skip``) or every group filtered out.
+  Such a step records its cause (:func:`empty_cause`, ``buffer/empty_cause``) and says it in
+  its progress line; after ``algorithm.max_empty_steps`` of them in a row (0 never stops),
+  or at the end of a run that trained no sample at all, the run stops with
+  :class:`RunStopped` naming the cause, instead of ending with status 0 having learnt
+  nothing.
+
+The loops call :func:`check_step` and :func:`check_trained` after recording a step; the
+actor group gathers its ranks' results with :func:`gather`; ``rl-train`` prints
+:func:`stop_message`.
 """
 
 import math
@@ -19,6 +28,9 @@ import sys
 from pathlib import Path
 
 NONFINITE_KEY = "train/nonfinite_skipped"
+TRAINED_KEY = "train/num_samples"  # samples the step trained on
+BATCH_KEY = "rollout/num_samples"  # samples the step's rollout produced
+EMPTY_CAUSE_KEY = "buffer/empty_cause"  # why a step trained nothing (a string)
 DEATH_GRACE_S = 5.0  # after a rank fails, how long to wait for Ray to report a dead peer
 
 
@@ -104,6 +116,62 @@ def check_step(run, step: int, metrics: dict) -> None:
             f"{in_a_row} non-finite steps in a row up to step {step} (NaN or inf in the loss "
             f"or gradients; algorithm.max_nonfinite_steps={limit})"
         )
+
+
+def empty_cause(groups: list[list], config) -> str:
+    """Why none of ``groups`` (a step's groups of samples) was trained, from the samples
+    themselves: the engine's own error (``metadata["error"]``), the reward's failures
+    (``metadata["reward_error"]``), other aborts, or groups the filter dropped."""
+    from rl_core.types import SampleStatus
+
+    samples = [s for group in groups for s in group]
+    if not samples:
+        return "the rollout returned no samples"
+    engine = [s.metadata["error"] for s in samples if s.metadata.get("error")]
+    reward = [s.metadata["reward_error"] for s in samples if s.metadata.get("reward_error")]
+    aborted = sum(s.status is SampleStatus.ABORTED for s in samples)
+    parts = []
+    if engine:
+        parts.append(f"{len(engine)} refused or failed by the engine (first: {_first(engine)})")
+    if reward:
+        parts.append(f"{len(reward)} whose reward failed, skipped under "
+                     f"rollout.on_reward_error=skip (first: {_first(reward)})")  # fmt: skip
+    if aborted > len(engine) + len(reward):
+        parts.append(f"{aborted - len(engine) - len(reward)} aborted")
+    whole = [g for g in groups if not any(s.status is SampleStatus.ABORTED for s in g)]
+    if whole:
+        parts.append(f"{len(whole)} group(s) dropped by "
+                     f"algorithm.group_filter={config.algorithm.group_filter}")  # fmt: skip
+    return f"of {len(samples)} samples, " + "; ".join(parts)
+
+
+def _first(messages: list[str]) -> str:
+    text = " ".join(messages[0].split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def check_trained(run, step: int, metrics: dict) -> None:
+    """Count steps in a row that trained no sample; raise :class:`RunStopped` after
+    ``algorithm.max_empty_steps`` of them (0: never), and at the last step of a run that
+    trained no sample at all. Steps without :data:`TRAINED_KEY` (SFT) are not counted."""
+    if TRAINED_KEY not in metrics:
+        return
+    extras, config = run.extras, run.config
+    extras["trained_samples"] = extras.get("trained_samples", 0) + int(metrics[TRAINED_KEY])
+    extras["steps_run"] = extras.get("steps_run", 0) + 1
+    if metrics[TRAINED_KEY]:
+        extras["empty_in_a_row"] = 0
+        return
+    in_a_row = extras["empty_in_a_row"] = extras.get("empty_in_a_row", 0) + 1
+    cause, limit = metrics.get(EMPTY_CAUSE_KEY, "cause unknown"), config.algorithm.max_empty_steps
+    if not config.logging.progress:  # else the progress line says it
+        print(f"rl-train: step {step} trained no sample: {cause}", file=sys.stderr, flush=True)
+    if limit and in_a_row >= limit:
+        raise RunStopped(f"{in_a_row} steps in a row up to step {step} trained no sample "
+                         f"(algorithm.max_empty_steps={limit}); step {step}: {cause}")  # fmt: skip
+    if step == config.num_steps and not extras["trained_samples"]:
+        raise RunStopped(f"the run trained no sample in its {extras['steps_run']} step(s); "
+                         f"step {step}: {cause}")  # fmt: skip
 
 
 def last_checkpoint(config) -> str:

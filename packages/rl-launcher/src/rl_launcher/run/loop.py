@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from rl_launcher.buffer import DataBuffer
-from rl_launcher.run import checkpoints, data_order, faults, resume_choice
+from rl_launcher.run import checkpoints, data_order, faults, resume_choice, stopping
 from rl_launcher.run.critic import make_buffer, train_critic
 from rl_launcher.run.engine_health import wait_for_restarts
 from rl_launcher.run.extras import after_step, dump_step, load_extras, save_extras
@@ -52,6 +52,7 @@ def train(config) -> Path:
 
 def _train(config) -> Path:
     chosen = resume_choice.chosen(config)  # before anything starts: a bad --resume fails fast
+    started = time.perf_counter()
     with contextlib.closing(start_run(config)) as run:
         first = resume(run, chosen) + 1 if config.checkpoint.resume else 1
         buffer = make_buffer(run)  # a GaeBuffer (critic values) for advantage_estimator=gae
@@ -60,15 +61,24 @@ def _train(config) -> Path:
         run._cleanup += [pauses.close, unfreeze]
         feed = make_feed(run, last_step=config.num_steps)  # sync, one_step_async or async
         run._cleanup.append(feed.close)
-        for step in range(first, config.num_steps + 1):
-            metrics = run_step(run, buffer, step, feed)
-            if step == first:
-                freeze_engine_gc(run)  # the engines are warm: their start-up objects stay
-            metrics |= after_step(run, step)  # evaluation, counted reward errors
-            metrics |= pauses.take()  # the driver's garbage-collection pauses
-            finish_step(run, step, metrics, save)
+        say_ready(config, first, time.perf_counter() - started)
+        with stopping.stepping(run, save, first):  # SIGTERM / SIGINT: stop at a step boundary
+            for step in range(first, config.num_steps + 1):
+                metrics = run_step(run, buffer, step, feed)
+                if step == first:
+                    freeze_engine_gc(run)  # the engines are warm: their start-up objects stay
+                metrics |= after_step(run, step)  # evaluation, counted reward errors
+                metrics |= pauses.take()  # the driver's garbage-collection pauses
+                finish_step(run, step, metrics, save)
     _plot(Path(config.logging.run_dir))
     return Path(config.logging.run_dir)
+
+
+def say_ready(config, first: int, seconds: float) -> None:
+    """The last start-up line: the first step begins (its progress line comes when it ends)."""
+    if config.logging.progress:
+        print(f"rl-train: started in {seconds:.1f}s; step {first}/{config.num_steps} running",
+              flush=True)  # fmt: skip
 
 
 def freeze_engine_gc(run) -> None:
@@ -94,16 +104,21 @@ def check_loop(config) -> None:
 
 def run_step(run: Run, buffer: DataBuffer, step: int, feed=None) -> dict[str, float]:
     config, clock, feed = run.config, Clock(), feed or SyncFeed(run)
-    groups, metrics = feed.groups(step)
+    with stopping.generating(step):  # a stop signal may abandon the step here (only)
+        groups, metrics = feed.groups(step)
     buffer.add(s for group in groups for s in group)
     clock.lap("rollout")
     data_order.append(config.logging.run_dir, step, groups)
     dump_step(run, step, groups)  # rollout.dump_dir
     if hasattr(run.rollout, "consumed"):  # stand-ins (replay) draw no prompts
         run.rollout.consumed(groups)
-    if buffer.num_ready_groups == 0:  # every group filtered: nothing to learn from this step
-        return metrics | {"buffer/empty_step": 1.0} | clock.times()
+    metrics[faults.BATCH_KEY] = float(sum(len(group) for group in groups))
+    if buffer.num_ready_groups == 0:  # every group aborted or filtered: nothing to learn from
+        cause = faults.empty_cause(groups, config)  # said in the progress line, counted
+        empty = {"buffer/empty_step": 1.0, faults.TRAINED_KEY: 0.0, faults.EMPTY_CAUSE_KEY: cause}
+        return metrics | empty | clock.times()
     batch = buffer.pop_step(buffer.num_ready_groups)
+    metrics[faults.TRAINED_KEY] = float(len(batch.samples))
     old = run.trainer.log_probs(batch.rank_batches)
     rank_batches = with_old_log_probs(batch.rank_batches, old)
     rank_batches = with_reference(run, buffer, batch, rank_batches)  # KL in loss and/or reward
@@ -294,16 +309,19 @@ class Clock:
 
 def finish_step(run, step: int, metrics: dict[str, float], save_fn) -> None:
     """Record a finished step (RL or SFT): metrics.jsonl, the progress line, the
-    non-finite-step rule, and ``save_fn(run, step)`` every ``checkpoint.interval`` steps
-    and at the last one."""
+    non-finite-step and empty-step rules, ``save_fn(run, step)`` every
+    ``checkpoint.interval`` steps and at the last one, and a stop signal's step boundary."""
     config = run.config
     run.metrics_log.append(step, metrics)
     if config.logging.progress:
         print(format_progress(step, config.num_steps, metrics), flush=True)
     faults.check_step(run, step, metrics)  # too many non-finite steps stop the run
+    faults.check_trained(run, step, metrics)  # so do steps that train nothing
     interval = config.checkpoint.interval
-    if (interval and step % interval == 0) or step == config.num_steps:
+    saved = bool(interval and step % interval == 0) or step == config.num_steps
+    if saved:
         save_fn(run, step)
+    stopping.at_boundary(run, step, save_fn, saved=saved)  # after SIGTERM / SIGINT: stop here
 
 
 def _plot(run_dir: Path) -> None:

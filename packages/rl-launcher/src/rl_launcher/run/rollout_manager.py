@@ -225,6 +225,7 @@ class RolloutManager:
     def stop(self) -> None:
         if self.monitor is not None:  # first, or it would restart the engines stopped below
             self.monitor.stop()
+        self.call(_cancel_in_flight())  # a rollout a stop signal abandoned ends quietly here
         clients, self._clients = list(self._clients.values()), {}
         self.call(_close_all(clients))
         for server in [self.router, *self.engines]:
@@ -243,6 +244,16 @@ async def freeze_gc(client) -> str:
         return str(await client.freeze_gc()).strip()
     except Exception as error:  # reported, never fatal
         return f"not frozen: {error}"
+
+
+async def _cancel_in_flight(timeout_s: float = 10.0) -> None:
+    """Cancel every other task on this loop (a rollout still running) and wait for them, so
+    none fails later on a closed client or reward pool with an error nobody reads."""
+    tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=timeout_s)
 
 
 async def _close_all(clients) -> None:

@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rl_launcher.run import stopping
 from rl_launcher.run.weight_sync import sync_options
-from rl_launcher.run_log import MetricsLog
+from rl_launcher.run_log import MetricsLog, startup_phase
 
 
 @dataclass(kw_only=True)
@@ -67,8 +68,9 @@ def start_run(config) -> Run:
     run_dir = Path(config.logging.run_dir)
     check_fresh(config, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    model_dir, tokenizer = prepare_model(config.model, run_dir=run_dir, seed=config.seed)
-    source = build_prompt_source(config.data, seed=config.seed, tokenizer=tokenizer)
+    with startup_phase("model and prompts ready", show=config.logging.progress):
+        model_dir, tokenizer = prepare_model(config.model, run_dir=run_dir, seed=config.seed)
+        source = build_prompt_source(config.data, seed=config.seed, tokenizer=tokenizer)
     run = Run(config=config, source=source, metrics_log=MetricsLog(run_dir, logging=config.logging),
               sync_options=sync_options(config, run_dir))  # fmt: skip
     run._cleanup.append(run.metrics_log.close)
@@ -107,8 +109,10 @@ def _start_trainer(run: Run, model_dir: Path) -> None:
     spec = backend_spec(config, model_dir=model_dir, num_ranks=plan.num_train_ranks)
     use_gpu = cluster.device == "cuda"
     cpus = max(os.cpu_count() or 1, plan.num_bundles * cluster.cpus_per_bundle)
-    if connect(cluster.ray_address, num_cpus=int(cpus)) == "started":
-        run._cleanup.append(ray.shutdown)
+    show = config.logging.progress
+    with stopping.ray_starting(), startup_phase("Ray ready", show=show):  # stop signals: ours
+        if connect(cluster.ray_address, num_cpus=int(cpus)) == "started":
+            run._cleanup.append(ray.shutdown)
     placement = create_placement(plan, use_gpu=use_gpu, cpus_per_bundle=cluster.cpus_per_bundle,
                                  devices_per_node=cluster.devices_per_node)  # fmt: skip
     run._cleanup.append(placement.remove)
@@ -118,8 +122,9 @@ def _start_trainer(run: Run, model_dir: Path) -> None:
     num_gpus = (0.5 if plan.colocate else 1.0) if use_gpu else 0
     # CPU threads: the node's cores are shared with engines generating beside training
     sharing = min(len(slots), cluster.devices_per_node) + engines_beside_training(config)
-    run.trainer = TrainGroup(spec, placement, slots, num_cpus=cluster.cpus_per_bundle,
-                             num_gpus=num_gpus, ranks_per_node=sharing)  # fmt: skip
+    with startup_phase(f"trainer ready ({config.backend.name}, {len(slots)} rank(s))", show=show):
+        run.trainer = TrainGroup(spec, placement, slots, num_cpus=cluster.cpus_per_bundle,
+                                 num_gpus=num_gpus, ranks_per_node=sharing)  # fmt: skip
     run._cleanup.append(run.trainer.shutdown)
     run.num_ranks = run.trainer.num_data_ranks
 
@@ -142,5 +147,9 @@ def _start_rollout(run: Run, model_dir: Path, tokenizer, run_dir: Path) -> None:
         check_turns(run.config)
         run.rollout.turns = run.trainer.turns = make_turns(run.config, run.trainer, run.rollout)
     run._cleanup.append(run.rollout.stop)
-    run.rollout.start()
+    engine = run.config.engine
+    router = " and router" if engine.use_router else ""
+    what = f"{engine.num_engines} {engine.kind} engine(s){router}"
+    with startup_phase(f"{what} ready", show=run.config.logging.progress):
+        run.rollout.start()
     watch_engines(run)

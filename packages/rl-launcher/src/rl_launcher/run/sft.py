@@ -17,7 +17,7 @@ from pathlib import Path
 from rl_core.batch import batch_from_samples
 from rl_core.metrics import summarize
 from rl_core.packing import balanced_partitions
-from rl_launcher.run import checkpoints, resume_choice
+from rl_launcher.run import checkpoints, resume_choice, stopping
 from rl_launcher.run_log import MetricsLog, truncate_metrics
 
 
@@ -28,8 +28,9 @@ def train_sft(config) -> Path:
     chosen = resume_choice.chosen(config)  # before anything starts: a bad --resume fails fast
     with contextlib.closing(start_sft_run(config)) as run:
         first = resume_sft(run, chosen) + 1 if config.checkpoint.resume else 1
-        for step in range(first, config.num_steps + 1):
-            finish_step(run, step, sft_step(run), save_sft)
+        with stopping.stepping(run, save_sft, first):  # SIGTERM / SIGINT: at a step boundary
+            for step in range(first, config.num_steps + 1):
+                finish_step(run, step, sft_step(run), save_sft)
     _plot(Path(config.logging.run_dir))
     return Path(config.logging.run_dir)
 
