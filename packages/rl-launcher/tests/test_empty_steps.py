@@ -153,3 +153,24 @@ def test_async_loop_hands_failed_groups_to_the_step_and_resumes_only_paused_ones
     assert [g[0].group_index for g in taken] == [0, 1]  # group 1 failed: the step drops it
     assert all(s.metadata["reward_error"] == REWARD for s in taken[1])
     assert [len(resumed) for _, _, resumed in manager.calls] == [0, 1]  # only group 2 again
+
+
+def test_steps_whose_groups_were_only_filtered_neither_count_nor_break_the_streak():
+    """A weak model on a hard task often scores whole groups alike (all 0): those steps are
+    reported, but do not stop a run; failures around them still add up."""
+    run = a_run(limit=2, num_steps=50)
+    filtered = step(0, "of 16 samples, 4 group(s) dropped by algorithm.group_filter=nonzero_std")
+    filtered[faults.EMPTY_FAILED_KEY] = 0.0
+    failed = step(0) | {faults.EMPTY_FAILED_KEY: 16.0}
+    for number in range(1, 11):
+        faults.check_trained(run, number, filtered)
+    assert run.extras["empty_in_a_row"] == 0
+    faults.check_trained(run, 11, failed)
+    faults.check_trained(run, 12, filtered)
+    with pytest.raises(faults.RunStopped, match="2 steps in a row up to step 13"):
+        faults.check_trained(run, 13, failed)
+    only_filtered = a_run(limit=2, num_steps=3)  # nothing trained at all still fails at the end
+    faults.check_trained(only_filtered, 1, filtered)
+    faults.check_trained(only_filtered, 2, filtered)
+    with pytest.raises(faults.RunStopped, match="the run trained no sample"):
+        faults.check_trained(only_filtered, 3, filtered)

@@ -213,8 +213,9 @@ class AlgorithmConfig:
     max_empty_steps: int = option(
         3,
         help="Stop the run (exit 1, naming the cause) after this many steps in a row that "
-        "trained no sample: every sample refused by the engine, its reward failed "
-        "(rollout.on_reward_error=skip) or its group filtered out; 0 never stops. A run that "
+        "trained no sample because samples failed: refused by the engine or their reward "
+        "failed (rollout.on_reward_error=skip); steps whose groups were only filtered "
+        "(algorithm.group_filter) are reported but not counted; 0 never stops. A run that "
         "trains no sample at all fails at its end either way.",
         low=0,
     )

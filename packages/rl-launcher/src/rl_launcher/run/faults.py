@@ -31,6 +31,9 @@ NONFINITE_KEY = "train/nonfinite_skipped"
 TRAINED_KEY = "train/num_samples"  # samples the step trained on
 BATCH_KEY = "rollout/num_samples"  # samples the step's rollout produced
 EMPTY_CAUSE_KEY = "buffer/empty_cause"  # why a step trained nothing (a string)
+# samples of an empty step that failed (aborted: engine refusal, reward failure, ...); an
+# empty step without any only had its groups filtered, which is no fault of the run
+EMPTY_FAILED_KEY = "buffer/empty_failed_samples"
 DEATH_GRACE_S = 5.0  # after a rank fails, how long to wait for Ray to report a dead peer
 
 
@@ -151,9 +154,12 @@ def _first(messages: list[str]) -> str:
 
 
 def check_trained(run, step: int, metrics: dict) -> None:
-    """Count steps in a row that trained no sample; raise :class:`RunStopped` after
-    ``algorithm.max_empty_steps`` of them (0: never), and at the last step of a run that
-    trained no sample at all. Steps without :data:`TRAINED_KEY` (SFT) are not counted."""
+    """Count steps in a row that trained no sample because samples failed; raise
+    :class:`RunStopped` after ``algorithm.max_empty_steps`` of them (0: never), and at the
+    last step of a run that trained no sample at all. A step whose samples all scored but
+    whose groups were all filtered (``algorithm.group_filter``: a weak model on a hard task
+    often scores a whole group alike) is reported but neither counts nor breaks the streak.
+    Steps without :data:`TRAINED_KEY` (SFT) are not counted."""
     if TRAINED_KEY not in metrics:
         return
     extras, config = run.extras, run.config
@@ -162,11 +168,12 @@ def check_trained(run, step: int, metrics: dict) -> None:
     if metrics[TRAINED_KEY]:
         extras["empty_in_a_row"] = 0
         return
-    in_a_row = extras["empty_in_a_row"] = extras.get("empty_in_a_row", 0) + 1
+    failed = metrics.get(EMPTY_FAILED_KEY, 1.0) > 0  # else every group was only filtered
+    in_a_row = extras["empty_in_a_row"] = extras.get("empty_in_a_row", 0) + int(failed)
     cause, limit = metrics.get(EMPTY_CAUSE_KEY, "cause unknown"), config.algorithm.max_empty_steps
     if not config.logging.progress:  # else the progress line says it
         print(f"rl-train: step {step} trained no sample: {cause}", file=sys.stderr, flush=True)
-    if limit and in_a_row >= limit:
+    if limit and failed and in_a_row >= limit:
         raise RunStopped(f"{in_a_row} steps in a row up to step {step} trained no sample "
                          f"(algorithm.max_empty_steps={limit}); step {step}: {cause}")  # fmt: skip
     if step == config.num_steps and not extras["trained_samples"]:

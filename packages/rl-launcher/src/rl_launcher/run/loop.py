@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from rl_core.types import SampleStatus
 from rl_launcher.buffer import DataBuffer
 from rl_launcher.run import checkpoints, data_order, faults, resume_choice, stopping
 from rl_launcher.run.critic import make_buffer, train_critic
@@ -115,7 +116,9 @@ def run_step(run: Run, buffer: DataBuffer, step: int, feed=None) -> dict[str, fl
     metrics[faults.BATCH_KEY] = float(sum(len(group) for group in groups))
     if buffer.num_ready_groups == 0:  # every group aborted or filtered: nothing to learn from
         cause = faults.empty_cause(groups, config)  # said in the progress line, counted
-        empty = {"buffer/empty_step": 1.0, faults.TRAINED_KEY: 0.0, faults.EMPTY_CAUSE_KEY: cause}
+        failed = sum(s.status is SampleStatus.ABORTED for group in groups for s in group)
+        empty = {"buffer/empty_step": 1.0, faults.TRAINED_KEY: 0.0, faults.EMPTY_CAUSE_KEY: cause,
+                 faults.EMPTY_FAILED_KEY: float(failed)}  # fmt: skip
         return metrics | empty | clock.times()
     batch = buffer.pop_step(buffer.num_ready_groups)
     metrics[faults.TRAINED_KEY] = float(len(batch.samples))
