@@ -4,25 +4,30 @@ Policy (documented because graders differ):
 - Exact values compare exactly (``\\frac{1}{2}`` = ``0.5`` = ``1/2``; ``2\\sqrt{2}`` = ``\\sqrt{8}``).
 - When either side is written with a decimal point, a relative tolerance ``rel_tol``
   (default 1e-6) applies, so ``0.333333`` matches ``1/3`` but ``0.333`` does not (strict).
-- Expressions with variables are equal when they agree numerically at several fixed points
-  (mixed signs), which decides identities such as ``(x+1)^2`` = ``x^2+2x+1`` without a slow
-  ``simplify``.
+- Expressions with variables are equal when they agree numerically at three points (each
+  variable's values are fixed by its name, with mixed signs), which decides identities such
+  as ``(x+1)^2`` = ``x^2+2x+1`` without a slow ``simplify``. An expression undefined or
+  beyond about 1e308 at a point is not compared numerically (``numeric.evaluate``).
 - Equations match when ``lhs - rhs`` agree up to a non-zero constant factor.
 - An integer written right before an integer ``\\frac`` is a mixed number
   (``2\\frac{1}{2}`` = 5/2), as in school answers and math-verify.
 - A percent on one side also accepts the value divided by 100 (``50\\%`` = ``0.5`` = ``50``).
 - Tuples and intervals compare in order with the same brackets; sets and bare comma lists
   compare as multisets; matrices cell by cell.
-- What cannot be parsed is compared as text (case, spaces and ``\\text`` ignored).
+- What cannot be parsed is compared as text (case, spaces and ``\\text`` ignored); so is
+  what is too large to parse quickly (see ``bounds``).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import re
+from collections import Counter
 from fractions import Fraction
 from typing import TYPE_CHECKING
 
+from rl_rewards.math import bounds
 from rl_rewards.math.normalize import normalize_answer
 from rl_rewards.math.structure import Answer, parse_structure
 
@@ -33,15 +38,19 @@ _DECIMAL_RE = re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)$")
 _FRAC_RE = re.compile(r"^([-+]?)\\frac\{([-+]?\d+)\}\{(\d+)\}$")
 _SLASH_RE = re.compile(r"^([-+]?\d+)\s*/\s*(\d+)$")
 _MIXED_RE = re.compile(r"^([-+]?)(\d+)\s*\\frac\{(\d+)\}\{(\d+)\}$")
-_POINTS = (0.5377, 1.8339, -2.2588, 0.8622, 0.3188, -1.3077, -0.4336, 0.3426, 3.5784, 2.7694)
+_NUM_POINTS = 3
 _EXACT_TOL = 1e-10
 _WORD_RE = re.compile(
     r"(?<![\\a-zA-Z])(?!(?:sqrt|sin|cos|tan|cot|sec|csc|log|exp|arc|sinh|cosh|tanh)\b)[a-zA-Z]{3,}"
 )
 
 
+@functools.lru_cache(maxsize=8192)
 def _as_number(text: str) -> Fraction | None:
-    """The exact value of a plain integer, decimal or integer fraction, else None."""
+    """The exact value of a plain integer, decimal or integer fraction, else None (also for
+    numbers longer than ``bounds.MAX_DIGITS``, which are compared as text)."""
+    if len(text) > bounds.MAX_DIGITS:
+        return None
     if _DECIMAL_RE.match(text):
         return Fraction(text)
     mixed = _MIXED_RE.match(text)
@@ -77,28 +86,61 @@ def _close(a: complex, b: complex, tol: float) -> bool:
     return scale < 1e-12 or abs(a - b) <= tol * scale
 
 
-def _numeric(expr: sympy.Expr, subs: dict) -> complex | None:
-    try:
-        value = complex(expr.evalf(20, subs=subs))
-    except (TypeError, ValueError, ZeroDivisionError, OverflowError):
+def _fractions_close(a: Fraction, b: Fraction, inexact: bool, tol: float) -> bool:
+    diff = abs(a - b)
+    return diff == 0 or (inexact and diff <= Fraction(repr(tol)) * max(abs(a), abs(b)))
+
+
+def _point(symbol: sympy.Symbol, offset: int) -> float:
+    """The value of ``symbol`` at test point ``offset``: fixed by its name (so an expression's
+    values do not depend on what it is compared with, and are computed once), in
+    [0.3, 3.6), negative at the last point."""
+    digest = hashlib.blake2b(f"{symbol.name}/{offset}".encode(), digest_size=8).digest()
+    magnitude = 0.3 + 3.3 * int.from_bytes(digest, "big") / 2**64
+    return -magnitude if offset == _NUM_POINTS - 1 else magnitude
+
+
+@functools.lru_cache(maxsize=8192)
+def _values(expr: sympy.Expr) -> tuple[complex, ...] | None:
+    """``expr`` at the test points (one point when it has no symbols), or None where it is
+    undefined or too large there (``numeric.evaluate``)."""
+    from rl_rewards.math.numeric import evaluate
+
+    symbols = expr.free_symbols
+    values = []
+    for offset in range(_NUM_POINTS if symbols else 1):
+        value = evaluate(expr, {s: _point(s, offset) for s in symbols})
+        if value is None:
+            return None
+        values.append(value)
+    return tuple(values)
+
+
+def _paired(a: sympy.Expr, b: sympy.Expr) -> list[tuple[complex, complex]] | None:
+    """The values of ``a`` and ``b`` at the same test points, or None."""
+    va, vb = _values(a), _values(b)
+    if va is None or vb is None:
         return None
-    return None if value != value else value  # NaN check
+    return [(va[i % len(va)], vb[i % len(vb)]) for i in range(max(len(va), len(vb)))]
 
 
-def _sympy_equal(a: sympy.Expr, b: sympy.Expr, tol: float) -> bool:
-    import sympy
-
+def _sympy_equal(a: sympy.Expr, b: sympy.Expr, inexact: bool, tol: float) -> bool:
     if a == b:
         return True
-    if any(x.has(sympy.oo, -sympy.oo, sympy.zoo, sympy.nan) for x in (a, b)):
+    if a.is_Rational and b.is_Rational:  # exact numbers: no need to evaluate
+        return _fractions_close(Fraction(a.p, a.q), Fraction(b.p, b.q), inexact, tol)
+    pairs = _paired(a, b)
+    if pairs is None or not all(_close(va, vb, tol) for va, vb in pairs):
         return False
-    symbols = sorted(a.free_symbols | b.free_symbols, key=str)
-    for offset in range(3 if symbols else 1):
-        subs = {s: _POINTS[(offset + 3 * k) % len(_POINTS)] for k, s in enumerate(symbols)}
-        va, vb = _numeric(a, subs), _numeric(b, subs)
-        if va is None or vb is None or not _close(va, vb, tol):
-            return False
-    return True
+    return inexact or not _differ_by_a_constant(a, b)
+
+
+def _differ_by_a_constant(a: sympy.Expr, b: sympy.Expr) -> bool:
+    """True when ``a`` and ``b`` are one expression plus two different exact constants: at a
+    large scale their values agree to every digit (``P^{300}`` and ``P^{300} + 1``), yet they
+    are not equal."""
+    (const_a, rest_a), (const_b, rest_b) = a.as_coeff_Add(), b.as_coeff_Add()
+    return const_a != const_b and rest_a == rest_b
 
 
 def _text_key(text: str) -> str:
@@ -113,14 +155,12 @@ def scalars_equal(pred: str, gold: str, rel_tol: float) -> bool:
     tol = rel_tol if inexact else _EXACT_TOL
     pred_number, gold_number = _as_number(pred), _as_number(gold)
     if pred_number is not None and gold_number is not None:
-        diff = abs(pred_number - gold_number)
-        return diff == 0 or (
-            inexact and diff <= Fraction(repr(tol)) * max(abs(pred_number), abs(gold_number))
-        )
-    pred_expr, gold_expr = _to_sympy(pred), _to_sympy(gold)
+        return _fractions_close(pred_number, gold_number, inexact, tol)
+    pred_expr = _to_sympy(pred)  # prose stops here, before the label is parsed
+    gold_expr = _to_sympy(gold) if pred_expr is not None else None
     if pred_expr is None or gold_expr is None:
         return _text_key(pred) == _text_key(gold)
-    return _sympy_equal(pred_expr, gold_expr, tol)
+    return _sympy_equal(pred_expr, gold_expr, inexact, tol)
 
 
 def _equations_equal(pred: Answer, gold: Answer, rel_tol: float) -> bool:
@@ -134,23 +174,28 @@ def _equations_equal(pred: Answer, gold: Answer, rel_tol: float) -> bool:
 
 
 def _proportional(a: sympy.Expr, b: sympy.Expr) -> bool:
-    """True when ``a = c * b`` for one non-zero constant c, judged at several points."""
-    symbols = sorted(a.free_symbols | b.free_symbols, key=str)
-    ratios = []
-    for offset in range(3):
-        subs = {s: _POINTS[(offset + 3 * k) % len(_POINTS)] for k, s in enumerate(symbols)}
-        va, vb = _numeric(a, subs), _numeric(b, subs)
-        if va is None or vb is None or abs(vb) < 1e-12 or abs(va) < 1e-12:
-            return False
-        ratios.append(va / vb)
+    """True when ``a = c * b`` for one non-zero constant c, judged at the test points."""
+    pairs = _paired(a, b)
+    if pairs is None or any(abs(va) < 1e-12 or abs(vb) < 1e-12 for va, vb in pairs):
+        return False
+    ratios = [va / vb for va, vb in pairs]
     return all(_close(r, ratios[0], _EXACT_TOL) for r in ratios)
 
 
 def _multiset_equal(pred: tuple[Answer, ...], gold: tuple[Answer, ...], rel_tol: float) -> bool:
+    """Same items in any order: identical items pair off first (hashing), the rest pairwise
+    (at most ``bounds.MAX_LEAVES`` squared comparisons)."""
     if len(pred) != len(gold):
         return False
-    unused = list(pred)
+    unused_counts = Counter(pred)
+    rest = []
     for item in gold:
+        if unused_counts[item]:
+            unused_counts[item] -= 1
+        else:
+            rest.append(item)
+    unused = list(unused_counts.elements())
+    for item in rest:
         match = next((p for p in unused if trees_equal(p, item, rel_tol)), None)
         if match is None:
             return False

@@ -10,17 +10,21 @@ Grammar (implicit multiplication binds like ``*``; ``^`` is right-associative)::
     atom   := number | symbol [_sub] | '(' expr ')' | '{' expr '}' | '|' expr '|'
             | \\frac{a}{b} | \\sqrt[n]{x} | \\binom{n}{k} | function arg | constant
 
-Numbers become exact ``Rational``s; ``e``, ``i`` and ``\\pi`` are E, I and pi. Powers and
-factorials whose value would be astronomically large raise ``LatexParseError`` instead of
-hanging. Anything outside the grammar raises ``LatexParseError``.
+Numbers become exact ``Rational``s; ``e``, ``i`` and ``\\pi`` are E, I and pi. Input longer
+or deeper than ``bounds.MAX_TOKENS`` / ``MAX_NESTING``, and exact numbers (literals, products,
+powers, roots, factorials, binomials) that would be astronomically large raise
+``LatexParseError`` instead of hanging. Anything outside the grammar raises it too.
 """
 
 from __future__ import annotations
 
-import math
 import re
+from collections.abc import Callable
 
 import sympy
+
+from rl_rewards.math import bounds
+from rl_rewards.math.numeric import evaluate
 
 _TOKEN_RE = re.compile(r"\s*(\d+\.?\d*|\.\d+|\\[a-zA-Z]+|\\[{}|]|[a-zA-Z]|\S)")
 _GREEK_WORDS = """
@@ -38,7 +42,8 @@ _WORD_FUNCTIONS = ("arcsin", "arccos", "arctan", "sinh", "cosh", "tanh", "sqrt",
                    "tan", "cot", "sec", "csc", "log", "exp", "ln")  # fmt: skip
 _MULTIPLY = {"*", "\\cdot", "\\times", "\\ast"}
 _DIVIDE = {"/", "\\div"}
-_MAX_DIGITS = 2000
+_MAX_FACTORIAL = 500
+_MAX_FLOOR_ARGUMENT = 1e30  # sympy finds the integer part of larger constants slowly
 
 
 class LatexParseError(ValueError):
@@ -60,26 +65,37 @@ def _tokenize(text: str) -> list[str]:
     return merged
 
 
-def _check_size(base: sympy.Expr, exponent: sympy.Expr) -> None:
-    if not (base.is_Number and exponent.is_Number) or base == 0:
-        return
-    magnitude = abs(float(exponent)) * max(math.log10(abs(float(base))), 1e-3) if float(base) else 0
-    if magnitude > _MAX_DIGITS:
-        raise LatexParseError("power too large to evaluate")
+def _power(base: sympy.Expr, exponent: sympy.Expr) -> sympy.Expr:
+    bounds.check_power(base, exponent)
+    return bounds.check_exact(sympy.Pow(base, exponent))
+
+
+def _rounded(inner: sympy.Expr, name: str) -> sympy.Expr:
+    if not inner.free_symbols and not inner.is_Rational:
+        value = evaluate(inner, {})
+        if value is None or abs(value) > _MAX_FLOOR_ARGUMENT:
+            raise bounds.TooLarge("floor or ceiling of a huge or undefined number")
+    return sympy.floor(inner) if name == "lfloor" else sympy.ceiling(inner)
 
 
 def parse_latex(text: str) -> sympy.Expr:
     """Parse one scalar LaTeX expression (no commas, no relations) into sympy."""
-    parser = _Parser(_tokenize(text))
-    result = parser.expr()
+    tokens = _tokenize(text)
+    if len(tokens) > bounds.MAX_TOKENS:
+        raise LatexParseError(f"expression longer than {bounds.MAX_TOKENS} tokens")
+    parser = _Parser(tokens)
+    try:
+        result = parser.expr()
+    except bounds.TooLarge as exc:
+        raise LatexParseError(str(exc)) from exc
     if parser.pos != len(parser.tokens):
-        raise LatexParseError(f"unexpected {parser.tokens[parser.pos]!r} in {text!r}")
+        raise LatexParseError(f"unexpected {parser.tokens[parser.pos]!r} in {text[:200]!r}")
     return result
 
 
 class _Parser:
     def __init__(self, tokens: list[str]):
-        self.tokens, self.pos, self.abs_depth = tokens, 0, 0
+        self.tokens, self.pos, self.abs_depth, self.depth = tokens, 0, 0, 0
 
     def peek(self) -> str | None:
         return self.tokens[self.pos] if self.pos < len(self.tokens) else None
@@ -90,6 +106,16 @@ class _Parser:
             raise LatexParseError(f"expected {expected or 'more input'}, got {token!r}")
         self.pos += 1
         return token
+
+    def nested(self, parse: Callable[[], sympy.Expr]) -> sympy.Expr:
+        """``parse()`` one level deeper: atoms and exponents nest, and a bound on their depth
+        keeps the parser's, sympy's and ``numeric.evaluate``'s recursion short."""
+        self.depth += 1
+        if self.depth > bounds.MAX_NESTING:
+            raise LatexParseError(f"nested deeper than {bounds.MAX_NESTING} levels")
+        result = parse()
+        self.depth -= 1
+        return result
 
     def expr(self) -> sympy.Expr:
         result = self.term()
@@ -105,15 +131,15 @@ class _Parser:
             token = self.peek()
             if token in _MULTIPLY:
                 self.take()
-                result = result * self.signed()
+                result = bounds.check_exact(result * self.signed())
             elif token in _DIVIDE:
                 self.take()
                 divisor = self.signed()
                 if divisor == 0:
                     raise LatexParseError("division by zero")
-                result = result / divisor
+                result = bounds.check_exact(result / divisor)
             elif self._starts_atom(token):
-                result = result * self.power()
+                result = bounds.check_exact(result * self.power())
             else:
                 return result
 
@@ -131,9 +157,8 @@ class _Parser:
         if self.peek() != "^":
             return base
         self.take()
-        exponent = self.group() if self.peek() == "{" else self.signed_exponent()
-        _check_size(base, exponent)
-        return sympy.Pow(base, exponent)
+        exponent = self.nested(self.group if self.peek() == "{" else self.signed_exponent)
+        return _power(base, exponent)
 
     def signed_exponent(self) -> sympy.Expr:
         if self.peek() == "-":
@@ -142,10 +167,10 @@ class _Parser:
         return self.power()
 
     def postfix(self) -> sympy.Expr:
-        result = self.atom()
+        result = self.nested(self.atom)
         while self.peek() == "!":
             self.take()
-            if not (result.is_Integer and 0 <= result <= 500):
+            if not (result.is_Integer and 0 <= result <= _MAX_FACTORIAL):
                 raise LatexParseError("factorial argument too large or not an integer")
             result = sympy.factorial(result)
         return result
@@ -168,6 +193,8 @@ class _Parser:
     def atom(self) -> sympy.Expr:
         token = self.take()
         if token[0].isdigit() or token[0] == ".":
+            if len(token) > bounds.MAX_DIGITS:
+                raise LatexParseError(f"number longer than {bounds.MAX_DIGITS} digits")
             return sympy.Rational(token.rstrip(".") or "0")
         if token.isalpha():
             return self._symbol(token)
@@ -217,15 +244,17 @@ class _Parser:
             denominator = self.group()
             if denominator == 0:
                 raise LatexParseError("division by zero")
-            return numerator / denominator
+            return bounds.check_exact(numerator / denominator)
         if name == "sqrt":
             return self._sqrt()
         if name == "binom":
-            return sympy.binomial(self.group(), self.group())
+            n, k = self.group(), self.group()
+            bounds.check_binomial(n, k)
+            return sympy.binomial(n, k)
         if name in ("lfloor", "lceil"):
             inner = self.expr()
             self.take("\\rfloor" if name == "lfloor" else "\\rceil")
-            return sympy.floor(inner) if name == "lfloor" else sympy.ceiling(inner)
+            return _rounded(inner, name)
         if name in _FUNCTIONS:
             return self._function(name)
         raise LatexParseError(f"unsupported command {token!r}")
@@ -235,21 +264,27 @@ class _Parser:
             self.take("[")
             index = self.expr()
             self.take("]")
-            return sympy.root(self.group(), index)
-        return sympy.sqrt(self.group() if self.peek() == "{" else self.atom())
+            if index == 0:
+                raise LatexParseError("root of index 0")
+            return _power(self.group(), 1 / index)
+        return _power(
+            self.group() if self.peek() == "{" else self.nested(self.atom), sympy.Rational(1, 2)
+        )
 
     def _function(self, name: str) -> sympy.Expr:
         base = None
         if name == "log" and self.peek() == "_":
             self.take()
-            base = self.group() if self.peek() == "{" else self.atom()
+            base = self.group() if self.peek() == "{" else self.nested(self.atom)
         exponent = None
         if self.peek() == "^":
             self.take()
-            exponent = self.group() if self.peek() == "{" else self.atom()
+            exponent = self.nested(self.group if self.peek() == "{" else self.atom)
         argument = self.power() if self.peek() in ("(", "{") else self.term()
+        if name == "exp":
+            bounds.check_tower(argument)
         value = sympy.log(argument, base) if base is not None else _FUNCTIONS[name](argument)
-        return value**exponent if exponent is not None else value
+        return _power(value, exponent) if exponent is not None else value
 
 
 _CONSTANTS = {"pi": sympy.pi, "infty": sympy.oo, "e": sympy.E, "imath": sympy.I}

@@ -33,7 +33,8 @@ pound lbs lb kg grams gram mg liters liter litres ml gallons gallon square sq cu
 points point people students percent sqft ounces oz tons ton
 """
 _UNITS = frozenset(_UNIT_WORDS.split())
-_UNIT_TAIL = re.compile(r"^(.*?[\d}.])\s*((?:[a-zA-Z]+\.?\s*)+)(?:\^\{?\d\}?)?$")
+_UNIT_POWER = re.compile(r"\^\{?\d\}?$")
+_ASCII_LETTERS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
 _THOUSANDS = re.compile(r"^-?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
 _PREFIX = re.compile(r"^\s*(?:[a-zA-Z](?:_\{?\w+\}?)?|\\[a-zA-Z]+)\s*(?:=|\\in)\s*(?!.*=)")
 _ROW_BREAK = "\x00"  # protects the matrix row separator "\\\\" from "\\ " handling
@@ -66,10 +67,48 @@ def _strip_delimiters(text: str) -> str:
     return text
 
 
+def _word_tail_start(text: str, end: int) -> int:
+    """Start of the longest tail of ``text[:end]`` made of ASCII letters, spaces and dots
+    that each follow a letter."""
+    start = end
+    while start > 0:
+        char = text[start - 1]
+        dot_after_letter = char == "." and start > 1 and text[start - 2] in _ASCII_LETTERS
+        if not (char in _ASCII_LETTERS or char.isspace() or dot_after_letter):
+            break
+        start -= 1
+    return start
+
+
+def _unit_split(text: str, end: int) -> int | None:
+    """The shortest value ``text[:split]`` (one line, ending in a digit, ``}`` or ``.``) that
+    a run of words ``text[split:end]`` follows (spaces, then a letter first), or None.
+
+    Linear by construction: only positions inside the word tail can split. (A regex with a
+    nested repeat of words did this before and backtracked exponentially on prose.)
+    """
+    first_newline = text.find("\n")
+    last = end - 1 if first_newline < 0 else min(end - 1, first_newline)
+    for split in range(max(_word_tail_start(text, end), 1), last + 1):
+        if not (text[split - 1].isdecimal() or text[split - 1] in "}."):
+            continue
+        first = split
+        while first < end and text[first].isspace():
+            first += 1
+        if first < end and text[first] in _ASCII_LETTERS:
+            return split
+    return None
+
+
 def _strip_units(text: str) -> str:
-    match = _UNIT_TAIL.match(text)
-    if match and all(w.rstrip(".").lower() in _UNITS for w in match.group(2).split()):
-        return match.group(1)
+    """``text`` without a tail of unit words (``5 cm``, ``3 sq. ft^2``, ``2 hours``)."""
+    power = _UNIT_POWER.search(text)
+    end = power.start() if power else len(text)
+    split = _unit_split(text, end)
+    if split is None:
+        return text
+    if all(w.rstrip(".").lower() in _UNITS for w in text[split:end].split()):
+        return text[:split]
     return text
 
 

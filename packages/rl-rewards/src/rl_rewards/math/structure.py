@@ -2,7 +2,9 @@
 interval (with its bracket kinds), a union of intervals, or a matrix.
 
 An ``Answer`` tree is compared item by item in ``equivalence``; leaves are strings that
-``latex.parse_latex`` turns into sympy.
+``latex.parse_latex`` turns into sympy. Text with more than ``bounds.MAX_LEAVES`` items or
+brackets nested deeper than ``bounds.MAX_DEPTH`` stays one scalar (compared as text), which
+bounds the pairwise work of comparing sets.
 """
 
 from __future__ import annotations
@@ -10,8 +12,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from rl_rewards.math import bounds
+
 _MATRIX_RE = re.compile(r"^\\begin\{([pbvBV]?matrix|array)\}(?:\{[^}]*\})?(.*)\\end\{\1\}$", re.S)
 _OPENERS = {"(": ")", "[": "]", "{": "}"}
+
+
+class _TooLarge(Exception):
+    """The answer has more items or deeper brackets than ``bounds`` allows."""
 
 
 @dataclass(frozen=True)
@@ -61,35 +69,50 @@ def _closes_at_end(text: str) -> bool:
     return False
 
 
-def _matrix(body: str) -> Answer:
+def _matrix(body: str, depth: int) -> Answer:
     rows = [row for row in (r.strip() for r in body.split("\\\\")) if row]
     cells = [
-        Answer("tuple", items=tuple(parse_structure(c) for c in row.split("&")), brackets="()")
+        Answer("tuple", items=tuple(_parse(c, depth) for c in row.split("&")), brackets="()")
         for row in rows
     ]
     return Answer("matrix", items=tuple(cells))
 
 
+def _num_leaves(answer: Answer) -> int:
+    return sum(_num_leaves(item) for item in answer.items) if answer.items else 1
+
+
 def parse_structure(text: str) -> Answer:
     """The ``Answer`` tree of one normalised answer string."""
     text = text.strip()
+    try:
+        answer = _parse(text, 0)
+    except _TooLarge:
+        return Answer("scalar", text)
+    return answer if _num_leaves(answer) <= bounds.MAX_LEAVES else Answer("scalar", text)
+
+
+def _parse(text: str, depth: int) -> Answer:
+    if depth > bounds.MAX_DEPTH:
+        raise _TooLarge
+    text, depth = text.strip(), depth + 1
     matrix = _MATRIX_RE.match(text)
     if matrix:
-        return _matrix(matrix.group(2))
+        return _matrix(matrix.group(2), depth)
     union = split_top_level(text, "\\cup")
     if len(union) > 1:
-        return Answer("union", items=tuple(parse_structure(part) for part in union))
+        return Answer("union", items=tuple(_parse(part, depth) for part in union))
     if text.startswith("\\{") and text.endswith("\\}"):
-        inner = text[2:-2]
-        return Answer("set", items=tuple(parse_structure(p) for p in split_top_level(inner, ",")))
+        inner = split_top_level(text[2:-2], ",")
+        return Answer("set", items=tuple(_parse(p, depth) for p in inner))
     if len(text) >= 2 and text[0] in "([" and text[-1] in ")]" and _closes_at_end(text):
         parts = split_top_level(text[1:-1], ",")
         if len(parts) > 1:
-            items = tuple(parse_structure(p) for p in parts)
+            items = tuple(_parse(p, depth) for p in parts)
             return Answer("tuple", items=items, brackets=text[0] + text[-1])
     parts = split_top_level(text, ",")
     if len(parts) > 1:
-        return Answer("set", items=tuple(parse_structure(p) for p in parts))
+        return Answer("set", items=tuple(_parse(p, depth) for p in parts))
     if "\\pm" in text:
         plus, minus = text.replace("\\pm", "+", 1), text.replace("\\pm", "-", 1)
         return Answer("set", items=(Answer("scalar", plus), Answer("scalar", minus)))
