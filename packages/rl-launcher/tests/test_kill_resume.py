@@ -106,11 +106,17 @@ def test_sigkill_then_resume_trains_on_the_same_prompts(tmp_path, marker):
     wait_for(killed / "checkpoints" / "step_000002" / "state.json", process)
     os.killpg(process.pid, signal.SIGKILL)  # rl-train and everything in its group
     process.wait(30)
-    deadline = time.monotonic() + 30  # engines, router and Ray die with the run
-    while (left := processes_with(token)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert left == [], [Path(f"/proc/{pid}/cmdline").read_bytes()[:200] for pid in left]
+    assert_all_gone(token, within_s=30)  # engines, router and Ray die with the run
     finish(rl_train(killed, marker, "--resume"), killed)
     assert [r["step"] for r in read_metrics(killed)] == list(range(1, NUM_STEPS + 1))
     assert data_order.read(killed) == uninterrupted_order(killed)
-    assert processes_with(token) == []
+    # a clean exit leaves nothing either; helpers that notice their parent's exit through a
+    # closed pipe (multiprocessing's forkserver, the reward pool) go within moments
+    assert_all_gone(token, within_s=10)
+
+
+def assert_all_gone(token: str, within_s: float) -> None:
+    deadline = time.monotonic() + within_s
+    while (left := processes_with(token)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert left == [], [Path(f"/proc/{pid}/cmdline").read_bytes()[:200] for pid in left]
