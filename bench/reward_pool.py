@@ -15,8 +15,9 @@ import asyncio
 import json
 import os
 import sys
-import threading
 import time
+
+from busy import busy_thread
 
 from rl_rewards import get_reward
 from rl_rewards.pool import RewardPool, default_workers
@@ -29,15 +30,6 @@ SAMPLES = {  # call i's (response, label)
 
 
 def measure(name: str, calls: int, rounds: int, workers: int, busy: bool) -> dict:
-    stop = threading.Event()
-
-    def spin():  # another thread of the process running Python bytecode
-        count = 0
-        while not stop.is_set():
-            count += 1
-
-    if busy:
-        threading.Thread(target=spin, daemon=True).start()
     fn, sample = get_reward(name), SAMPLES[name]
     threads = DaemonThreads(name="bench-reward")
     out: dict[str, list[float]] = {"threads": [], "processes": []}
@@ -56,10 +48,8 @@ def measure(name: str, calls: int, rounds: int, workers: int, busy: bool) -> dic
                 out["processes"].append(time.perf_counter() - start)
                 assert all(r.value == 1.0 for r in results)
 
-        try:
+        with busy_thread(busy):
             asyncio.run(rounds_of_both())
-        finally:
-            stop.set()
     best = {key: min(values) for key, values in out.items()}
     return out | {"ratio_threads_over_processes": best["threads"] / best["processes"]}
 

@@ -16,6 +16,8 @@ import sys
 import threading
 import time
 
+from busy import busy_thread
+
 from rl_sglang.rollout.rewards import DaemonThreads
 
 
@@ -51,15 +53,6 @@ async def seconds_for(submit, calls: int) -> float:
 
 
 def measure(calls: int, rounds: int, busy: bool) -> dict[str, list[float]]:
-    stop = threading.Event()
-
-    def spin():  # another thread of the process running Python bytecode
-        count = 0
-        while not stop.is_set():
-            count += 1
-
-    if busy:
-        threading.Thread(target=spin, daemon=True).start()
     reused = DaemonThreads(name="bench-reward")
     out: dict[str, list[float]] = {"thread_per_call": [], "reused_threads": []}
 
@@ -68,10 +61,8 @@ def measure(calls: int, rounds: int, busy: bool) -> dict[str, list[float]]:
             out["thread_per_call"].append(await seconds_for(thread_per_call, calls))
             out["reused_threads"].append(await seconds_for(reused.submit, calls))
 
-    try:
+    with busy_thread(busy):
         asyncio.run(rounds_of_both())
-    finally:
-        stop.set()
     return out
 
 
