@@ -58,20 +58,21 @@ PPO = {
 
 @pytest.fixture(scope="module")
 def ppo_run(ray_cluster, tmp_path_factory):
-    """Two PPO steps with a critic, dumping rollouts, evaluating at step 2, TensorBoard on."""
+    """Two PPO steps with a critic, dumping rollouts, evaluating before training and at step 2
+    (sampled and greedy), TensorBoard on."""
     root = tmp_path_factory.mktemp("ppo")
     config = config_file(root, **PPO)
     args = ["--config", str(config), "--num_steps", "2", "--logging.run_dir", str(root / "run"),
             "--rollout.dump_dir", str(root / "dumps"), "--eval.interval", "2",
-            "--logging.tensorboard", "true", "--checkpoint.save_hf", "true"]  # fmt: skip
+            "--eval.at_start", "true", "--eval.greedy", "true", "--logging.tensorboard", "true", "--checkpoint.save_hf", "true"]  # fmt: skip
     assert main(args) == 0
     return root
 
 
 def test_ppo_trains_a_critic_and_checkpoints_it(ppo_run):
     records = read_metrics(ppo_run / "run")
-    assert [r["step"] for r in records] == [1, 2]
-    for record in records:
+    assert [r["step"] for r in records] == [0, 1, 2]  # step 0: eval.at_start
+    for record in records[1:]:
         assert record["loss/value"] > 0 and "critic/train/grad_norm" in record
         assert record["critic/returns_mean"] is not None and "loss/pg" in record
     step = ppo_run / "run/checkpoints/step_000002"
@@ -80,9 +81,12 @@ def test_ppo_trains_a_critic_and_checkpoints_it(ppo_run):
 
 
 def test_eval_runs_every_interval_and_is_charted(ppo_run):
-    first, second = read_metrics(ppo_run / "run")
+    start, first, second = read_metrics(ppo_run / "run")
     assert not any(k.startswith("eval/") for k in first)
-    assert 0.0 <= second["eval/additions/pass@1"] <= second["eval/additions/pass@2"] <= 1.0
+    for record in (start, second):
+        assert 0.0 <= record["eval/additions/pass@1"] <= record["eval/additions/pass@2"] <= 1.0
+        assert record["eval/additions/greedy@1"] in {i / 25 for i in range(26)}  # 25 prompts
+    assert not any(k.startswith(("loss/", "rollout/")) for k in start)  # nothing trained yet
     assert second["eval/num_prompts"] == 25.0 and second["time/eval"] > 0
     assert (ppo_run / "run/plots/eval_pass_at_k.png").read_bytes()[:4] == b"\x89PNG"
     assert list((ppo_run / "run/tensorboard").glob("events.out.tfevents.*"))
@@ -104,7 +108,7 @@ def test_replaying_the_dumps_trains_exactly_like_the_original_run(ppo_run):
     args = ["--config", str(config), "--num_steps", "2", "--rollout.replay_dir",
             str(ppo_run / "dumps"), "--logging.run_dir", str(ppo_run / "replay/run")]  # fmt: skip
     assert main(args) == 0
-    original, replayed = read_metrics(ppo_run / "run"), read_metrics(ppo_run / "replay/run")
+    original, replayed = read_metrics(ppo_run / "run")[1:], read_metrics(ppo_run / "replay/run")
     for a, b in zip(original, replayed, strict=True):
         for key in ("loss/pg", "loss/value", "rollout/reward/mean", "critic/returns_mean"):
             assert b[key] == pytest.approx(a[key], abs=1e-5), key

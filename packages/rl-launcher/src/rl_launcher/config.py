@@ -392,6 +392,16 @@ class EvalConfig:
     max_response_tokens: int | None = option(
         None, help="Eval response limit; null = rollout.max_response_tokens.", low=1
     )
+    greedy: bool = option(
+        False,
+        help="Also decode every eval prompt once at temperature 0 and report "
+        "eval/<name>/greedy@1 (pass@1 of greedy decoding) beside the sampled pass@k.",
+    )
+    at_start: bool = option(
+        False,
+        help="Also evaluate the starting weights before step 1 (a step-0 record in "
+        "metrics.jsonl; skipped on resume).",
+    )
 
 
 @dataclass(kw_only=True)

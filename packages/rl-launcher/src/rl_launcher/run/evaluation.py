@@ -3,10 +3,12 @@
     evaluator = Evaluator(config, tokenizer)         # reads eval.datasets once
     metrics = evaluator.evaluate(url)                # eval/<dataset>/pass@<k>, reward stats
 
-Each prompt gets ``eval.samples_per_prompt`` samples at ``eval.temperature``; a sample is
-correct when its (scalar) reward is at least 1. During training it runs every
-``eval.interval`` steps and at the last step (:func:`maybe_evaluate`); ``rl-eval`` runs it
-on a checkpoint or an HF directory.
+Each prompt gets ``eval.samples_per_prompt`` samples at ``eval.temperature`` (and with
+``eval.greedy`` one more at temperature 0, reported as ``eval/<dataset>/greedy@1``); a
+sample is correct when its (scalar) reward is at least 1. During training it runs every
+``eval.interval`` steps and at the last step (:func:`maybe_evaluate`), and with
+``eval.at_start`` on the starting weights as step 0 (:func:`evaluate_at_start`);
+``rl-eval`` runs it on a checkpoint or an HF directory.
 """
 
 import asyncio
@@ -44,23 +46,35 @@ class Evaluator:
         """Metrics of every eval set, generated through the server at ``url``."""
         start = time.perf_counter()
         metrics, _ = asyncio.run(self.run(url))
+        if self.config.eval.greedy:
+            metrics |= self.greedy(url)
         metrics["eval/num_prompts"] = float(sum(len(p) for p in self.datasets.values()))
         return metrics | {"time/eval": time.perf_counter() - start}
 
-    async def run(self, url: str):
-        """``(metrics, groups per dataset)`` from a fresh client of ``url``."""
+    def greedy(self, url: str) -> dict[str, float]:
+        """``eval/<dataset>/greedy@1``: the share of prompts whose one greedy response is
+        correct (its other metrics are left out: they would overwrite the sampled ones)."""
+        params = self.sampling_params() | {"temperature": 0.0}
+        metrics, _ = asyncio.run(self.run(url, samples=1, ks=[1], params=params))
+        return {key.replace("/pass@1", "/greedy@1"): value for key, value in metrics.items()
+                if key.endswith("/pass@1")}  # fmt: skip
+
+    async def run(self, url: str, *, samples: int | None = None, ks=None, params=None):
+        """``(metrics, groups per dataset)`` from a fresh client of ``url``; ``samples``,
+        ``ks`` and ``params`` default to the eval config's."""
         from rl_sglang.client import EngineClient
         from rl_sglang.rollout.eval import eval_rollout
         from rl_sglang.rollout.generate import GenerateContext
 
         evaluation = self.config.eval
-        samples = evaluation.samples_per_prompt * max(len(p) for p in self.datasets.values())
+        per_prompt = samples or evaluation.samples_per_prompt
+        total = per_prompt * max(len(p) for p in self.datasets.values())
         async with EngineClient(url) as client:
             ctx = GenerateContext(client=client, tokenizer=self.tokenizer)
             return await eval_rollout(
-                ctx, self.datasets, self.reward_fn.rollout_fn, n_samples_per_prompt=evaluation.samples_per_prompt,
-                ks=evaluation.pass_k, sampling_params=self.sampling_params(),
-                max_concurrency=max(1, min(256, samples)),
+                ctx, self.datasets, self.reward_fn.rollout_fn, n_samples_per_prompt=per_prompt,
+                ks=ks or evaluation.pass_k, sampling_params=params or self.sampling_params(),
+                max_concurrency=max(1, min(256, total)),
                 reward_key=self.config.algorithm.reward_key,
             )  # fmt: skip
 
@@ -74,6 +88,24 @@ def maybe_evaluate(run, step: int) -> dict[str, float]:
     """Eval metrics when ``step`` is an eval step of the run (else nothing)."""
     if not is_eval_step(run.config, step):
         return {}
+    return evaluate_now(run)
+
+
+def evaluate_at_start(run, first: int) -> None:
+    """``eval.at_start``: the starting weights' eval metrics as a step-0 record and a
+    console line, before step 1 (not on a resumed run, whose step 0 is long past)."""
+    config = run.config
+    if not (config.eval.at_start and config.eval.datasets) or first != 1:
+        return
+    metrics = evaluate_now(run)
+    run.metrics_log.append(0, metrics)
+    shown = ", ".join(f"{key.removeprefix('eval/')} {value:.3f}" for key, value in metrics.items()
+                      if "/pass@" in key or "/greedy@" in key)  # fmt: skip
+    print(f"rl-train: eval before training ({metrics['time/eval']:.1f}s): {shown}", flush=True)
+
+
+def evaluate_now(run) -> dict[str, float]:
+    """Eval metrics of the engines' current weights."""
     evaluator = run.extras.get("evaluator")
     if evaluator is None:
         evaluator = run.extras["evaluator"] = Evaluator(run.config, run.rollout.tokenizer)

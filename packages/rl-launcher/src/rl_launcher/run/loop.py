@@ -25,6 +25,7 @@ from rl_launcher.buffer import DataBuffer
 from rl_launcher.run import checkpoints, data_order, faults, resume_choice, stopping
 from rl_launcher.run.critic import make_buffer, train_critic
 from rl_launcher.run.engine_health import wait_for_restarts
+from rl_launcher.run.evaluation import evaluate_at_start
 from rl_launcher.run.extras import after_step, dump_step, load_extras, save_extras
 from rl_launcher.run.feeds import SyncFeed, make_feed
 from rl_launcher.run.gc_pauses import GcPauses, freeze_startup, unfreeze
@@ -62,6 +63,7 @@ def _train(config) -> Path:
         run._cleanup += [pauses.close, unfreeze]
         feed = make_feed(run, last_step=config.num_steps)  # sync, one_step_async or async
         run._cleanup.append(feed.close)
+        evaluate_at_start(run, first)  # eval.at_start: the starting weights, as step 0
         say_ready(config, first, time.perf_counter() - started)
         with stopping.stepping(run, save, first):  # SIGTERM / SIGINT: stop at a step boundary
             for step in range(first, config.num_steps + 1):
