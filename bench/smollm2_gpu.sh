@@ -8,6 +8,11 @@
 #   STEPS=200 bash bench/smollm2_gpu.sh loop       # the rl-train job
 #   bash bench/smollm2_gpu.sh generate             # engine vs HF generate on one batch
 #                                                  # (bench/rollout_vs_generate.py)
+#   NAME=grpo bash bench/smollm2_gpu.sh learn      # examples/smollm2/gpu.yaml: GRPO, real
+#                                                  # SGLang from /tmp/sgsite, eval every 25
+#   bash bench/smollm2_gpu.sh trl                  # TRL's GRPOTrainer, same job
+#                                                  # (bench/trl_grpo.py)
+# learn and trl also sample the GPU's utilisation every second into <name>.gpu.csv.
 # Extra rl-train options follow the phase: bash bench/smollm2_gpu.sh loop --rollout.top_p 0.9
 set -u
 phase=${1:?usage: bash bench/smollm2_gpu.sh loop|generate [rl-train options]}
@@ -19,7 +24,33 @@ mkdir -p "$OUT" "$RUNS"
 export PYTHONPATH=/tmp/site:$(ls -d "$PWD"/packages/*/src | tr '\n' ':')
 export PYTHONUNBUFFERED=1
 
+gpu_sampler() {  # utilisation (%) and memory (MiB) every second until the phase ends
+  nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader,nounits \
+    -lms 1000 > "$OUT/$1.gpu.csv" 2>/dev/null &
+  sampler=$!
+}
+
 case $phase in
+learn)
+  name=learn_${NAME:-grpo}
+  rm -rf "${RUNS:?}/$name"
+  gpu_sampler "$name"
+  RL_SGLANG_PYTHONPATH=${RL_SGLANG_PYTHONPATH:-/tmp/sgsite} timeout -k 30 "${LIMIT_S:-560}" \
+    python3 -m rl_launcher.cli --config examples/smollm2/gpu.yaml --model.path "$GGUF" \
+    --num_steps "${STEPS:-150}" --logging.run_dir "$RUNS/$name" "$@" 2>&1 | tee "$OUT/$name.log"
+  echo "$name: exit ${PIPESTATUS[0]}"
+  kill "$sampler"
+  mkdir -p "$OUT/$name"
+  cp -r "$RUNS/$name/metrics.jsonl" "$RUNS/$name/plots" "$RUNS/$name/logs" "$OUT/$name/" 2>/dev/null
+  ;;
+trl)
+  name=trl_${NAME:-grpo}
+  gpu_sampler "$name"
+  timeout -k 30 "${LIMIT_S:-560}" python3 bench/trl_grpo.py --gguf "$GGUF" --work "$RUNS/$name" \
+    --out "$OUT/$name" --steps "${STEPS:-150}" "$@" 2>&1 | grep -v "it/s]$" | tee "$OUT/$name.log"
+  echo "$name: exit ${PIPESTATUS[0]}"
+  kill "$sampler"
+  ;;
 loop)
   name=loop_${NAME:-default}
   rm -rf "${RUNS:?}/$name"
