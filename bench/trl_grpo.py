@@ -44,8 +44,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--eval-interval", type=int, default=25)
     parser.add_argument("--eval-limit", type=int, default=None, help="first N test prompts")
-    parser.add_argument("--time-limit-s", type=float, default=None,
-                        help="stop training after this many seconds (evaluation excluded)")
+    parser.add_argument(
+        "--time-limit-s",
+        type=float,
+        default=None,  # fmt: skip
+        help="stop training after this many seconds (evaluation excluded)",
+    )
     parser.add_argument("--cpu", action="store_true", help="a CPU smoke run (no bf16)")
     args = parser.parse_args(argv)
     if (args.prompts * args.group) % args.micro_batch or args.micro_batch % args.group:
