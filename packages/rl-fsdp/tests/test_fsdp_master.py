@@ -224,3 +224,30 @@ def test_reference_and_critic_without_fsdp(world_of_one):
     (plain_losses, plain_values), (sharded_losses, sharded_values) = results
     assert plain_losses == sharded_losses
     assert torch.equal(plain_values, sharded_values)
+
+
+def test_train_step_supplies_the_old_log_probs_of_an_on_policy_step(world_of_one):
+    """With no old log-probs (rl-train's ``algorithm.old_log_probs: train_step``) the step
+    uses its own forward's, detached: the same loss, grad norm and update as a step given
+    the log-probs of a separate pass over the same weights, and it reports the mean gap to
+    the engine's log-probs that the separate pass would have given."""
+    from rl_fsdp import FSDPBackend
+
+    config = FSDPConfig(model_config=UNTIED, device="cpu", lr=1e-2, max_tokens_per_micro_batch=48)
+    results = []
+    for recompute in (True, False):
+        backend = FSDPBackend(config, dist_info=world_of_one)
+        batch = _rl_batch()
+        old = backend.compute_log_probs(batch)
+        batch.rollout_log_probs = old + 0.1 * torch.randn(old.shape, generator=torch.Generator())
+        gap = float((old - batch.rollout_log_probs).abs()[batch.loss_mask > 0].mean())
+        if recompute:
+            batch.old_log_probs = old
+        metrics = backend.train_step(batch)
+        results.append((metrics, gap, backend.compute_log_probs(batch)))
+    (given, _, after_given), (own, gap, after_own) = results
+    assert own["loss/total"] == pytest.approx(given["loss/total"], rel=1e-6)
+    assert own["train/grad_norm"] == pytest.approx(given["train/grad_norm"], rel=1e-5)
+    assert torch.allclose(after_own, after_given, atol=1e-6)  # the same update
+    assert "mismatch/logprob_abs_diff_mean" not in given  # the loop reports it then
+    assert own["mismatch/logprob_abs_diff_mean"] == pytest.approx(gap, rel=1e-5)

@@ -159,3 +159,14 @@ def test_overlapping_loops_on_cpu_split_the_cores_between_trainer_and_engines(mo
     assert engine_threads_env(config, 2) == {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"}
     config.cluster.device = "cuda"
     assert engines_beside_training(config) == 0
+
+
+def test_old_log_probs_from_the_train_step_only_for_one_update_without_reward_kl():
+    config, _ = load_config(["--algorithm.old_log_probs", "train_step"])
+    check_loop(config)  # one minibatch, no KL-shaped reward: the train step gives them
+    for extra in (["--algorithm.num_minibatches", "2"],
+                  ["--algorithm.reward_kl_coef", "0.1",
+                   "--algorithm.advantage_estimator", "reinforce_plus_plus"]):  # fmt: skip
+        config, _ = load_config(["--algorithm.old_log_probs", "train_step", *extra])
+        with pytest.raises(ValueError, match=r"old_log_probs=train_step .* use recompute"):
+            check_loop(config)

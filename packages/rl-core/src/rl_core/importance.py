@@ -76,3 +76,19 @@ def rollout_importance_weights(
     if not tensor_metrics:
         metrics = {key: float(value) for key, value in metrics.items()}
     return weights, metrics
+
+
+def logprob_gap_share(
+    trainer_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    num_tokens: float,
+) -> torch.Tensor:
+    """One micro-batch's part of the step's mean ``|trainer - engine|`` log-prob gap: the
+    sum over its valid tokens divided by the step's valid tokens ``num_tokens``, so that
+    summing a step's micro-batches gives the mean. Backends report it as
+    ``mismatch/logprob_abs_diff_mean`` when their own forward supplies the trainer's side
+    (an on-policy step without a separate old-log-prob pass)."""
+    gap = (trainer_log_probs.detach().float() - rollout_log_probs.float()).abs()
+    return (gap * mask).sum() / max(float(num_tokens), 1.0)

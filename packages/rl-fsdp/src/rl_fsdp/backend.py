@@ -18,7 +18,7 @@ import torch
 
 from rl_core.aggregation import aggregate
 from rl_core.batch import TrainBatch
-from rl_core.importance import rollout_importance_weights
+from rl_core.importance import logprob_gap_share, rollout_importance_weights
 from rl_core.kl import approx_kl
 from rl_core.objective import policy_objective, sft_objective
 from rl_fsdp.config import FSDPConfig
@@ -136,6 +136,10 @@ class FSDPBackend(ShardedTrainer):
             raise ValueError("mode='rl' needs batch.advantages (or use mode='sft')")
         old = mb.old_log_probs if mb.old_log_probs is not None else log_probs.detach()
         weights, metrics = self._rollout_weights(mb, old)
+        if mb.old_log_probs is None and mb.rollout_log_probs is not None:
+            metrics["mismatch/logprob_abs_diff_mean"] = logprob_gap_share(
+                old, mb.rollout_log_probs, mb.loss_mask, num_tokens=mb.global_num_tokens
+            )
         loss, objective_metrics = policy_objective(
             log_probs=log_probs,
             old_log_probs=old,

@@ -195,6 +195,15 @@ class AlgorithmConfig:
         None, help="Key of the scalar reward when a reward function returns a mapping."
     )
     num_minibatches: int = option(1, help="Optimizer steps per rollout batch.", low=1)
+    old_log_probs: str = option(
+        "recompute",
+        help="Where the PPO ratio's old log-probs come from. recompute: a forward pass of "
+        "the whole batch before training (as slime and verl do). train_step: the train "
+        "step's own forward, detached (ratio 1, as TRL with num_iterations 1), saving that "
+        "pass; needs num_minibatches 1 and reward_kl_coef 0, and the engine-vs-trainer gap "
+        "is then reported as its mean only.",
+        choices=("recompute", "train_step"),
+    )
     rollout_is_level: str | None = option(
         None,
         help="Rollout importance correction level; null disables it.",

@@ -8,7 +8,7 @@ import torch
 
 from rl_core.aggregation import aggregate
 from rl_core.batch import TrainBatch
-from rl_core.importance import rollout_importance_weights
+from rl_core.importance import logprob_gap_share, rollout_importance_weights
 from rl_core.losses import value_loss
 from rl_core.objective import policy_objective, sft_objective
 from rl_megatron.config import MegatronConfig
@@ -34,6 +34,10 @@ def actor_loss(
         raise ValueError("policy training needs batch.advantages")
     old = part.old_log_probs if part.old_log_probs is not None else log_probs.detach()
     weights, is_metrics = _importance_weights(config, part, old)
+    if part.old_log_probs is None and part.rollout_log_probs is not None:
+        gap = logprob_gap_share(old, part.rollout_log_probs, part.loss_mask,
+                                num_tokens=part.global_num_tokens or 1.0)  # fmt: skip
+        is_metrics["mismatch/logprob_abs_diff_mean"] = float(gap)
     loss, metrics = policy_objective(
         log_probs=log_probs,
         old_log_probs=old,

@@ -98,6 +98,14 @@ def check_loop(config) -> None:
     """Loop settings that only make sense together (ValueError with the fix)."""
     rollout, algorithm = config.rollout, config.algorithm
     importance = rollout.loop != "sync" and rollout.stale_policy == "importance"
+    if algorithm.old_log_probs == "train_step" and (
+        algorithm.num_minibatches > 1 or algorithm.reward_kl_coef > 0
+    ):
+        raise ValueError(
+            "algorithm.old_log_probs=train_step takes the old log-probs from the one update's "
+            "own forward: it needs algorithm.num_minibatches=1 and reward_kl_coef=0 (several "
+            "updates, or a KL-shaped reward, need them before training: use recompute)"
+        )  # fmt: skip
     if importance and not algorithm.rollout_is_level:
         raise ValueError(
             "rollout.stale_policy=importance corrects stale samples with rollout importance "
@@ -124,8 +132,9 @@ def run_step(run: Run, buffer: DataBuffer, step: int, feed=None) -> dict[str, fl
         return metrics | empty | clock.times()
     batch = buffer.pop_step(buffer.num_ready_groups)
     metrics[faults.TRAINED_KEY] = float(len(batch.samples))
-    old = run.trainer.log_probs(batch.rank_batches)
-    rank_batches = with_old_log_probs(batch.rank_batches, old)
+    rank_batches = batch.rank_batches
+    if config.algorithm.old_log_probs == "recompute":  # else the train step's forward gives them
+        rank_batches = with_old_log_probs(rank_batches, run.trainer.log_probs(rank_batches))
     rank_batches = with_reference(run, buffer, batch, rank_batches)  # KL in loss and/or reward
     clock.lap("log_probs")
     metrics |= batch.metrics | staleness(batch, trainer_version=step - 1)
@@ -237,11 +246,12 @@ def fresh_only(rank_batches, batch, *, trainer_version: int) -> list:
 
 
 def mismatch(rank_batches) -> dict[str, float]:
-    """How far the engine's log-probs are from the trainer's on the same weights."""
+    """How far the engine's log-probs are from the trainer's on the same weights (with
+    ``algorithm.old_log_probs: train_step`` the train step reports the mean itself)."""
     diffs = [
         (b.old_log_probs - b.rollout_log_probs).abs()[b.loss_mask > 0]
         for b in rank_batches
-        if b.rollout_log_probs is not None
+        if b.rollout_log_probs is not None and b.old_log_probs is not None
     ]
     if not diffs:
         return {}
