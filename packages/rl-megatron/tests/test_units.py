@@ -12,7 +12,7 @@ from rl_megatron.config import MegatronConfig
 from rl_megatron.cp import cp_shard_batch, cp_token_index
 from rl_megatron.forward import model_inputs, padded_micro_batches
 from rl_megatron.layout import param_layout, qkv_rows
-from rl_megatron.models import model_shape
+from rl_megatron.shape import model_shape
 from rl_megatron.vocab_parallel import vocab_parallel_log_probs_and_entropy
 
 
@@ -173,3 +173,33 @@ def test_config_is_validated(model_dirs):
         MegatronConfig(hf_path=path, kl_coef=0.1)
     with pytest.raises(ValueError, match="tp must be positive"):
         MegatronConfig(hf_path=path, tp=0)
+
+
+def test_modules_import_each_other_without_cycles():
+    """Every ``rl_megatron`` import (top-level or inside a function) forms an acyclic graph:
+    the model builder, the weight layout and the converters learn the shape from
+    ``rl_megatron.shape`` rather than from each other."""
+    import ast
+    import graphlib
+    from pathlib import Path
+
+    import rl_megatron
+
+    root = Path(rl_megatron.__file__).parent
+    graph = {}
+    for path in root.rglob("*.py"):
+        module = ".".join(("rl_megatron", *path.relative_to(root).with_suffix("").parts))
+        module = module.removesuffix(".__init__")
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            imported |= {n for n in names if n.startswith("rl_megatron")}
+        graph[module] = imported
+    modules = set(graph)
+    graph = {m: {i for i in deps if i in modules and i != m} for m, deps in graph.items()}
+    graphlib.TopologicalSorter(graph).prepare()  # raises CycleError naming the cycle

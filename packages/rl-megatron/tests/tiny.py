@@ -12,8 +12,21 @@ from rl_core.packing import cu_seqlens_from_lengths
 VOCAB = 500  # not a multiple of 128: exercises Megatron's vocabulary padding
 
 
-def hf_config(family: str, *, tie: bool = False):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+# llama3 rope with a short original context, so that scaled frequencies show at test lengths
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+
+
+def hf_config(family: str, *, tie: bool = False, **overrides):
+    """A tiny config (hidden 64, 2 layers, vocab 500) of ``family``: a model_type, or
+    ``llama3-rope`` (Llama 3.1's scaled rope)."""
+    import transformers
 
     common = dict(
         hidden_size=64,
@@ -26,16 +39,36 @@ def hf_config(family: str, *, tie: bool = False):
         max_position_embeddings=256,
         rms_norm_eps=1e-6,
     )
-    if family == "qwen3":
-        return Qwen3Config(head_dim=16, **common)
-    if family == "qwen3_moe":  # 4 experts, top-2, renormalised like the released models
-        moe = dict(
-            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
-        )
-        return Qwen3MoeConfig(
-            head_dim=16, decoder_sparse_step=1, mlp_only_layers=[], **moe, **common
-        )
-    return {"qwen2": Qwen2Config, "llama": LlamaConfig}[family](**common)
+    extra = {
+        "qwen3": dict(head_dim=16),
+        # 4 experts, top-2, renormalised like the released models
+        "qwen3_moe": dict(
+            head_dim=16,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+        ),
+        "mistral": dict(sliding_window=None),
+        "llama3-rope": dict(rope_parameters=LLAMA3_ROPE),
+        "gemma": dict(head_dim=16),
+        "gemma2": dict(head_dim=16),
+        "gemma3_text": dict(head_dim=16),
+    }.get(family, {})
+    classes = {
+        "qwen2": "Qwen2Config",
+        "qwen3": "Qwen3Config",
+        "qwen3_moe": "Qwen3MoeConfig",
+        "llama": "LlamaConfig",
+        "llama3-rope": "LlamaConfig",
+        "mistral": "MistralConfig",
+        "gemma": "GemmaConfig",
+        "gemma2": "Gemma2Config",
+        "gemma3_text": "Gemma3TextConfig",
+    }
+    return getattr(transformers, classes[family])(**{**common, **extra, **overrides})
 
 
 def save_tiny_model(directory: Path, family: str, *, tie: bool = False, seed: int = 0):

@@ -25,11 +25,12 @@ from rl_megatron.forward import (
     padded_shape,
 )
 from rl_megatron.fusions import fused_swiglu_works
-from rl_megatron.models import build_critic_model, build_gpt_model, model_shape
+from rl_megatron.models import build_critic_model, build_gpt_model
 from rl_megatron.moe import ep_common_shape, ep_synced_groups
 from rl_megatron.objective import actor_loss, critic_loss
 from rl_megatron.parallel import current_layout, initialize_parallel
 from rl_megatron.precision import DTYPES, finish_accumulation
+from rl_megatron.shape import model_shape
 from rl_megatron.state import WeightsAndStateMixin
 from rl_megatron.weights import SafetensorsReader, hf_config_of, load_hf_weights, read_shards
 

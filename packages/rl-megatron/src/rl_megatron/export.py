@@ -15,8 +15,8 @@ import torch.distributed as dist
 from rl_core.weights import bucket_by_bytes
 from rl_megatron.checkpoint import swap_into_place
 from rl_megatron.layout import param_layout, qkv_rows
-from rl_megatron.models import ModelShape
 from rl_megatron.precision import grad_of
+from rl_megatron.shape import ModelShape
 from rl_megatron.weights import layer_offset
 
 

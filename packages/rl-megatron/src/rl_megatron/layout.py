@@ -20,7 +20,7 @@ Names follow megatron's local spec and also Transformer Engine's fused-norm name
 import re
 from dataclasses import dataclass
 
-from rl_megatron.models import ModelShape
+from rl_megatron.shape import ModelShape
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Build a megatron-core ``GPTModel`` from a Hugging Face config (Qwen2, Qwen3, Llama).
+"""Build a megatron-core ``GPTModel`` from a Hugging Face config (the families of
+:mod:`rl_megatron.shape`).
 
 The local layer spec is used (megatron-core modules only, no Transformer Engine), with
 SDPA attention and sequence-parallel-capable norms (:mod:`rl_megatron.layers`). Parameters are created
@@ -6,83 +7,29 @@ directly in their tensor-parallel shard on this rank (``use_cpu_initialization``
 ``dtype``: float32, or bfloat16 for mixed precision (fp32 main gradients and master
 weights then live in :mod:`rl_megatron.precision`; no autocast anywhere).
 
-Families (by ``model_type``): ``qwen2`` (qkv bias), ``qwen3`` (qk RMSNorm, explicit
-head_dim), ``llama`` (optional attention bias), ``qwen3_moe`` (qk-norm and experts, see
-:mod:`rl_megatron.moe`). Vocabulary is padded to a multiple of
-``128 · tp`` as Megatron does; the padding rows are masked out of every softmax.
+Vocabulary is padded to a multiple of ``128 · tp`` as Megatron does; the padding rows are
+masked out of every softmax. Scaled rope types (``linear``, ``llama3``: Llama 3.1+) get
+HF's inverse frequencies in megatron's rotary embedding.
 """
-
-from dataclasses import dataclass
 
 import torch
 
-from rl_megatron.moe import moe_config_kwargs, moe_fields
-
-SUPPORTED_FAMILIES = ("qwen2", "qwen3", "llama", "qwen3_moe")
-VOCAB_MULTIPLE = 128
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelShape:
-    """What the converters need to know about the HF architecture."""
-
-    family: str
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    ffn_hidden_size: int
-    vocab_size: int
-    padded_vocab_size: int
-    tie_embeddings: bool
-    qkv_bias: bool
-    qk_norm: bool
-    num_experts: int = 0
-    moe_ffn_hidden_size: int = 0
-    moe_topk: int = 0
-    norm_topk_prob: bool = False
+from rl_megatron.layout import param_layout
+from rl_megatron.moe import moe_config_kwargs
+from rl_megatron.shape import model_shape, rope_parameters
 
 
-def model_shape(hf_config, *, tp_size: int = 1) -> ModelShape:
-    """Read a transformers config (``Qwen2Config`` etc.) into a :class:`ModelShape`."""
-    family = hf_config.model_type
-    if family not in SUPPORTED_FAMILIES:
-        raise ValueError(
-            f"model_type {family!r} is not supported; choose one of {', '.join(SUPPORTED_FAMILIES)}"
-        )
-    heads = hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    if heads % tp_size or kv_heads % tp_size:
-        raise ValueError(
-            f"tp={tp_size} must divide both attention heads ({heads}) and kv heads ({kv_heads})"
-        )
-    multiple = VOCAB_MULTIPLE * tp_size
-    return ModelShape(
-        family=family,
-        num_layers=hf_config.num_hidden_layers,
-        hidden_size=hf_config.hidden_size,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
-        ffn_hidden_size=hf_config.intermediate_size,
-        vocab_size=hf_config.vocab_size,
-        padded_vocab_size=-(-hf_config.vocab_size // multiple) * multiple,
-        tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-        qkv_bias=family == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
-        qk_norm=family in ("qwen3", "qwen3_moe"),
-        **moe_fields(hf_config),
-    )
+def rotary_inv_freq(hf_config) -> torch.Tensor | None:
+    """HF's inverse rotary frequencies ``[head_dim / 2]`` float32 for a scaled rope type
+    (``linear``, ``llama3``), None for ``default`` (megatron computes the same itself)."""
+    params = rope_parameters(hf_config)
+    if params["rope_type"] == "default":
+        return None
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-
-def rope_theta(hf_config) -> float:
-    """Rotary base from either the transformers 4 or the 5 config layout."""
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    rope_type = params.get("rope_type", "default")
-    if rope_type != "default":
-        raise ValueError(f"rope_type {rope_type!r} is not supported yet (only 'default')")
-    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
-    return float(theta if theta is not None else 10000.0)
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[params["rope_type"]](hf_config, "cpu")
+    assert attention_factor == 1.0, params  # static rope types scale no attention
+    return inv_freq.float()
 
 
 def transformer_config(
@@ -180,8 +127,11 @@ def build_gpt_model(
         post_process=_last_stage(pp_size),
         share_embeddings_and_output_weights=shape.tie_embeddings,
         position_embedding_type="rope",
-        rotary_base=rope_theta(hf_config),
+        rotary_base=rope_parameters(hf_config)["rope_theta"],
     )
+    inv_freq = rotary_inv_freq(hf_config)
+    if inv_freq is not None:  # before any forward: megatron caches the rotary table
+        model.rotary_pos_emb.inv_freq = inv_freq.to(model.rotary_pos_emb.inv_freq.device)
     _mark_tensor_parallel(model)
     return model
 
@@ -201,8 +151,6 @@ def _last_stage(pp_size: int) -> bool:
 def _mark_tensor_parallel(model) -> None:
     """Set ``tensor_model_parallel`` on every TP-sharded parameter (megatron sets it only
     when it initialises the weights itself, which this builder skips)."""
-    from rl_megatron.layout import param_layout
-
     for name, param in model.named_parameters():
         sharded = param_layout(name).kind != "replicated"
         if not hasattr(param, "tensor_model_parallel"):

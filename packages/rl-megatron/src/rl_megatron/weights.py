@@ -11,8 +11,9 @@ from pathlib import Path
 import torch
 
 from rl_megatron.layout import param_layout, qkv_rows, shard_range
-from rl_megatron.models import ModelShape
+from rl_megatron.models import ValueHead
 from rl_megatron.parallel import ParallelLayout
+from rl_megatron.shape import ModelShape
 
 
 class StateDictReader:
@@ -93,8 +94,6 @@ def read_shards(model, reader, shape: ModelShape, parallel: ParallelLayout):
 
 
 def _is_value_head(model, name: str) -> bool:
-    from rl_megatron.models import ValueHead
-
     return name.startswith("output_layer.") and isinstance(model.output_layer, ValueHead)
 
 
