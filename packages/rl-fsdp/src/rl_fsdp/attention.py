@@ -17,6 +17,10 @@ implementations, all equal to running each sequence alone:
 - ``sdpa_per_doc``: one causal SDPA call per sequence (keeps SDPA's flash kernel, no
   ``[N, N]`` mask, but one launch per sequence and layer).
 Without ``rl_layout`` (ordinary padded calls) it falls back to Hugging Face's SDPA path.
+A layer with attention-logit softcapping (Gemma2), or a sliding window shorter than the
+longest sequence of the call (Mistral v0.1, Gemma2/3, Qwen2 with ``use_sliding_window``),
+runs an exact per-sequence path instead, whatever the implementation (slower; nothing is
+silently ignored).
 """
 
 from dataclasses import dataclass
@@ -166,6 +170,9 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, **kw
         )
     if query.shape[0] != 1:
         raise ValueError(f"packed attention takes one packed row, got batch {query.shape[0]}")
+    window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    if softcap is not None or (window is not None and layout.max_seqlen > window):
+        return _exact_per_doc(query, key, value, layout, scaling, dropout, window, softcap), None
     if layout.impl == "flash_varlen":
         return _flash_varlen(query, key, value, layout, scaling, dropout), None
     if layout.impl == "torch_varlen":
@@ -205,6 +212,36 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, **kw
             dim=2,
         )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _exact_per_doc(query, key, value, layout: PackedLayout, scaling, dropout, window, softcap):
+    """Attention with what the fast kernels here skip, one sequence at a time: a layer's
+    sliding window (query i sees keys j with ``i - window < j <= i``, Hugging Face's rule)
+    and attention-logit softcapping (``cap · tanh(scores / cap)``, Gemma2). Returns
+    ``[1, N, H, D]``."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    outs = []
+    for q, k, v in zip(*(t.split(layout.lengths, dim=2) for t in (query, key, value)), strict=True):
+        offsets = torch.arange(q.shape[2], device=q.device)
+        distance = offsets[:, None] - offsets[None, :]  # i - j
+        allowed = (distance >= 0) & (distance < (window or q.shape[2]))
+        outs.append(_masked_attention(q, k, v, allowed, scale, dropout, softcap))
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
+
+
+def _masked_attention(q, k, v, allowed, scale: float, dropout: float, softcap):
+    """``[1, H, L, D]`` attention where ``allowed`` ``[L, L]``: SDPA, or eagerly with a
+    softcap (SDPA has none), as Hugging Face's eager attention computes it."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed, dropout_p=dropout, scale=scale
+        )
+    scores = torch.tanh((q @ k.transpose(-1, -2)) * scale / softcap) * softcap
+    weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1, dtype=torch.float32)
+    weights = F.dropout(weights.to(q.dtype), p=dropout, training=dropout > 0)
+    return weights @ v
 
 
 # Behind a graph break. The compiled code after it (output projection) is compiled for the

@@ -1,8 +1,9 @@
 """Hugging Face models: load or build (seeded random init), then shard with FSDP2.
 
 Sharding is ``fully_shard`` on every decoder layer and once on the root (embeddings,
-final norm, head), over one data-parallel mesh of all ranks. Tested families: Qwen2,
-Qwen3, Llama; any HF decoder whose layers are listed in ``_no_split_modules`` works.
+final norm, head), over one data-parallel mesh of all ranks. Tested families (from their
+configs): Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral, Gemma, Gemma2, Gemma3 text; any HF
+decoder whose layers are listed in ``_no_split_modules`` works.
 """
 
 from contextlib import contextmanager
