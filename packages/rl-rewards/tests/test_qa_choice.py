@@ -1,5 +1,7 @@
 """f1, exact match, gsm8k, gpqa and dapo with hand-computed expected values."""
 
+import time
+
 import pytest
 
 from rl_rewards import get_reward
@@ -76,3 +78,56 @@ def test_dapo_plus_minus_one_and_format_rules():
     assert reward("Answer: 4" + " padding" * 100, "4") == -1.0  # outside the last 300 chars
     assert reward("Answer: 0.5", "\\frac{1}{2}") == -1.0  # strict string match
     assert get_reward("dapo", use_equivalence=True)("Answer: 0.5", "\\frac{1}{2}") == 1.0
+
+
+N = 10_000  # characters of each adversarial text
+ADVERSARIAL_CHOICES = {
+    "answer, spaces, no letter": "answer" + " " * N + "x",  # 66 s at 200 spaces before
+    "answer, tabs and newlines": "answer" + " \t\n" * (N // 3) + "x",
+    "answer is, spaces": "The answer is" + " " * N + "x",
+    "correct option, spaces": "the correct option is" + " " * N + "x",
+    "option, spaces": "option" + " " * N + "x",
+    "many answers": "answer " * (N // 7),
+    "blank lines": "\n" * N + "x",
+    "a letter, then spaces": "C" + " " * N + "x",
+    "lone letter, then spaces": "C" + " " * N + "\nx",
+    "lines of spaces": (" " * 100 + "\n") * (N // 101) + "x",
+    "boxed, spaces": "\\boxed{" + " " * N,
+    "stars": "answer " + "*" * N + "x",
+}
+
+
+@pytest.mark.parametrize("name", ADVERSARIAL_CHOICES)
+def test_gpqa_takes_linear_time_on_adversarial_text(name):
+    """Text built to make adjacent ``\\s*`` backtrack: each 10,000-character case is decided
+    in well under a second (the first took 66 s at 200 spaces before the patterns were
+    made possessive). The bound is loose for a loaded machine; a quadratic pattern takes
+    seconds here, a cubic one hours."""
+    text = ADVERSARIAL_CHOICES[name]
+    start = time.perf_counter()
+    assert get_reward("gpqa")(text, "C") == float(name.startswith("lone"))
+    assert time.perf_counter() - start < 1.0
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["," * N + "x", "1" + "," * N + ".x", "-" * N, ". " * (N // 2), "1," * (N // 2) + ".x"],
+    ids=["commas", "a digit then commas", "minus signs", "points", "digit comma pairs"],
+)
+def test_gsm8k_takes_linear_time_on_long_text(text):
+    """``[\\d,]*`` at every comma of a long run made the last-number search quadratic
+    (0.8 s at 8,000 commas); numbers now start at a digit. 10,000 characters: < 1 s."""
+    start = time.perf_counter()
+    get_reward("gsm8k")(text, "1")
+    get_reward("gsm8k", strict=True)("#### " + text, "1")
+    assert time.perf_counter() - start < 1.0
+
+
+def test_choice_patterns_still_read_spaced_and_starred_answers():
+    """The possessive rewrite keeps what the greedy patterns found."""
+    assert extract_choice("The answer is   (**B**)  because") == "B"
+    assert extract_choice("answer:\n\n  C") == "C"
+    assert extract_choice("I think\n\n   (D).  \nmore text") == "D"
+    assert extract_choice("the best choice is: E and not F") == "E"
+    assert extract_choice("\\boxed{ \\text{(C)} }") == "C"
+    assert extract_choice("the answer is Apples") is None  # "A" starts a word here

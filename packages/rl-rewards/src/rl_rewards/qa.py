@@ -14,7 +14,9 @@ from rl_rewards.registry import register_reward
 
 _ARTICLES_RE = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = str.maketrans("", "", string.punctuation)
-_GSM8K_NUMBER_RE = re.compile(r"-?[\d,]*\.?\d+")
+# A number starts with a digit (or its point): ``[\d,]*`` from every comma of a long run of
+# commas made the search quadratic in the text.
+_GSM8K_NUMBER_RE = re.compile(r"-?(?:\d[\d,]*)?\.?\d+")
 
 
 def normalize_squad(text: str) -> str:
