@@ -82,3 +82,25 @@ def test_windows_and_softcap_matter_here(family, feature):
         model.config._attn_implementation = "rl_blind"
         blind_logits = packed_forward(model, batch.tokens, batch.cu_seqlens, "sdpa_mask")
     assert float((exact - blind_logits).abs().max()) > 1e-4
+
+
+def test_exported_weights_carry_checkpoint_names(world_of_one, tmp_path):
+    """transformers 5 fuses Qwen3-MoE's experts in memory; the export (to engines and to
+    disk) splits them into the per-expert names a checkpoint has and SGLang's loader
+    expects, equal to ``save_pretrained``'s tensors, and the directory loads back."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    config = FSDPConfig(model_config=FAMILIES["qwen3_moe"], device="cpu")
+    backend = FSDPBackend(config, dist_info=world_of_one)
+    exported = {n: t for b in backend.export_weights(bucket_bytes=1 << 20) for n, t in b}
+    plain_model(FAMILIES["qwen3_moe"]).save_pretrained(tmp_path / "hf")
+    saved = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert "model.layers.1.mlp.experts.3.up_proj.weight" in exported
+    assert set(exported) == set(saved)
+    assert all(torch.equal(exported[name], saved[name]) for name in saved)
+    backend.export_hf(tmp_path / "export")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32)
+    live = dict(backend.model.named_parameters())
+    for name, tensor in loaded.named_parameters():
+        assert torch.equal(tensor, live[name].full_tensor()), name

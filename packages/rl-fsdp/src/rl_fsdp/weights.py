@@ -5,7 +5,8 @@ Each parameter is all-gathered alone (``DTensor.full_tensor``; on one rank its l
 shard is already whole), so a rank never holds more than the bucket being filled plus one
 tensor. Tied weights appear once (under the
 name ``named_parameters`` gives them, e.g. ``model.embed_tokens.weight``); the HF config's
-``tie_word_embeddings`` restores the tie on load.
+``tie_word_embeddings`` restores the tie on load. Names are the checkpoint's: weights that
+transformers fuses in memory (MoE experts) leave split as ``save_pretrained`` writes them.
 """
 
 import json
@@ -50,12 +51,30 @@ def iter_weight_buckets(
     """Buckets ``[(hf_name, full tensor)]`` of at most ``bucket_bytes`` each (a larger
     tensor travels alone). Collective: every rank must iterate to the end."""
 
+    names = checkpoint_namer(model)
+
     def full_tensors():
         for name, param in model.named_parameters():
             tensor = full_tensor(param)
-            yield name, tensor if dtype is None else tensor.to(dtype)
+            yield from names(name, tensor if dtype is None else tensor.to(dtype))
 
     yield from bucket_by_bytes(full_tensors(), bucket_bytes=bucket_bytes)
+
+
+def checkpoint_namer(model: nn.Module):
+    """``names(name, tensor) -> [(hf_name, tensor), ...]``: a parameter under the names an
+    HF checkpoint (and SGLang's loader) uses. transformers 5 fuses some weights in memory
+    (Qwen3-MoE's experts: ``mlp.experts.gate_up_proj`` ``[E, 2I, h]`` for the per-expert
+    ``mlp.experts.{e}.gate_proj.weight`` / ``up_proj``); its own reverse conversion, the
+    one ``save_pretrained`` applies, splits them back (views, no copy)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import revert_weight_conversion
+
+    if not getattr(model, "_weight_conversions", None) and not get_model_conversion_mapping(
+        model, add_legacy=False
+    ):
+        return lambda name, tensor: [(name, tensor)]
+    return lambda name, tensor: list(revert_weight_conversion(model, {name: tensor}).items())
 
 
 def write_hf_dir(
