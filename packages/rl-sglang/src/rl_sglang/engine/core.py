@@ -65,7 +65,7 @@ class Engine:
         self.max_context = min(
             max_context or 1 << 30, getattr(model.config, "max_position_embeddings", 1 << 30)
         )
-        self.runner_kind = choose_runner(runner, model)
+        self.runner_kind = choose_runner(runner, model, self.max_context)
         self.compile = self.device.type == "cuda" if compile is None else compile  # None: auto
         if int(multi_step) < 1:
             raise ValueError(
@@ -253,14 +253,15 @@ class Engine:
 RUNNERS = ("auto", "dynamic", "static")
 
 
-def choose_runner(kind: str, model) -> str:
+def choose_runner(kind: str, model, max_context: int | None = None) -> str:
     """``auto``: the static slot runner (CUDA graphs) on CUDA for Llama-family models, else
-    the dynamic left-padded one; on CUDA the log says why a model cannot take the fast path."""
+    the dynamic left-padded one; on CUDA the log says why a model cannot take the fast path
+    (``max_context``: the longest context served, which a sliding window must cover)."""
     from rl_sglang.engine.static import static_unsupported_reason
 
     if kind not in RUNNERS:
         raise ValueError(f"unknown runner {kind!r}; choose one of {RUNNERS}")
-    reason = static_unsupported_reason(model) if kind != "dynamic" else None
+    reason = static_unsupported_reason(model, max_context) if kind != "dynamic" else None
     if kind == "static" and reason is not None:
         raise ValueError(f"the static runner cannot take this model ({reason}); use dynamic")
     if kind == "auto":

@@ -26,21 +26,37 @@ logger = logging.getLogger(__name__)
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
 
-def supports_static(model) -> bool:
+def supports_static(model, max_context: int | None = None) -> bool:
     """True for the architectures whose layer wiring :class:`StaticRunner` reproduces."""
-    return static_unsupported_reason(model) is None
+    return static_unsupported_reason(model, max_context) is None
 
 
-def static_unsupported_reason(model) -> str | None:
-    """Why :class:`StaticRunner` cannot take ``model`` (one line), or None when it can."""
+def static_unsupported_reason(model, max_context: int | None = None) -> str | None:
+    """Why :class:`StaticRunner` cannot take ``model`` for contexts of up to
+    ``max_context`` tokens (default: the model's own limit), one line; None when it can."""
     config = model.config
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         return f"model_type {config.model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
     if getattr(config, "use_sliding_window", False):
         return "sliding-window attention (use_sliding_window) is not supported"
+    window = _sliding_window(config)
+    limit = max_context or getattr(config, "max_position_embeddings", None)
+    if window is not None and (limit is None or window < limit):
+        return (
+            f"{config.model_type} sliding-window attention (sliding_window={window} < context "
+            f"{limit}) is not supported; give --max-context {window} or use the dynamic runner"
+        )
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"activation {config.hidden_act!r} is not silu"
     return None
+
+
+def _sliding_window(config) -> int | None:
+    """The window of the layers that have one (None when no layer does)."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types and "sliding_attention" not in layer_types:
+        return None
+    return getattr(config, "sliding_window", None)
 
 
 def upcast_greedy_pick(logits_BV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,10 +96,8 @@ class StaticRunner:
 
     def __init__(self, model, *, max_slots: int, max_len: int, cuda_graphs: bool | None = None,
                  compile: bool = False, multi_step: int = 1):  # fmt: skip
-        if not supports_static(model):
-            raise ValueError(
-                f"static decoding supports {SUPPORTED_MODEL_TYPES}, not {model.config.model_type}"
-            )
+        if (reason := static_unsupported_reason(model, max_len)) is not None:
+            raise ValueError(f"static decoding cannot take this model: {reason}")
         self.model, self.max_slots, self.max_len = model, max_slots, max_len
         config = model.config
         self.head_dim = (

@@ -11,6 +11,7 @@ import datetime
 import io
 import math
 import pickle
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -26,28 +27,56 @@ def copy_into_model(
     named: Iterable[tuple[str, torch.Tensor]],
     targets: dict[str, torch.Tensor] | None = None,
 ) -> int:
-    """Copy each tensor into the parameter or buffer of that HF name; returns how many.
-    ``targets``: the model's ``state_dict()`` when the caller keeps one (it shares storage
-    with the live parameters until they move); built here otherwise.
+    """Copy each tensor into the parameter or buffer of that HF name (or, for a checkpoint
+    name of a weight transformers fuses in memory, its part: see :func:`live_target`);
+    returns how many. ``targets``: the model's ``state_dict()`` when the caller keeps one
+    (it shares storage with the live parameters until they move); built here otherwise.
 
     Raises ValueError on an unknown name or a shape mismatch, before touching the model.
     """
     targets = model.state_dict() if targets is None else targets  # tied weights share storage
     named = list(named)
+    destinations = []
     for name, tensor in named:
-        if name not in targets:
+        destination = live_target(name, targets)
+        if destination is None:
             sample = ", ".join(sorted(targets)[:4])
             raise ValueError(f"unknown weight {name!r}; the model has names like {sample}, ...")
-        if tuple(tensor.shape) != tuple(targets[name].shape):
+        if tuple(tensor.shape) != tuple(destination.shape):
             raise ValueError(
                 f"weight {name!r} has shape {tuple(tensor.shape)}, the model expects "
-                f"{tuple(targets[name].shape)}"
+                f"{tuple(destination.shape)}"
             )
-    destinations = [targets[name] for name, _ in named]
+        destinations.append(destination)
     sources = [t.to(d.device) for (_, t), d in zip(named, destinations, strict=True)]
     with torch.no_grad():
         torch._foreach_copy_(destinations, sources)  # a few fused launches, not one per tensor
     return len(named)
+
+
+# A checkpoint's per-expert MoE weight (what Megatron exports and SGLang loads).
+_EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
+def live_target(name: str, targets: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """The tensor (or view of one) of ``targets`` that HF weight ``name`` fills, None if
+    none. transformers 5 keeps Qwen-MoE experts fused in memory: expert e's ``gate_proj``
+    and ``up_proj`` are rows ``[:I]`` and ``[I:]`` of ``experts.gate_up_proj[e]``
+    ``[E, 2I, h]``, its ``down_proj`` is ``experts.down_proj[e]`` ``[E, h, I]`` (the layout
+    its ``save_pretrained`` splits)."""
+    if name in targets:
+        return targets[name]
+    match = _EXPERT.fullmatch(name)
+    if match is None:
+        return None
+    prefix, expert, proj = match[1], int(match[2]), match[3]
+    fused = targets.get(f"{prefix}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}")
+    if fused is None or fused.dim() != 3 or expert >= fused.shape[0]:
+        return None
+    if proj == "down_proj":
+        return fused[expert]
+    gate, up = fused[expert].chunk(2, dim=0)
+    return gate if proj == "gate_proj" else up
 
 
 def read_safetensors_dir(path: str | Path) -> NamedTensors:
