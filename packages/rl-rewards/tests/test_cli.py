@@ -91,3 +91,83 @@ def test_console_script_list_and_score_with_workers(tmp_path):
     )  # fmt: skip
     assert json.loads(scored.stdout)["mean"] == 0.75
     assert "4/4" in scored.stderr  # the progress bar
+
+
+def _run_cli(*args, umask=None):
+    """``python -m rl_rewards.cli ARGS`` in a fresh process (what a user's shell runs)."""
+    return subprocess.run(
+        [sys.executable, "-m", "rl_rewards.cli", *map(str, args)], capture_output=True,
+        text=True, timeout=60, preexec_fn=(lambda: os.umask(umask)) if umask is not None else None,
+    )  # fmt: skip
+
+
+def test_score_help_shows_the_defaults():
+    shown = _run_cli("score", "--help")
+    assert shown.returncode == 0
+    text = " ".join(shown.stdout.split())
+    for default in ("(default: response)", "(default: label)", "(default: 1)",
+                    "(default: 1.0)", "(default: 0)", "(default: 10.0)"):  # fmt: skip
+        assert default in text, default
+
+
+BAD_SCORE_ARGS = {  # case -> (what to change, words the one-line error must hold)
+    "input is a directory": ({"--input": "{dir}"}, "--input", "is a directory"),
+    "input missing": ({"--input": "{dir}/nope.jsonl"}, "--input", "no such file"),
+    "output is a directory": ({"--output": "{dir}"}, "--output", "is a directory"),
+    "output under a file": ({"--output": "{dir}/in.jsonl/out.jsonl"}, "--output",
+                            "is not a directory"),
+    "output unwritable": ({"--output": "/proc/rl-rewards-test/out.jsonl"}, "--output",
+                          "cannot write in '/proc'"),
+    "--k without --group-key": ({"--k": "1,2"}, "--k", "--group-key"),
+    "--k not numbers": ({"--k": "one", "--group-key": "q"}, "--k", "integers"),
+    "--options not JSON": ({"--options": "{strict_box: true"}, "--options", "not valid JSON"),
+    "--options a list": ({"--options": "[1]"}, "--options", "JSON object"),
+    "--options unknown keyword": ({"--options": '{"nope": 1}'}, "--options", "'nope'"),
+    "--workers negative": ({"--workers": "-1"}, "--workers", ">= 0"),
+    "--timeout zero": ({"--timeout": "0"}, "--timeout", "> 0"),
+    "--threshold nan": ({"--threshold": "nan"}, "--threshold", "finite"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", BAD_SCORE_ARGS)
+def test_every_argument_is_checked_before_scoring_or_writing(tmp_path, case):
+    """Each bad argument: exit 2, one stderr line naming the option (no traceback), nothing
+    printed and no output file (before, --k was parsed after the output was written)."""
+    changes, option, words = BAD_SCORE_ARGS[case]
+    _write_jsonl(tmp_path / "in.jsonl", ROWS)
+    args = {"--reward": "math", "--input": tmp_path / "in.jsonl",
+            "--output": tmp_path / "out.jsonl"}  # fmt: skip
+    args |= {name: value.replace("{dir}", str(tmp_path)) for name, value in changes.items()}
+    result = _run_cli("score", *(item for pair in args.items() for item in pair), "--quiet")
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rl-rewards: error: "), result.stderr
+    assert option in lines[0] and words in lines[0], lines[0]
+    assert result.stdout == "" and not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    ("content", "words"),
+    [("", "the file is empty"), ("{broken\n[1]\n", "all 2 rows are malformed")],
+)
+def test_an_input_with_nothing_to_score_is_reported_as_such(tmp_path, content, words):
+    (tmp_path / "in.jsonl").write_text(content)
+    result = _run_cli("score", "--reward", "math", "--input", tmp_path / "in.jsonl",
+                      "--output", tmp_path / "out.jsonl")  # fmt: skip
+    assert result.returncode == 2 and "mean" not in result.stdout
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("rl-rewards: error: --input") and "no rows to score" in last
+    assert words in last and not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
+def test_the_output_file_gets_the_usual_permissions(tmp_path, suffix):
+    """The atomic write's temporary file is made 0600; the output follows the umask like
+    any file the user's shell makes (0644 under umask 022, 0660 under 007)."""
+    _write_jsonl(tmp_path / "in.jsonl", ROWS)
+    for umask, mode in ((0o022, 0o644), (0o007, 0o660)):
+        out = tmp_path / f"out_{umask:o}.{suffix}"
+        result = _run_cli("score", "--reward", "math", "--input", tmp_path / "in.jsonl",
+                          "--output", out, "--quiet", umask=umask)  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        assert out.stat().st_mode & 0o777 == mode

@@ -3,14 +3,22 @@
     rl-rewards score --reward math --input preds.jsonl --output scored.jsonl \\
         [--response-key response --label-key label --group-key prompt_id --k 1,4,8 --workers N]
     rl-rewards list
+
+Every argument is checked before anything is read, scored or written (exit status 2 with
+one line naming the option); the output file is replaced atomically with the usual
+permissions. An input with no usable row is an error, not a mean of 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
+import math
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from rl_rewards.batch import ScoreResult, score_batch
@@ -47,6 +55,77 @@ def _parse_ks(text: str) -> list[int]:
     return ks
 
 
+def _parse_options(text: str | None, reward: str) -> dict[str, Any]:
+    """``--options`` as keyword arguments ``reward`` accepts (ValueError naming --options);
+    an unknown ``reward`` fails here too, listing the valid names."""
+    fn = get_reward(reward)
+    if text is None:
+        return {}
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"--options is not valid JSON ({exc.msg} at column {exc.colno}): {text!r}; "
+            """give an object such as '{"strict_box": true}'"""
+        ) from exc
+    if not isinstance(options, dict):
+        raise ValueError(
+            f"--options must be a JSON object of keyword options, got {type(options).__name__}"
+        )
+    try:
+        inspect.signature(fn).bind_partial(None, None, **options)
+    except TypeError as exc:
+        raise ValueError(f"--options does not fit reward {reward!r}: {exc}") from exc
+    return options
+
+
+def _check_input(path: Path) -> None:
+    if path.is_dir():
+        raise ValueError(f"--input {str(path)!r} is a directory; give a JSONL or Parquet file")
+    if not path.is_file():
+        raise ValueError(f"--input {str(path)!r}: no such file")
+    check_format_available(path)
+
+
+def _check_output(path: Path) -> None:
+    """ValueError now, before any scoring, when ``path`` cannot be written: a directory, a
+    file as its folder, or a folder (its first existing one) where no file can be made (a
+    real attempt: permissions, a read-only file system, root included)."""
+    if path.is_dir():
+        raise ValueError(f"--output {str(path)!r} is a directory; give a file name in it")
+    check_format_available(path)
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"--output {str(path)!r}: {str(parent)!r} is not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as exc:
+        raise ValueError(
+            f"--output {str(path)!r}: cannot write in {str(parent)!r} ({exc.strerror})"
+        ) from exc
+
+
+def check_score_args(args: argparse.Namespace) -> tuple[dict[str, Any], list[int]]:
+    """Every ``score`` argument checked before anything is read, scored or written;
+    returns the reward options and the pass@k values."""
+    if args.k is not None and not args.group_key:
+        raise ValueError("--k needs --group-key (pass@k is taken over each group's samples)")
+    ks = _parse_ks(args.k or "1")
+    if args.workers < 0:
+        raise ValueError(f"--workers must be >= 0 (0 scores in this process), got {args.workers}")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise ValueError(f"--timeout must be a number of seconds > 0, got {args.timeout}")
+    if not math.isfinite(args.threshold):
+        raise ValueError(f"--threshold must be a finite number, got {args.threshold}")
+    options = _parse_options(args.options, args.reward)
+    _check_input(Path(args.input))
+    _check_output(Path(args.output))
+    return options, ks
+
+
 def _check_first_row(row: dict[str, Any], keys: list[str]) -> None:
     missing = [key for key in keys if key not in row]
     if missing:
@@ -71,13 +150,14 @@ def _split_rows(rows: list[Row], keys: list[str]) -> tuple[list[Row], list[str]]
 
 
 def cmd_score(args: argparse.Namespace) -> dict[str, Any]:
-    options = json.loads(args.options) if args.options else {}
-    get_reward(args.reward, **options)  # fail fast on an unknown name
-    check_format_available(args.output)
+    options, ks = check_score_args(args)
     keys = [args.response_key, args.label_key] + ([args.group_key] if args.group_key else [])
     good, problems = _split_rows(list(read_rows(args.input)), keys)
     for problem in problems:
         print(f"skipped malformed row: {problem}", file=sys.stderr)
+    if not good:
+        what = f"all {len(problems)} rows are malformed" if problems else "the file is empty"
+        raise ValueError(f"--input {args.input!r} has no rows to score ({what}); nothing written")
     responses = [str(row.data[args.response_key]) for row in good]
     labels = [row.data[args.label_key] for row in good]
     progress = ProgressBar(len(good), enabled=not args.quiet)
@@ -92,8 +172,8 @@ def cmd_score(args: argparse.Namespace) -> dict[str, Any]:
     write_rows_atomic(args.output, out_rows)
     groups = [json.dumps(row.data[args.group_key]) for row in good] if args.group_key else None
     summary = summarize_scores(
-        report.scores, [r.status for r in report.results], group_ids=groups,
-        ks=_parse_ks(args.k), threshold=args.threshold,
+        report.scores, [r.status for r in report.results], group_ids=groups, ks=ks,
+        threshold=args.threshold,
     )  # fmt: skip
     return {"reward": args.reward, "num_malformed": len(problems), **summary}
 
@@ -108,21 +188,61 @@ def cmd_list(args: argparse.Namespace) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rl-rewards", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    score = commands.add_parser("score", help="score a JSONL or Parquet file of predictions")
-    score.add_argument("--reward", required=True, help="registered name or pkg.module:function")
-    score.add_argument("--input", required=True)
-    score.add_argument("--output", required=True, help=".jsonl, or .parquet with pyarrow")
-    score.add_argument("--response-key", default="response")
-    score.add_argument("--label-key", default="label")
-    score.add_argument("--group-key", default=None, help="field grouping samples for pass@k")
-    score.add_argument("--k", default="1", help="pass@k values, e.g. 1,4,8")
-    score.add_argument("--threshold", type=float, default=1.0, help="score counted as correct")
-    score.add_argument("--workers", type=int, default=0, help="processes (0: in this one)")
-    score.add_argument("--timeout", type=float, default=10.0, help="seconds per sample")
-    score.add_argument("--options", default=None, help="JSON object of reward keyword options")
+    score = commands.add_parser(
+        "score", help="score a JSONL or Parquet file of predictions",
+        description="Score each row's response against its label; write the rows with "
+        "score, reward_status and reward_reason added; print a JSON summary (mean, errors, "
+        "timeouts, pass@k with --group-key). Exit status 0, or 2 on bad input.",
+    )  # fmt: skip
+    score.add_argument(
+        "--reward",
+        required=True,
+        help="registered name (see: rl-rewards list) or pkg.module:function",
+    )
+    score.add_argument("--input", required=True, help="a .jsonl file, or .parquet with pyarrow")
+    score.add_argument(
+        "--output", required=True, help=".jsonl, or .parquet with pyarrow; replaced atomically"
+    )
+    score.add_argument(
+        "--response-key",
+        default="response",
+        help="field holding the response (default: %(default)s)",
+    )
+    score.add_argument(
+        "--label-key", default="label", help="field holding the label (default: %(default)s)"
+    )
+    score.add_argument(
+        "--group-key",
+        default=None,
+        help="field grouping the samples of one prompt, for pass@k (default: none)",
+    )
+    score.add_argument(
+        "--k", default=None, help="pass@k values, e.g. 1,4,8; needs --group-key (default: 1)"
+    )
+    score.add_argument(
+        "--threshold",
+        type=float,
+        default=1.0,
+        help="a score at least this is correct (default: %(default)s)",
+    )
+    score.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="reward processes; 0 scores in this one (default: %(default)s)",
+    )
+    score.add_argument(
+        "--timeout", type=float, default=10.0, help="seconds per sample (default: %(default)s)"
+    )
+    score.add_argument(
+        "--options",
+        default=None,
+        help="""JSON object of the reward's keyword options, e.g. '{"strict_box": """
+        """true}' (default: none)""",
+    )
     score.add_argument("--quiet", action="store_true", help="no progress bar")
     commands.add_parser("list", help="list the registered rewards")
-    return parser
+    return parser  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             cmd_list(args)
         else:
             print(json.dumps(cmd_score(args), indent=2))
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:  # bad input, or a file that cannot be read or written
         print(f"rl-rewards: error: {exc}", file=sys.stderr)
         return 2
     return 0

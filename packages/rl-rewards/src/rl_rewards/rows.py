@@ -1,6 +1,8 @@
 """Reading and writing row files for the CLI: JSONL always, Parquet when pyarrow is installed.
 
-Writes are atomic: a temporary file in the destination folder, then ``os.replace``.
+Writes are atomic: a temporary file in the destination folder, then ``os.replace``; the
+file gets the permissions a plain ``open`` would give it (0666 less the umask), not the
+temporary file's 0600.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ def write_rows_atomic(path: str | Path, rows: list[dict[str, Any]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, temp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.chmod(temp_name, 0o666 & ~current_umask())
         if _is_parquet(path):
             os.close(fd)
             pq = _require_pyarrow()
@@ -84,6 +87,13 @@ def write_rows_atomic(path: str | Path, rows: list[dict[str, Any]]) -> None:
     except BaseException:
         Path(temp_name).unlink(missing_ok=True)
         raise
+
+
+def current_umask() -> int:
+    """This process's umask (read by setting it and putting it back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _table(rows: list[dict[str, Any]]):
