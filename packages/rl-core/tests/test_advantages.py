@@ -120,3 +120,50 @@ def test_registry_estimators_run_and_match_functions():
         ADVANTAGE_ESTIMATORS.get("ppo2")
     with pytest.raises(ValueError, match="critic values"):
         ADVANTAGE_ESTIMATORS.get("gae")(AdvantageInputs(rewards=rewards, mask=mask))
+
+
+def test_groups_of_different_sizes_by_hand():
+    """A group of 3 (one sample's reward failed and was left out) beside a full one of 4."""
+    rewards = torch.tensor([1.0, 0.0, 0.0, 2.0, 2.0, 0.0, 0.0])
+    sizes = (3, 4)
+    out = group_normalize(rewards, group_size=4, group_sizes=sizes)
+    std3, std4 = math.sqrt(1 / 3), math.sqrt(4 / 3)  # unbiased, over each group's own samples
+    expected = [2 / 3 / std3, -1 / 3 / std3, -1 / 3 / std3, 1 / std4, 1 / std4, -1 / std4,
+                -1 / std4]  # fmt: skip
+    torch.testing.assert_close(out, torch.tensor(expected), rtol=1e-5, atol=1e-5)
+    dr = group_normalize(rewards, group_size=4, std=False, group_sizes=sizes)
+    torch.testing.assert_close(dr, torch.tensor([2 / 3, -1 / 3, -1 / 3, 1.0, 1.0, -1.0, -1.0]))
+    # rloo: 1 - mean(0, 0); 0 - mean(1, 0); ... 2 - mean(2, 0, 0) = 4/3; 0 - mean(2, 2, 0)
+    torch.testing.assert_close(
+        rloo(rewards, group_size=4, group_sizes=sizes),
+        torch.tensor([1.0, -0.5, -0.5, 4 / 3, 4 / 3, -4 / 3, -4 / 3]),
+    )
+    assert group_normalize(torch.tensor([5.0, 1.0]), group_size=4, group_sizes=(1, 1)).eq(0).all()
+
+
+def test_equal_sizes_given_as_a_list_match_the_uniform_path():
+    rewards = torch.randn(12, generator=torch.Generator().manual_seed(0))
+    for std in (True, False):
+        torch.testing.assert_close(
+            group_normalize(rewards, group_size=4, std=std, group_sizes=(4, 4, 4)),
+            group_normalize(rewards, group_size=4, std=std),
+        )
+    torch.testing.assert_close(rloo(rewards, group_size=3, group_sizes=(3,) * 4),
+                               rloo(rewards, group_size=3))  # fmt: skip
+
+
+def test_ragged_groups_are_checked_and_reach_every_group_estimator():
+    with pytest.raises(ValueError, match=r"sizes \[3, 3\]"):
+        group_normalize(torch.zeros(7), group_size=4, group_sizes=(3, 3))
+    with pytest.raises(ValueError, match="every group needs a sample"):
+        group_normalize(torch.zeros(3), group_size=4, group_sizes=(3, 0))
+    with pytest.raises(ValueError, match=">= 2 samples"):
+        rloo(torch.zeros(3), group_size=2, group_sizes=(2, 1))
+    rewards, mask = torch.tensor([1.0, 0.0, 0.0, 3.0, 1.0]), torch.ones(5, 2)
+    inputs = AdvantageInputs(rewards=rewards, mask=mask, group_size=3, group_sizes=(2, 3))
+    dr, _ = ADVANTAGE_ESTIMATORS.get("dr_grpo")(inputs)
+    expected = torch.tensor([0.5, -0.5, -4 / 3, 5 / 3, -1 / 3])
+    torch.testing.assert_close(dr, expected.unsqueeze(-1) * mask)
+    for name in ("grpo", "rloo", "reinforce_plus_plus_baseline"):
+        adv, _ = ADVANTAGE_ESTIMATORS.get(name)(inputs)  # the uniform path would refuse 5 / 3
+        assert adv.shape == mask.shape and torch.isfinite(adv).all()

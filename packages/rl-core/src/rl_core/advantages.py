@@ -1,12 +1,13 @@
 """Advantage and return estimators.
 
 Shapes: scalar rewards are ``[B]`` with each prompt's group of samples contiguous
-(``B = num_prompts · group_size``); per-token tensors are padded ``[B, T]`` with a
-``mask`` (1 on response tokens that are trained). Masked positions of every per-token
-output are 0. Nothing here whitens unless asked (:func:`whiten`).
+(``B = num_prompts · group_size``, or ``sum(group_sizes)`` when groups differ in size, e.g.
+once samples whose reward failed are left out); per-token tensors are padded ``[B, T]``
+with a ``mask`` (1 on response tokens that are trained). Masked positions of every
+per-token output are 0. Nothing here whitens unless asked (:func:`whiten`).
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,14 +27,42 @@ def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return rewards.float().view(-1, group_size)
 
 
+def _ragged(rewards: torch.Tensor, group_sizes: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B]`` rewards in contiguous groups of ``group_sizes`` -> (group of each sample
+    ``[B]``, float size of each group ``[G]``), refusing sizes that do not add up to B."""
+    if rewards.dim() != 1:
+        raise ValueError(f"scalar rewards must be 1-D [B], got shape {tuple(rewards.shape)}")
+    sizes = torch.as_tensor(list(group_sizes), dtype=torch.long, device=rewards.device)
+    if sizes.numel() == 0 or int(sizes.min()) < 1 or int(sizes.sum()) != rewards.numel():
+        raise ValueError(
+            f"{rewards.numel()} rewards do not split into groups of sizes {list(group_sizes)} "
+            "(samples of one prompt must be contiguous; every group needs a sample)"
+        )
+    ids = torch.repeat_interleave(torch.arange(sizes.numel(), device=rewards.device), sizes)
+    return ids, sizes.float()
+
+
+def _group_sum(values: torch.Tensor, ids: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """``[G]`` sums of ``values`` ``[B]`` over the samples of each group."""
+    return values.new_zeros(num_groups).index_add_(0, ids, values)
+
+
 def group_normalize(
-    rewards: torch.Tensor, *, group_size: int, std: bool = True, eps: float = 1e-6
+    rewards: torch.Tensor,
+    *,
+    group_size: int,
+    std: bool = True,
+    eps: float = 1e-6,
+    group_sizes: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """GRPO advantages: (r - group mean) / (group std + eps), std unbiased.
 
     ``std=False`` only subtracts the mean (Dr.GRPO). A group of one has zero advantage.
-    Returns ``[B]``.
+    ``group_sizes``: the size of each contiguous group when they differ (``group_size`` is
+    then ignored). Returns ``[B]``.
     """
+    if group_sizes is not None:
+        return _ragged_normalize(rewards, group_sizes, std=std, eps=eps)
     groups = _grouped(rewards, group_size)
     centred = groups - groups.mean(dim=1, keepdim=True)
     if std:
@@ -42,8 +71,31 @@ def group_normalize(
     return centred.reshape(-1)
 
 
-def rloo(rewards: torch.Tensor, *, group_size: int) -> torch.Tensor:
-    """Leave-one-out baseline: r_i - mean of the other samples of the group. Returns ``[B]``."""
+def _ragged_normalize(rewards: torch.Tensor, group_sizes: Sequence[int], *, std: bool,
+                      eps: float) -> torch.Tensor:  # fmt: skip
+    """:func:`group_normalize` over groups of different sizes."""
+    ids, sizes = _ragged(rewards, group_sizes)
+    values = rewards.float()
+    centred = values - (_group_sum(values, ids, sizes.numel()) / sizes)[ids]
+    if std:
+        variance = _group_sum(centred.square(), ids, sizes.numel()) / (sizes - 1).clamp(min=1)
+        group_std = torch.where(sizes > 1, variance.sqrt(), torch.zeros_like(variance))
+        centred = centred / (group_std[ids] + eps)
+    return centred
+
+
+def rloo(
+    rewards: torch.Tensor, *, group_size: int, group_sizes: Sequence[int] | None = None
+) -> torch.Tensor:
+    """Leave-one-out baseline: r_i - mean of the other samples of the group. Returns ``[B]``.
+    ``group_sizes`` as in :func:`group_normalize` (each at least 2)."""
+    if group_sizes is not None:
+        ids, sizes = _ragged(rewards, group_sizes)
+        if int(sizes.min()) < 2:
+            raise ValueError(f"rloo needs groups of >= 2 samples, got sizes {list(group_sizes)}")
+        values = rewards.float()
+        sums = _group_sum(values, ids, sizes.numel())[ids]
+        return values - (sums - values) / (sizes[ids] - 1)
     if group_size < 2:
         raise ValueError("rloo needs group_size >= 2 (the baseline is the other samples)")
     groups = _grouped(rewards, group_size)
@@ -133,12 +185,14 @@ def reinforce_pp_baseline(
     kl: torch.Tensor,
     mask: torch.Tensor,
     kl_coef: float,
+    group_sizes: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """REINFORCE++-baseline: (r - group mean) on every token, minus kl_coef·kl.
 
-    ``rewards`` ``[B]``; ``kl``, ``mask`` ``[B, T]``. Returns ``[B, T]`` (not whitened).
+    ``rewards`` ``[B]``; ``kl``, ``mask`` ``[B, T]``; ``group_sizes`` as in
+    :func:`group_normalize`. Returns ``[B, T]`` (not whitened).
     """
-    centred = group_normalize(rewards, group_size=group_size, std=False)
+    centred = group_normalize(rewards, group_size=group_size, std=False, group_sizes=group_sizes)
     return (centred.unsqueeze(-1) - kl_coef * kl.float()) * mask.float()
 
 
@@ -163,11 +217,13 @@ class AdvantageInputs:
 
     rewards: ``[B]`` scalar rewards, groups contiguous. mask: ``[B, T]`` response tokens.
     values: ``[B, T]`` critic values (GAE). kl: ``[B, T]`` per-token KL to the reference.
+    group_sizes: the size of each group when they differ (None: all ``group_size``).
     """
 
     rewards: torch.Tensor
     mask: torch.Tensor
     group_size: int = 1
+    group_sizes: tuple[int, ...] | None = None
     values: torch.Tensor | None = None
     kl: torch.Tensor | None = None
     gamma: float = 1.0
@@ -186,20 +242,26 @@ def _broadcast(per_seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 @ADVANTAGE_ESTIMATORS.register("grpo")
 def _grpo(inputs: AdvantageInputs):
-    adv = _broadcast(group_normalize(inputs.rewards, group_size=inputs.group_size), inputs.mask)
+    normalized = group_normalize(
+        inputs.rewards, group_size=inputs.group_size, group_sizes=inputs.group_sizes
+    )
+    adv = _broadcast(normalized, inputs.mask)
     return adv, adv
 
 
 @ADVANTAGE_ESTIMATORS.register("dr_grpo")
 def _dr_grpo(inputs: AdvantageInputs):
-    centred = group_normalize(inputs.rewards, group_size=inputs.group_size, std=False)
+    centred = group_normalize(
+        inputs.rewards, group_size=inputs.group_size, std=False, group_sizes=inputs.group_sizes
+    )
     adv = _broadcast(centred, inputs.mask)
     return adv, adv
 
 
 @ADVANTAGE_ESTIMATORS.register("rloo")
 def _rloo(inputs: AdvantageInputs):
-    adv = _broadcast(rloo(inputs.rewards, group_size=inputs.group_size), inputs.mask)
+    baseline = rloo(inputs.rewards, group_size=inputs.group_size, group_sizes=inputs.group_sizes)
+    adv = _broadcast(baseline, inputs.mask)
     return adv, adv
 
 
@@ -227,6 +289,7 @@ def _reinforce_pp_baseline(inputs: AdvantageInputs):
         kl=_kl_or_zero(inputs),
         mask=inputs.mask,
         kl_coef=inputs.kl_coef,
+        group_sizes=inputs.group_sizes,
     )
     return whiten(adv, inputs.mask), adv
 
