@@ -113,3 +113,60 @@ def test_unknown_names_are_refused():
         DataBuffer(group_size=2, num_ranks=1, advantage_estimator="ppo")
     with pytest.raises(ValueError, match="unknown group filter"):
         DataBuffer(group_size=2, num_ranks=1, group_filter="nope")
+
+
+def reward_failure(group, index, tokens):
+    """A sample whose reward failed and was skipped: aborted, with the error kept."""
+    failed = sample(group, index, tokens, len(tokens) - 1, 0.0, status="aborted")
+    failed.metadata["reward_error"] = "reward 'r' failed on sample ...: RuntimeError: boom"
+    return failed
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])
+def test_a_failed_reward_skips_its_sample_not_its_group(estimator):
+    """Group 0: 4 samples, one whose reward failed: it trains on the other 3, advantages
+    taken over them alone. Group 1: only one scored: dropped and counted. Group 2: full."""
+    buffer = DataBuffer(group_size=4, num_ranks=1, advantage_estimator=estimator)
+    buffer.add([sample(0, 0, [1, 2], 1, 1.0), reward_failure(0, 1, [1, 3]),
+                sample(0, 2, [1, 4], 1, 0.0), sample(0, 3, [1, 5], 1, 0.0)])  # fmt: skip
+    buffer.add([reward_failure(1, i, [2, 3]) for i in range(3)] + [sample(1, 3, [2, 4], 1, 1.0)])
+    buffer.add(sample(2, i, [3, 4], 1, float(i % 2)) for i in range(4))
+    assert buffer.num_ready_groups == 2
+    step = buffer.pop_step(2)
+    assert [(s.group_index, s.index) for s in step.samples] == [(0, 0), (0, 2), (0, 3)] + [
+        (2, i) for i in range(4)
+    ]
+    assert step.group_sizes == [3, 4]
+    assert step.metrics["rollout/groups_dropped_reward_error"] == 1.0
+    assert step.metrics["buffer/groups_aborted"] == 0.0  # the engine aborted nothing
+    (batch,) = step.rank_batches
+    trained = batch.advantages[0::2]  # each sample: 2 tokens, its response predicted at 0
+    std3, std4 = math.sqrt(1 / 3), math.sqrt(1 / 3)  # {1, 0, 0} and {0, 1, 0, 1}, unbiased
+    expected = {  # the first group over its 3 scored samples, not 4 with a made-up 0
+        "grpo": [2 / 3 / std3, -1 / 3 / std3, -1 / 3 / std3] + [-0.5 / std4, 0.5 / std4] * 2,
+        "dr_grpo": [2 / 3, -1 / 3, -1 / 3] + [-0.5, 0.5] * 2,
+        "rloo": [1.0, -0.5, -0.5] + [-2 / 3, 2 / 3] * 2,
+    }[estimator]
+    torch.testing.assert_close(trained, torch.tensor(expected), rtol=1e-5, atol=1e-5)
+
+
+def test_groups_left_with_too_few_scored_samples_are_counted_in_the_step_they_end():
+    buffer = DataBuffer(group_size=2, num_ranks=1)
+    buffer.add([reward_failure(0, 0, [1, 2]), sample(0, 1, [1, 2], 1, 1.0)])
+    buffer.add([reward_failure(1, 0, [1, 2]), reward_failure(1, 1, [1, 2])])
+    assert buffer.num_ready_groups == 0
+    assert buffer.take_counts()["rollout/groups_dropped_reward_error"] == 2.0
+    assert buffer.take_counts()["rollout/groups_dropped_reward_error"] == 0.0  # taken once
+    single = DataBuffer(group_size=1, num_ranks=1, advantage_estimator="reinforce_plus_plus")
+    single.add([reward_failure(0, 0, [1, 2]), sample(1, 0, [1, 2], 1, 1.0)])
+    assert single.num_ready_groups == 1  # a group of one needs its one sample
+
+
+def test_an_engine_abort_still_drops_the_whole_group():
+    buffer = DataBuffer(group_size=3, num_ranks=1)
+    buffer.add([sample(0, 0, [1, 2], 1, 1.0), reward_failure(0, 1, [1, 2]),
+                sample(0, 2, [1, 2], 1, 0.0, status="aborted")])  # fmt: skip
+    assert buffer.num_ready_groups == 0
+    counts = buffer.take_counts()
+    assert counts["buffer/groups_aborted"] == 1.0
+    assert counts["rollout/groups_dropped_reward_error"] == 0.0

@@ -46,9 +46,9 @@ def test_cause_quotes_the_engine_refusal_and_counts_every_kind():
     cause = faults.empty_cause(
         [failed, samples(3, reward=0.0), samples(4, status="aborted")], config
     )
-    assert cause == (
+    assert cause == (  # group 2 lost one sample to its reward, its other 3 were filtered
         "of 12 samples, 1 whose reward failed, skipped under rollout.on_reward_error=skip "
-        f"(first: {REWARD}); 4 aborted; 1 group(s) dropped by algorithm.group_filter=nonzero_std"
+        f"(first: {REWARD}); 4 aborted; 2 group(s) dropped by algorithm.group_filter=nonzero_std"
     )
     assert faults.empty_cause([], config) == "the rollout returned no samples"
     long = samples(5, status="aborted", error="x" * 1000)

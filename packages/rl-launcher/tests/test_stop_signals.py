@@ -154,6 +154,8 @@ def test_sigterm_and_ctrl_c_stop_at_a_step_boundary_and_the_run_dir_has_one_owne
         prompts = order[record["step"] - 1]["prompts"]
         trained = 4 * sum(labels[p] != fail_on for p in prompts)
         assert record["train/num_samples"] == trained and record["rollout/num_samples"] == 16
+        # every sample of a failing label's group failed: no two left to compare, dropped
+        assert record["rollout/groups_dropped_reward_error"] == (16 - trained) / 4
         assert f" | trained {trained}/16 | " in lines[f"step {record['step']}/{NUM_STEPS}"]
     assert records(run_dir)[0]["train/num_samples"] < 16
 

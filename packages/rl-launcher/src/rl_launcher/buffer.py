@@ -1,8 +1,12 @@
 """The data buffer: scored samples in, per-rank training batches of one step out.
 
 Samples arrive in any order; the buffer groups them by prompt (``Sample.group_index``),
-and once a group is complete it drops it when a sample was aborted or when the
-dynamic-sampling filter (rl_core ``GROUP_FILTERS``, by name) rejects its rewards. A step
+and once a group is complete it drops it when a sample was aborted by the engine or when
+the dynamic-sampling filter (rl_core ``GROUP_FILTERS``, by name) rejects its rewards. A
+sample whose reward failed (skipped under ``rollout.on_reward_error=skip``: aborted, with
+``metadata["reward_error"]``) leaves only itself: the group goes on with the samples that
+scored, its advantages taken over them, unless fewer than two are left (one for groups of
+one); then it is dropped and counted (``rollout/groups_dropped_reward_error``). A step
 takes the oldest ready groups, computes advantages with the named estimator
 (rl_core ``ADVANTAGE_ESTIMATORS``), packs every sample into one :class:`TrainBatch` (so
 the loss denominators cover the whole step) and splits it across ranks with near-equal
@@ -36,6 +40,7 @@ class StepBatch:
     rank_batches: list[TrainBatch]
     partitions: list[list[int]]
     metrics: dict[str, float] = field(default_factory=dict)
+    group_sizes: list[int] = field(default_factory=list)  # of the contiguous groups in samples
 
 
 def scalar_reward(sample: Sample, reward_key: str | None = None) -> float:
@@ -77,7 +82,7 @@ class DataBuffer:
         self.reward_kl_coef, self.reward_kl_kind = reward_kl_coef, reward_kl_kind
         self._pending: dict[int, list[Sample]] = {}
         self._ready: list[list[Sample]] = []
-        self._counts = {"groups_filtered": 0, "groups_aborted": 0}
+        self._counts = {"groups_filtered": 0, "groups_aborted": 0, "groups_dropped_reward_error": 0}
         self._rewards_seen: list[float] = []
 
     @classmethod
@@ -117,13 +122,17 @@ class DataBuffer:
 
     def _complete(self, group: list[Sample]) -> None:
         group.sort(key=lambda s: (s.index is None, s.index))
-        if any(s.status == SampleStatus.ABORTED for s in group):
+        scored = [s for s in group if not reward_failed(s)]
+        if any(s.status == SampleStatus.ABORTED for s in scored):  # by the engine: left out
             self._counts["groups_aborted"] += 1
             return
-        rewards = [scalar_reward(s, self.reward_key) for s in group]
+        if len(scored) < min(2, len(group)):  # no sample left to compare with
+            self._counts["groups_dropped_reward_error"] += 1
+            return
+        rewards = [scalar_reward(s, self.reward_key) for s in scored]
         self._rewards_seen.extend(rewards)
         if self._filter(rewards):
-            self._ready.append(group)
+            self._ready.append(scored)
         else:
             self._counts["groups_filtered"] += 1
 
@@ -134,7 +143,8 @@ class DataBuffer:
             raise ValueError(f"asked for {num_groups} groups, {len(self._ready)} are ready")
         groups, self._ready = self._ready[:num_groups], self._ready[num_groups:]
         samples = [s for group in groups for s in group]
-        advantages = None if self.defers_advantages else self.advantages(samples)
+        sizes = [len(group) for group in groups]
+        advantages = None if self.defers_advantages else self.advantages(samples, group_sizes=sizes)
         full = batch_from_samples(samples, advantages)
         everything = list(range(len(samples)))
         partitions = (
@@ -147,6 +157,7 @@ class DataBuffer:
             rank_batches=[full if part == everything else full.select(part) for part in partitions],
             partitions=partitions,
             metrics=self._step_metrics(samples),
+            group_sizes=sizes,
         )
         if not self.defers_advantages:
             step.rank_batches = self._with_targets(step, step.rank_batches)
@@ -168,7 +179,7 @@ class DataBuffer:
         kl = response_rows(step.samples, step.partitions, per_rank)
         mask = response_mask(step.samples)
         step.metrics["algorithm/reward_kl_mean"] = float((kl * mask).sum() / mask.sum().clamp(1))
-        rows = self.advantages(step.samples, kl=kl)
+        rows = self.advantages(step.samples, kl=kl, group_sizes=step.group_sizes)
         rank_batches = [
             replace(b, advantages=packed(step.samples, rows, part))
             for b, part in zip(rank_batches, step.partitions, strict=True)
@@ -180,19 +191,31 @@ class DataBuffer:
         return rank_batches
 
     def advantages(
-        self, samples: list[Sample], kl: torch.Tensor | None = None
+        self,
+        samples: list[Sample],
+        kl: torch.Tensor | None = None,
+        group_sizes: list[int] | None = None,
     ) -> list[list[float]]:
-        """Per-response-token advantages of contiguous complete groups; ``kl`` ``[B, T]``:
-        the per-token KL to the reference that the reward pays ``reward_kl_coef`` times."""
+        """Per-response-token advantages of contiguous groups (of ``group_sizes`` samples
+        each; None: all complete); ``kl`` ``[B, T]``: the per-token KL to the reference that
+        the reward pays ``reward_kl_coef`` times."""
         rewards = torch.tensor([scalar_reward(s, self.reward_key) for s in samples])
         inputs = AdvantageInputs(
             rewards=rewards, mask=response_mask(samples), group_size=self.group_size,
-            gamma=self.gamma, lam=self.lam, kl=kl, kl_coef=self.reward_kl_coef,
+            group_sizes=self.ragged(group_sizes), gamma=self.gamma, lam=self.lam, kl=kl,
+            kl_coef=self.reward_kl_coef,
         )  # fmt: skip
         per_token, _ = self._estimator(inputs)
         return [
             row[: s.response_length] for row, s in zip(per_token.tolist(), samples, strict=True)
         ]
+
+    def ragged(self, group_sizes: list[int] | None) -> tuple[int, ...] | None:
+        """``group_sizes`` for the estimator when some group is not complete, else None
+        (the uniform path, unchanged for runs where every reward scored)."""
+        if group_sizes is None or all(n == self.group_size for n in group_sizes):
+            return None
+        return tuple(group_sizes)
 
     def _step_metrics(self, samples: list[Sample]) -> dict[str, float]:
         metrics = summarize(self._rewards_seen, "rollout/reward")
@@ -200,9 +223,23 @@ class DataBuffer:
         metrics["rollout/truncated_frac"] = sum(
             s.status == SampleStatus.TRUNCATED for s in samples
         ) / max(len(samples), 1)
-        metrics |= {f"buffer/{name}": float(count) for name, count in self._counts.items()}
-        self._rewards_seen, self._counts = [], dict.fromkeys(self._counts, 0)
-        return metrics
+        self._rewards_seen = []
+        return metrics | self.take_counts()
+
+    def take_counts(self) -> dict[str, float]:
+        """Groups dropped since the last call, as metrics: ``buffer/groups_filtered``,
+        ``buffer/groups_aborted`` (an engine's error) and
+        ``rollout/groups_dropped_reward_error`` (too few samples scored)."""
+        counts, self._counts = self._counts, dict.fromkeys(self._counts, 0)
+        dropped = float(counts.pop("groups_dropped_reward_error"))
+        return {f"buffer/{name}": float(n) for name, n in counts.items()} | {
+            "rollout/groups_dropped_reward_error": dropped
+        }
+
+
+def reward_failed(sample: Sample) -> bool:
+    """The sample's reward failed and was skipped (``rollout.on_reward_error=skip``)."""
+    return sample.status == SampleStatus.ABORTED and bool(sample.metadata.get("reward_error"))
 
 
 def response_mask(samples: list[Sample]) -> torch.Tensor:

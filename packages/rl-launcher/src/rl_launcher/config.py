@@ -276,8 +276,10 @@ class RolloutConfig:
     rollout_only: bool = option(False, help="Generate and score without training.")
     on_reward_error: str = option(
         "raise",
-        help="A reward function that raises: stop the run (raise, exit 2) or score the sample "
-        "as aborted and count it (skip).",
+        help="A reward function that raises: stop the run (raise, exit 2) or leave the sample "
+        "out and count it (skip): its group's advantages are taken over the samples that "
+        "scored, and a group with fewer than two of them is dropped "
+        "(rollout/groups_dropped_reward_error).",
         choices=("raise", "skip"),
     )
     reward_timeout_s: float | None = option(

@@ -151,13 +151,15 @@ class GaeBuffer(DataBuffer):
         self.value_fn = value_fn  # samples -> [B, T] response values
         self._targets: tuple[list, list] = ([], [])
 
-    def advantages(self, samples: list, kl: torch.Tensor | None = None) -> list[list[float]]:
+    def advantages(self, samples: list, kl: torch.Tensor | None = None,
+                   group_sizes: list[int] | None = None) -> list[list[float]]:  # fmt: skip
         rewards = torch.tensor([scalar_reward(s, self.reward_key) for s in samples])
         mask = response_mask(samples)
         values = self.value_fn(samples)
         inputs = AdvantageInputs(rewards=rewards, mask=mask, values=values * mask,
                                  group_size=self.group_size, gamma=self.gamma, lam=self.lam,
-                                 kl=kl, kl_coef=self.reward_kl_coef)  # fmt: skip
+                                 kl=kl, kl_coef=self.reward_kl_coef,
+                                 group_sizes=self.ragged(group_sizes))  # fmt: skip
         advantages, returns = self._estimator(inputs)
         rows = [s.response_length for s in samples]
         self._targets = ([r[:n] for r, n in zip(returns.tolist(), rows, strict=True)],

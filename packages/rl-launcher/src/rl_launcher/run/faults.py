@@ -141,11 +141,22 @@ def empty_cause(groups: list[list], config) -> str:
                      f"rollout.on_reward_error=skip (first: {_first(reward)})")  # fmt: skip
     if aborted > len(engine) + len(reward):
         parts.append(f"{aborted - len(engine) - len(reward)} aborted")
-    whole = [g for g in groups if not any(s.status is SampleStatus.ABORTED for s in g)]
+    whole = [g for g in groups if reached_the_filter(g)]
     if whole:
         parts.append(f"{len(whole)} group(s) dropped by "
                      f"algorithm.group_filter={config.algorithm.group_filter}")  # fmt: skip
     return f"of {len(samples)} samples, " + "; ".join(parts)
+
+
+def reached_the_filter(group: list) -> bool:
+    """No sample aborted by the engine, and enough scored (at least two, or the one of a
+    group of one) for the buffer to judge the group (:mod:`rl_launcher.buffer`)."""
+    from rl_core.types import SampleStatus
+    from rl_launcher.buffer import reward_failed
+
+    scored = [s for s in group if not reward_failed(s)]
+    engine = any(s.status is SampleStatus.ABORTED for s in scored)
+    return not engine and len(scored) >= min(2, len(group))
 
 
 def _first(messages: list[str]) -> str:

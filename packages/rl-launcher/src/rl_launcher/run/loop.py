@@ -129,7 +129,7 @@ def run_step(run: Run, buffer: DataBuffer, step: int, feed=None) -> dict[str, fl
         failed = sum(s.status is SampleStatus.ABORTED for group in groups for s in group)
         empty = {"buffer/empty_step": 1.0, faults.TRAINED_KEY: 0.0, faults.EMPTY_CAUSE_KEY: cause,
                  faults.EMPTY_FAILED_KEY: float(failed)}  # fmt: skip
-        return metrics | empty | clock.times()
+        return metrics | empty | buffer.take_counts() | clock.times()
     batch = buffer.pop_step(buffer.num_ready_groups)
     metrics[faults.TRAINED_KEY] = float(len(batch.samples))
     rank_batches = batch.rank_batches

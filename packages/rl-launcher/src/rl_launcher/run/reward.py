@@ -12,8 +12,9 @@ this process, as they are.
 A reward that raises, passes the limit or returns something other than a finite number (or
 a mapping holding them) either stops the run with the reward's name, the sample and what
 went wrong (``on_error="raise"``: :class:`RewardError`, ``rl-train`` exits with status 2),
-or (``on_error="skip"``) marks the sample aborted with that message in its metadata, so its
-group is left out of training, and counts it (:meth:`Reward.take_counts`:
+or (``on_error="skip"``) marks the sample aborted with that message in its metadata, so it
+is left out of training (its group trains on the samples that scored:
+:mod:`rl_launcher.buffer`), and counts it (:meth:`Reward.take_counts`:
 ``rollout/reward_errors``, ``rollout/reward_timeouts``); never a silent 0. A mapping reward
 needs ``algorithm.reward_key`` to name one of its keys.
 """
