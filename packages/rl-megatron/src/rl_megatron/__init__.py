@@ -7,7 +7,8 @@ rl_core TrainingBackend) and :mod:`state` (its export, checkpoints, offload);
 :mod:`parallel`, :mod:`pipeline` (1F1B / GPipe), :mod:`optim`, :mod:`precision` (bf16 with
 fp32 main grads and masters), :mod:`fusions` (megatron's compiled SwiGLU),
 :mod:`checkpoint` and :mod:`dist_ckpt` (atomic megatron distributed checkpoints);
-:mod:`testing.cpu_shim` (megatron on CPU for tests).
+:mod:`shape` (the HF config read and the family check), :mod:`convert` and :mod:`cli`
+(``rl-convert``); :mod:`testing.cpu_shim` (megatron on CPU for tests and conversions).
 """
 
 from importlib.metadata import PackageNotFoundError, version

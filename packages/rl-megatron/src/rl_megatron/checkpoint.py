@@ -57,13 +57,22 @@ def save_sharded(path: str | Path, state: dict, meta: dict) -> None:
     _atomic_write(Path(path), lambda tmp: torch.save(state, tmp / f"rank_{rank:05d}.pt"), meta)
 
 
-def save_distributed(path: str | Path, sharded_state: dict, meta: dict) -> None:
+def save_distributed(
+    path: str | Path,
+    sharded_state: dict,
+    meta: dict,
+    *,
+    extra: Callable[[Path], None] | None = None,
+) -> None:
     """Write a megatron sharded state dict under ``path`` with megatron's distributed
-    checkpointing, atomically (all ranks call together; needs torch.distributed)."""
+    checkpointing, atomically (all ranks call together; needs torch.distributed).
+    ``extra(tmp)``: rank 0 adds its own files before ``meta.json`` is written."""
     from megatron.core import dist_checkpointing
 
     def write(tmp: Path) -> None:
         dist_checkpointing.save(sharded_state, str(tmp))
+        if extra is not None and _rank_world()[0] == 0:
+            extra(tmp)
 
     _atomic_write(Path(path), write, {**meta, "format": DIST_FORMAT})
 

@@ -6,7 +6,7 @@ call together). Shapes: a gathered shard list is ``tp_size`` tensors of the shar
 """
 
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -161,9 +161,11 @@ def save_hf_directory(
     *,
     shard_bytes: int = 4 << 30,
     dtype: torch.dtype | None = None,
+    extra: Callable[[Path], None] | None = None,
 ) -> None:
     """Write config + safetensors shards of the full model to ``directory`` atomically
-    (a temporary sibling renamed into place). All ranks call; global rank 0 writes."""
+    (a temporary sibling renamed into place). All ranks call; global rank 0 writes, with
+    ``extra(tmp)`` adding its own files (tokenizer) before the rename."""
     directory = Path(directory)
     writer = not dist.is_initialized() or dist.get_rank() == 0
     if writer:
@@ -179,6 +181,8 @@ def save_hf_directory(
         if writer:
             weight_map.update(_write_shard(tmp, index, bucket, dtype))
     if writer:
+        if extra is not None:
+            extra(tmp)
         _finish_directory(tmp, directory, hf_config, weight_map)
     if dist.is_initialized():
         dist.barrier()

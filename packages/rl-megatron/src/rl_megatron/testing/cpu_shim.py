@@ -1,6 +1,7 @@
 """Run megatron-core 0.16 on CPU (gloo): the only place that patches megatron or torch.cuda.
 
-Used by the CPU tests and the CPU benchmark, never by the backend on GPUs. What it changes:
+Used by the CPU tests, the CPU benchmark and ``rl-convert`` (conversions run on CPU),
+never by the backend on GPUs. What it changes:
 
 1. ``torch.cuda.current_device`` returns ``"cpu"``: megatron allocates its communication
    buffers, rotary frequencies and causal masks with ``device=torch.cuda.current_device()``.
