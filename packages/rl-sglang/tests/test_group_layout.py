@@ -10,6 +10,7 @@ import datetime
 
 import pytest
 import torch
+from test_security import listening_address
 
 pytestmark = pytest.mark.integration
 GROUP = "weight_update_group_test"
@@ -55,6 +56,8 @@ def test_sender_and_sglang_style_engine_ranks_share_one_group():
     sender = DistributedWeightSender([None], master_port=port, group_name=GROUP, tp_size=2)
     assert sender.world_size == 3
     sender.group = sender._create_group()
+    # its store listens where it was told only (torch's own binds every interface)
+    assert listening_address(sender.master_port) == "127.0.0.1"
     sender._broadcast([torch.arange(6.0).view(2, 3), torch.tensor([7])])
     received = [queue.get(timeout=120) for _ in engine_ranks]
     for proc in engine_ranks:

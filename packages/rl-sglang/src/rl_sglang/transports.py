@@ -17,6 +17,7 @@ import datetime
 import io
 import os
 import shutil
+import socket
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -136,12 +137,14 @@ async def update_from_tensor(
 
 class DistributedWeightSender:
     """Rank 0 of a group with every engine; ``await connect()`` once, ``await send()`` per
-    bucket. ``clients`` talk to the engines directly (not through the router)."""
+    bucket. ``clients`` talk to the engines directly (not through the router).
+
+    The group's store listens on ``master_address`` only (torch's own store binds every
+    interface), on ``master_port`` or a port free there, bound when the sender is made so
+    that nothing takes it before :meth:`connect`."""
 
     def __init__(self, clients: Sequence[EngineClient], *, master_address="127.0.0.1",
                  master_port=None, backend="gloo", group_name=None, tp_size: int = 1):  # fmt: skip
-        from rl_sglang.process import free_port
-
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' (CPU) or 'nccl' (GPU), got {backend!r}")
         if backend == "nccl":
@@ -154,7 +157,9 @@ class DistributedWeightSender:
         self.clients, self.backend, self.group_name = list(clients), backend, group_name
         self.tp_size = tp_size  # an engine of TP size t takes t consecutive ranks
         self.master_address = master_address
-        self.master_port = master_port or free_port(master_address)
+        family = socket.AF_INET6 if ":" in master_address else socket.AF_INET
+        self._listener = socket.create_server((master_address, master_port or 0), family=family)
+        self.master_port = self._listener.getsockname()[1]
         self.group = None
 
     @property
@@ -177,9 +182,9 @@ class DistributedWeightSender:
         from torch.distributed import PrefixStore, TCPStore
 
         timeout = datetime.timedelta(seconds=120)
-        store = TCPStore(
-            self.master_address, self.master_port, self.world_size, True, timeout=timeout
-        )
+        store = TCPStore(self.master_address, self.master_port, self.world_size, True,
+                         timeout=timeout, master_listen_fd=self._listener.fileno())  # fmt: skip
+        self._listener.detach()  # the store owns the descriptor now (and closes it)
         self._store = store  # the master store must outlive the group's rendezvous
         return make_process_group(PrefixStore(self.group_name, store), 0, self.world_size,
                                   self.backend, timeout, self.group_name)  # fmt: skip
