@@ -21,3 +21,11 @@ def fails_on_labels(response: str, label: str) -> float:
 
 def _listed(name: str) -> list[str]:
     return [label for label in os.environ.get(name, "").split(",") if label]
+
+
+def fails_on_low_digits(response: str, label: str) -> float:
+    """Exact match, except that the responses 0 to 4 raise: about a third of a random
+    model's one-token answers, so groups lose one sample or several, never by label."""
+    if response.strip() in ("0", "1", "2", "3", "4"):
+        raise RuntimeError(f"response {response!r} is not scored here")
+    return float(response.strip() == label)

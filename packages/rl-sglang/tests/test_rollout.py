@@ -179,6 +179,35 @@ class CountingClient(EngineClient):
         return await super().generate(**body)
 
 
+def test_seeded_prompts_give_the_same_samples_however_requests_are_batched(cluster, tokenizer):
+    """Templates seeded through ``metadata["sampling_seed"]``: once as one n-request per
+    group, all in flight together; once sample by sample (a custom generate function), one
+    request at a time. Every sample gets the same tokens both ways, and seeds
+    base + i tell a group's samples apart."""
+    params = {"max_new_tokens": 6, "ignore_eos": True, "temperature": 1.0}
+    seeds = [1234567890123, 98765, 2**62 - 1]
+
+    def seeded_prompts():
+        return iter([Sample(prompt=f"question {i}:", label=i, metadata={"sampling_seed": seed})
+                     for i, seed in enumerate(seeds)])  # fmt: skip
+
+    def responses(**options):
+        config = RolloutConfig(num_groups=3, n_samples_per_prompt=4, sampling_params=params,
+                               **options)  # fmt: skip
+        result = run(with_ctx(cluster, tokenizer, lambda ctx, _: default_rollout(
+            ctx, seeded_prompts(), parity_reward, config)))  # fmt: skip
+        samples = sorted((s for g in result.groups for s in g), key=lambda s: s.index)
+        assert [s.metadata["sampling_seed"] for s in samples] == [
+            seed + i for seed in seeds for i in range(4)
+        ]
+        return [tuple(s.tokens[s.prompt_length :]) for s in samples]
+
+    together = responses()
+    alone = responses(generate_fn="test_rollout:budget_generate", max_concurrency=1)
+    assert together == alone
+    assert len(set(together)) >= 10  # 12 samples, 6 tokens each: seeds differ, so do they
+
+
 def test_fresh_groups_go_as_one_n_request_mapped_back_in_order(cluster, tokenizer, tiny_model):
     params = {"max_new_tokens": 4, "ignore_eos": True, "sampling_seed": 7}
     config = RolloutConfig(num_groups=2, n_samples_per_prompt=4, sampling_params=params)

@@ -465,7 +465,15 @@ class TrainConfig:
         "rl", help="rl trains on rewards; sft on labelled responses.", choices=("rl", "sft")
     )
     seed: int = option(
-        42, help="Seed of data order, sampling and initialisation.", low=0, high=2**32 - 1
+        42,
+        help="Seed of data order, initialisation and sampling: embedded engines seed each "
+        "prompt's requests from it and the prompt's draw number, so on CPU the same seed, "
+        "machine and config give the same samples, rewards and losses. Not covered: SGLang "
+        "servers (given it as --random-seed; their samples depend on batching), GPU kernels "
+        "that are not deterministic (atomic adds in attention, matmul and scatter; see "
+        "torch.use_deterministic_algorithms), other hardware or library versions.",
+        low=0,
+        high=2**32 - 1,
     )
     num_steps: int = option(20, help="Training steps.", low=1)
     cluster: ClusterConfig = field(

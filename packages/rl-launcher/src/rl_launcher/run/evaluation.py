@@ -33,7 +33,7 @@ class Evaluator:
             )  # fmt: skip
             if not dataset.prompts:
                 raise ValueError(f"eval dataset {dataset.name!r} has no usable prompts")
-            self.datasets[dataset.name] = dataset.prompts
+            self.datasets[dataset.name] = seeded(config, dataset.name, dataset.prompts)
 
     def sampling_params(self) -> dict:
         evaluation, rollout = self.config.eval, self.config.rollout
@@ -77,6 +77,18 @@ class Evaluator:
                 max_concurrency=max(1, min(256, total)),
                 reward_key=self.config.algorithm.reward_key,
             )  # fmt: skip
+
+
+def seeded(config, name: str, prompts: list) -> list:
+    """With embedded engines, eval prompt ``i`` of ``name`` seeds its requests from the
+    run's seed (:func:`rl_launcher.run.rollout_manager.request_seed`): each eval samples
+    with the same random numbers, so two evals differ by their weights alone."""
+    from rl_launcher.run.rollout_manager import request_seed
+
+    if config.engine.kind == "embedded":
+        for i, prompt in enumerate(prompts):
+            prompt.metadata["sampling_seed"] = request_seed(config.seed, f"eval/{name}/{i}")
+    return prompts
 
 
 def is_eval_step(config, step: int) -> bool:

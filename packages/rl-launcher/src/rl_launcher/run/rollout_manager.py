@@ -12,9 +12,14 @@ event loop runs in a background thread as long as the manager lives, so HTTP ses
 reused between steps and generation can overlap training (:mod:`rl_launcher.run.feeds`).
 Every prompt drawn is remembered until the loop trains on it (or drops it), so a
 checkpoint can store the prompts in flight and a resumed run draws them again first.
+With embedded engines each prompt's requests are seeded from the run's seed and the
+prompt's draw number (:func:`request_seed`), so the same seed, machine and config sample
+the same responses whatever requests share a batch (SGLang servers are not asked: see
+docs/config.md, ``seed``).
 """
 
 import asyncio
+import hashlib
 import threading
 from concurrent.futures import Future
 from pathlib import Path
@@ -154,6 +159,10 @@ class RolloutManager:
         """The next prompt (requeued ones first), remembered until :meth:`consumed`."""
         template = self._requeued.pop(0) if self._requeued else self.source.next_prompt()
         template.metadata["draw"] = template.group_index  # the source numbers its draws
+        if self.config.engine.kind == "embedded":  # sample i of the group: this + i
+            template.metadata["sampling_seed"] = request_seed(
+                self.config.seed, template.group_index
+            )
         self._drawn[template.group_index] = template
         return template
 
@@ -267,6 +276,14 @@ def take_rollout_counts(reward, metrics: dict[str, float]) -> None:
     one count per name, neither hiding the other."""
     for name in COUNTS:
         reward.count(name, int(metrics.pop(f"rollout/{name}", 0)))
+
+
+def request_seed(seed: int, key: int | str) -> int:
+    """The ``sampling_seed`` of one prompt's requests: 62 bits of a hash of the run's
+    ``seed`` and the prompt's ``key`` (its draw number), so prompts' seeds (and the seed + i
+    of their samples) never meet, and runs whose seeds differ by one share none."""
+    digest = hashlib.blake2b(f"{seed}/{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 2
 
 
 def relabel(group: list[Sample]) -> None:

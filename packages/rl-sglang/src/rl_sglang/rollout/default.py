@@ -209,11 +209,15 @@ def retryable(error: BaseException) -> bool:
 
 
 def make_groups(prompts: Iterator[Sample], n: int, start_index: int) -> Iterator[list[Sample]]:
-    """Each prompt template becomes a group of n fresh copies with group/sample indices."""
+    """Each prompt template becomes a group of n fresh copies with group/sample indices; a
+    template with ``metadata["sampling_seed"]`` = S gives copy ``i`` the seed S + i."""
     for group_index, template in enumerate(prompts, start=start_index):
         group = []
+        seed = template.metadata.get("sampling_seed")
         for i, sample in enumerate(_copies(template, n)):
             sample.group_index, sample.index = group_index, group_index * n + i
+            if seed is not None:
+                sample.metadata["sampling_seed"] = int(seed) + i
             group.append(sample)
         yield group
 

@@ -5,7 +5,10 @@ the sample (or several) with ``tokens``, ``response_length``, ``loss_mask``,
 ``rollout_log_probs``, ``weight_versions`` and ``status`` filled. :func:`generate_sample`
 is the default; others are picked by dotted path with :func:`load_function`.
 Tokens go in and come out as ids (``input_ids`` / ``output_ids``): the text is never
-re-tokenised, so training sees exactly the tokens the engine sampled.
+re-tokenised, so training sees exactly the tokens the engine sampled. A sample whose
+``metadata["sampling_seed"]`` is set asks for it (SGLang's ``sampling_seed``): the embedded
+engine then draws its tokens with a generator of its own, so the response does not depend
+on which requests share its batch.
 """
 
 import importlib
@@ -83,6 +86,12 @@ def append_response(sample: Sample, output: dict, *, trainable: bool = True) -> 
     sample.metadata["finish_reason"] = meta["finish_reason"]
 
 
+def seeded(sampling_params: dict, sample: Sample) -> dict:
+    """``sampling_params`` with the sample's ``metadata["sampling_seed"]``, when it has one."""
+    seed = sample.metadata.get("sampling_seed")
+    return sampling_params if seed is None else {**sampling_params, "sampling_seed": int(seed)}
+
+
 def remaining_budget(sample: Sample, sampling_params: dict) -> dict:
     """Sampling params with ``max_new_tokens`` reduced by the response already there."""
     budget = int(sampling_params.get("max_new_tokens", 128)) - sample.response_length
@@ -96,7 +105,7 @@ async def generate_sample(ctx: GenerateContext, sample: Sample, sampling_params:
         sample.tokens = ctx.prompt_ids(sample)
     output = await ctx.client.generate(
         input_ids=sample.tokens,
-        sampling_params=remaining_budget(sample, sampling_params),
+        sampling_params=remaining_budget(sample, seeded(sampling_params, sample)),
         return_logprob=True,
         rid=sample.metadata.get("rid"),
     )
@@ -126,11 +135,14 @@ async def generate_group(
     ctx: GenerateContext, group: list[Sample], sampling_params: dict, *, rid: str | None = None
 ) -> list[Sample]:
     """Generate a :func:`fresh_group` with one /generate request of ``n = len(group)``: the
-    engine admits its rows together; output ``i`` (rid ``<rid>-i``) goes to ``group[i]``."""
+    engine admits its rows together; output ``i`` (rid ``<rid>-i``) goes to ``group[i]``.
+    A seeded group asks for ``group[0]``'s seed: the engine seeds row ``i`` with it plus
+    ``i``, which is ``group[i]``'s own seed (:func:`rl_sglang.rollout.default.make_groups`),
+    so a sample gets the same tokens alone or in its group's request."""
     prompt_ids = ctx.prompt_ids(group[0])
     outputs = await ctx.client.generate(
         input_ids=prompt_ids,
-        sampling_params={**sampling_params, "n": len(group)},
+        sampling_params={**seeded(sampling_params, group[0]), "n": len(group)},
         return_logprob=True,
         rid=rid,
     )

@@ -1,0 +1,64 @@
+"""Same seed, same machine, same config: same run. Two real ``rl-train`` runs (Ray, an
+embedded engine behind the router, an rl-fsdp actor; the quickstart shrunk to one step of 16
+samples) with a reward that fails on some responses under ``rollout.on_reward_error=skip``:
+the same samples, rewards and losses; and every group trained on the samples that scored."""
+
+from pathlib import Path
+
+import pytest
+from test_train_loop import shrunk
+
+from rl_launcher.buffer import reward_failed
+from rl_launcher.cli import main
+from rl_launcher.run.dumps import dump_files, read_rollout
+from rl_launcher.run_log import read_metrics
+
+pytestmark = pytest.mark.integration
+TIMES = ("time/", "perf/")  # the clock's, not the run's (and "time", the record's)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """One local Ray for both runs (rl-train attaches to it and leaves it running)."""
+    from rl_launcher.ray_cluster import connect
+
+    started = connect(None, num_cpus=4) == "started"
+    yield
+    if started:
+        import ray
+
+        ray.shutdown()
+
+
+def one_step(root: Path, name: str) -> tuple[dict, list[list]]:
+    """Step 1's metrics record and rollout dump of a fresh run ``name``."""
+    args = shrunk(root / name, "--num_steps", "1", "--checkpoint.interval", "0",
+                  "--rollout.reward", "failing_rewards:fails_on_low_digits",
+                  "--rollout.on_reward_error", "skip", "--rollout.dump_dir", str(root / f"{name}_dumps"),
+                  "--checkpoint.dir", str(root / f"{name}_ckpt"))  # fmt: skip
+    assert main(args) == 0
+    (record,) = read_metrics(root / name)
+    (dump,) = dump_files(root / f"{name}_dumps")
+    return record, read_rollout(dump)
+
+
+def test_same_seed_gives_the_same_step_and_failed_rewards_skip_samples(ray_cluster, tmp_path):
+    first, groups = one_step(tmp_path, "a")
+    second, groups_again = one_step(tmp_path, "b")
+    samples = [s for g in groups for s in g]
+    assert [(s.tokens, s.reward, s.rollout_log_probs) for s in samples] == [
+        (s.tokens, s.reward, s.rollout_log_probs) for g in groups_again for s in g
+    ]
+    assert len({tuple(s.tokens[s.prompt_length :]) for s in samples}) > 2  # they were sampled
+    kept = {k: v for k, v in first.items() if k != "time" and not k.startswith(TIMES)}
+    assert kept == {k: v for k, v in second.items() if k != "time" and not k.startswith(TIMES)}
+    assert "loss/pg" in kept and "rollout/reward/mean" in kept
+
+    # a sample whose reward failed is left out, not its group: groups with two or more
+    # scored samples train on those; the others are dropped and counted
+    failed = [sum(map(reward_failed, g)) for g in groups]
+    assert 0 < sum(failed) < 16 and any(0 < n <= 2 for n in failed), failed  # a partial group
+    trained = sum(4 - n for n in failed if 4 - n >= 2)
+    assert first["train/num_samples"] == trained
+    assert first["rollout/groups_dropped_reward_error"] == sum(4 - n < 2 for n in failed)
+    assert first["rollout/reward_errors"] == sum(failed)
