@@ -8,16 +8,40 @@ complete checkpoint); a checkpoint's ``hf/`` export is used, or written first fr
 trainer state (rl-fsdp runs; ``checkpoint.save_hf=true`` writes it during training).
 Datasets are ``eval.datasets`` of the config, or the ``--dataset`` files instead. Engines
 and the router start here and stop at the end; the summary (model, datasets, metrics) is
-printed as JSON and written atomically to ``--output`` (default
-``<logging.run_dir>/eval_summary.json``). Exit status 0, or 2 on bad input.
+printed as JSON and written atomically to ``--output``, by default ``eval_summary.json`` in
+the run directory ``PATH`` belongs to (:func:`run_dir_of`), with the engines' logs in
+``eval_logs/`` beside it. Nothing goes into the config's ``logging.run_dir``: that
+directory belongs to the run the config describes, which may be running. Rewards are
+scored as in training (``rollout.reward_timeout_s``, ``rollout.on_reward_error``).
+Exit status 0, or 2 on bad input.
 """
 
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
-USAGE = "usage: rl-eval --config FILE --model PATH [--dataset FILE ...] [--output FILE] [overrides]"
+USAGE = """usage: rl-eval --config FILE --model PATH [--dataset FILE ...] [--output FILE]
+               [--section.option VALUE | section.option=VALUE ...]
+
+Evaluate a model with the config's engines, sampling and reward: pass@k and reward
+statistics per dataset, printed as JSON.
+
+  --config FILE    the run's YAML config (engine, rollout sampling, reward, eval.* options)
+  --model PATH     what to evaluate: a run directory (its newest complete checkpoint), a
+                   checkpoint directory (.../checkpoints/step_N) or a Hugging Face model
+                   directory; a checkpoint without an hf/ export gets one written first
+                   (rl-fsdp runs)
+  --dataset FILE   an eval set (JSONL or Parquet, prompt and label); repeat for several;
+                   default: the config's eval.datasets
+  --output FILE    the JSON summary; default: eval_summary.json in the run directory PATH
+                   belongs to (needed for a model outside a run); the engines' logs go to
+                   eval_logs/ beside it. Nothing is written into the config's
+                   logging.run_dir.
+  --section.option VALUE   any option of the config (docs/config.md lists them all)
+
+Exit status 0, or 2 on bad input (one line on stderr)."""
 OWN_OPTIONS = ("--model", "--dataset", "--output")
 
 
@@ -91,6 +115,41 @@ def export_checkpoint(step_dir: Path, config) -> Path:
     return step_dir / "hf"
 
 
+def run_dir_of(path: str | Path) -> Path | None:
+    """The run directory ``path`` belongs to: itself or the nearest of its three parents
+    holding ``metrics.jsonl`` (a run, a checkpoint ``<run>/checkpoints/step_N`` or its
+    ``hf/``, the run's ``initial_model``); None for a model outside any run."""
+    path = Path(path).resolve()
+    for candidate in (path, *path.parents[:3]):
+        if (candidate / "metrics.jsonl").is_file():
+            return candidate
+    return None
+
+
+def output_path(model: str, output: str | None) -> Path:
+    """Where the summary goes (see the module docstring); checked writable now, before any
+    engine starts (ValueError with the fix)."""
+    if output is None:
+        run_dir = run_dir_of(model)
+        if run_dir is None:
+            raise ValueError(
+                f"--model {model!r} is not inside a run directory (no metrics.jsonl in it or "
+                "its parents), so there is no run to write the summary into: give --output "
+                "FILE (rl-eval never writes into the config's logging.run_dir)"
+            )
+        output = run_dir / "eval_summary.json"
+    path = Path(output)
+    if path.is_dir():
+        raise ValueError(f"--output {str(path)!r} is a directory; give a file name in it")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path.parent):
+            pass
+    except OSError as error:
+        raise ValueError(f"--output {str(path)!r}: cannot write there ({error})") from error
+    return path
+
+
 def write_json_atomic(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -98,8 +157,10 @@ def write_json_atomic(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def evaluate(config, model_dir: Path) -> dict:
-    """Start engines on ``model_dir``, evaluate ``config.eval.datasets``, stop; the summary."""
+def evaluate(config, model_dir: Path, *, log_dir: Path) -> dict:
+    """Start engines on ``model_dir`` (their logs in ``log_dir``), evaluate
+    ``config.eval.datasets``, stop; the summary. The engines' rollout scores with the
+    evaluator's reward: one set of reward processes."""
     from rl_launcher.run.evaluation import Evaluator
     from rl_launcher.run.model_setup import load_tokenizer
     from rl_launcher.run.modes import start_engines
@@ -107,10 +168,10 @@ def evaluate(config, model_dir: Path) -> dict:
     tokenizer_dir = model_dir if (model_dir / "tokenizer_config.json").is_file() else None
     tokenizer = load_tokenizer(tokenizer_dir or config.model.tokenizer_path or model_dir)
     evaluator = Evaluator(config, tokenizer)
-    cleanup: list = []
+    cleanup: list = [evaluator.close]
     try:
         manager = start_engines(config, model_dir=model_dir, tokenizer=tokenizer, source=None,
-                                log_dir=Path(config.logging.run_dir) / "logs", cleanup=cleanup)  # fmt: skip
+                                log_dir=log_dir, cleanup=cleanup, reward=evaluator.reward_fn)  # fmt: skip
         url = manager.router.url if manager.router else manager.engine_urls[0]
         metrics = evaluator.evaluate(url)
     finally:
@@ -136,13 +197,13 @@ def main(argv: list[str] | None = None) -> int:
             config.eval.datasets = [DatasetConfig(path=p) for p in own["--dataset"]]
         if not config.eval.datasets:
             raise ValueError("no eval datasets: set eval.datasets in the config or give --dataset")
+        output = output_path(own["--model"][0], (own["--output"] or [None])[0])
         model_dir = resolve_model_dir(own["--model"][0], config)
-        summary = evaluate(config, model_dir)
+        summary = evaluate(config, model_dir, log_dir=output.parent / "eval_logs")
     except (ValueError, RewardError) as error:
         print(f"rl-eval: error: {error}", file=sys.stderr)
         return 2
-    output = own["--output"][0] if own["--output"] else None
-    write_json_atomic(Path(output or Path(config.logging.run_dir) / "eval_summary.json"), summary)
+    write_json_atomic(output, summary)
     print(json.dumps(summary, indent=1, sort_keys=True))
     return 0
 

@@ -2,13 +2,18 @@
 
     evaluator = Evaluator(config, tokenizer)         # reads eval.datasets once
     metrics = evaluator.evaluate(url)                # eval/<dataset>/pass@<k>, reward stats
+    evaluator.close()                                # its reward processes, if it owns them
 
 Each prompt gets ``eval.samples_per_prompt`` samples at ``eval.temperature`` (and with
 ``eval.greedy`` one more at temperature 0, reported as ``eval/<dataset>/greedy@1``); a
 sample is correct when its (scalar) reward is at least 1. During training it runs every
 ``eval.interval`` steps and at the last step (:func:`maybe_evaluate`), and with
 ``eval.at_start`` on the starting weights as step 0 (:func:`evaluate_at_start`);
-``rl-eval`` runs it on a checkpoint or an HF directory.
+``rl-eval`` runs it on a checkpoint or an HF directory. Rewards are scored as in the
+rollout: under ``rollout.reward_timeout_s`` in reward worker processes (a call past the
+limit has its process killed), failures handled per ``rollout.on_reward_error`` and counted
+(``eval/reward_errors``, ``eval/reward_timeouts``); during training the evaluation shares
+the rollout's worker processes.
 """
 
 import asyncio
@@ -19,11 +24,10 @@ from rl_launcher.run.reward import load_reward
 
 
 class Evaluator:
-    def __init__(self, config, tokenizer):
+    def __init__(self, config, tokenizer, *, reward=None):
+        """``reward``: a :class:`~rl_launcher.run.reward.Reward` to score with (the
+        rollout's, shared); by default one of the config's, with its own processes."""
         self.config, self.tokenizer = config, tokenizer
-        self.reward_fn = load_reward(config.rollout.reward, tokenizer,
-                                     on_error=config.rollout.on_reward_error,
-                                     reward_key=config.algorithm.reward_key)  # fmt: skip
         self.datasets = {}
         for spec in config.eval.datasets:
             dataset = load_dataset(
@@ -34,6 +38,10 @@ class Evaluator:
             if not dataset.prompts:
                 raise ValueError(f"eval dataset {dataset.name!r} has no usable prompts")
             self.datasets[dataset.name] = seeded(config, dataset.name, dataset.prompts)
+        self.reward_fn = reward or load_reward(
+            config.rollout.reward, tokenizer, on_error=config.rollout.on_reward_error,
+            timeout_s=config.rollout.reward_timeout_s, reward_key=config.algorithm.reward_key,
+        )  # fmt: skip
 
     def sampling_params(self) -> dict:
         evaluation, rollout = self.config.eval, self.config.rollout
@@ -49,7 +57,13 @@ class Evaluator:
         if self.config.eval.greedy:
             metrics |= self.greedy(url)
         metrics["eval/num_prompts"] = float(sum(len(p) for p in self.datasets.values()))
+        counts = self.reward_fn.take_counts()  # skipped failures: scored 0 here
+        metrics |= {f"eval/{name}": float(number) for name, number in counts.items()}
         return metrics | {"time/eval": time.perf_counter() - start}
+
+    def close(self) -> None:
+        """Stop the reward's worker processes, if this evaluator started them."""
+        self.reward_fn.close()
 
     def greedy(self, url: str) -> dict[str, float]:
         """``eval/<dataset>/greedy@1``: the share of prompts whose one greedy response is
@@ -119,8 +133,10 @@ def evaluate_at_start(run, first: int) -> None:
 def evaluate_now(run) -> dict[str, float]:
     """Eval metrics of the engines' current weights."""
     evaluator = run.extras.get("evaluator")
-    if evaluator is None:
-        evaluator = run.extras["evaluator"] = Evaluator(run.config, run.rollout.tokenizer)
+    if evaluator is None:  # scored by the rollout's reward processes, under its time limit
+        reward = run.rollout.reward_fn.sharing()
+        evaluator = Evaluator(run.config, run.rollout.tokenizer, reward=reward)
+        run.extras["evaluator"] = evaluator
     rollout = run.rollout
     url = rollout.router.url if rollout.router else rollout.engine_urls[0]
     return evaluator.evaluate(url)

@@ -51,13 +51,15 @@ def start_replay_run(config):
     return run
 
 
-def start_engines(config, *, model_dir, tokenizer, source, log_dir: Path, cleanup: list):
+def start_engines(config, *, model_dir, tokenizer, source, log_dir: Path, cleanup: list,
+                  reward=None):  # fmt: skip
     """A rollout manager with its engines and router started, without Ray or a trainer
-    (engines on the default devices); its stop is appended to ``cleanup``."""
+    (engines on the default devices); its stop is appended to ``cleanup``. ``reward``: a
+    reward that exists already (see :class:`RolloutManager`)."""
     from rl_launcher.run.rollout_manager import RolloutManager
 
     manager = RolloutManager(config, model_dir=model_dir, tokenizer=tokenizer, source=source,
-                             log_dir=log_dir)  # fmt: skip
+                             log_dir=log_dir, reward=reward)  # fmt: skip
     cleanup.append(manager.stop)
     return manager.start()
 

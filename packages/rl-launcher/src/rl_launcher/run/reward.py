@@ -43,11 +43,13 @@ class Reward:
     :attr:`rollout_fn` is what the rollout calls."""
 
     def __init__(self, name: str, score, tokenizer: Any, *, on_error: str = "raise",
-                 timeout_s: float | None = None, pool=None, reward_key: str | None = None):  # fmt: skip
+                 timeout_s: float | None = None, pool=None, reward_key: str | None = None,
+                 owns_pool: bool = True):  # fmt: skip
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error={on_error!r}; choose one of {ON_ERROR}")
         self.name, self.score, self.tokenizer, self.on_error = name, score, tokenizer, on_error
         self.timeout_s, self.pool, self.reward_key = timeout_s, pool, reward_key
+        self.owns_pool = owns_pool
         self.counts, self.num_skipped = dict.fromkeys(COUNTS, 0), 0
         self._lock = threading.Lock()  # counted on the rollout's event loop, taken by the driver
 
@@ -138,9 +140,16 @@ class Reward:
             counts, self.counts = self.counts, dict.fromkeys(COUNTS, 0)
         return counts
 
+    def sharing(self) -> "Reward":
+        """The same reward under the same settings and worker processes, counting its own
+        failures (evaluation beside the rollout); its :meth:`close` leaves the processes."""
+        return Reward(self.name, self.score, self.tokenizer, on_error=self.on_error,
+                      timeout_s=self.timeout_s, pool=self.pool, reward_key=self.reward_key,
+                      owns_pool=False)  # fmt: skip
+
     def close(self) -> None:
-        """Stop the worker processes, if any."""
-        if self.pool is not None:
+        """Stop the worker processes, if any and if this reward started them."""
+        if self.pool is not None and self.owns_pool:
             self.pool.close()
 
 

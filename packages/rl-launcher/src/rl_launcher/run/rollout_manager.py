@@ -31,12 +31,15 @@ ROUTER_NEEDED = "engine.use_router=false works with one engine; set engine.num_e
 
 
 class RolloutManager:
-    def __init__(self, config, *, model_dir: Path, tokenizer, source, log_dir: Path):
+    def __init__(self, config, *, model_dir: Path, tokenizer, source, log_dir: Path,
+                 reward=None):  # fmt: skip
+        """``reward``: the run's :class:`~rl_launcher.run.reward.Reward` when one exists
+        already (rl-eval's); :meth:`stop` closes it either way."""
         if not config.engine.use_router and config.engine.num_engines > 1:
             raise ValueError(ROUTER_NEEDED)
         self.config, self.model_dir, self.tokenizer = config, Path(model_dir), tokenizer
         self.source, self.log_dir = source, Path(log_dir)
-        self.reward_fn = load_reward(  # with a time limit, its worker processes start here
+        self.reward_fn = reward or load_reward(  # with a time limit, processes start here
             config.rollout.reward, tokenizer, on_error=config.rollout.on_reward_error,
             timeout_s=config.rollout.reward_timeout_s, reward_key=config.algorithm.reward_key,
         )  # fmt: skip
