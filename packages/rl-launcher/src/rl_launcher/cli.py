@@ -16,6 +16,26 @@ import sys
 USAGE = """usage: rl-train [--config FILE] [--section.option VALUE | section.option=VALUE ...]
                 [--sglang-OPTION [VALUE] ...] [--megatron-OPTION [VALUE] ...]
                 [--resume [STEP|PATH]] [--print-config]"""
+HELP = """
+Train a policy with RL (or SFT) as the config says; options on the command line override
+the YAML file's.
+
+  --config FILE            YAML file of options (the defaults below fill the rest)
+  --section.option VALUE   one option (also section.option=VALUE); values are YAML:
+                           3, true, null, [1, 2]
+  --sglang-OPTION [VALUE]  passed to SGLang servers verbatim (engine.kind=sglang)
+  --megatron-OPTION [VALUE]
+                           passed to the Megatron backend verbatim
+  --resume [STEP|PATH]     continue from the newest loadable checkpoint, or step STEP, or
+                           the checkpoint directory PATH
+  --print-config           print the resolved, validated config as YAML and exit
+
+Exit status: 0 done, 1 the run stopped on a fault, 2 bad input, 128 + N stopped by
+signal N (SIGTERM, Ctrl-C: at a step boundary, with a checkpoint).
+
+Options and their defaults, by group (what each means: docs/config.md, generated from the
+config classes; rl-train --print-config shows a resolved config):
+"""
 
 
 def not_wired(config) -> str | None:
@@ -48,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     if "-h" in argv or "--help" in argv:
-        print(USAGE)
+        from rl_launcher.config_docs import option_groups
+
+        print(USAGE + "\n" + HELP + "\n" + option_groups())
         return 0
     try:
         config, command_line = load_config(
@@ -106,13 +128,24 @@ def run_training(config) -> int:
     return 0
 
 
+PLOT_HELP = """usage: rl-plot RUN_DIR
+
+Write PNG charts of RUN_DIR/metrics.jsonl into RUN_DIR/plots (reward, eval pass@k, KL,
+entropy, response length, the step-time split; each when its metrics exist) and print
+their paths. rl-train writes the same charts at the end of a run. Exit status 0, or 2 on
+bad input."""
+
+
 def plot_main(argv: list[str] | None = None) -> int:
     """``rl-plot RUN_DIR``: write PNG charts of RUN_DIR/metrics.jsonl into RUN_DIR/plots."""
     from rl_launcher.plots import plot_run
 
     argv = sys.argv[1:] if argv is None else argv
+    if argv in (["-h"], ["--help"]):
+        print(PLOT_HELP)
+        return 0
     if len(argv) != 1 or argv[0].startswith("-"):
-        print("usage: rl-plot RUN_DIR", file=sys.stderr)
+        print(PLOT_HELP.splitlines()[0], file=sys.stderr)
         return 2
     try:
         written = plot_run(argv[0])

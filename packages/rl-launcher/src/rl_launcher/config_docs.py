@@ -75,6 +75,43 @@ def _meaning(spec: dataclasses.Field) -> str:
     return text.replace("|", "\\|")
 
 
+def option_groups(width: int = 88) -> str:
+    """Every option with its default, one group per config section (what ``rl-train
+    --help`` shows; the meanings are in docs/config.md)."""
+    hints = get_type_hints(TrainConfig)
+    top = [
+        f for f in dataclasses.fields(TrainConfig) if not dataclasses.is_dataclass(hints[f.name])
+    ]
+    parts = [_group("top level", "", top, width)]
+    for spec in dataclasses.fields(TrainConfig):
+        section = hints[spec.name]
+        if dataclasses.is_dataclass(section):
+            doc = (section.__doc__ or "").strip().splitlines()[0]
+            parts.append(
+                _group(f"{spec.name}: {doc}", f"{spec.name}.", dataclasses.fields(section), width)
+            )
+    return "\n".join(parts)
+
+
+def _group(title: str, prefix: str, fields, width: int) -> str:
+    lines, line = [title], "   "
+    for spec in fields:
+        item = f" {prefix}{spec.name}={_short_default(spec)}"
+        if len(line) + len(item) > width:
+            lines.append(line)
+            line = "   "
+        line += item
+    return "\n".join([*lines, line])
+
+
+def _short_default(spec: dataclasses.Field) -> str:
+    """The default as it would be written on the command line (YAML), cut when long."""
+    text = _default(spec).strip("`")
+    if text.startswith('"') and text.endswith('"') and " " not in text:
+        text = text[1:-1]
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _list_item_classes(root: type) -> list[type]:
     """Dataclasses used as list items anywhere in the tree (e.g. DatasetConfig)."""
     found: list[type] = []
