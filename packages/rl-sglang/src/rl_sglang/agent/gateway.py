@@ -1,0 +1,208 @@
+"""An OpenAI-compatible chat endpoint in front of the engines that records every session's
+token-exact trajectory (:mod:`~rl_sglang.agent.sessions`).
+
+    gateway = Gateway(EngineClient(router_url), tokenizer)
+    url = await gateway.start()              # http://127.0.0.1:<port>/v1
+    gateway.open("episode-1", {"temperature": 1.0, "max_new_tokens": 64})
+    ... an agent calls openai.AsyncOpenAI(base_url=url).chat.completions.create(
+            ..., extra_headers={"X-Session-Id": "episode-1"})
+    samples = gateway.close("episode-1")    # one Sample per leaf of the trajectory tree
+
+``POST /v1/chat/completions``: ``messages``, ``tools`` (OpenAI format, rendered through the
+tokenizer's chat template), ``stream`` (server-sent events; the reply is generated whole,
+then sent as chunks), ``max_tokens`` / ``max_completion_tokens``, ``temperature``,
+``top_p``, ``stop``. The session is the ``X-Session-Id`` header, else the ``user`` field.
+A session opened with sampling params (the rollout's) generates with them, whatever the
+client asks (a client's smaller ``max_tokens`` still applies); an unopened one is opened
+by its first request with the client's. Tool calls are read in the Hermes / Qwen format
+(``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``). Like the engines, the
+gateway listens on loopback unless given an API key (then every request but ``/health``
+needs ``Authorization: Bearer <key>``).
+"""
+
+import hmac
+import json
+import re
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from rl_sglang.agent.sessions import Session
+from rl_sglang.process import check_exposure
+
+SESSION_HEADER = "X-Session-Id"
+TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+GATEWAY_KEY = web.AppKey("gateway", object)
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[dict], int]:
+    """``(content, tool_calls, invalid)``: the text outside ``<tool_call>`` blocks, the
+    calls whose JSON has a string ``name`` (OpenAI format, arguments as a JSON string),
+    and how many blocks were not such JSON."""
+    calls, invalid = [], 0
+    for block in TOOL_CALL.findall(text):
+        try:
+            call = json.loads(block)
+        except json.JSONDecodeError:
+            invalid += 1
+            continue
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            invalid += 1
+            continue
+        arguments = call.get("arguments", call.get("parameters", {}))
+        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                      "function": {"name": call["name"], "arguments": json.dumps(arguments)}})  # fmt: skip
+    content = TOOL_CALL.sub("", text).strip() if calls else text
+    return content, calls, invalid
+
+
+class Gateway:
+    """The HTTP server and its sessions (see the module docstring)."""
+
+    def __init__(self, client, tokenizer, *, api_key: str | None = None, model: str = "policy"):
+        self.client, self.tokenizer, self.api_key, self.model = client, tokenizer, api_key, model
+        self.sessions: dict[str, Session] = {}
+        self.params: dict[str, dict] = {}
+        self.counts = {"requests": 0, "tool_calls": 0, "invalid_tool_calls": 0}
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Serve on ``host:port`` (0: a free port); returns the base URL (``.../v1``)."""
+        check_exposure(host, self.api_key, "the agent gateway")
+        self._runner = web.AppRunner(self.app(), access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        bound = site._server.sockets[0].getsockname()[1]
+        self.url = f"http://{host}:{bound}/v1"
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._auth])
+        app[GATEWAY_KEY] = self
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", lambda request: web.Response(text=""))
+        return app
+
+    def open(self, session_id: str, sampling_params: dict | None = None) -> None:
+        """Start recording ``session_id``, generating with ``sampling_params``."""
+        self.sessions[session_id] = Session(self.tokenizer)
+        if sampling_params is not None:
+            self.params[session_id] = dict(sampling_params)
+
+    def close(self, session_id: str, template=None) -> list:
+        """The session's samples (one per leaf), forgetting it."""
+        session = self.sessions.pop(session_id, None)
+        self.params.pop(session_id, None)
+        return [] if session is None else session.samples(template)
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        if self.api_key and request.path != "/health":
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+                return _error("missing or wrong 'Authorization: Bearer <api key>'", 401)
+        return await handler(request)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model, "object": "model", "created": 0, "owned_by": "rl-sglang"}]})  # fmt: skip
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await request.json()
+            session_id = request.headers.get(SESSION_HEADER) or body.get("user")
+            if not session_id:
+                raise ValueError(f"no session: send the {SESSION_HEADER} header or 'user'")
+            if session_id not in self.sessions:
+                self.open(session_id)
+            session = self.sessions[session_id]
+            turn = session.prompt(list(body.get("messages") or []), body.get("tools"))
+        except (ValueError, KeyError, TypeError) as error:
+            return _error(f"{type(error).__name__}: {error}", 400)
+        output = await self.client.generate(
+            input_ids=turn.input_ids, return_logprob=True,
+            sampling_params=self._sampling_params(session_id, body),
+        )  # fmt: skip
+        message, finish = self._reply(output)
+        session.record(turn, output, message)
+        self.counts["requests"] += 1
+        reply = _completion(self.model, message, finish, len(turn.input_ids), output)
+        if body.get("stream"):
+            return await _stream(request, reply)
+        return web.json_response(reply)
+
+    def _sampling_params(self, session_id: str, body: dict) -> dict:
+        asked = body.get("max_completion_tokens") or body.get("max_tokens")
+        params = self.params.get(session_id)
+        if params is None:
+            params = {k: body[k] for k in ("temperature", "top_p") if body.get(k) is not None}
+            params["max_new_tokens"] = int(asked or 256)
+        elif asked:
+            params = {
+                **params,
+                "max_new_tokens": min(int(asked), params.get("max_new_tokens", asked)),
+            }
+        stop = body.get("stop")
+        if stop:
+            params = {**params, "stop": [stop] if isinstance(stop, str) else list(stop)}
+        return params
+
+    def _reply(self, output: dict) -> tuple[dict, str]:
+        text = self.tokenizer.decode(output["output_ids"], skip_special_tokens=True)
+        content, calls, invalid = parse_tool_calls(text)
+        self.counts["tool_calls"] += len(calls)
+        self.counts["invalid_tool_calls"] += invalid
+        message = {"role": "assistant", "content": content or None}
+        if calls:
+            message["tool_calls"] = calls
+        reason = output["meta_info"]["finish_reason"]["type"]
+        finish = "tool_calls" if calls else ("length" if reason == "length" else "stop")
+        return message, finish
+
+
+def _error(message: str, status: int) -> web.Response:
+    kind = "authentication_error" if status == 401 else "invalid_request_error"
+    return web.json_response({"error": {"message": message, "type": kind}}, status=status)
+
+
+def _completion(model: str, message: dict, finish: str, prompt_tokens: int, output) -> dict:
+    completion_tokens = len(output["output_ids"])
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+        "created": int(time.time()), "model": model,
+        "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens},
+    }  # fmt: skip
+
+
+async def _stream(request: web.Request, reply: dict) -> web.StreamResponse:
+    """The finished reply as OpenAI chunks: role, content, tool calls, finish reason."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    message, head = (
+        reply["choices"][0]["message"],
+        {k: reply[k] for k in ("id", "created", "model")},
+    )
+    deltas: list[dict[str, Any]] = [{"role": "assistant", "content": ""}]
+    if message.get("content"):
+        deltas.append({"content": message["content"]})
+    for index, call in enumerate(message.get("tool_calls", [])):
+        deltas.append({"tool_calls": [{"index": index, **call}]})
+    chunks = [{"index": 0, "delta": d, "finish_reason": None} for d in deltas]
+    chunks.append({"index": 0, "delta": {}, "finish_reason": reply["choices"][0]["finish_reason"]})
+    for choice in chunks:
+        chunk = {**head, "object": "chat.completion.chunk", "choices": [choice]}
+        await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
