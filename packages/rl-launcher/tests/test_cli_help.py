@@ -1,5 +1,6 @@
-"""``--help`` of the console scripts, run as a user runs them (subprocesses): exit 0, the
-option groups with their defaults, and where the full descriptions are."""
+"""What the console says: ``--help`` of the console scripts, run as a user runs them
+(subprocesses): exit 0, the option groups with their defaults, and where the full
+descriptions are; the start-up note on float32 matmuls without TF32 on CUDA."""
 
 import dataclasses
 import subprocess
@@ -41,3 +42,26 @@ def test_rl_plot_help_exits_0_and_bad_use_exits_2():
     assert "RUN_DIR/plots" in shown.stdout
     wrong = run("rl-plot", "a", "b")
     assert wrong.returncode == 2 and wrong.stderr.strip() == "usage: rl-plot RUN_DIR"
+
+
+def test_float32_on_cuda_without_tf32_is_noted_once_at_start_up(capsys):
+    import torch
+
+    from rl_launcher.run.model_setup import precision_note
+
+    config, before = TrainConfig(), torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")  # torch's default
+        precision_note(config)  # CPU: nothing to say
+        config.cluster.device = "cuda"
+        precision_note(config)
+        config.model.dtype = "bfloat16"
+        precision_note(config)
+        config.model.dtype = "float32"
+        torch.set_float32_matmul_precision("high")  # TF32 on
+        precision_note(config)
+    finally:
+        torch.set_float32_matmul_precision(before)
+    (line,) = capsys.readouterr().err.splitlines()  # only float32 at "highest" on CUDA
+    assert line.startswith("rl-train: note: model.dtype=float32: float32 matmuls on CUDA run")
+    assert "TF32 off" in line and "model.dtype: bfloat16" in line

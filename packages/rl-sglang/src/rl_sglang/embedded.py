@@ -12,12 +12,14 @@ import hmac
 import json
 import logging
 import os
+import time
 from typing import Any
 
 from aiohttp import web
 
 from rl_sglang.engine import weights
 from rl_sglang.engine.core import Engine, load_model
+from rl_sglang.engine.precision import tf32_hint
 from rl_sglang.process import API_KEY_ENV, check_exposure
 
 ENGINE_KEY = web.AppKey("engine", Engine)
@@ -281,20 +283,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Load, prepare the runner and serve; each start-up phase is a line with its time (the
+    runner's can take minutes on CUDA: compiling the decode step, capturing graphs)."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     # sglang-router probes workers for gRPC first; aiohttp would log each probe as an error.
     logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
+    start = time.perf_counter()
     model, tokenizer = load_model(
         args.model_path, device=args.device, dtype=args.dtype, seed=args.seed
     )
+    weight = next(model.parameters())
+    dtype = str(weight.dtype).removeprefix("torch.")
+    print(f"embedded engine: model loaded in {time.perf_counter() - start:.1f}s "
+          f"({weight.device}, {dtype}); preparing the runner", flush=True)  # fmt: skip
+    if (hint := tf32_hint(weight.device, weight.dtype)) is not None:
+        print(f"embedded engine: {hint}; --dtype bfloat16 serves bfloat16 weights", flush=True)
+    start = time.perf_counter()
     engine = Engine(model, tokenizer, model_path=args.model_path,
                     max_batch_size=args.max_batch_size, runner=args.runner,
                     max_context=args.max_context, compile=args.compile)  # fmt: skip
     engine.scheduler.weight_version = args.weight_version
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     print(f"embedded engine ready on http://{args.host}:{args.port} ({engine.runner_kind} "
-          f"runner, {dtype}, context {engine.max_context})", flush=True)  # fmt: skip
+          f"runner, {dtype}, context {engine.max_context}; runner prepared in "
+          f"{time.perf_counter() - start:.1f}s)", flush=True)  # fmt: skip
     web.run_app(
         make_app(engine, args.api_key), host=args.host, port=args.port, print=None, access_log=None
     )

@@ -14,6 +14,21 @@ from typing import Any
 INITIAL_MODEL = "initial_model"
 
 
+def precision_note(config) -> None:
+    """Say once at start-up, on the console, when a CUDA run's float32 matmuls (trainer and
+    engines, ``model.dtype: float32``) run without TF32 (:mod:`rl_sglang.engine.precision`)."""
+    import sys
+
+    import torch
+
+    from rl_sglang.engine.precision import tf32_hint
+
+    dtype = getattr(torch, config.model.dtype)
+    if (hint := tf32_hint(config.cluster.device, dtype)) is not None:
+        print(f"rl-train: note: model.dtype={config.model.dtype}: {hint}; model.dtype: "
+              "bfloat16 trains and generates in bfloat16", file=sys.stderr, flush=True)  # fmt: skip
+
+
 def load_tokenizer(path: str | Path):
     """A transformers tokenizer from a directory holding tokenizer.json (or a full HF dir)."""
     from transformers import AutoTokenizer

@@ -59,7 +59,7 @@ def check_fresh(config, run_dir: Path) -> None:
 def start_run(config) -> Run:
     from rl_launcher.data import build_prompt_source
     from rl_launcher.run.critic import start_critic
-    from rl_launcher.run.model_setup import prepare_model
+    from rl_launcher.run.model_setup import precision_note, prepare_model
 
     if config.rollout.replay_dir:  # train only, on dumped rollouts: no engines, no prompts
         from rl_launcher.run.modes import start_replay_run
@@ -71,6 +71,7 @@ def start_run(config) -> Run:
     with startup_phase("model and prompts ready", show=config.logging.progress):
         model_dir, tokenizer = prepare_model(config.model, run_dir=run_dir, seed=config.seed)
         source = build_prompt_source(config.data, seed=config.seed, tokenizer=tokenizer)
+    precision_note(config)  # float32 on CUDA without TF32: one line, once
     run = Run(config=config, source=source, metrics_log=MetricsLog(run_dir, logging=config.logging),
               sync_options=sync_options(config, run_dir))  # fmt: skip
     run._cleanup.append(run.metrics_log.close)

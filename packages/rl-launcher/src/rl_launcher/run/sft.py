@@ -38,13 +38,14 @@ def train_sft(config) -> Path:
 def start_sft_run(config):
     """The run's starting model, example source and training actor group (no engines)."""
     from rl_launcher.data.sft import build_sft_source
-    from rl_launcher.run.model_setup import prepare_model
+    from rl_launcher.run.model_setup import precision_note, prepare_model
     from rl_launcher.run.setup import Run, _start_trainer, check_fresh
 
     run_dir = Path(config.logging.run_dir)
     check_fresh(config, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     model_dir, tokenizer = prepare_model(config.model, run_dir=run_dir, seed=config.seed)
+    precision_note(config)
     source = build_sft_source(config, tokenizer=tokenizer)
     run = Run(config=config, source=source,
               metrics_log=MetricsLog(run_dir, logging=config.logging))  # fmt: skip
