@@ -150,7 +150,8 @@ def test_killed_rank_stops_the_run_promptly_naming_rank_and_checkpoint(faulty_ru
     assert first["status"] == 1
     assert first["stopped_after_s"] < STOP_BOUND_S
     message = first["stderr"]
-    assert "rl-train: stopped: training rank 1 (its Ray actor) died during save" in message
+    assert "rl-train: stopped: training rank 1 (its Ray actor, on node " in message
+    assert ") died during save" in message
     step1 = run_dir / "checkpoints" / "step_000001"
     assert f"last complete checkpoint: {step1} (step 1); continue with --resume" in message
 

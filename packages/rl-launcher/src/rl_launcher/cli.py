@@ -93,7 +93,7 @@ def run_training(config) -> int:
     prepare_local_ray_env(config.cluster.ray_address)  # before the loop's modules import ray
     from rl_launcher.run import faults, stopping
     from rl_launcher.run.reward import RewardError
-    from rl_launcher.run_dirs import prepare_run_dirs
+    from rl_launcher.run_dirs import absolute_paths, prepare_run_dirs
     from rl_launcher.run_lock import lock_run_dir
     from rl_rewards import get_reward
 
@@ -104,6 +104,7 @@ def run_training(config) -> int:
     # SIGTERM and SIGINT: stop at a step boundary with a checkpoint (rl_launcher.run.stopping)
     stopping.install(config.checkpoint.stop_grace_s)
     lock = None
+    absolute_paths(config)  # workers on other nodes open them: not relative to their cwd
     try:
         check_before_ray(config)  # GPUs and cluster address: seconds, not a wait inside Ray
         prepare_run_dirs(config)  # unwritable run / checkpoint directories, before the run

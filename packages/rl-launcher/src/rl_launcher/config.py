@@ -43,7 +43,9 @@ class ClusterConfig:
     """Where the run executes: Ray cluster and device pool."""
 
     ray_address: str | None = option(
-        None, help="Ray cluster to attach to; null reads RAY_ADDRESS, else starts a local Ray."
+        None,
+        help="Ray cluster to attach to (host:port of its head, or ray://host:10001); null "
+        "reads RAY_ADDRESS (set by `ray job submit`), else starts a local Ray.",
     )
     device: str = option("cpu", help="Device kind of every bundle.", choices=("cpu", "cuda"))
     num_nodes: int = option(1, help="Nodes in the placement group.", low=1)
@@ -317,6 +319,12 @@ class EngineConfig:
         "auto",
         help="Weight transport; auto picks tensor (colocated) or distributed (disaggregated).",
         choices=("auto", "tensor", "distributed", "disk"),
+    )
+    weight_sync_dir: str | None = option(
+        None,
+        help="Directory of weight_sync=disk, written by training rank 0 and read by every "
+        "engine; null = <logging.run_dir>/sync_weights. A run over several nodes needs it "
+        "on storage every node mounts at the same path (checked at start-up).",
     )
     weight_bucket_bytes: int = option(1 << 30, help="Bytes per weight-sync bucket.", low=1)
     weight_flatten: bool = option(

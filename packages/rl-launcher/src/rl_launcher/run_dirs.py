@@ -12,6 +12,21 @@ from pathlib import Path
 from rl_launcher.run.checkpoints import checkpoint_dir
 
 
+def absolute_paths(config) -> None:
+    """Make the paths that Ray workers open absolute, as the driver sees them: a relative
+    path would be taken from each worker's own working directory, which on another node
+    (or in a Ray job) is not the driver's."""
+    config.logging.run_dir = _absolute(config.logging.run_dir)
+    config.checkpoint.dir = _absolute(config.checkpoint.dir)
+    config.engine.weight_sync_dir = _absolute(config.engine.weight_sync_dir)
+    if config.model.path is not None and Path(config.model.path).exists():  # else named later
+        config.model.path = _absolute(config.model.path)
+
+
+def _absolute(path: str | None) -> str | None:
+    return None if path is None else str(Path(path).absolute())
+
+
 def run_dirs(config) -> dict[str, Path]:
     """``{option: directory}`` of every directory the run writes to."""
     dirs = {"logging.run_dir": Path(config.logging.run_dir)}

@@ -8,13 +8,15 @@ Each step, once the buffer has complete groups:
     actor   trains on A;  critic trains on R with rl_core's clipped value loss
 
 The critic group is one Ray actor per training rank (rl-fsdp's :class:`FSDPCritic`, its own
-gloo / nccl group), placed on the training ranks' bundles; it is checkpointed beside the
+gloo / nccl group, meeting at its rank 0's node: :mod:`rl_launcher.run.rendezvous`), placed
+on the training ranks' bundles; it is checkpointed beside the
 trainer (``critic/``). Alignment follows TrainBatch: the value at position t is the value
 of the state that predicts token t + 1, so response token j of a sample with prompt
 length P has its value at position P - 1 + j.
 """
 
 import dataclasses
+from pathlib import Path
 
 import ray
 import torch
@@ -30,18 +32,24 @@ from rl_launcher.buffer import (
     response_rows,
     scalar_reward,
 )
+from rl_launcher.run.rendezvous import GroupMember, meet, spans_nodes
 
 
-class CriticWorker:
+class CriticWorker(GroupMember):
     """One critic rank (a Ray actor)."""
 
-    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, config):
+    def __init__(self, rank: int, world_size: int, config):
+        self.rank, self.world_size, self.config = rank, world_size, config
+
+    def join(self, host: str, port: int) -> None:
+        """Join the critic group at its rank 0's ``host:port``, then build the critic."""
         from rl_fsdp import FSDPCritic, init_distributed
 
-        device = "cuda" if config.device == "cuda" else "cpu"
-        dist_info = init_distributed(device=device, rank=rank, world_size=world_size,
-                                     master_addr=master_addr, master_port=master_port)  # fmt: skip
-        self.critic = FSDPCritic(config, dist_info=dist_info)
+        device = "cuda" if self.config.device == "cuda" else "cpu"
+        self.join_group(device, host, port)
+        dist_info = init_distributed(device=device, rank=self.rank, world_size=self.world_size,
+                                     master_addr=host, master_port=port)  # fmt: skip
+        self.critic = FSDPCritic(self.config, dist_info=dist_info)
 
     def values(self, batch: TrainBatch) -> torch.Tensor:
         return self.critic.compute_values(batch).cpu()
@@ -53,13 +61,9 @@ class CriticWorker:
         return metrics
 
     def save(self, path: str) -> None:
-        from pathlib import Path
-
         self.critic.save_checkpoint(Path(path))
 
     def load(self, path: str) -> None:
-        from pathlib import Path
-
         self.critic.load_checkpoint(Path(path))
 
 
@@ -74,17 +78,15 @@ class CriticGroup:
     """``len(slots)`` :class:`CriticWorker` actors on the training ranks' bundles."""
 
     def __init__(self, config, placement, slots, *, num_gpus: float = 0):
-        from rl_fsdp import free_port
-
-        addr = ray.util.get_node_ip_address() if config.device == "cuda" else "127.0.0.1"
-        port, actor = free_port(addr), ray.remote(CriticWorker)
+        actor = ray.remote(CriticWorker)
         # num_cpus=0: the bundle's CPUs are the trainer's; the two take turns within a step
         self.workers = [
             actor.options(num_cpus=0, num_gpus=num_gpus,
                           scheduling_strategy=placement.strategy(slot)).remote(
-                rank, len(slots), addr, port, config)
+                rank, len(slots), config)
             for rank, slot in enumerate(slots)
         ]  # fmt: skip
+        self.address = meet(self.workers, spans_nodes=spans_nodes(placement, slots))
 
     def call(self, method: str, *per_rank_args, **shared) -> list:
         refs = [
@@ -104,10 +106,10 @@ class CriticGroup:
                 for k, v in metrics.items()}  # fmt: skip
 
     def save(self, path: str) -> None:
-        self.call("save", path=path)
+        self.call("save", path=str(Path(path).absolute()))  # absolute: as the ranks see it
 
     def load(self, path: str) -> None:
-        self.call("load", path=path)
+        self.call("load", path=str(Path(path).absolute()))
 
     def shutdown(self) -> None:
         for worker in self.workers:

@@ -7,8 +7,10 @@ complete checkpoint to continue from (``rl-train ... --resume``):
   finite step resets the count; 0 never stops) the run stops with :class:`RunStopped`.
 - a training rank's actor dies (killed, out of memory, node lost): its peers would wait in
   a collective until the process-group timeout, so :func:`gather` raises
-  :class:`TrainActorDied` as soon as Ray reports the death; the run's cleanup then kills
-  the other ranks, engines and router, and ``rl-train`` exits with status 1.
+  :class:`TrainActorDied` as soon as Ray reports the death, naming the rank's node and
+  whether Ray reports that node dead (:func:`describe_node`: its raylet was lost); the
+  run's cleanup then kills the other ranks, engines and router, and ``rl-train`` exits
+  with status 1.
 
 - steps that train nothing: every sample aborted (the engine refused or failed the request,
   the reward failed under ``rollout.on_reward_error=skip``) or every group filtered out.
@@ -25,6 +27,7 @@ actor group gathers its ranks' results with :func:`gather`; ``rl-train`` prints
 
 import math
 import sys
+import time
 from pathlib import Path
 
 NONFINITE_KEY = "train/nonfinite_skipped"
@@ -35,6 +38,9 @@ EMPTY_CAUSE_KEY = "buffer/empty_cause"  # why a step trained nothing (a string)
 # empty step without any only had its groups filtered, which is no fault of the run
 EMPTY_FAILED_KEY = "buffer/empty_failed_samples"
 DEATH_GRACE_S = 5.0  # after a rank fails, how long to wait for Ray to report a dead peer
+# an actor Ray cannot reach (its node's raylet gone): how long to wait for Ray to mark the
+# node dead, which its missed health checks take (5 x 3 s by default, more on a busy head)
+NODE_LOSS_WAIT_S = 60.0
 
 
 class RunStopped(RuntimeError):
@@ -44,16 +50,19 @@ class RunStopped(RuntimeError):
 class TrainActorDied(RuntimeError):
     """A training rank's Ray actor died while running ``method``."""
 
-    def __init__(self, rank: int, method: str, cause: BaseException):
+    def __init__(self, rank: int, method: str, cause: BaseException, where: str = ""):
         first_line = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause)
-        super().__init__(f"training rank {rank} (its Ray actor) died during {method}: {first_line}")
+        super().__init__(
+            f"training rank {rank} (its Ray actor{where}) died during {method}: {first_line}"
+        )
         self.rank, self.method = rank, method
 
 
-def gather(refs: list, *, method: str) -> list:
+def gather(refs: list, *, method: str, where=None) -> list:
     """``ray.get(refs)`` (one ref per rank, in rank order), except that a dead rank raises
     :class:`TrainActorDied` at once, and another rank's error raises at once too (after
-    :data:`DEATH_GRACE_S` to see whether a dead peer caused it)."""
+    :data:`DEATH_GRACE_S` to see whether a dead peer caused it). ``where(rank, error)``,
+    when given, says where the rank ran (``", on node ..."``) in the message."""
     import ray
     from ray.exceptions import RayActorError
 
@@ -63,14 +72,18 @@ def gather(refs: list, *, method: str) -> list:
         try:
             ray.get(ready[0])
         except RayActorError as died:
-            raise TrainActorDied(refs.index(ready[0]), method, died) from died
+            raise _died(refs.index(ready[0]), method, died, where) from died
         except Exception:
-            _raise_if_a_peer_died(refs, pending, method)
+            _raise_if_a_peer_died(refs, pending, method, where)
             raise
     return ray.get(refs)
 
 
-def _raise_if_a_peer_died(refs: list, pending: list, method: str) -> None:
+def _died(rank: int, method: str, cause: BaseException, where) -> TrainActorDied:
+    return TrainActorDied(rank, method, cause, where(rank, cause) if where is not None else "")
+
+
+def _raise_if_a_peer_died(refs: list, pending: list, method: str, where) -> None:
     import ray
     from ray.exceptions import RayActorError
 
@@ -81,9 +94,30 @@ def _raise_if_a_peer_died(refs: list, pending: list, method: str) -> None:
         try:
             ray.get(ref)
         except RayActorError as died:
-            raise TrainActorDied(refs.index(ref), method, died) from died
+            raise _died(refs.index(ref), method, died, where) from died
         except Exception:  # another rank's own error: the caller re-raises the first one
             continue
+
+
+def describe_node(node_id: str, error: BaseException | None = None) -> str:
+    """``", on node <ip> (<id>)"``, with ``", which Ray reports dead"`` once Ray has marked
+    the node so. When ``error`` says Ray could not reach the actor (its node may be lost:
+    Ray notices a lost raylet by missed health checks) this waits up to
+    :data:`NODE_LOSS_WAIT_S` for the mark while the node still looks alive."""
+    from ray.exceptions import ActorUnavailableError
+
+    wait_s = NODE_LOSS_WAIT_S if isinstance(error, ActorUnavailableError) else 0.0
+    import ray
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        node = next((n for n in ray.nodes() if n["NodeID"] == node_id), None)
+        alive = node is not None and node["Alive"]
+        if not alive or time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    address = node["NodeManagerAddress"] if node is not None else "(address unknown)"
+    return f", on node {address} ({node_id[:12]})" + ("" if alive else ", which Ray reports dead")
 
 
 def merge_minibatch_metrics(metrics: dict, new: dict) -> dict:

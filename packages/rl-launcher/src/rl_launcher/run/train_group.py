@@ -1,7 +1,8 @@
 """The training actor group: one Ray actor per rank, torch.distributed among them.
 
-Each :class:`TrainWorker` joins a gloo (CPU) or nccl (GPU) group with an explicit rank,
-world size and master address, and runs the configured backend (rl-fsdp's
+Each :class:`TrainWorker` joins a gloo (CPU) or nccl (GPU) group with an explicit rank and
+world size, meeting at rank 0's node on a port rank 0 holds there
+(:mod:`rl_launcher.run.rendezvous`), and runs the configured backend (rl-fsdp's
 ``FSDPBackend`` or rl-megatron's ``MegatronBackend``, see :mod:`rl_launcher.run.backends`).
 The driver calls every method on all ranks at once (they are collectives); a step is split
 into one batch per data-parallel rank, and ranks of one data-parallel rank (Megatron's
@@ -23,6 +24,7 @@ from rl_core.batch import TrainBatch
 from rl_launcher.run import faults
 from rl_launcher.run.backends import BackendSpec, fsdp_config  # noqa: F401  (re-exported)
 from rl_launcher.run.gc_pauses import GcPauses, freeze_startup
+from rl_launcher.run.rendezvous import GroupMember, meet, spans_nodes
 
 
 class TimedIter:
@@ -42,21 +44,34 @@ class TimedIter:
             self.seconds += time.perf_counter() - start
 
 
-class TrainWorker:
-    """One training rank (a Ray actor; see the module docstring)."""
+class TrainWorker(GroupMember):
+    """One training rank (a Ray actor; see the module docstring). ``run_spans_nodes``:
+    the run's engines may be on other nodes than rank 0 (the weight-update group then
+    meets at rank 0's node address, not on loopback)."""
 
-    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int,
-                 spec: BackendSpec):  # fmt: skip
+    def __init__(self, rank: int, world_size: int, spec: BackendSpec, run_spans_nodes: bool):
+        self.rank, self.world_size, self.spec = rank, world_size, spec
+        self.run_spans_nodes, self.offloaded = run_spans_nodes, False
+        self.busy_s: dict[str, float] = defaultdict(float)  # time in the backend, by part
+
+    def join(self, host: str, port: int) -> None:
+        """Join the group at rank 0's ``host:port``, then build the backend."""
         from rl_launcher.run.backends import build_backend
+        from rl_launcher.run.rendezvous import rendezvous_host
         from rl_launcher.run.weight_sync import EngineWeightSync
 
-        self.rank, self.spec = rank, spec
-        self.backend = build_backend(spec, rank=rank, world_size=world_size,
-                                     master_addr=master_addr, master_port=master_port)  # fmt: skip
-        self.weights, self.offloaded = EngineWeightSync(rank), False
-        self.busy_s: dict[str, float] = defaultdict(float)  # time in the backend, by part
+        self.join_group(self.spec.device, host, port)
+        self.backend = build_backend(self.spec, rank=self.rank, world_size=self.world_size,
+                                     master_addr=host, master_port=port)  # fmt: skip
+        sync_host = rendezvous_host(self.run_spans_nodes) if self.rank == 0 else None
+        self.weights = EngineWeightSync(self.rank, master_address=sync_host)
         freeze_startup()  # a full collection mid-step would leave the GPU waiting
         self.gc_pauses = GcPauses()
+
+    def weight_sync_address(self) -> tuple[str, int | None]:
+        """Rank 0: where it hosts the weight-update group (the port once the first
+        ``distributed`` sync made the group)."""
+        return self.weights.address()
 
     def data_rank(self) -> int:
         from rl_launcher.run.backends import data_rank
@@ -164,22 +179,22 @@ class TrainGroup:
     """``num_ranks`` :class:`TrainWorker` actors, rank r in placement slot ``slots[r]``.
 
     Per-rank arguments are given per data-parallel rank (``num_data_ranks`` of them);
-    per-rank results come back the same way."""
+    per-rank results come back the same way. ``address``: where the ranks met (rank 0's
+    node, loopback when all ranks share it); ``node_ids[r]``: rank r's Ray node."""
 
     def __init__(self, spec: BackendSpec, placement, slots, *, num_cpus: float,
                  num_gpus: float = 0, ranks_per_node: int = 1):  # fmt: skip
-        from rl_fsdp import free_port
-
-        addr = ray.util.get_node_ip_address() if spec.device == "cuda" else "127.0.0.1"
-        port, world = free_port(addr), len(slots)
-        actor = ray.remote(TrainWorker)
+        actor, world = ray.remote(TrainWorker), len(slots)
         env = cpu_threads_env(ranks_per_node) if spec.device != "cuda" else {}
+        run_spans_nodes = len(set(placement.node_ids)) > 1
         self.workers = [
             actor.options(num_cpus=num_cpus, num_gpus=num_gpus, runtime_env=env,
                           scheduling_strategy=placement.strategy(slot)).remote(
-                rank, world, addr, port, spec)
+                rank, world, spec, run_spans_nodes)
             for rank, slot in enumerate(slots)
         ]  # fmt: skip
+        self.node_ids = [placement.node_ids[slot] for slot in slots]
+        self.address = meet(self.workers, spans_nodes=spans_nodes(placement, slots))
         self.data_ranks = ray.get([w.data_rank.remote() for w in self.workers])
         self.num_data_ranks = spec.data_parallel
         self.turns = None  # a colocation.Turns when trainer and engines share GPUs
@@ -196,7 +211,12 @@ class TrainGroup:
                 )
                 for r, worker in enumerate(self.workers)
             ]
-            return faults.gather(refs, method=method)  # a dead rank raises at once, named
+            # a dead rank raises at once, named with its node
+            return faults.gather(refs, method=method, where=self.where)
+
+    def where(self, rank: int, error: BaseException) -> str:
+        """Rank ``rank``'s node, in words (said when its actor dies of ``error``)."""
+        return faults.describe_node(self.node_ids[rank], error)
 
     def per_data_rank(self, results: list) -> list:
         """One result per data-parallel rank (its first rank's)."""
@@ -235,14 +255,16 @@ class TrainGroup:
     def empty_cache(self) -> None:
         self.call("empty_cache")
 
+    # Paths go to the ranks absolute: a relative one would be taken from each rank's own
+    # working directory, which on another node is not the driver's.
     def save(self, path: str) -> None:
-        self.call("save", path=path)
+        self.call("save", path=str(Path(path).absolute()))
 
     def load(self, path: str) -> int:
-        return self.call("load", path=path)[0]
+        return self.call("load", path=str(Path(path).absolute()))[0]
 
     def export_hf(self, path: str) -> None:
-        self.call("export_hf", path=path)
+        self.call("export_hf", path=str(Path(path).absolute()))
 
     def shutdown(self) -> None:
         for worker in self.workers:

@@ -1,10 +1,15 @@
 """How trained weights reach the engines, chosen per placement.
 
 - ``tensor``: tensor handles (CUDA IPC on GPU, shared memory on CPU) into colocated engines.
-- ``disk``: an HF safetensors directory the engines load.
+- ``disk``: an HF safetensors directory the engines load (``engine.weight_sync_dir``,
+  else ``<run_dir>/sync_weights``); written by training rank 0 and read by every engine,
+  so on a run over several nodes it must be on storage they share (checked at start-up,
+  :mod:`rl_launcher.run.shared_dirs`).
 - ``distributed``: a process group between training rank 0 and every engine
   (``/init_weights_update_group`` once, then ``/update_weights_from_distributed`` and a
-  broadcast per bucket): gloo on CPU, nccl on GPU. For disaggregated layouts.
+  broadcast per bucket): gloo on CPU, nccl on GPU. For disaggregated layouts. Rank 0
+  hosts the group's store on its own node (loopback when the whole run is on one node,
+  else its node's address: :func:`rl_launcher.run.rendezvous.rendezvous_host`).
 - ``auto``: ``tensor`` when colocated, ``distributed`` when disaggregated.
 
 :func:`sync_options` (driver) resolves the choice; :class:`EngineWeightSync` (inside each
@@ -33,24 +38,35 @@ def resolve_transport(weight_sync: str, *, colocate: bool, device: str) -> str:
     return weight_sync
 
 
+def sync_dir(config, run_dir: Path) -> Path:
+    """The directory of disk weight sync, absolute (the engines resolve it elsewhere)."""
+    return Path(config.engine.weight_sync_dir or Path(run_dir) / "sync_weights").absolute()
+
+
 def sync_options(config, run_dir: Path) -> dict:
     """What every training rank needs to push weights (a plain dict: it crosses Ray)."""
     engine, device = config.engine, config.cluster.device
     transport = resolve_transport(engine.weight_sync, colocate=config.cluster.colocate,
                                   device=device)  # fmt: skip
     return {"transport": transport, "bucket_bytes": engine.weight_bucket_bytes,
-            "path": str(run_dir / "sync_weights"), "engine_kind": engine.kind,
+            "path": str(sync_dir(config, run_dir)), "engine_kind": engine.kind,
             "group_backend": "nccl" if device == "cuda" else "gloo",
-            "master_address": engine.host, "tp_size": engine.devices_per_engine,
-            "flatten": engine.weight_flatten}  # fmt: skip
+            "tp_size": engine.devices_per_engine, "flatten": engine.weight_flatten}  # fmt: skip
 
 
 class EngineWeightSync:
     """A training rank's side of weight sync. Its event loop, engine clients (keep-alive
-    connections) and, for ``distributed``, the process group live as long as the rank."""
+    connections) and, for ``distributed``, the process group live as long as the rank.
+    ``master_address``: where rank 0 hosts the weight-update group (its node)."""
 
-    def __init__(self, rank: int):
+    def __init__(self, rank: int, *, master_address: str | None = None):
         self.rank, self._loop, self._clients, self._sender = rank, None, {}, None
+        self.master_address = master_address
+
+    def address(self) -> tuple[str, int | None]:
+        """Where this rank hosts the weight-update group: host, and port once it exists."""
+        port = self._sender.master_port if self._sender is not None else None
+        return self.master_address or "127.0.0.1", port
 
     def sync(self, buckets, urls: list[str], version: str, how: dict) -> float:
         """Push every bucket of ``(hf_name, tensor)``; returns the bytes sent."""
@@ -84,7 +100,7 @@ class EngineWeightSync:
     async def _connected_sender(self, urls, how):
         """The process group with the engines, joined on the first sync."""
         if self._sender is None:
-            self._sender = make_sender(self.clients(urls), how)
+            self._sender = make_sender(self.clients(urls), how, self.master_address)
             await self._sender.connect()
         return self._sender
 
@@ -99,11 +115,12 @@ class EngineWeightSync:
         return self._loop.run_until_complete(work)
 
 
-def make_sender(clients: list, how: dict):
+def make_sender(clients: list, how: dict, master_address: str | None = None):
     """rl-sglang's sender: its group is built the way SGLang's engines build their end, so
-    it serves embedded engines and real SGLang alike (an engine of TP size t takes t ranks)."""
+    it serves embedded engines and real SGLang alike (an engine of TP size t takes t ranks).
+    Its store listens on ``master_address`` only (loopback when None)."""
     from rl_sglang.transports import DistributedWeightSender
 
     tp_size = how["tp_size"] if how["engine_kind"] == "sglang" else 1
-    return DistributedWeightSender(clients, master_address=how["master_address"],
+    return DistributedWeightSender(clients, master_address=master_address or "127.0.0.1",
                                    backend=how["group_backend"], tp_size=tp_size)  # fmt: skip

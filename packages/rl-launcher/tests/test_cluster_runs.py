@@ -1,0 +1,166 @@
+"""Runs on a simulated two-node Ray cluster (``ray.cluster_utils.Cluster``: a head node for
+the drivers and two worker nodes, each its own raylet with one CPU bundle's worth, at
+their own loopback addresses 127.0.0.2 / 127.0.0.3, so a rank's node address differs from
+the driver's 192.0.2.x or 127.0.0.1 as it would on real machines).
+
+- The training group, the critic group and the weight-update group meet at training rank
+  0's node address, read from Ray's own state, on ports that listen there only.
+- ``rl-train`` attached through ``RAY_ADDRESS`` (as ``ray job submit`` runs it) loses a
+  node mid-run: it exits 1 naming the node and the last complete checkpoint; ``--resume``
+  on the cluster made whole again trains on the same prompts, step by step, as an
+  uninterrupted run.
+
+One cluster for the module (start-ups cost seconds each on a shared 2-core machine).
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from test_rendezvous import listening_addresses
+from test_train_loop import shrunk
+
+ray = pytest.importorskip("ray")
+
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from rl_launcher.config_loader import load_config  # noqa: E402
+from rl_launcher.data import build_prompt_source  # noqa: E402
+from rl_launcher.run import checkpoints, data_order  # noqa: E402
+from rl_launcher.run.critic import make_buffer  # noqa: E402
+from rl_launcher.run.loop import run_step, sync  # noqa: E402
+from rl_launcher.run.model_setup import load_tokenizer  # noqa: E402
+from rl_launcher.run.setup import start_run  # noqa: E402
+from rl_launcher.run_log import read_metrics  # noqa: E402
+
+pytestmark = pytest.mark.integration
+NODE_ADDRESSES = ("127.0.0.2", "127.0.0.3")
+NUM_STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Head (no CPUs: drivers only) and two one-CPU worker nodes; this process attached."""
+    temp_dir = tempfile.mkdtemp(prefix="rlc", dir="/tmp")  # short: Ray's socket paths
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "temp_dir": temp_dir})
+    for address in NODE_ADDRESSES:
+        cluster.add_node(num_cpus=1, node_ip_address=address, temp_dir=temp_dir)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def on_two_nodes(run_dir: Path, cluster, *extra: str) -> list[str]:
+    """The shrunk quickstart, one training rank per worker node, attached to ``cluster``."""
+    return shrunk(run_dir, "--cluster.num_nodes", "2", "--cluster.devices_per_node", "1",
+                  "--cluster.ray_address", cluster.address, *extra)  # fmt: skip
+
+
+def alive_actors(class_name: str) -> list[dict]:
+    """Ray's own records (the GCS actor table) of the live actors of a class."""
+    table = ray._private.state.actors(actor_state_name="ALIVE")  # no dashboard needed
+    return [a for a in table.values() if a["ActorClassName"] == class_name]
+
+
+def node_of(actor) -> tuple[str, str]:
+    """``(node id, node address)`` of a live actor, from Ray's actor table."""
+    record = ray._private.state.actors(actor_id=actor._actor_id.hex())
+    return record["Address"]["NodeID"], record["Address"]["IPAddress"]
+
+
+def test_groups_meet_at_training_rank_0s_node(cluster, tmp_path):
+    # PPO (a critic group beside the trainer) with the distributed weight-update group
+    config, _ = load_config(on_two_nodes(tmp_path / "run", cluster,
+                                         "--algorithm.advantage_estimator", "gae",
+                                         "--engine.weight_sync", "distributed"))  # fmt: skip
+    run = start_run(config)
+    try:
+        (node0, address0), (node1, address1) = map(node_of, run.trainer.workers)
+        assert node0 != node1 and {address0, address1} == set(NODE_ADDRESSES)
+        assert address0 != ray.util.get_node_ip_address()  # not the driver's address
+        for host, port in (run.trainer.address, run.critic.address):
+            assert host == address0
+            assert listening_addresses(port) == [address0]  # not every interface
+        assert [node_of(w)[0] for w in run.critic.workers] == [node0, node1]
+        sync(run, version=1)  # the weight-update group: rank 0 with the engine
+        host, port = ray.get(run.trainer.workers[0].weight_sync_address.remote())
+        assert host == address0 and listening_addresses(port) == [address0]
+        assert run.rollout.weight_versions() == ["1"]
+        buffer = make_buffer(run)  # with the critic's values
+        metrics = run_step(run, buffer, step=2)  # both ranks and both critics train
+        assert metrics["train/num_samples"] == 16 and "loss/value" in metrics
+        assert run.rollout.weight_versions() == ["2"]
+    finally:
+        run.close()
+
+
+def rl_train(run_dir: Path, cluster, *extra: str) -> subprocess.Popen:
+    """``rl-train`` as a Ray job runs it: attached through RAY_ADDRESS, no option."""
+    args = shrunk(run_dir, "--cluster.num_nodes", "2", "--cluster.devices_per_node", "1",
+                  "--num_steps", str(NUM_STEPS), "--logging.progress", "true", *extra)  # fmt: skip
+    env = {**os.environ, "RAY_ADDRESS": cluster.address}
+    log = open(run_dir.parent / f"{run_dir.name}.log", "ab")  # noqa: SIM115 (the child holds it)
+    return subprocess.Popen([sys.executable, "-m", "rl_launcher.cli", *args], env=env,
+                            stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+
+
+def log_of(run_dir: Path) -> str:
+    return (run_dir.parent / f"{run_dir.name}.log").read_text(errors="replace")
+
+
+def wait_for(path: Path, process: subprocess.Popen, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert process.poll() is None, f"rl-train exited with {process.returncode}"
+        assert time.monotonic() < deadline, f"no {path} after {timeout_s}s"
+        time.sleep(0.05)
+
+
+def uninterrupted_order(run_dir: Path, cluster) -> list[dict]:
+    """The data-order records of an uninterrupted run: the prompt stream, step by step."""
+    config, _ = load_config(on_two_nodes(run_dir, cluster))
+    source = build_prompt_source(config.data, seed=config.seed,
+                                 tokenizer=load_tokenizer(config.model.tokenizer_path))  # fmt: skip
+    records = []
+    for step in range(1, NUM_STEPS + 1):
+        prompts = [source.next_prompt() for _ in range(config.rollout.batch_size)]
+        records.append({"step": step, "prompts": [data_order.prompt_id(p) for p in prompts],
+                        "draws": [p.group_index for p in prompts]})  # fmt: skip
+    return records
+
+
+def test_a_lost_node_stops_the_run_naming_it_and_resume_continues(cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    process = rl_train(run_dir, cluster)
+    wait_for(run_dir / "checkpoints" / "step_000002" / "state.json", process)
+    workers = alive_actors("TrainWorker")  # this run's ranks, on the cluster's worker nodes
+    assert sorted(w["Address"]["IPAddress"] for w in workers) == list(NODE_ADDRESSES)
+    lost = next(n for n in cluster.worker_nodes if n.node_id == workers[1]["Address"]["NodeID"])
+    cluster.remove_node(lost, allow_graceful=False)  # its raylet and workers killed
+    removed = time.monotonic()
+    code = process.wait(180)
+    print(f"rl-train exited {time.monotonic() - removed:.0f} s after the node was removed")
+    log = log_of(run_dir)
+    assert code == 1, log[-3000:]
+    done = checkpoints.complete_checkpoints(checkpoints.checkpoint_dir(load_config(
+        on_two_nodes(run_dir, cluster))[0]))  # fmt: skip
+    stopped = next(line for line in log.splitlines() if line.startswith("rl-train: stopped:"))
+    assert f", on node {lost.node_ip_address} ({lost.node_id[:12]}), which Ray reports dead" in (
+        stopped), stopped  # fmt: skip
+    assert f"last complete checkpoint: {done[-1][1]} (step {done[-1][0]})" in stopped, stopped
+    cluster.add_node(num_cpus=1, node_ip_address=lost.node_ip_address)  # a healthy cluster
+    cluster.wait_for_nodes()
+    started = time.monotonic()
+    resumed = rl_train(run_dir, cluster, "--resume")
+    assert resumed.wait(300) == 0, log_of(run_dir)[-3000:]
+    print(f"resumed run: {time.monotonic() - started:.0f} s")
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, NUM_STEPS + 1))
+    assert data_order.read(run_dir) == uninterrupted_order(run_dir, cluster)
