@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from rl_core.aggregation import aggregate
+from rl_core.aggregation import AGGREGATION_MODES, aggregate
 from rl_core.importance import rollout_importance_weights
 from rl_core.kl import approx_kl
 from rl_core.losses import ppo_policy_loss
@@ -52,7 +52,7 @@ def test_composition_by_parts():
 
 
 @pytest.mark.parametrize("loss_name", ["ppo", "gspo", "cispo"])
-@pytest.mark.parametrize("agg_mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("agg_mode", AGGREGATION_MODES)
 def test_micro_batches_sum_to_full_batch(loss_name, agg_mode):
     data = random_packed(num_seqs=8, seed=3)
     cu = data["cu_seqlens"]
@@ -78,6 +78,7 @@ def test_micro_batches_sum_to_full_batch(loss_name, agg_mode):
             num_tokens=num_tokens,
             num_seqs=num_seqs,
             cu_seqlens=sub_cu,
+            norm_length=10.0,  # the horizon, shared by every part (used by the -norm mode)
         )
         return loss, metrics
 
@@ -111,6 +112,24 @@ def test_sft_objective():
     loss, metrics = sft_objective(log_probs=log_probs, mask=torch.tensor([1.0, 1.0, 0.0]))
     assert loss.item() == pytest.approx(1.5)
     assert metrics["loss/sft"] == pytest.approx(1.5)
+    packed = dict(log_probs=log_probs, mask=torch.ones(3), cu_seqlens=torch.tensor([0, 1, 3]))
+    loss, _ = sft_objective(**packed, agg_mode="seq-mean-token-sum-norm", norm_length=4.0)
+    assert loss.item() == pytest.approx(6.0 / 4)
+
+
+@pytest.mark.parametrize("agg_mode", AGGREGATION_MODES)
+def test_clipfrac_is_the_fraction_of_valid_tokens_in_every_mode(agg_mode):
+    # ratios 1.5 (clipped, A > 0), 1.0, 1.0 | 0.5 (clipped, A > 0), masked 3.0
+    log_probs = torch.tensor([[1.5, 1.0, 1.0], [0.5, 3.0, 1.0]]).log()
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    _, metrics = policy_objective(log_probs=log_probs, old_log_probs=torch.zeros(2, 3),
+                                  advantages=torch.tensor([[1.0] * 3, [-1.0] * 3]), mask=mask,
+                                  agg_mode=agg_mode)  # fmt: skip
+    assert metrics["pg/clipfrac"] == pytest.approx(2 / 4)
+    _, metrics = policy_objective(log_probs=log_probs, old_log_probs=torch.zeros(2, 3),
+                                  advantages=torch.ones(2, 3), mask=mask, agg_mode=agg_mode,
+                                  num_tokens=8.0)  # fmt: skip
+    assert metrics["pg/clipfrac"] == pytest.approx(1 / 8)  # this part's share of the step
 
 
 def test_unknown_loss_name():

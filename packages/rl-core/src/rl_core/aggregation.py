@@ -11,6 +11,8 @@ gradient accumulation and parallel layout never change the result.
 
 import torch
 
+from rl_core._dtype import wide
+
 AGGREGATION_MODES = (
     "token-mean",
     "seq-mean-token-sum",
@@ -29,44 +31,59 @@ def aggregate(
     num_seqs: float | torch.Tensor | None = None,
     norm_length: float | None = None,
 ) -> torch.Tensor:
-    """Aggregate a per-token loss into a scalar.
+    """Aggregate a per-token loss into a scalar (the definitions of verl's ``agg_loss``).
 
-    Modes:
+    Modes, with row sum = sum over a sequence's valid tokens of x·m:
         - ``token-mean``: sum(x·m) / num_tokens (default: valid tokens here).
         - ``seq-mean-token-sum``: sum over sequences of (row sum) / num_seqs.
         - ``seq-mean-token-mean``: sum over sequences of (row sum / row count) / num_seqs.
-        - ``seq-mean-token-sum-norm``: sum over sequences of (row sum / norm_length) / num_seqs,
-          norm_length defaulting to T (the padded width; required for packed input).
+        - ``seq-mean-token-sum-norm``: sum over sequences of (row sum) / norm_length, a
+          constant horizon (Dr.GRPO); ``num_seqs`` plays no part. ``norm_length`` defaults
+          to T, the padded width, and is required for packed input. Micro-batches and
+          ranks must pass the same ``norm_length`` (e.g. the maximum response length) for
+          their parts to add up to the full batch's loss.
     ``num_seqs`` defaults to the number of sequences with at least one valid token here;
     fully masked rows contribute nothing and are not counted.
 
     Returns:
-        Scalar tensor (float32 or wider), differentiable in ``per_token``.
+        Scalar tensor, float32 (float64 for float64 ``per_token``), differentiable in
+        ``per_token``.
     """
     if mode not in AGGREGATION_MODES:
         raise ValueError(
             f"unknown aggregation mode {mode!r}; choose one of: {', '.join(AGGREGATION_MODES)}"
         )
-    weights = mask.to(torch.float32)
-    masked = per_token.float() * weights
+    values = wide(per_token)
+    weights = mask.to(values.dtype)
     if mode == "token-mean":
         denominator = weights.sum() if num_tokens is None else num_tokens
-        return masked.sum() / _at_least_one(denominator)
+        return (values * weights).sum() / _at_least_one(denominator, values.dtype)
+    if mode == "seq-mean-token-sum-norm":
+        return (values * weights).sum() / _horizon(norm_length, per_token, cu_seqlens)
 
-    row_sums, row_counts = row_sums_and_counts(masked, weights, cu_seqlens)
+    row_sums, row_counts = row_sums_and_counts(values, weights, cu_seqlens)
     valid_rows = row_counts > 0
-    if mode == "seq-mean-token-sum":
-        per_seq = row_sums
-    elif mode == "seq-mean-token-mean":
+    per_seq = row_sums  # seq-mean-token-sum
+    if mode == "seq-mean-token-mean":
         per_seq = row_sums / row_counts.clamp(min=1.0)
-    else:
-        if norm_length is None:
-            if cu_seqlens is not None:
-                raise ValueError("seq-mean-token-sum-norm on packed input needs norm_length")
-            norm_length = per_token.shape[-1]
-        per_seq = row_sums / float(norm_length)
     denominator = valid_rows.sum() if num_seqs is None else num_seqs
-    return (per_seq * valid_rows).sum() / _at_least_one(denominator)
+    return (per_seq * valid_rows).sum() / _at_least_one(denominator, values.dtype)
+
+
+def _horizon(
+    norm_length: float | None, per_token: torch.Tensor, cu_seqlens: torch.Tensor | None
+) -> float:
+    """The constant divisor of ``seq-mean-token-sum-norm``: ``norm_length`` or the padded width."""
+    if norm_length is None:
+        if cu_seqlens is not None:
+            raise ValueError(
+                "seq-mean-token-sum-norm on packed input needs norm_length (the horizon, "
+                "e.g. the maximum response length)"
+            )
+        norm_length = per_token.shape[-1]
+    if norm_length <= 0:
+        raise ValueError(f"norm_length must be positive, got {norm_length}")
+    return float(norm_length)
 
 
 def row_sums_and_counts(
@@ -102,8 +119,9 @@ def segment_ids(cu_seqlens: torch.Tensor, num_tokens: int | None = None) -> torc
     return torch.repeat_interleave(seqs, lengths, output_size=num_tokens)
 
 
-def _at_least_one(denominator: float | torch.Tensor) -> torch.Tensor | float:
-    """Guard an empty batch: 0 / max(0, 1) = 0 instead of NaN."""
+def _at_least_one(denominator: float | torch.Tensor, dtype: torch.dtype) -> torch.Tensor | float:
+    """Guard an empty batch: 0 / max(0, 1) = 0 instead of NaN. A tensor count is cast to
+    the loss's ``dtype`` so that it neither narrows nor widens the result."""
     if isinstance(denominator, torch.Tensor):
-        return denominator.float().clamp(min=1.0)
+        return denominator.to(dtype).clamp(min=1.0)
     return max(float(denominator), 1.0)

@@ -39,6 +39,10 @@ def policy_objective(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Loss = agg(pg · w) + kl_coef · agg(kl) - entropy_coef · agg(entropy).
 
+    ``agg`` is :func:`rl_core.aggregation.aggregate` with ``agg_mode`` and the denominators;
+    the metric ``pg/clipfrac`` is always the fraction of valid tokens clipped (token-mean
+    over ``num_tokens``, as verl reports it), whatever ``agg_mode`` the loss uses.
+
     Shapes: every per-token tensor ``[B, T]`` (or packed ``[N]`` with ``cu_seqlens``).
     ``importance_weights`` (e.g. from :func:`rl_core.importance.rollout_importance_weights`)
     multiply the per-token policy loss. Returns ``(loss, metrics)``; metrics are Python
@@ -72,7 +76,8 @@ def policy_objective(
         )
 
     loss = agg(pg_loss)
-    metrics = {"loss/pg": value(loss), "pg/clipfrac": value(agg(clipfrac))}
+    clipped_tokens = aggregate(clipfrac, mask, cu_seqlens=cu_seqlens, num_tokens=num_tokens)
+    metrics = {"loss/pg": value(loss), "pg/clipfrac": value(clipped_tokens)}
     if ref_log_probs is not None and kl_coef != 0.0:
         kl_term = agg(approx_kl(log_probs, ref_log_probs, kind=kl_kind))
         loss = loss + kl_coef * kl_term
@@ -102,6 +107,7 @@ def sft_objective(
     num_tokens: float | None = None,
     num_seqs: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    norm_length: float | None = None,
     tensor_metrics: bool = False,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Supervised fine-tuning: aggregated negative log-likelihood of the masked tokens
@@ -113,6 +119,7 @@ def sft_objective(
         cu_seqlens=cu_seqlens,
         num_tokens=num_tokens,
         num_seqs=num_seqs,
+        norm_length=norm_length,
     )
     value = _detached(loss) if tensor_metrics else _as_float(loss)
     return loss, {"loss/sft": value, "loss/total": value}
