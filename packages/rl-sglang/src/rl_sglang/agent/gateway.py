@@ -89,7 +89,7 @@ class Gateway:
         app[GATEWAY_KEY] = self
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
-        app.router.add_get("/health", lambda request: web.Response(text=""))
+        app.router.add_get("/health", _health)
         return app
 
     def open(self, session_id: str, sampling_params: dict | None = None) -> None:
@@ -167,6 +167,10 @@ class Gateway:
         reason = output["meta_info"]["finish_reason"]["type"]
         finish = "tool_calls" if calls else ("length" if reason == "length" else "stop")
         return message, finish
+
+
+async def _health(request: web.Request) -> web.Response:
+    return web.Response(text="")
 
 
 def _error(message: str, status: int) -> web.Response:
