@@ -154,4 +154,6 @@ def test_rl_train_with_a_reward_that_hangs_on_some_samples_finishes_and_counts_t
     for record in records:  # every step draws all 4 prompts: the "spin" group's 2 samples
         assert record["rollout/reward_timeouts"] == 2.0
         assert record["rollout/reward_errors"] == 0.0
-        assert record["buffer/groups_aborted"] == 1.0
+        # both timed out: no scored sample left to compare with, the group is dropped
+        assert record["rollout/groups_dropped_reward_error"] == 1.0
+        assert record["buffer/groups_aborted"] == 0.0  # the engine aborted nothing
