@@ -9,6 +9,7 @@ from rl_core.advantages import (
     discounted_returns,
     gae,
     group_normalize,
+    last_token_rewards,
     reinforce_pp_baseline,
     reinforce_pp_returns,
     rloo,
@@ -167,3 +168,47 @@ def test_ragged_groups_are_checked_and_reach_every_group_estimator():
     for name in ("grpo", "rloo", "reinforce_plus_plus_baseline"):
         adv, _ = ADVANTAGE_ESTIMATORS.get(name)(inputs)  # the uniform path would refuse 5 / 3
         assert adv.shape == mask.shape and torch.isfinite(adv).all()
+
+
+F64 = torch.float64
+
+
+def test_every_function_keeps_float64():
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.25], dtype=F64)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 1], [0, 1, 1]], dtype=F64)
+    token = torch.rand(4, 3, dtype=F64, generator=torch.Generator().manual_seed(0))
+    outputs = {
+        "group_normalize": group_normalize(rewards, group_size=2),
+        "group_normalize ragged": group_normalize(rewards, group_size=2, group_sizes=(1, 3)),
+        "rloo": rloo(rewards, group_size=2),
+        "rloo ragged": rloo(rewards, group_size=2, group_sizes=(2, 2)),
+        "discounted_returns": discounted_returns(token, mask, gamma=0.9),
+        "gae": gae(token, token.flip(0), mask, gamma=0.9, lam=0.8)[0],
+        "gae returns": gae(token, token.flip(0), mask, gamma=0.9, lam=0.8)[1],
+        "last_token_rewards": last_token_rewards(rewards, mask),
+        "reinforce_pp_returns": reinforce_pp_returns(rewards, kl=token, mask=mask, kl_coef=0.1),
+        "reinforce_pp_baseline": reinforce_pp_baseline(
+            rewards, group_size=2, kl=token, mask=mask, kl_coef=0.1
+        ),
+        "whiten": whiten(token, mask),
+    }
+    assert {name: out.dtype for name, out in outputs.items()} == dict.fromkeys(outputs, F64)
+    # a float64 mask or kl beside float32 rewards does not narrow either
+    assert last_token_rewards(rewards.float(), mask).dtype == torch.float32
+    assert reinforce_pp_returns(rewards.float(), kl=token, mask=mask, kl_coef=0.1).dtype == F64
+
+
+def test_every_estimator_keeps_float64():
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.25], dtype=F64)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 1], [0, 1, 1]], dtype=F64)
+    inputs = AdvantageInputs(rewards=rewards, mask=mask, group_size=2,
+                             values=torch.zeros(4, 3, dtype=F64), kl_coef=0.1)  # fmt: skip
+    for name in ADVANTAGE_ESTIMATORS:
+        adv, ret = ADVANTAGE_ESTIMATORS.get(name)(inputs)
+        assert (adv.dtype, ret.dtype) == (F64, F64), name
+    # float32 stays float32 (kl defaults to zeros of the rewards' type)
+    inputs32 = AdvantageInputs(rewards=rewards.float(), mask=mask.bool(), group_size=2,
+                               values=torch.zeros(4, 3), kl_coef=0.1)  # fmt: skip
+    for name in ADVANTAGE_ESTIMATORS:
+        adv, ret = ADVANTAGE_ESTIMATORS.get(name)(inputs32)
+        assert (adv.dtype, ret.dtype) == (torch.float32, torch.float32), name

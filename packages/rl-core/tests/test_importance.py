@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from rl_core.importance import rollout_importance_weights
+from rl_core.importance import logprob_gap_share, rollout_importance_weights
 
 
 def test_token_truncate_by_hand():
@@ -49,3 +49,18 @@ def test_bad_options():
         rollout_importance_weights(torch.zeros(1), torch.zeros(1), torch.ones(1), level="seq")
     with pytest.raises(ValueError, match="truncate, mask"):
         rollout_importance_weights(torch.zeros(1), torch.zeros(1), torch.ones(1), mode="clip")
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_float64_in_float64_out(level):
+    old = torch.tensor([[math.log(3.0), -0.1, 0.0]], dtype=torch.float64)
+    rollout = torch.zeros(1, 3, dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    weights, metrics = rollout_importance_weights(old, rollout, mask, level=level, cap=5.0,
+                                                  tensor_metrics=True)  # fmt: skip
+    assert weights.dtype == torch.float64
+    assert all(value.dtype == torch.float64 for value in metrics.values())
+    expected = [3.0, math.exp(-0.1)] if level == "token" else [3 * math.exp(-0.1)] * 2
+    torch.testing.assert_close(weights[0, :2], torch.tensor(expected, dtype=torch.float64))
+    gap = logprob_gap_share(old, rollout, mask, num_tokens=4.0)
+    assert gap.dtype == torch.float64 and gap.item() == pytest.approx((math.log(3) + 0.1) / 4)

@@ -5,6 +5,7 @@ import torch
 
 from rl_core.losses import (
     POLICY_LOSSES,
+    aggregate,
     cispo_loss,
     entropy_loss,
     gspo_policy_loss,
@@ -151,3 +152,106 @@ def test_policy_loss_registry():
     torch.testing.assert_close(
         ppo_loss, ppo_policy_loss(lp, old, adv, clip_low=0.2, clip_high=0.3)[0]
     )
+
+
+def test_gspo_capped_sequence_passes_no_gradient():
+    """A sequence whose mean log-ratio exceeds 10 has its ratio capped at e^10 and, as in
+    verl, no gradient (uncapped, A < 0 would pass a gradient of e^10 per token)."""
+    log_probs = torch.tensor([[11.0, 11.0], [0.1, 0.1]], requires_grad=True)
+    advantages = torch.tensor([[-1.0, -1.0], [-1.0, -1.0]])
+    loss, clipfrac = gspo_policy_loss(
+        log_probs, torch.zeros(2, 2), advantages, torch.ones(2, 2), clip_low=0.2, clip_high=0.2
+    )
+    torch.testing.assert_close(loss[0], torch.full((2,), math.exp(10.0)))
+    assert clipfrac.sum().item() == 0.0  # A < 0: the unclipped (larger) term is taken
+    loss.sum().backward()
+    torch.testing.assert_close(log_probs.grad[0], torch.zeros(2))
+    torch.testing.assert_close(log_probs.grad[1], torch.full((2,), math.exp(0.1)))
+
+
+def _float64(*shape, seed, scale=1.0, shift=0.0):
+    generator = torch.Generator().manual_seed(seed)
+    return scale * torch.randn(*shape, generator=generator, dtype=torch.float64) + shift
+
+
+MASK_2x4 = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("dual_clip", [None, 3.0])
+def test_ppo_float64_and_gradcheck(dual_clip):
+    log_probs = _float64(2, 4, seed=0, scale=0.3, shift=-1.0).requires_grad_()
+    old = _float64(2, 4, seed=1, scale=0.3, shift=-1.0).requires_grad_()
+    advantages = _float64(2, 4, seed=2).requires_grad_()
+    loss, clipfrac = ppo_policy_loss(
+        log_probs, old, advantages, clip_high=0.28, dual_clip=dual_clip
+    )
+    assert loss.dtype == clipfrac.dtype == torch.float64
+    assert 0 < clipfrac.sum() < clipfrac.numel()  # both branches are checked
+
+    def fn(lp, o, a):
+        return ppo_policy_loss(lp, o, a, clip_high=0.28, dual_clip=dual_clip)[0]
+
+    assert torch.autograd.gradcheck(fn, (log_probs, old, advantages))
+
+
+def test_gspo_float64_and_gradcheck_of_the_sequence_objective():
+    """Aggregated per sequence, the token-level surrogate has exactly the gradient of the
+    sequence-level objective -A·s_i: finite differences through s_i itself agree."""
+    log_probs = _float64(2, 4, seed=3, scale=0.1, shift=-1.0).requires_grad_()
+    old = _float64(2, 4, seed=4, scale=0.1, shift=-1.0)
+    advantages = torch.tensor([[0.7] * 4, [-1.3] * 4], dtype=torch.float64, requires_grad=True)
+    loss, clipfrac = gspo_policy_loss(
+        log_probs, old, advantages, MASK_2x4, clip_low=0.2, clip_high=0.2
+    )
+    assert loss.dtype == clipfrac.dtype == torch.float64
+
+    def sequence_objective(lp, a):
+        per_token, _ = gspo_policy_loss(lp, old, a, MASK_2x4, clip_low=0.2, clip_high=0.2)
+        return aggregate(per_token, MASK_2x4, mode="seq-mean-token-mean")
+
+    assert torch.autograd.gradcheck(sequence_objective, (log_probs, advantages))
+
+
+def test_cispo_float64_and_gradcheck():
+    log_probs = _float64(2, 4, seed=5, scale=0.3, shift=-1.0).requires_grad_()
+    # log-ratios of +-0.5 lie outside the clip range, where the clipped weight is a constant
+    # and the stop-gradient surrogate's gradient is the true one
+    old = log_probs.detach() + 0.5 * torch.tensor([[1, -1, 1, -1], [-1, 1, -1, 1]])
+    advantages = _float64(2, 4, seed=6).requires_grad_()
+    loss, clipfrac = cispo_loss(log_probs, old, advantages, clip_low=0.2, clip_high=0.3)
+    assert loss.dtype == clipfrac.dtype == torch.float64
+    assert clipfrac.eq(1).all()
+
+    def fn(lp, a):
+        return cispo_loss(lp, old, a, clip_low=0.2, clip_high=0.3)[0]
+
+    assert torch.autograd.gradcheck(fn, (log_probs, advantages))
+    # a float64 input beside float32 ones still gives float64
+    mixed, _ = cispo_loss(log_probs.float(), old.float(), advantages, clip_low=0.2, clip_high=0.3)
+    assert mixed.dtype == torch.float64
+
+
+def test_value_sft_entropy_float64_and_gradcheck():
+    values = _float64(2, 4, seed=7).requires_grad_()
+    old_values = _float64(2, 4, seed=8).requires_grad_()
+    returns = _float64(2, 4, seed=9).requires_grad_()
+    loss, clipfrac = value_loss(values, old_values, returns, clip=0.5)
+    assert loss.dtype == clipfrac.dtype == torch.float64
+    assert 0 < clipfrac.sum() < clipfrac.numel()
+    assert torch.autograd.gradcheck(
+        lambda v, o, r: value_loss(v, o, r, clip=0.5)[0], (values, old_values, returns)
+    )
+    assert torch.autograd.gradcheck(lambda v, r: value_loss(v, v, r)[0], (values, returns))
+    assert sft_loss(values).dtype == entropy_loss(values).dtype == torch.float64
+    assert torch.autograd.gradcheck(sft_loss, (values,))
+    assert torch.autograd.gradcheck(entropy_loss, (values,))
+    half = torch.tensor([-1.0], dtype=torch.bfloat16)
+    assert sft_loss(half).dtype == value_loss(half, half, half)[0].dtype == torch.float32
+
+
+@pytest.mark.parametrize("name", ["ppo", "gspo", "cispo"])
+def test_registered_losses_keep_float64(name):
+    log_probs, old = _float64(1, 3, seed=10), _float64(1, 3, seed=11)
+    common = dict(clip_low=0.2, clip_high=0.3, dual_clip=None, cu_seqlens=None)
+    loss, clipfrac = POLICY_LOSSES.get(name)(log_probs, old, old, torch.ones(1, 3), **common)
+    assert loss.dtype == clipfrac.dtype == torch.float64

@@ -4,7 +4,8 @@ Shapes: scalar rewards are ``[B]`` with each prompt's group of samples contiguou
 (``B = num_prompts · group_size``, or ``sum(group_sizes)`` when groups differ in size, e.g.
 once samples whose reward failed are left out); per-token tensors are padded ``[B, T]``
 with a ``mask`` (1 on response tokens that are trained). Masked positions of every
-per-token output are 0. Nothing here whitens unless asked (:func:`whiten`).
+per-token output are 0. Nothing here whitens unless asked (:func:`whiten`). Outputs are
+float32, or float64 when the inputs are (nothing narrows a float64 input).
 """
 
 from collections.abc import Callable, Sequence
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rl_core._dtype import wide
 from rl_core.registry import Registry
 
 
@@ -24,7 +26,7 @@ def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
             f"{rewards.numel()} rewards do not split into groups of {group_size} "
             "(samples of one prompt must be contiguous and complete)"
         )
-    return rewards.float().view(-1, group_size)
+    return wide(rewards).view(-1, group_size)
 
 
 def _ragged(rewards: torch.Tensor, group_sizes: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,7 +41,7 @@ def _ragged(rewards: torch.Tensor, group_sizes: Sequence[int]) -> tuple[torch.Te
             "(samples of one prompt must be contiguous; every group needs a sample)"
         )
     ids = torch.repeat_interleave(torch.arange(sizes.numel(), device=rewards.device), sizes)
-    return ids, sizes.float()
+    return ids, sizes.to(wide(rewards).dtype)
 
 
 def _group_sum(values: torch.Tensor, ids: torch.Tensor, num_groups: int) -> torch.Tensor:
@@ -75,7 +77,7 @@ def _ragged_normalize(rewards: torch.Tensor, group_sizes: Sequence[int], *, std:
                       eps: float) -> torch.Tensor:  # fmt: skip
     """:func:`group_normalize` over groups of different sizes."""
     ids, sizes = _ragged(rewards, group_sizes)
-    values = rewards.float()
+    values = wide(rewards)
     centred = values - (_group_sum(values, ids, sizes.numel()) / sizes)[ids]
     if std:
         variance = _group_sum(centred.square(), ids, sizes.numel()) / (sizes - 1).clamp(min=1)
@@ -93,7 +95,7 @@ def rloo(
         ids, sizes = _ragged(rewards, group_sizes)
         if int(sizes.min()) < 2:
             raise ValueError(f"rloo needs groups of >= 2 samples, got sizes {list(group_sizes)}")
-        values = rewards.float()
+        values = wide(rewards)
         sums = _group_sum(values, ids, sizes.numel())[ids]
         return values - (sums - values) / (sizes[ids] - 1)
     if group_size < 2:
@@ -109,8 +111,9 @@ def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, *, gamma: floa
     ``rewards``, ``mask``: ``[B, T]``. Masked positions are skipped (a masked tool output
     between two turns neither adds reward nor discounts). Returns ``[B, T]``.
     """
-    weights = mask.float()
-    rewards = rewards.float() * weights
+    rewards = wide(rewards)
+    weights = mask.to(rewards.dtype)
+    rewards = rewards * weights
     returns = torch.zeros_like(rewards)
     running = rewards.new_zeros(rewards.shape[0])
     for t in reversed(range(rewards.shape[1])):
@@ -134,8 +137,9 @@ def gae(
     the value after a row's last valid token is 0. ``rewards``, ``values``, ``mask``:
     ``[B, T]``. Returns ``(advantages, returns)`` each ``[B, T]``, returns = A + V.
     """
-    weights = mask.float()
-    rewards, values = rewards.float() * weights, values.float() * weights
+    dtype = torch.promote_types(wide(rewards).dtype, wide(values).dtype)
+    weights = mask.to(dtype)
+    rewards, values = rewards.to(dtype) * weights, values.to(dtype) * weights
     advantages = torch.zeros_like(rewards)
     next_value = rewards.new_zeros(rewards.shape[0])
     next_advantage = rewards.new_zeros(rewards.shape[0])
@@ -152,13 +156,14 @@ def gae(
 
 def last_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Place each row's scalar reward on its last valid token: ``[B]`` -> ``[B, T]``."""
-    weights = mask.float()
+    rewards = wide(rewards)
+    weights = mask.to(rewards.dtype)
     positions = torch.arange(weights.shape[1], device=weights.device).expand_as(weights)
     last = torch.where(weights > 0, positions, -1).max(dim=1).values
     token_rewards = torch.zeros_like(weights)
     has_token = last >= 0
     rows = torch.nonzero(has_token).squeeze(-1)
-    token_rewards[rows, last[has_token]] = rewards.float()[has_token]
+    token_rewards[rows, last[has_token]] = rewards[has_token]
     return token_rewards
 
 
@@ -174,7 +179,7 @@ def reinforce_pp_returns(
     last valid token, discounted with ``gamma``. ``rewards`` ``[B]``; ``kl``, ``mask``
     ``[B, T]``. Returns ``[B, T]`` (whiten them over the batch to get advantages).
     """
-    token_rewards = -kl_coef * kl.float() * mask.float() + last_token_rewards(rewards, mask)
+    token_rewards = -kl_coef * wide(kl) * mask + last_token_rewards(rewards, mask)
     return discounted_returns(token_rewards, mask, gamma=gamma)
 
 
@@ -193,7 +198,7 @@ def reinforce_pp_baseline(
     :func:`group_normalize`. Returns ``[B, T]`` (not whitened).
     """
     centred = group_normalize(rewards, group_size=group_size, std=False, group_sizes=group_sizes)
-    return (centred.unsqueeze(-1) - kl_coef * kl.float()) * mask.float()
+    return (centred.unsqueeze(-1) - kl_coef * wide(kl)) * mask
 
 
 def whiten(values: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True) -> torch.Tensor:
@@ -201,11 +206,12 @@ def whiten(values: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True)
 
     With ``shift_mean=False`` the mean is added back (scale only). Masked positions are 0.
     """
-    weights = mask.float()
+    values = wide(values)
+    weights = mask.to(values.dtype)
     count = weights.sum()
-    mean = (values.float() * weights).sum() / count.clamp(min=1.0)
-    variance = ((values.float() - mean).square() * weights).sum() / (count - 1.0).clamp(min=1.0)
-    whitened = (values.float() - mean) * torch.rsqrt(variance + 1e-8)
+    mean = (values * weights).sum() / count.clamp(min=1.0)
+    variance = ((values - mean).square() * weights).sum() / (count - 1.0).clamp(min=1.0)
+    whitened = (values - mean) * torch.rsqrt(variance + 1e-8)
     if not shift_mean:
         whitened = whitened + mean
     return whitened * weights
@@ -237,7 +243,7 @@ ADVANTAGE_ESTIMATORS: Registry[AdvantageFn] = Registry("advantage estimator")
 
 
 def _broadcast(per_seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return per_seq.unsqueeze(-1) * mask.float()
+    return per_seq.unsqueeze(-1) * mask.to(per_seq.dtype)
 
 
 @ADVANTAGE_ESTIMATORS.register("grpo")
@@ -266,7 +272,9 @@ def _rloo(inputs: AdvantageInputs):
 
 
 def _kl_or_zero(inputs: AdvantageInputs) -> torch.Tensor:
-    return torch.zeros_like(inputs.mask, dtype=torch.float32) if inputs.kl is None else inputs.kl
+    if inputs.kl is not None:
+        return inputs.kl
+    return torch.zeros_like(inputs.mask, dtype=wide(inputs.rewards).dtype)
 
 
 @ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus")
@@ -299,7 +307,7 @@ def _gae(inputs: AdvantageInputs):
     if inputs.values is None:
         raise ValueError("the 'gae' estimator needs critic values (PPO with a critic)")
     token_rewards = last_token_rewards(inputs.rewards, inputs.mask)
-    token_rewards = token_rewards - inputs.kl_coef * _kl_or_zero(inputs) * inputs.mask.float()
+    token_rewards = token_rewards - inputs.kl_coef * _kl_or_zero(inputs) * inputs.mask
     adv, returns = gae(
         token_rewards, inputs.values, inputs.mask, gamma=inputs.gamma, lam=inputs.lam
     )

@@ -6,7 +6,8 @@ asynchronous loops the rollout policy is older than the trainer's. Multiplying t
 per-token loss by these weights corrects for it.
 
 Shapes: ``[B, T]`` with ``mask``, or packed ``[N]`` with ``cu_seqlens`` ``[B + 1]`` for
-sequence-level weights. Weights are detached float32 of the input shape, 0 on masked tokens.
+sequence-level weights. Weights are detached float32 (float64 for float64 inputs) of the
+input shape, 0 on masked tokens.
 
 - ``mode="truncate"`` (TIS): w = min(ratio, cap).
 - ``mode="mask"`` (MIS): w = ratio where lower <= ratio <= cap, else 0 (token dropped).
@@ -16,6 +17,7 @@ sequence-level weights. Weights are detached float32 of the input shape, 0 on ma
 
 import torch
 
+from rl_core._dtype import wide
 from rl_core.aggregation import row_sums_and_counts, segment_ids
 
 IS_LEVELS = ("token", "sequence")
@@ -48,8 +50,9 @@ def rollout_importance_weights(
         raise ValueError(f"unknown IS mode {mode!r}; choose one of: {', '.join(IS_MODES)}")
     if cap <= 0:
         raise ValueError(f"cap must be positive, got {cap}")
-    weights_mask = mask.float()
-    log_ratio = (old_log_probs.float() - rollout_log_probs.float()) * weights_mask
+    log_ratio = wide(old_log_probs) - wide(rollout_log_probs)
+    weights_mask = mask.to(log_ratio.dtype)
+    log_ratio = log_ratio * weights_mask
     if level == "sequence":
         seq_log_ratio, _ = row_sums_and_counts(log_ratio, weights_mask, cu_seqlens)
         if cu_seqlens is None:
@@ -70,7 +73,7 @@ def rollout_importance_weights(
     num_valid = weights_mask.sum().clamp(min=1.0)
     metrics = {
         "mismatch/abs_log_ratio_mean": log_ratio.abs().sum() / num_valid,
-        "mismatch/frac_capped": (outside.float() * weights_mask).sum() / num_valid,
+        "mismatch/frac_capped": (outside * weights_mask).sum() / num_valid,
         "mismatch/weight_mean": weights.sum() / num_valid,
     }
     if not tensor_metrics:
@@ -90,5 +93,5 @@ def logprob_gap_share(
     summing a step's micro-batches gives the mean. Backends report it as
     ``mismatch/logprob_abs_diff_mean`` when their own forward supplies the trainer's side
     (an on-policy step without a separate old-log-prob pass)."""
-    gap = (trainer_log_probs.detach().float() - rollout_log_probs.float()).abs()
+    gap = (wide(trainer_log_probs.detach()) - wide(rollout_log_probs)).abs()
     return (gap * mask).sum() / max(float(num_tokens), 1.0)

@@ -7,13 +7,21 @@ With ``d = log_probs - ref_log_probs`` (log pi - log pi_ref, sampled under pi):
 - ``k2``: d**2 / 2
 - ``k3``: exp(-d) - 1 + d (unbiased, non-negative, low variance)
 - ``low_var_kl``: k3 clamped to [-10, 10] (stable against extreme ratios)
+
+For k3 and low_var_kl, d is first clamped to [-20, 20] (as verl does): a masked token
+with an absurd log-ratio (d < -88 overflows float32's exp) would otherwise give an
+infinite value, and through the clamp a NaN gradient (0 · inf) that poisons every weight.
+Inside that range, where every real token lies, the values are the formulas above.
 """
 
 import torch
 
+from rl_core._dtype import wide
+
 KL_KINDS = ("k1", "k2", "k3", "low_var_kl")
 
 _LOW_VAR_KL_BOUND = 10.0
+_MAX_LOG_RATIO = 20.0
 
 
 def approx_kl(
@@ -26,14 +34,15 @@ def approx_kl(
         ref_log_probs: log pi_ref(token), same shape.
         kind: one of ``KL_KINDS``.
     Returns:
-        Tensor of the broadcast shape, float32 or wider.
+        Tensor of the broadcast shape, float32 (float64 for float64 inputs).
     """
-    d = log_probs.float() - ref_log_probs.float()
+    d = wide(log_probs) - wide(ref_log_probs)
     if kind == "k1":
         return d
     if kind == "k2":
         return 0.5 * d.square()
     if kind in ("k3", "low_var_kl"):
+        d = d.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
         k3 = torch.expm1(-d) + d
         if kind == "low_var_kl":
             return k3.clamp(-_LOW_VAR_KL_BOUND, _LOW_VAR_KL_BOUND)

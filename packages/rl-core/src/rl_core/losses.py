@@ -2,14 +2,16 @@
 
 Shapes: per-token tensors are padded ``[B, T]`` or packed ``[N]`` (then sequence-level
 losses take ``cu_seqlens`` ``[B + 1]``). Log-probs are natural logs of the sampled
-tokens. Every policy loss returns ``(per_token_loss, per_token_clipfrac)``, both float32
-of the input shape; reduce them with :func:`aggregate` and the global denominators.
+tokens. Every policy loss returns ``(per_token_loss, per_token_clipfrac)``, both of the
+input shape, float32 (float64 when an input is float64: losses never narrow their inputs);
+reduce them with :func:`aggregate` and the global denominators.
 """
 
 from collections.abc import Callable
 
 import torch
 
+from rl_core._dtype import wide
 from rl_core.aggregation import AGGREGATION_MODES, aggregate, row_sums_and_counts, segment_ids
 from rl_core.registry import Registry
 
@@ -31,7 +33,7 @@ _GSPO_MAX_SEQ_LOG_RATIO = 10.0
 
 
 def _ratio(log_probs: torch.Tensor, old_log_probs: torch.Tensor) -> torch.Tensor:
-    log_ratio = (log_probs.float() - old_log_probs.float()).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    log_ratio = (wide(log_probs) - wide(old_log_probs)).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     return torch.exp(log_ratio)
 
 
@@ -44,11 +46,11 @@ def _clipped_surrogate(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's pessimistic surrogate given a (token or sequence-derived) ratio."""
     clip_high = clip_low if clip_high is None else clip_high
-    advantages = advantages.float()
+    advantages = wide(advantages)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss = torch.maximum(unclipped, clipped)
-    clipfrac = (clipped > unclipped).float()
+    clipfrac = (clipped > unclipped).to(loss.dtype)
     if dual_clip is not None:
         if dual_clip <= 1.0:
             raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
@@ -90,19 +92,24 @@ def gspo_policy_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GSPO: a sequence-level ratio, applied per token so gradients flow through each token.
 
-    s_i = exp(masked mean over sequence i of (log_probs - old_log_probs)), log capped at 10;
-    token ratio = sg(s_i) · exp(log_probs - sg(log_probs)) (value s_i, gradient of log_probs),
-    clipped as in PPO. ``mask`` is ``[B, T]`` (or packed ``[N]`` with ``cu_seqlens``).
+    log s_i = masked mean over sequence i of (log_probs - old_log_probs); token ratio =
+    exp(min(sg(log s_i) + log_probs - sg(log_probs), 10)): value s_i (capped at e^10),
+    gradient that of log_probs, and none through a capped sequence (verl's cap; without it
+    a capped sequence with A < 0 would pass a gradient scaled by e^10). Clipped as in PPO.
+    ``mask`` is ``[B, T]`` (or packed ``[N]`` with ``cu_seqlens``). Aggregated with
+    ``seq-mean-token-mean`` (advantages constant over a sequence), the gradient is exactly
+    that of the sequence-level objective.
     """
-    log_ratio = log_probs.float() - old_log_probs.float()
+    lp = wide(log_probs)
+    log_ratio = lp - wide(old_log_probs)
     sums, counts = row_sums_and_counts(log_ratio, mask, cu_seqlens)
-    seq_log_ratio = (sums / counts.clamp(min=1.0)).clamp(max=_GSPO_MAX_SEQ_LOG_RATIO)
+    seq_log_ratio = (sums / counts.clamp(min=1.0)).detach()
     if cu_seqlens is None:
         per_token_seq_log_ratio = seq_log_ratio.unsqueeze(-1).expand_as(log_ratio)
     else:
         per_token_seq_log_ratio = seq_log_ratio[segment_ids(cu_seqlens, log_ratio.shape[0])]
-    lp = log_probs.float()
-    ratio = torch.exp(per_token_seq_log_ratio.detach()) * torch.exp(lp - lp.detach())
+    token_log_ratio = per_token_seq_log_ratio + (lp - lp.detach())
+    ratio = torch.exp(token_log_ratio.clamp(max=_GSPO_MAX_SEQ_LOG_RATIO))
     return _clipped_surrogate(ratio, advantages, clip_low, clip_high, None)
 
 
@@ -121,8 +128,8 @@ def cispo_loss(
     """
     ratio = _ratio(log_probs, old_log_probs).detach()
     clipped_ratio = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    loss = -clipped_ratio * advantages.float() * log_probs.float()
-    clipfrac = (clipped_ratio != ratio).float()
+    loss = -clipped_ratio * wide(advantages) * wide(log_probs)
+    clipfrac = (clipped_ratio != ratio).to(loss.dtype)
     return loss, clipfrac
 
 
@@ -138,24 +145,25 @@ def value_loss(
     Without ``clip`` it is 0.5·(v-R)². Returns ``(per_token_loss, per_token_clipfrac)``,
     clipfrac being 1 where the clipped error is strictly the larger.
     """
-    values, returns = values.float(), returns.float()
+    values, returns = wide(values), wide(returns)
     unclipped = (values - returns).square()
     if clip is None:
         return 0.5 * unclipped, torch.zeros_like(unclipped)
-    old_values = old_values.float()
+    old_values = wide(old_values)
     clipped_values = old_values + (values - old_values).clamp(-clip, clip)
     clipped = (clipped_values - returns).square()
-    return 0.5 * torch.maximum(unclipped, clipped), (clipped > unclipped).float()
+    loss = 0.5 * torch.maximum(unclipped, clipped)
+    return loss, (clipped > unclipped).to(loss.dtype)
 
 
 def sft_loss(log_probs: torch.Tensor) -> torch.Tensor:
     """Negative log-likelihood per token; mask and aggregate it like any other loss."""
-    return -log_probs.float()
+    return -wide(log_probs)
 
 
 def entropy_loss(entropy: torch.Tensor) -> torch.Tensor:
     """Per-token entropy bonus as a loss (minimising it raises entropy): -entropy."""
-    return -entropy.float()
+    return -wide(entropy)
 
 
 # Policy losses by name, with one signature so a trainer can pick one from its config:
