@@ -42,6 +42,8 @@ def test_filters():
     assert nonzero_std([0.0, 1.0])
     assert not nonzero_std([1.0, 1.0, 1.0])
     assert not nonzero_std([1.0])
+    # unbiased std: [0, 1.5e-6] has sample std 1.06e-6 > 1e-6 (population std 0.75e-6)
+    assert nonzero_std([0.0, 1.5e-6]) and not nonzero_std([0.0, 1.4e-6])
     assert GROUP_FILTERS.get("not_all_correct")([1.0, 0.0])
     assert not GROUP_FILTERS.get("not_all_correct")([1.0, 1.0])
     assert GROUP_FILTERS.get("any_correct")([0.0, 1.0])

@@ -16,11 +16,12 @@ GROUP_FILTERS: Registry[GroupFilter] = Registry("group filter")
 
 @GROUP_FILTERS.register("nonzero_std")
 def nonzero_std(rewards: Sequence[float], *, tolerance: float = 1e-6) -> bool:
-    """Keep groups whose rewards are not all the same (population std above tolerance)."""
+    """Keep groups whose rewards are not all the same: unbiased std above ``tolerance``,
+    the std that GRPO normalises by (slime's ``check_reward_nonzero_std``)."""
     if len(rewards) < 2:
         return False
     mean = sum(rewards) / len(rewards)
-    return math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards)) > tolerance
+    return math.sqrt(sum((r - mean) ** 2 for r in rewards) / (len(rewards) - 1)) > tolerance
 
 
 @GROUP_FILTERS.register("not_all_correct")
