@@ -183,7 +183,9 @@ def _completion(model: str, message: dict, finish: str, prompt_tokens: int, outp
     return {
         "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
         "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+        "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None,
+                     "token_ids": list(output["output_ids"]),
+                     "weight_version": str(output["meta_info"].get("weight_version", ""))}],
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                   "total_tokens": prompt_tokens + completion_tokens},
     }  # fmt: skip

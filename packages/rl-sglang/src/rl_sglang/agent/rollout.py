@@ -17,6 +17,7 @@ label kept in ``metadata["label"]``), so the reward :func:`agent_reward` (rl-tra
 ``rollout.reward: rl_sglang.agent.rollout:agent_reward``) hands it to training.
 """
 
+import asyncio
 import os
 import uuid
 
@@ -33,13 +34,15 @@ class AgentRollout:
     def __init__(self, agent, *, api_key: str | None = None):
         self.agent, self.api_key = agent, api_key
         self.gateway: Gateway | None = None
+        self._started = None  # the start, awaited by every episode (they begin together)
 
     async def _gateway(self, ctx: GenerateContext) -> Gateway:
         if self.gateway is None:
             if ctx.tokenizer is None:
                 raise ValueError("the agent rollout needs GenerateContext.tokenizer")
             self.gateway = Gateway(ctx.client, ctx.tokenizer, api_key=self.api_key)
-            await self.gateway.start()
+            self._started = asyncio.ensure_future(self.gateway.start())
+        await self._started
         return self.gateway
 
     def _agent(self):

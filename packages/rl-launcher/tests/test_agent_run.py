@@ -1,0 +1,43 @@
+"""Two rl-train steps of examples/agent through the agent gateway, driven by the real
+``openai`` client: the trained samples are the engine's ids, masked to the model's turns,
+and the second step's replies come from the weights the first step trained."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.mark.integration
+def test_two_agent_steps_train_on_the_engines_ids(tmp_path):
+    log = tmp_path / "replies.jsonl"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "examples" / "agent"),
+           "RL_SGLANG_AGENT": "calculator_agent:solve", "AGENT_LOG": str(log)}  # fmt: skip
+    args = ["--config", str(ROOT / "examples/agent/config.yaml"), "--num_steps", "2",
+            "--logging.run_dir", str(tmp_path / "run"), "--rollout.dump_dir", str(tmp_path / "dumps"),
+            "--rollout.batch_size", "2", "--rollout.group_size", "2"]  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "rl_launcher.cli", *args], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=480)  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    replies = {}
+    for line in log.read_text().splitlines():
+        record = json.loads(line)
+        replies.setdefault(record["session"], []).append(record)
+    steps = [[json.loads(row) for row in (tmp_path / "dumps" / name).read_text().splitlines()]
+             for name in sorted(os.listdir(tmp_path / "dumps"))]  # fmt: skip
+    assert len(steps) == 2 and all(len(step) >= 4 for step in steps)
+    for step in steps:
+        for sample in step:
+            response = sample["tokens"][-sample["response_length"] :]
+            trained = [t for t, m in zip(response, sample["loss_mask"], strict=True) if m]
+            session = replies[sample["metadata"]["rid"]]
+            assert trained == [t for r in session for t in r["token_ids"]]  # the engine's ids
+            assert sample["loss_mask"][0] == 1  # the first reply starts the response
+    versions = [{v for s in step for v in s["weight_versions"]} for step in steps]
+    assert len(versions[0]) == len(versions[1]) == 1
+    assert int(next(iter(versions[1]))) > int(next(iter(versions[0])))  # weights reached it
