@@ -14,7 +14,9 @@ from rl_launcher.run.dumps import dump_files, read_rollout
 from rl_launcher.run_log import read_metrics
 
 pytestmark = pytest.mark.integration
-TIMES = ("time/", "perf/")  # the clock's, not the run's (and "time", the record's)
+# the clock's and the placement's, not the run's (and "time", the record's): timings,
+# throughput, where each engine ran (its node and port), GPU utilisation
+TIMES = ("time/", "perf/", "engine/", "gpu/")
 
 
 @pytest.fixture(scope="module")
