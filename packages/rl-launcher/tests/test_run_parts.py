@@ -110,6 +110,22 @@ def test_fsdp_config_carries_the_algorithm_and_optimizer(tmp_path):
     assert fsdp.export_dtype == fsdp.precision  # engines get model.dtype, not fp32 masters
 
 
+def test_sum_norm_aggregation_divides_by_the_response_limit_in_both_backends(tmp_path):
+    """seq-mean-token-sum-norm needs its constant (packed batches have no padded width):
+    the launcher hands both backends the response limit."""
+    from rl_launcher.run.backends import megatron_config
+
+    config, _ = load_config(["--algorithm.loss_agg_mode", "seq-mean-token-sum-norm",
+                             "--rollout.max_response_tokens", "48"])  # fmt: skip
+    (tmp_path / "config.json").write_text("{}")  # rl-megatron checks that it is an HF dir
+    assert fsdp_config(config, model_dir=tmp_path).norm_length == 48.0
+    assert megatron_config(config, model_dir=tmp_path).norm_length == 48.0
+    from rl_megatron.config import MegatronConfig
+
+    with pytest.raises(ValueError, match="needs norm_length"):
+        MegatronConfig(hf_path=tmp_path, agg_mode="seq-mean-token-sum-norm")
+
+
 def test_clock_splits_the_step():
     clock = Clock()
     clock.lap("rollout")

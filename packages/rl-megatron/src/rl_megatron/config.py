@@ -66,6 +66,9 @@ class MegatronConfig:
     kl_coef: float = 0.0
     kl_kind: str = "low_var_kl"
     agg_mode: str = "token-mean"
+    norm_length: float | None = None
+    """seq-mean-token-sum-norm's constant divisor (Dr.GRPO: the response limit); the packed
+    batches have no padded width to default to."""
     rollout_is_cap: float | None = None
     """Correct for rollout/trainer mismatch with importance weights pi_old / pi_rollout
     capped at this value (needs batch.rollout_log_probs); None: off."""
@@ -109,6 +112,9 @@ class MegatronConfig:
             raise ValueError(
                 f"agg_mode {self.agg_mode!r} unknown; choose one of {AGGREGATION_MODES}"
             )
+        if self.agg_mode == "seq-mean-token-sum-norm" and not (self.norm_length or 0) > 0:
+            raise ValueError("agg_mode='seq-mean-token-sum-norm' needs norm_length > 0 "
+                             "(the response limit it divides by)")  # fmt: skip
         if self.mode == "policy":
             POLICY_LOSSES.get(self.loss_name)  # raises with the known names
         if self.rollout_is_level not in IS_LEVELS or self.rollout_is_mode not in IS_MODES:

@@ -21,6 +21,7 @@ def _aggregation(config: MegatronConfig, part: TrainBatch) -> dict:
         "cu_seqlens": part.cu_seqlens,
         "num_tokens": part.global_num_tokens,
         "num_seqs": part.global_num_seqs,
+        "norm_length": config.norm_length,
     }
 
 

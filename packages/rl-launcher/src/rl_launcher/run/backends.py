@@ -67,6 +67,7 @@ def fsdp_config(config, *, model_dir: Path):
         temperature=config.rollout.temperature or 1.0, mode=config.mode,
         loss_name=algo.policy_loss, clip_low=algo.clip_low, clip_high=algo.clip_high,
         dual_clip=algo.dual_clip, agg_mode=algo.loss_agg_mode, entropy_coef=algo.entropy_coef,
+        norm_length=norm_length(config),
         kl_coef=algo.kl_coef, kl_kind=algo.kl_kind, reference=needs_reference(algo),
         rollout_is=algo.rollout_is_mode if algo.rollout_is_level else None,
         rollout_is_level=algo.rollout_is_level or "token", rollout_is_cap=algo.rollout_is_cap,
@@ -96,12 +97,19 @@ def megatron_config(config, *, model_dir: Path):
         clip_grad=opt.grad_clip, max_tokens_per_micro_batch=backend.micro_batch_tokens,
         loss_name=algo.policy_loss, clip_low=algo.clip_low, clip_high=algo.clip_high,
         dual_clip=algo.dual_clip, entropy_coef=algo.entropy_coef, kl_coef=algo.kl_coef,
-        kl_kind=algo.kl_kind, agg_mode=algo.loss_agg_mode,
+        kl_kind=algo.kl_kind, agg_mode=algo.loss_agg_mode, norm_length=norm_length(config),
         rollout_is_cap=algo.rollout_is_cap if algo.rollout_is_level else None,
         rollout_is_level=algo.rollout_is_level or "token", rollout_is_mode=algo.rollout_is_mode,
         temperature=config.rollout.temperature or 1.0,
     )  # fmt: skip
     return MegatronConfig(**(fields | megatron_overrides(backend.extra_args)))
+
+
+def norm_length(config) -> float:
+    """The constant ``seq-mean-token-sum-norm`` divides each step's summed token losses by:
+    the response limit (Dr.GRPO's generation budget; verl's default, the padded width, is
+    that limit when responses are padded to it)."""
+    return float(config.rollout.max_response_tokens)
 
 
 def _mode(config) -> str:
