@@ -1,7 +1,7 @@
-"""Runs on a simulated two-node Ray cluster (``ray.cluster_utils.Cluster``: a head node for
-the drivers and two worker nodes, each its own raylet with one CPU bundle's worth, at
-their own loopback addresses 127.0.0.2 / 127.0.0.3, so a rank's node address differs from
-the driver's 192.0.2.x or 127.0.0.1 as it would on real machines).
+"""Runs on a simulated two-node Ray cluster (:mod:`cluster_fixtures`: a head node for the
+drivers and two worker nodes, each its own raylet with one CPU bundle's worth, at their
+own loopback addresses 127.0.0.2 / 127.0.0.3, so a rank's node address differs from the
+driver's as it would on real machines).
 
 - The training group, the critic group and the weight-update group meet at training rank
   0's node address, read from Ray's own state, on ports that listen there only.
@@ -14,48 +14,36 @@ One cluster for the module (start-ups cost seconds each on a shared 2-core machi
 """
 
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
+import ray
+from cluster_fixtures import node_address, simulated_cluster
 from test_rendezvous import listening_addresses
 from test_train_loop import shrunk
 
-ray = pytest.importorskip("ray")
-
-from ray.cluster_utils import Cluster  # noqa: E402
-
-from rl_launcher.config_loader import load_config  # noqa: E402
-from rl_launcher.data import build_prompt_source  # noqa: E402
-from rl_launcher.run import checkpoints, data_order  # noqa: E402
-from rl_launcher.run.critic import make_buffer  # noqa: E402
-from rl_launcher.run.loop import run_step, sync  # noqa: E402
-from rl_launcher.run.model_setup import load_tokenizer  # noqa: E402
-from rl_launcher.run.setup import start_run  # noqa: E402
-from rl_launcher.run_log import read_metrics  # noqa: E402
+from rl_launcher.config_loader import load_config
+from rl_launcher.data import build_prompt_source
+from rl_launcher.run import checkpoints, data_order
+from rl_launcher.run.critic import make_buffer
+from rl_launcher.run.loop import run_step, sync
+from rl_launcher.run.model_setup import load_tokenizer
+from rl_launcher.run.setup import start_run
+from rl_launcher.run_log import read_metrics
 
 pytestmark = pytest.mark.integration
-NODE_ADDRESSES = ("127.0.0.2", "127.0.0.3")
+NODE_ADDRESSES = (node_address(0), node_address(1))  # 127.0.0.2, 127.0.0.3
 NUM_STEPS = 8
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    """Head (no CPUs: drivers only) and two one-CPU worker nodes; this process attached."""
-    temp_dir = tempfile.mkdtemp(prefix="rlc", dir="/tmp")  # short: Ray's socket paths
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "temp_dir": temp_dir})
-    for address in NODE_ADDRESSES:
-        cluster.add_node(num_cpus=1, node_ip_address=address, temp_dir=temp_dir)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
-    shutil.rmtree(temp_dir, ignore_errors=True)
+    """Two worker nodes of one CPU each (one bundle each: the ranks must spread)."""
+    with simulated_cluster(num_nodes=2, cpus_per_node=1) as cluster:
+        yield cluster
 
 
 def on_two_nodes(run_dir: Path, cluster, *extra: str) -> list[str]:
