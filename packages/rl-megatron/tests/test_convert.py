@@ -79,7 +79,8 @@ def test_ep2_round_trip_of_an_moe_model_to_bfloat16(model_dirs, tmp_path):
 @pytest.mark.integration
 def test_a_training_checkpoint_converts_to_the_backends_own_export(world1, model_dirs, tmp_path):
     """A step of training, the backend's checkpoint, rl-convert with --config: the same
-    HF tensors as the backend's export_hf (and not the initial ones: the step moved them)."""
+    HF tensors as the backend's export_hf (and not the initial ones: the step moved them).
+    The config of another model is refused in one line naming the first missing weight."""
     from rl_megatron.backend import MegatronBackend
     from rl_megatron.config import MegatronConfig
 
@@ -94,6 +95,16 @@ def test_a_training_checkpoint_converts_to_the_backends_own_export(world1, model
     assert_same_files(out, tmp_path / "expected")
     moved = tiny.hf_files(out)["model.norm.weight"] - tiny.hf_files(source)["model.norm.weight"]
     assert float(moved.abs().max()) > 1e-3
+    wrong = rl_convert("megatron-to-hf", "--ckpt", str(tmp_path / "step_1"), "--config",
+                       str(model_dirs["llama"][0]), "--out", str(tmp_path / "wrong"))  # fmt: skip
+    assert wrong.returncode == 1
+    assert wrong.stderr.strip().splitlines()[-1] == (
+        f"rl-convert: error: megatron-to-hf failed: ValueError: {tmp_path / 'step_1'} does not "
+        f"hold the model of {model_dirs['llama'][0]}: decoder.layers.self_attention.q_layernorm"
+        ".weight is not in that model; give --config the HF directory the checkpoint was made "
+        "from"
+    )
+    assert not (tmp_path / "wrong").exists()
 
 
 def test_help_names_both_directions_and_the_layout_flags(capsys):

@@ -2,7 +2,7 @@
 
     rl-convert hf-to-megatron --hf Qwen3-8B/ --out qwen3-8b-megatron --tp 2 --pp 2
     rl-convert megatron-to-hf --ckpt qwen3-8b-megatron --out Qwen3-8B-back/
-    rl-convert megatron-to-hf --ckpt run/checkpoints/step_100/actor --config Qwen3-8B/ --out hf/
+    rl-convert megatron-to-hf --ckpt ckpts/step_000100/trainer --config Qwen3-8B/ --out hf/
 
 The ranks (tp · pp · ep processes, gloo on 127.0.0.1) are started here; outputs appear
 atomically (written into a temporary sibling, renamed into place). Errors print one line
@@ -76,14 +76,15 @@ def plan_of(args) -> convert.Plan:
 
 
 def run(plan: convert.Plan) -> None:
-    """Every rank of ``plan``: in this process for one, else spawned processes."""
-    port = _free_port()
-    if plan.world_size == 1:
-        convert.run_rank(0, plan, port)
-        return
+    """Every rank of ``plan``, each a spawned process (one too: its failure then comes
+    back like any rank's, as the exception's text)."""
+    import logging
+
     import torch.multiprocessing as mp
 
-    mp.spawn(convert.run_rank, args=(plan, port), nprocs=plan.world_size, join=True)
+    # its "Terminating process ... via SIGTERM" when one rank fails: the error says enough
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+    mp.spawn(convert.run_rank, args=(plan, _free_port()), nprocs=plan.world_size, join=True)
 
 
 def _free_port() -> int:
@@ -104,13 +105,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         run(plan)
-    except (
-        ValueError,
-        RuntimeError,
-        OSError,
-        ProcessRaisedException,
-        ProcessExitedException,
-    ) as error:
+    except (ProcessRaisedException, ProcessExitedException) as error:
         print(f"rl-convert: error: {plan.direction} failed: {_one_line(error)}", file=sys.stderr)
         return 1
     seconds = time.perf_counter() - started

@@ -218,6 +218,7 @@ def _megatron_to_hf(plan: Plan) -> None:
 
     model, config = _build(plan)
     source = checkpoint.complete_path(Path(plan.source))
+    _check_matches(model.sharded_state_dict(), source, plan.config_dir)
     loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(source))
     model.load_state_dict(loaded["model"])
     config.dtype = DTYPES[plan.output_dtype]
@@ -229,6 +230,55 @@ def _megatron_to_hf(plan: Plan) -> None:
         dtype=DTYPES[plan.output_dtype],
         extra=lambda tmp: _copy_side_files(Path(plan.config_dir), tmp, skip=("config.json",)),
     )
+
+
+def _check_matches(sharded: dict, source: Path, config_dir: str) -> None:
+    """ValueError naming the first weight that the checkpoint lacks, holds in another global
+    shape, or holds beyond the model of ``config_dir`` (a smaller model would load a subset
+    silently; megatron's own error lists every key)."""
+    saved, wanted = _saved_weights(source), _model_weights(sharded)
+    problems = [f"{key} is missing" for key in wanted if key not in saved]
+    problems += [f"{key} has shape {saved[key]}, not {shape}" for key, shape in wanted.items()
+                 if saved.get(key, shape) != shape]  # fmt: skip
+    problems += [f"{key} is not in that model" for key in saved if key not in wanted]
+    if problems:
+        raise ValueError(
+            f"{source} does not hold the model of {config_dir}: {problems[0]}; give --config "
+            "the HF directory the checkpoint was made from"
+        )
+
+
+def _saved_weights(source: Path) -> dict[str, tuple[int, ...]]:
+    """``{key: global shape}`` of the model weights in a checkpoint: megatron's torch_dist
+    format is torch's distributed checkpoint, whose metadata lists them (optimizer state
+    under "optimizer.", extra state as bytes)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(str(source)).read_metadata().state_dict_metadata
+    return {
+        key: tuple(meta.size)
+        for key, meta in metadata.items()
+        if isinstance(meta, TensorStorageMetadata) and not key.startswith("optimizer.")
+    }
+
+
+def _model_weights(sharded: dict) -> dict[str, tuple[int, ...]]:
+    """``{key: global shape}`` of the whole model, from this rank's sharded state dict and
+    every other rank's (a pipeline stage holds only its part); factories built: the gated
+    MLP's fc1 is saved as its gate and up halves."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    apply_factories(sharded)
+    mine = {
+        entry.key: tuple(entry.global_shape)
+        for entry in nested_values(sharded)
+        if isinstance(entry, ShardedTensor)
+    }
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {key: shape for part in every for key, shape in part.items()}
 
 
 def _copy_side_files(source: Path, target: Path, skip: tuple[str, ...] = ()) -> None:
