@@ -83,3 +83,41 @@ def test_probe_on_a_node_without_the_drivers_files(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     assert shared_dirs.probe_node(str(tmp_path), "0" * 64, "n", "config.json") == (
         "its config.json differs from the driver's")  # fmt: skip
+
+
+@pytest.mark.integration
+def test_ranks_meet_on_loopback_and_a_bad_interface_is_one_error():
+    import ray
+
+    class Member(rendezvous.GroupMember):
+        """A rank that joins its group and sums the ranks (gloo, through the rendezvous);
+        local to the test so that Ray ships it by value."""
+
+        def __init__(self, rank: int, world_size: int):
+            self.rank, self.world_size = rank, world_size
+
+        def join(self, host: str, port: int) -> None:
+            self.join_group("cpu", host, port)
+
+        def rank_sum(self) -> int:
+            import torch
+            import torch.distributed as dist
+
+            total = torch.tensor([self.rank])
+            dist.all_reduce(total)
+            return int(total)
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        member = ray.remote(num_cpus=0)(Member)
+        ranks = [member.remote(rank, 2) for rank in range(2)]
+        host, port = rendezvous.meet(ranks, spans_nodes=False)  # one node: loopback
+        assert host == "127.0.0.1" and port > 0
+        assert ray.get([r.rank_sum.remote() for r in ranks]) == [1, 1]
+        # over nodes rank 0 looks up the interface its node's environment names
+        env = {"env_vars": {"GLOO_SOCKET_IFNAME": "nosuch9"}}
+        lost = [member.options(runtime_env=env).remote(rank, 2) for rank in range(2)]
+        with pytest.raises(ValueError, match=r"^GLOO_SOCKET_IFNAME='nosuch9': node "):
+            rendezvous.meet(lost, spans_nodes=True)
+    finally:
+        ray.shutdown()

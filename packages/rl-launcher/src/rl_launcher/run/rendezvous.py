@@ -148,11 +148,22 @@ def meet(workers: list, *, spans_nodes: bool, join_args: tuple = ()) -> tuple[st
     """Start a group of :class:`GroupMember` actors (``workers[r]`` is rank r): rank 0
     opens the rendezvous, then every rank's ``join(host, port, *join_args)`` runs at
     once. Returns ``(host, port)``."""
+    host, port = _get(workers[0].open_rendezvous.remote(spans_nodes))
+    _get([worker.join.remote(host, port, *join_args) for worker in workers])
+    return host, port
+
+
+def _get(refs):
+    """``ray.get``; a ValueError raised in an actor (an interface variable naming no
+    address on its node) comes back as itself: one line for ``rl-train`` to print."""
     import ray
 
-    host, port = ray.get(workers[0].open_rendezvous.remote(spans_nodes))
-    ray.get([worker.join.remote(host, port, *join_args) for worker in workers])
-    return host, port
+    try:
+        return ray.get(refs)
+    except ray.exceptions.RayTaskError as error:
+        if isinstance(error.cause, ValueError):
+            raise error.cause from None
+        raise
 
 
 def spans_nodes(placement, slots) -> bool:
