@@ -47,7 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--time-limit-s",
         type=float,
-        default=None,  # fmt: skip
+        default=None,
         help="stop training after this many seconds (evaluation excluded)",
     )
     parser.add_argument("--cpu", action="store_true", help="a CPU smoke run (no bf16)")
