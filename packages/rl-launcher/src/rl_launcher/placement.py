@@ -35,12 +35,13 @@ class PlacementPlan:
     def num_train_ranks(self) -> int:
         return len(self.train_bundles)
 
-    def describe(self) -> str:
-        """One line per node: which roles use each of its devices (T3 = rank 3, E1 = engine 1)."""
+    def describe(self, *, engines: bool = True) -> str:
+        """One line per node: which roles use each of its devices (T3 = rank 3, E1 = engine
+        1); ``engines`` False leaves engines out (a run that starts none, e.g. SFT)."""
         roles: dict[int, list[str]] = {b: [] for b in range(self.num_bundles)}
         for rank, bundle in enumerate(self.train_bundles):
             roles[bundle].append(f"T{rank}")
-        for engine, bundles in enumerate(self.engine_bundles):
+        for engine, bundles in enumerate(self.engine_bundles if engines else ()):
             for bundle in bundles:
                 roles[bundle].append(f"E{engine}")
         lines: dict[int, list[str]] = {}
