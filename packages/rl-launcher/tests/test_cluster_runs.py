@@ -14,8 +14,10 @@ One cluster for the module (start-ups cost seconds each on a shared 2-core machi
 """
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -90,6 +92,30 @@ def test_groups_meet_at_training_rank_0s_node(cluster, tmp_path):
         run.close()
 
 
+CONNECT = (
+    "import ray; from rl_launcher.ray_cluster import connect; "
+    "print(connect(num_cpus=1), len(ray.nodes()))"
+)
+
+
+def test_a_run_attaches_only_to_the_cluster_it_is_given(cluster):
+    # `ray start` on a machine leaves its cluster's address in <RAY_TMPDIR>/ray/
+    # ray_current_cluster, where a bare ray.init() finds and joins it (then refuses num_cpus)
+    temp_dir = Path(tempfile.mkdtemp(prefix="rlc", dir="/tmp"))  # short: Ray's socket paths
+    try:
+        (temp_dir / "ray").mkdir()
+        (temp_dir / "ray" / "ray_current_cluster").write_text(cluster.address)
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        env["RAY_TMPDIR"] = str(temp_dir)
+        for address, expected in ((None, ["started", "1"]), (cluster.address, ["attached", "3"])):
+            run_env = env if address is None else {**env, "RAY_ADDRESS": address}
+            done = subprocess.run([sys.executable, "-c", CONNECT], env=run_env, text=True,
+                                  capture_output=True, timeout=300)  # fmt: skip
+            assert done.stdout.split() == expected, done.stderr[-3000:]
+    finally:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
 def rl_train(run_dir: Path, cluster, *extra: str) -> subprocess.Popen:
     """``rl-train`` as a Ray job runs it: attached through RAY_ADDRESS, no option."""
     args = shrunk(run_dir, "--cluster.num_nodes", "2", "--cluster.devices_per_node", "1",
@@ -131,6 +157,9 @@ def test_a_lost_node_stops_the_run_naming_it_and_resume_continues(cluster, tmp_p
     wait_for(run_dir / "checkpoints" / "step_000002" / "state.json", process)
     workers = alive_actors("TrainWorker")  # this run's ranks, on the cluster's worker nodes
     assert sorted(w["Address"]["IPAddress"] for w in workers) == list(NODE_ADDRESSES)
+    # each rank wrote its own shard of the checkpoint, from its node, into the shared dir
+    shards = run_dir / "checkpoints" / "step_000002" / "trainer" / "dcp"
+    assert sorted(p.name for p in shards.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     lost = next(n for n in cluster.worker_nodes if n.node_id == workers[1]["Address"]["NodeID"])
     cluster.remove_node(lost, allow_graceful=False)  # its raylet and workers killed
     removed = time.monotonic()

@@ -123,7 +123,10 @@ def connect(
 
     ``num_cpus`` / ``num_gpus`` size a local instance only (they may be fake, e.g. 8 GPUs
     on a laptop for scheduling tests); a cluster reports its own resources. An address
-    where nothing answers within ``connect_timeout_s`` is a ValueError naming it.
+    where nothing answers within ``connect_timeout_s`` is a ValueError naming it. Without
+    an address a new local Ray starts even where ``ray start`` runs a cluster on this
+    machine (a bare ``ray.init`` would join that one, then refuse the resources); give its
+    address (``RAY_ADDRESS``) to run on it.
     """
     address, source = cluster_address(address)
     prepare_local_ray_env(address)
@@ -136,6 +139,7 @@ def connect(
         ray.init(address=address, log_to_driver=True)
         return "attached"
     ray.init(
+        address="local",  # not a cluster `ray start` left on this machine: only when told
         num_cpus=num_cpus,
         num_gpus=num_gpus,
         include_dashboard=False,
