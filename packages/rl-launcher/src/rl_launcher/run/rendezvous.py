@@ -137,12 +137,6 @@ class GroupMember:
         join_default_group(device=device, rank=self.rank, world_size=self.world_size,
                            host=host, port=port, store=self._store)  # fmt: skip
 
-    def node_ip(self) -> str:
-        """The address Ray knows for this actor's node."""
-        import ray
-
-        return ray.util.get_node_ip_address()
-
 
 def meet(workers: list, *, spans_nodes: bool, join_args: tuple = ()) -> tuple[str, int]:
     """Start a group of :class:`GroupMember` actors (``workers[r]`` is rank r): rank 0

@@ -60,10 +60,11 @@ class TrainWorker(GroupMember):
         from rl_launcher.run.rendezvous import rendezvous_host
         from rl_launcher.run.weight_sync import EngineWeightSync
 
+        # rank 0's weight-update address first: a bad interface fails before any collective
+        sync_host = rendezvous_host(self.run_spans_nodes) if self.rank == 0 else None
         self.join_group(self.spec.device, host, port)
         self.backend = build_backend(self.spec, rank=self.rank, world_size=self.world_size,
                                      master_addr=host, master_port=port)  # fmt: skip
-        sync_host = rendezvous_host(self.run_spans_nodes) if self.rank == 0 else None
         self.weights = EngineWeightSync(self.rank, master_address=sync_host)
         freeze_startup()  # a full collection mid-step would leave the GPU waiting
         self.gc_pauses = GcPauses()
