@@ -48,7 +48,13 @@ class ClusterConfig:
         "reads RAY_ADDRESS (set by `ray job submit`), else starts a local Ray.",
     )
     device: str = option("cpu", help="Device kind of every bundle.", choices=("cpu", "cuda"))
-    num_nodes: int = option(1, help="Nodes in the placement group.", low=1)
+    num_nodes: int = option(
+        1,
+        help="Nodes the run is placed on, each a distinct Ray node with room for "
+        "devices_per_node bundles (larger nodes are fine; too few is an error before anything "
+        "starts).",
+        low=1,
+    )
     devices_per_node: int = option(
         1, help="GPUs per node (cuda) or CPU bundles per node (cpu).", low=1
     )
@@ -313,7 +319,11 @@ class EngineConfig:
         "with a custom rollout.function).",
         low=2,
     )
-    host: str = option("127.0.0.1", help="Address the servers bind to.")
+    host: str = option(
+        "127.0.0.1",
+        help="Address the engines and router bind to when the whole run is on the driver's "
+        "node; engines on other nodes bind their node's address (RL_SGLANG_API_KEY then needed).",
+    )
     mem_fraction: float = option(0.8, help="Engine memory fraction (sglang).", above=0, high=1)
     weight_sync: str = option(
         "auto",

@@ -1,16 +1,19 @@
 """The engine server processes of a run: embedded engines or real SGLang servers.
 
-    servers = engine_processes(config, model_dir=d, log_dir=l, gpus=[[0], [1]])
-    for s in servers: s.start(wait=False)      # all load at once ...
-    for s in servers: s.wait_ready()           # ... then each is waited for
+    engines = start_engines(config, model_dir=d, log_dir=l, max_batch_size=64, sites=sites)
+    for e in engines: e.wait_ready()           # all load at once, then each is waited for
 
-``gpus[e]`` are the physical GPU ids of engine e (from the placement group), handed to the
-server as CUDA_VISIBLE_DEVICES; None on CPU. SGLang servers get their options from the
-config (tensor-parallel size, memory fraction, dtype, seed, weight version "0", the
-memory saver when colocated) overridden by ``--sglang-*`` pass-through options, and their
-PYTHONPATH from ``RL_SGLANG_PYTHONPATH`` (rl-sglang's SGLangServer keeps SGLang's pinned
-transformers out of the trainer's process). Embedded engines get the model's dtype and the
-run's context bound (:func:`engine_max_context`).
+With ``sites`` (a run under Ray: :class:`rl_launcher.run.engine_hosts.EngineSites`) each
+engine is started on its own node by a Ray actor in its own bundles
+(:mod:`rl_launcher.run.engine_hosts`); without (rollout-only runs and ``rl-eval``, no Ray),
+as child processes of this one, on ``gpus[e]``. Either way :func:`engine_process` builds
+the server: ``gpu_ids`` are the physical GPU ids of the engine's bundles, handed to it as
+CUDA_VISIBLE_DEVICES (None on CPU). SGLang servers get their options from the config
+(tensor-parallel size, memory fraction, dtype, seed, weight version "0", the memory saver
+when colocated) overridden by ``--sglang-*`` pass-through options, and their PYTHONPATH
+from ``RL_SGLANG_PYTHONPATH`` (rl-sglang's SGLangServer keeps SGLang's pinned transformers
+out of the trainer's process). Embedded engines get the model's dtype and the run's
+context bound (:func:`engine_max_context`).
 """
 
 from pathlib import Path
@@ -42,25 +45,55 @@ def sglang_server_args(config, *, memory_saver: bool) -> dict:
 
 def engine_processes(config, *, model_dir: Path, log_dir: Path, gpus: list | None,
                      max_batch_size: int, memory_saver: bool = False) -> list:  # fmt: skip
-    """One not-yet-started server per engine (``config.engine.num_engines``)."""
-    engine = config.engine
-    gpus = gpus or [None] * engine.num_engines
-    if engine.kind == "sglang":
+    """One not-yet-started server per engine (``config.engine.num_engines``), on this
+    machine at ``engine.host``."""
+    gpus = gpus or [None] * config.engine.num_engines
+    return [engine_process(config, model_dir=model_dir, log_dir=log_dir, gpu_ids=ids,
+                           host=config.engine.host, max_batch_size=max_batch_size,
+                           memory_saver=memory_saver)
+            for ids in gpus]  # fmt: skip
+
+
+def engine_process(config, *, model_dir: Path, log_dir: Path, gpu_ids, host: str,
+                   max_batch_size: int, memory_saver: bool = False, api_key=None):  # fmt: skip
+    """One not-yet-started server bound to ``host`` on a port free there; ``api_key``
+    None: rl-sglang's default (``RL_SGLANG_API_KEY``)."""
+    where = {"host": host, "log_dir": log_dir, "api_key": api_key}
+    if config.engine.kind == "sglang":
         from rl_sglang.process import SGLangServer
 
         args = sglang_server_args(config, memory_saver=memory_saver)
-        return [SGLangServer(model_dir, sglang_args=args, gpu_ids=ids, host=engine.host,
-                             log_dir=log_dir, ready_timeout_s=SGLANG_READY_TIMEOUT_S)
-                for ids in gpus]  # fmt: skip
+        return SGLangServer(model_dir, sglang_args=args, gpu_ids=gpu_ids,
+                            ready_timeout_s=SGLANG_READY_TIMEOUT_S, **where)  # fmt: skip
     from rl_sglang.process import EmbeddedEngine
 
     device = "cuda" if config.cluster.device == "cuda" else "cpu"
     context = engine_max_context(config)
     extra = [] if context is None else ["--max-context", str(context)]
-    return [EmbeddedEngine(model_dir, device=device, dtype=config.model.dtype, host=engine.host,
-                           log_dir=log_dir, max_batch_size=max_batch_size,
-                           env=visible_devices(ids), extra_args=extra)
-            for ids in gpus]  # fmt: skip
+    return EmbeddedEngine(model_dir, device=device, dtype=config.model.dtype,
+                          max_batch_size=max_batch_size, env=visible_devices(gpu_ids),
+                          extra_args=extra, **where)  # fmt: skip
+
+
+def start_engines(config, *, model_dir: Path, log_dir: Path, max_batch_size: int,
+                  memory_saver: bool = False, gpus=None, sites=None) -> list:  # fmt: skip
+    """Every engine started, not yet waited for: on its own node through ``sites``, else
+    here on ``gpus``. Engines generating beside training get their share of the cores."""
+    if sites is not None:
+        from rl_launcher.run.engine_hosts import start_placed_engines
+
+        return start_placed_engines(config, sites, model_dir=model_dir, log_dir=log_dir,
+                                    max_batch_size=max_batch_size, memory_saver=memory_saver)  # fmt: skip
+    from rl_launcher.run.feeds import engine_threads_env
+    from rl_launcher.run.lifetime import tie_to_this_process
+
+    servers = engine_processes(config, model_dir=model_dir, log_dir=log_dir, gpus=gpus,
+                               max_batch_size=max_batch_size, memory_saver=memory_saver)  # fmt: skip
+    threads = engine_threads_env(config, ranks_per_node=config.cluster.devices_per_node)
+    for server in servers:
+        server.env = {**server.env, **threads}  # CPU cores shared with training (async)
+        tie_to_this_process(server).start(wait=False)  # killed with rl-train, even by -9
+    return servers
 
 
 def engine_max_context(config) -> int | None:

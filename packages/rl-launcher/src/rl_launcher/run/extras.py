@@ -2,7 +2,8 @@
 
 - :func:`dump_step` (when a step has its groups): rollout dumps;
 - :func:`after_step` (after a step's metrics, before they are written): counted reward
-  failures (:func:`reward_counts`), evaluation every ``eval.interval`` steps;
+  failures (:func:`reward_counts`), each engine's node in the first record
+  (:func:`engine_nodes`), evaluation every ``eval.interval`` steps;
 - :func:`save_extras` / :func:`load_extras` (with each checkpoint): the critic, the
   Hugging Face export (``checkpoint.save_hf``), the dump numbering.
 
@@ -25,7 +26,7 @@ def after_step(run, step: int) -> dict[str, float]:
     """Metrics the features add to step ``step``'s record."""
     from rl_launcher.run.evaluation import maybe_evaluate
 
-    metrics = data_stats(run) | reward_counts(run)
+    metrics = data_stats(run) | engine_nodes(run) | reward_counts(run)
     if (monitor := run.extras.get("gpu_monitor")) is not None:
         metrics |= monitor.take()  # gpu/util/<i>, gpu/mem_gb/<i> over the step
     return metrics | maybe_evaluate(run, step)
@@ -51,6 +52,22 @@ def data_stats(run) -> dict[str, float]:
     for name, stats in getattr(run.source, "stats", {}).items():
         for field in ("rows", "kept", "malformed", "too_long"):
             metrics[f"data/{name}/{field}"] = float(getattr(stats, field))
+    return metrics
+
+
+def engine_nodes(run) -> dict[str, str]:
+    """Where each engine runs, in the first record of each rl-train process (a resumed run
+    may be placed elsewhere): ``engine/<e>/node``, the Ray node id (as ``ray list nodes``
+    and the start-up layout show it), and ``engine/<e>/url``. Engines started without Ray
+    (no node) add nothing."""
+    if run.extras.get("engine_nodes_logged"):
+        return {}
+    run.extras["engine_nodes_logged"] = True
+    metrics = {}
+    for index, engine in enumerate(getattr(run.rollout, "engines", None) or []):
+        if getattr(engine, "node_id", None) is not None:
+            metrics[f"engine/{index}/node"] = engine.node_id
+            metrics[f"engine/{index}/url"] = engine.url
     return metrics
 
 

@@ -51,26 +51,23 @@ class RolloutManager:
         self._drawn: dict[int, Sample] = {}  # draw number -> prompt not yet trained on
         self._requeued: list[Sample] = []  # drawn before a resume: handed out first
         self.engine_gpus, self.turns = None, None  # set by run.setup (GPU ids, colocation)
+        self.sites = None  # engine_hosts.EngineSites under Ray (set by run.setup): placed engines
         self.monitor = None  # rl_sglang.health.HealthMonitor, set by run.engine_health
 
     def start(self) -> "RolloutManager":
-        """Start the engines (embedded or SGLang, :mod:`rl_launcher.run.engines`) all at
-        once, wait for each, then the router in front of them."""
-        from rl_launcher.run.engines import engine_processes
-        from rl_launcher.run.feeds import engine_threads_env
+        """Start the engines (embedded or SGLang, :mod:`rl_launcher.run.engines`; each on
+        its own node under Ray) all at once, wait for each, then the router in front of
+        them, on this node."""
+        from rl_launcher.run.engines import start_engines
         from rl_launcher.run.lifetime import tie_to_this_process
         from rl_sglang.router import Router
 
         engine = self.config.engine
-        self.engines = engine_processes(
+        self.engines = start_engines(
             self.config, model_dir=self.model_dir, log_dir=self.log_dir, gpus=self.engine_gpus,
             max_batch_size=self._batch_limit(), memory_saver=self._engines_release(),
+            sites=self.sites,
         )  # fmt: skip
-        ranks = self.config.cluster.devices_per_node  # training ranks beside these engines
-        threads = engine_threads_env(self.config, ranks_per_node=ranks)
-        for server in self.engines:
-            server.env = {**server.env, **threads}  # CPU cores shared with training (async)
-            tie_to_this_process(server).start(wait=False)  # killed with rl-train, even by -9
         for server in self.engines:
             server.wait_ready()
         if engine.use_router:

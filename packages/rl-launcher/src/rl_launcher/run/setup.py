@@ -24,6 +24,7 @@ class Run:
     num_ranks: int = 1  # data-parallel ranks: the step is split into this many batches
     plan: Any = None  # placement.PlacementPlan
     placement: Any = None  # ray_placement.OrderedPlacement
+    engine_sites: Any = None  # engine_hosts.EngineSites: where the engines start (RL runs)
     weight_version: int = 0  # the version the engines were last synced to
     critic: Any = None  # PPO's critic group (rl_launcher.run.critic), when the algorithm has one
     extras: dict = field(default_factory=dict)  # state of optional features (e.g. the evaluator)
@@ -118,6 +119,7 @@ def _start_trainer(run: Run, model_dir: Path) -> None:
                                  devices_per_node=cluster.devices_per_node)  # fmt: skip
     run._cleanup.append(placement.remove)
     run.plan, run.placement = plan, placement
+    _place_engines(run)
     slots = list(plan.train_bundles)
     # colocated on GPU, the engine shares the rank's device: the actor takes half of it
     num_gpus = (0.5 if plan.colocate else 1.0) if use_gpu else 0
@@ -130,6 +132,24 @@ def _start_trainer(run: Run, model_dir: Path) -> None:
     run.num_ranks = run.trainer.num_data_ranks
 
 
+def _place_engines(run: Run) -> None:
+    """Print the layout (which node runs which training rank and engine) and, for runs
+    with engines, check where they will start before anything does
+    (:func:`rl_launcher.run.engine_hosts.engine_sites`)."""
+    from rl_launcher.ray_placement import describe_layout
+    from rl_launcher.run.engine_hosts import engine_sites
+
+    config = run.config
+    with_engines = config.mode != "sft" and not config.rollout.replay_dir
+    if config.logging.progress:
+        layout = describe_layout(run.plan, run.placement, engines=with_engines)
+        print("rl-train: layout (T<r> training rank r, E<e> engine e, one cell per device):\n"
+              + "\n".join(f"rl-train:   {line}" for line in layout.splitlines()), flush=True)  # fmt: skip
+    if with_engines:
+        transport = run.sync_options["transport"]
+        run.engine_sites = engine_sites(config, run.plan, run.placement, transport=transport)
+
+
 def watch_engines(run: Run) -> None:
     from rl_launcher.run import engine_health
 
@@ -138,12 +158,11 @@ def watch_engines(run: Run) -> None:
 
 def _start_rollout(run: Run, model_dir: Path, tokenizer, run_dir: Path) -> None:
     from rl_launcher.run.colocation import check_turns, make_turns, turns_needed
-    from rl_launcher.run.engines import engine_gpus
     from rl_launcher.run.rollout_manager import RolloutManager
 
     run.rollout = RolloutManager(run.config, model_dir=model_dir, tokenizer=tokenizer,
                                  source=run.source, log_dir=run_dir / "logs")  # fmt: skip
-    run.rollout.engine_gpus = engine_gpus(run.plan, run.placement)
+    run.rollout.sites = run.engine_sites  # each engine on its node, by a Ray actor
     if turns_needed(run.config, run.plan):
         check_turns(run.config)
         run.rollout.turns = run.trainer.turns = make_turns(run.config, run.trainer, run.rollout)
