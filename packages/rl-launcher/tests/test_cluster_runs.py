@@ -34,6 +34,7 @@ from rl_launcher.run.critic import make_buffer
 from rl_launcher.run.loop import run_step, sync
 from rl_launcher.run.model_setup import load_tokenizer
 from rl_launcher.run.setup import start_run
+from rl_launcher.run.shared_dirs import check_shared_dirs
 from rl_launcher.run_log import read_metrics
 
 pytestmark = pytest.mark.integration
@@ -80,6 +81,9 @@ def test_groups_meet_at_training_rank_0s_node(cluster, tmp_path):
             assert host == address0
             assert listening_addresses(port) == [address0]  # not every interface
         assert [node_of(w)[0] for w in run.critic.workers] == [node0, node1]
+        # the directories the nodes share, probed from both (as at start-up)
+        assert check_shared_dirs(run) == [("logging.run_dir", 2), ("checkpoint.dir", 2)]
+        assert not list((tmp_path / "run").glob(".shared-probe-*"))  # probes cleaned up
         sync(run, version=1)  # the weight-update group: rank 0 with the engine
         host, port = ray.get(run.trainer.workers[0].weight_sync_address.remote())
         assert host == address0 and listening_addresses(port) == [address0]

@@ -104,6 +104,7 @@ def _start_trainer(run: Run, model_dir: Path) -> None:
     from rl_launcher.ray_placement import create_placement
     from rl_launcher.run.backends import backend_spec
     from rl_launcher.run.feeds import engines_beside_training
+    from rl_launcher.run.shared_dirs import check_shared_dirs
     from rl_launcher.run.train_group import TrainGroup
 
     config = run.config
@@ -120,6 +121,7 @@ def _start_trainer(run: Run, model_dir: Path) -> None:
     run._cleanup.append(placement.remove)
     run.plan, run.placement = plan, placement
     _place_engines(run)
+    check_shared_dirs(run)  # over several nodes: run, checkpoint, sync and model dirs shared
     slots = list(plan.train_bundles)
     # colocated on GPU, the engine shares the rank's device: the actor takes half of it
     num_gpus = (0.5 if plan.colocate else 1.0) if use_gpu else 0

@@ -44,10 +44,12 @@ def probe_node(directory: str, token: str, node_id: str, compare: str | None) ->
 
 
 def run_nodes(run) -> tuple[set[str], set[str], set[str]]:
-    """Node ids of the training ranks, of rank 0 and the engines, and of the whole run."""
-    ranks = set(run.trainer.node_ids)
-    engines = {run.placement.node_ids[b] for bundles in run.plan.engine_bundles for b in bundles}
-    return ranks, engines | {run.trainer.node_ids[0]}, set(run.placement.node_ids)
+    """Node ids of the training ranks, of rank 0 and the engines, and of the whole run,
+    from the placement (before anything starts on them)."""
+    plan, node_ids = run.plan, run.placement.node_ids
+    ranks = {node_ids[b] for b in plan.train_bundles}
+    engines = {node_ids[b] for bundles in plan.engine_bundles for b in bundles}
+    return ranks, engines | {node_ids[plan.train_bundles[0]]}, set(node_ids)
 
 
 def checks(run) -> list[tuple[str, Path, set[str], str | None]]:
@@ -65,15 +67,18 @@ def checks(run) -> list[tuple[str, Path, set[str], str | None]]:
     return found
 
 
-def check_shared_dirs(run) -> None:
+def check_shared_dirs(run) -> list[tuple[str, int]]:
     """Every directory of :func:`checks` the same on its nodes and the driver's, when
-    they are not all one node; ValueError naming the option and the node otherwise."""
+    they are not all one node; ValueError naming the option and the node otherwise.
+    Returns ``(option, number of nodes)`` of the directories checked."""
     import ray
 
-    driver = ray.get_runtime_context().get_node_id()
+    driver, checked = ray.get_runtime_context().get_node_id(), []
     for option, directory, nodes, compare in checks(run):
         if nodes - {driver}:
             check_directory(option, directory.absolute(), sorted(nodes), compare)
+            checked.append((option, len(nodes)))
+    return checked
 
 
 def check_directory(option: str, directory: Path, node_ids: list[str], compare) -> None:
