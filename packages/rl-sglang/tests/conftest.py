@@ -64,6 +64,17 @@ def cluster(tiny_dir, tmp_path_factory):
             engine.stop()
 
 
+def generate(engine, **body):
+    """An in-process engine's outputs for one request body (every group it makes)."""
+
+    async def go():
+        groups, _ = engine.make_requests(body)
+        outs = await asyncio.gather(*(engine.run(g) for g in groups))
+        return [o for out in outs for o in out]
+
+    return asyncio.run(go())
+
+
 def run(coro):
     return asyncio.run(coro)
 

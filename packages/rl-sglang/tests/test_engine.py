@@ -1,13 +1,12 @@
 """The embedded engine in-process: log-probs equal a teacher-forced forward, greedy equals
 model.generate, continuous admission, stops, n and seeds, abort and pause modes."""
 
-import asyncio
 import threading
 
 import pytest
 import torch
 
-from conftest import teacher_forced_logprobs
+from conftest import generate, teacher_forced_logprobs
 from rl_sglang.engine.core import Engine, load_model
 
 
@@ -21,15 +20,6 @@ def engine(tiny_dir, request):
     assert engine.runner_kind == request.param
     yield engine
     engine.scheduler.stop()
-
-
-def generate(engine, **body):
-    async def go():
-        groups, _ = engine.make_requests(body)
-        outs = await asyncio.gather(*(engine.run(g) for g in groups))
-        return [o for out in outs for o in out]
-
-    return asyncio.run(go())
 
 
 def logprobs_of(out):

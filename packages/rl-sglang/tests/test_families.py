@@ -4,13 +4,12 @@ log-probs equal a teacher-forced forward of the HF model with eager attention (f
 |Δ| <= 1e-4), on the dynamic runner for every family and the static one for the
 Llama-family; the static runner refuses what it would compute wrongly, naming it."""
 
-import asyncio
 import copy
 
 import pytest
 import torch
 
-from conftest import teacher_forced_logprobs
+from conftest import generate, teacher_forced_logprobs
 from rl_sglang.engine.core import Engine
 from rl_sglang.tiny import byte_tokenizer, random_model, tiny_config
 
@@ -55,15 +54,6 @@ def family_model(family: str, *, seed: int = 3, **overrides):
             "eos_token_id", "pad_token_id", "tie_word_embeddings")  # fmt: skip
     config = AutoConfig.for_model(fields.pop("model_type"), **{k: base[k] for k in keep}, **fields)
     return random_model(config, seed=seed)
-
-
-def generate(engine, **body):
-    async def go():
-        groups, _ = engine.make_requests(body)
-        outs = await asyncio.gather(*(engine.run(g) for g in groups))
-        return [o for out in outs for o in out]
-
-    return asyncio.run(go())
 
 
 def runner_cases():
