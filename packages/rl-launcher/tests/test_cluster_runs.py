@@ -24,15 +24,14 @@ from pathlib import Path
 import pytest
 import ray
 from cluster_fixtures import node_address, simulated_cluster
+from test_kill_resume import uninterrupted_order, wait_for
 from test_rendezvous import listening_addresses
 from test_train_loop import shrunk
 
 from rl_launcher.config_loader import load_config
-from rl_launcher.data import build_prompt_source
 from rl_launcher.run import checkpoints, data_order
 from rl_launcher.run.critic import make_buffer
 from rl_launcher.run.loop import run_step, sync
-from rl_launcher.run.model_setup import load_tokenizer
 from rl_launcher.run.setup import start_run
 from rl_launcher.run.shared_dirs import check_shared_dirs
 from rl_launcher.run_log import read_metrics
@@ -134,27 +133,6 @@ def log_of(run_dir: Path) -> str:
     return (run_dir.parent / f"{run_dir.name}.log").read_text(errors="replace")
 
 
-def wait_for(path: Path, process: subprocess.Popen, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        assert process.poll() is None, f"rl-train exited with {process.returncode}"
-        assert time.monotonic() < deadline, f"no {path} after {timeout_s}s"
-        time.sleep(0.05)
-
-
-def uninterrupted_order(run_dir: Path, cluster) -> list[dict]:
-    """The data-order records of an uninterrupted run: the prompt stream, step by step."""
-    config, _ = load_config(on_two_nodes(run_dir, cluster))
-    source = build_prompt_source(config.data, seed=config.seed,
-                                 tokenizer=load_tokenizer(config.model.tokenizer_path))  # fmt: skip
-    records = []
-    for step in range(1, NUM_STEPS + 1):
-        prompts = [source.next_prompt() for _ in range(config.rollout.batch_size)]
-        records.append({"step": step, "prompts": [data_order.prompt_id(p) for p in prompts],
-                        "draws": [p.group_index for p in prompts]})  # fmt: skip
-    return records
-
-
 def test_a_lost_node_stops_the_run_naming_it_and_resume_continues(cluster, tmp_path):
     run_dir = tmp_path / "run"
     process = rl_train(run_dir, cluster)
@@ -184,4 +162,6 @@ def test_a_lost_node_stops_the_run_naming_it_and_resume_continues(cluster, tmp_p
     assert resumed.wait(300) == 0, log_of(run_dir)[-3000:]
     print(f"resumed run: {time.monotonic() - started:.0f} s")
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, NUM_STEPS + 1))
-    assert data_order.read(run_dir) == uninterrupted_order(run_dir, cluster)
+    assert data_order.read(run_dir) == uninterrupted_order(
+        on_two_nodes(run_dir, cluster), NUM_STEPS
+    )

@@ -19,19 +19,6 @@ ROOT = Path(__file__).resolve().parents[3]
 QUICKSTART = ROOT / "examples" / "quickstart"
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """One local Ray for the module (rl-train attaches to it and leaves it running)."""
-    from rl_launcher.ray_cluster import connect
-
-    started = connect(None, num_cpus=4) == "started"
-    yield
-    if started:
-        import ray
-
-        ray.shutdown()
-
-
 def config_file(directory: Path, **sections) -> Path:
     """The quickstart config with absolute paths, an eval set and ``sections`` merged in."""
     tree = yaml.safe_load((QUICKSTART / "config.yaml").read_text())

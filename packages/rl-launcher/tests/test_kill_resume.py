@@ -63,13 +63,14 @@ def arguments(run_dir: Path, *extra: str) -> list[str]:
                   "--logging.progress", "true", *extra)  # fmt: skip
 
 
-def uninterrupted_order(run_dir: Path) -> list[dict]:
-    """The data-order records of an uninterrupted run: the prompt stream, step by step."""
-    config, _ = load_config(arguments(run_dir))
+def uninterrupted_order(argv: list[str], num_steps: int) -> list[dict]:
+    """The data-order records an uninterrupted run of ``argv`` writes over ``num_steps``
+    steps: its prompt stream, step by step."""
+    config, _ = load_config(argv)
     tokenizer = load_tokenizer(config.model.tokenizer_path)
     source = build_prompt_source(config.data, seed=config.seed, tokenizer=tokenizer)
     size, records = config.rollout.batch_size, []
-    for step in range(1, NUM_STEPS + 1):
+    for step in range(1, num_steps + 1):
         prompts = [source.next_prompt() for _ in range(size)]
         records.append({"step": step, "prompts": [data_order.prompt_id(p) for p in prompts],
                         "draws": [p.group_index for p in prompts]})  # fmt: skip
@@ -109,7 +110,7 @@ def test_sigkill_then_resume_trains_on_the_same_prompts(tmp_path, marker):
     assert_all_gone(token, within_s=30)  # engines, router and Ray die with the run
     finish(rl_train(killed, marker, "--resume"), killed)
     assert [r["step"] for r in read_metrics(killed)] == list(range(1, NUM_STEPS + 1))
-    assert data_order.read(killed) == uninterrupted_order(killed)
+    assert data_order.read(killed) == uninterrupted_order(arguments(killed), NUM_STEPS)
     # a clean exit leaves nothing either; helpers that notice their parent's exit through a
     # closed pipe (multiprocessing's forkserver, the reward pool) go within moments
     assert_all_gone(token, within_s=10)

@@ -19,19 +19,6 @@ pytestmark = pytest.mark.integration
 TIMES = ("time/", "perf/", "engine/", "gpu/")
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """One local Ray for both runs (rl-train attaches to it and leaves it running)."""
-    from rl_launcher.ray_cluster import connect
-
-    started = connect(None, num_cpus=4) == "started"
-    yield
-    if started:
-        import ray
-
-        ray.shutdown()
-
-
 def one_step(root: Path, name: str) -> tuple[dict, list[list]]:
     """Step 1's metrics record and rollout dump of a fresh run ``name``."""
     args = shrunk(root / name, "--num_steps", "1", "--checkpoint.interval", "0",

@@ -27,19 +27,6 @@ SPEC = DatasetConfig(path="unused.jsonl")
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    """One local Ray for the module (rl-train attaches to it and leaves it running)."""
-    from rl_launcher.ray_cluster import connect
-
-    started = connect(None, num_cpus=4) == "started"
-    yield
-    if started:
-        import ray
-
-        ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def tokenizer():
     return load_tokenizer(TOKENIZER)
 

@@ -30,14 +30,16 @@ import time
 from pathlib import Path
 
 import pytest
-from test_kill_resume import MARKER, marker, processes_with  # noqa: F401 (a fixture)
+from test_kill_resume import (  # noqa: F401 (marker: a fixture)
+    MARKER,
+    marker,
+    processes_with,
+    uninterrupted_order,
+)
 from test_train_loop import ROOT, shrunk
 
 from rl_core.types import Sample
-from rl_launcher.config_loader import load_config
-from rl_launcher.data import build_prompt_source
 from rl_launcher.run import checkpoints, data_order
-from rl_launcher.run.model_setup import load_tokenizer
 from rl_launcher.run_log import read_metrics
 
 pytestmark = pytest.mark.integration
@@ -98,19 +100,6 @@ def all_gone(token: str) -> None:
     assert left == [], [Path(f"/proc/{pid}/cmdline").read_bytes()[:200] for pid in left]
 
 
-def uninterrupted_order(run_dir: Path) -> list[dict]:
-    """The data-order records of an uninterrupted run: the prompt stream, step by step."""
-    config, _ = load_config(arguments(run_dir))
-    tokenizer = load_tokenizer(config.model.tokenizer_path)
-    source = build_prompt_source(config.data, seed=config.seed, tokenizer=tokenizer)
-    order = []
-    for step in range(1, NUM_STEPS + 1):
-        prompts = [source.next_prompt() for _ in range(config.rollout.batch_size)]
-        order.append({"step": step, "prompts": [data_order.prompt_id(p) for p in prompts],
-                      "draws": [p.group_index for p in prompts]})  # fmt: skip
-    return order
-
-
 def labels_by_prompt() -> dict[str, str]:
     path = ROOT / "examples/quickstart/data/train.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -123,7 +112,7 @@ def test_sigterm_and_ctrl_c_stop_at_a_step_boundary_and_the_run_dir_has_one_owne
 ):
     token, _ = marker
     run_dir = tmp_path / "run"
-    order, labels = uninterrupted_order(run_dir), labels_by_prompt()
+    order, labels = uninterrupted_order(arguments(run_dir), NUM_STEPS), labels_by_prompt()
     fail_on = labels[order[0]["prompts"][0]]  # step 1 trains fewer than all its samples
     reward = ("--rollout.reward", "failing_rewards:fails_on_labels")
     first = rl_train(run_dir, marker, *reward, fail_on=fail_on)
