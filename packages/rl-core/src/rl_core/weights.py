@@ -6,6 +6,20 @@ import torch
 
 from rl_core.protocols import WeightBucket
 
+# The files of an HF model directory besides its config and weights (tokenizer, chat
+# template, generation settings): what an exported or converted checkpoint copies from the
+# directory it came from.
+HF_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "generation_config.json",
+    "chat_template.jinja",
+)
+
 
 def bucket_by_bytes(
     named_tensors: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int

@@ -20,18 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rl_core.protocols import WeightBucket
-from rl_core.weights import bucket_by_bytes
-
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "generation_config.json",
-    "chat_template.jinja",
-)
+from rl_core.weights import HF_TOKENIZER_FILES, bucket_by_bytes
 
 
 def full_tensor(param: torch.Tensor) -> torch.Tensor:
@@ -114,6 +103,6 @@ def _write_metadata(tmp: Path, weight_map: dict[str, str], hf_config, source_dir
     index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
     (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     hf_config.save_pretrained(tmp)
-    for name in TOKENIZER_FILES if source_dir else ():
+    for name in HF_TOKENIZER_FILES if source_dir else ():
         if (Path(source_dir) / name).is_file():
             shutil.copy2(Path(source_dir) / name, tmp / name)

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from rl_core.weights import HF_TOKENIZER_FILES
 from rl_megatron import checkpoint
 from rl_megatron.shape import model_shape
 
@@ -28,17 +29,7 @@ WEIGHTS_KIND = "megatron_weights"
 HF_SUBDIR = "hf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Files of an HF directory that are not weights and travel with them.
-SIDE_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "chat_template.jinja",
-)
+SIDE_FILES = ("config.json", *HF_TOKENIZER_FILES)
 
 
 @dataclass(frozen=True, kw_only=True)
