@@ -46,7 +46,7 @@ def test_resume_skips_a_damaged_newest_checkpoint_and_continues(tmp_path, capsys
     assert re.search(rf"checkpoint {step3}: .* bytes\); using step_000002\n", err)
     assert f"rl-train: resumed from {step2} (step 2;" in out
     assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4]
-    assert data_order.read(run_dir) == uninterrupted_order(run_dir)[:4]  # as from step 2
+    assert data_order.read(run_dir) == uninterrupted_order(arguments(run_dir), 4)  # as from step 2
     assert (root / "step_000003.damaged" / shard).is_file()  # kept aside, not deleted
     assert [s for s, _ in checkpoints.complete_checkpoints(root)] == [3, 4]
 
