@@ -15,7 +15,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from rl_launcher.run_log import read_metrics
+from rl_launcher.infra.run_log import read_metrics
 
 PARTS = ("step", "rollout", "log_probs", "train", "sync", "rollout_wait", "overhead",
          "overhead_excl_sync", "log_probs_compute", "train_compute", "onload", "train_call",

@@ -36,10 +36,10 @@ PARTS = ("rollout", "log_probs", "train", "rollout_wait", "sync")
 def loop_steps(config, steps: int, warmup: int) -> list[tuple[dict, float]]:
     """(record, reference compute seconds) of ``steps`` steps of ``config.rollout.loop``
     after ``warmup`` steps; each step's reference runs right after it."""
-    from rl_launcher.buffer import DataBuffer
-    from rl_launcher.run.feeds import make_feed
-    from rl_launcher.run.loop import run_step
-    from rl_launcher.run.setup import start_run
+    from rl_launcher.data.buffer import DataBuffer
+    from rl_launcher.loops.feeds import make_feed
+    from rl_launcher.loops.rl import run_step
+    from rl_launcher.session.start import start_run
 
     config.num_steps = warmup + steps
     run = start_run(config)
@@ -66,7 +66,7 @@ class Reference:
         from rl_core.batch import batch_from_samples
         from rl_core.types import Sample
         from rl_fsdp import FSDPBackend
-        from rl_launcher.run.train_group import fsdp_config
+        from rl_launcher.roles.train_group import fsdp_config
 
         self.num_minibatches = config.algorithm.num_minibatches
         self.backend = FSDPBackend(fsdp_config(config, model_dir=model_dir))
@@ -75,8 +75,8 @@ class Reference:
         self.batch = batch_from_samples(samples, [float(i % 2) - 0.5 for i in range(num)])
 
     def step(self) -> float:
-        from rl_launcher.run.loop import minibatches
-        from rl_launcher.run.train_group import with_old_log_probs
+        from rl_launcher.loops.step import minibatches
+        from rl_launcher.roles.train_group import with_old_log_probs
 
         start = time.perf_counter()
         with torch.no_grad():  # one forward over the prompts = the engine's sampling compute
@@ -114,7 +114,7 @@ def report(loop: str, summary: dict) -> None:
 
 
 def main() -> None:
-    from rl_launcher.config_loader import load_config
+    from rl_launcher.config.loader import load_config
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=30)

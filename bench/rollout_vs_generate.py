@@ -41,7 +41,7 @@ def parse_args() -> argparse.Namespace:
 
 def hf_model_dir(gguf: str, work: Path, dtype: str) -> Path:
     """The GGUF dequantized into an HF directory once (rl-train's own converter)."""
-    from rl_launcher.run.model_setup import load_gguf
+    from rl_launcher.session.model import load_gguf
 
     target = work / "model"
     if not (target / "config.json").exists():

@@ -5,7 +5,7 @@ docs/benchmarks.md ("SmolLM2 learns arithmetic word problems") compares rl-train
         --work /tmp/trl --out runs/trl [--steps 150] [--lr 1e-5] [--time-limit-s 480]
 
 The same job as rl-train's config: the GGUF dequantized the way rl-train does it
-(``rl_launcher.run.model_setup.gguf_to_hf``), the same train and held-out files, rl-rewards'
+(``rl_launcher.session.model.gguf_to_hf``), the same train and held-out files, rl-rewards'
 ``math`` reward on the response text and label, 32 prompts x 8 samples per optimizer step
 (``per_device_train_batch_size`` x ``gradient_accumulation_steps`` = 256), one update per
 generation batch, the learning rate constant, 256 response tokens, temperature 1, no KL
@@ -64,7 +64,7 @@ def read_rows(path: Path, limit: int | None = None) -> list[dict]:
 
 def hf_model_dir(gguf: str, work: Path) -> Path:
     """The GGUF dequantized to float32 with its tokenizer, as rl-train makes it."""
-    from rl_launcher.run.model_setup import gguf_to_hf
+    from rl_launcher.session.model import gguf_to_hf
 
     model_config = SimpleNamespace(dtype="float32", tokenizer_path=None)
     folder, _ = gguf_to_hf(gguf, work / "hf", model_config)

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from rl_launcher.config_loader import load_config
-from rl_launcher.placement import plan_from_config
-from rl_launcher.run.backends import backend_spec, megatron_overrides
-from rl_launcher.run.colocation import Turns, check_turns, turns_needed
-from rl_launcher.run.engines import engine_gpus, engine_processes, sglang_server_args
-from rl_launcher.run.weight_sync import resolve_transport, sync_options
+from rl_launcher.config.loader import load_config
+from rl_launcher.infra.colocation import Turns, check_turns, turns_needed
+from rl_launcher.infra.placement import plan_from_config
+from rl_launcher.infra.weight_sync import resolve_transport, sync_options
+from rl_launcher.roles.backends import backend_spec, megatron_overrides
+from rl_launcher.roles.engine_servers import engine_gpus, engine_processes, sglang_server_args
 
 ROOT = Path(__file__).resolve().parents[3]
 GPU_EXAMPLES = ROOT / "examples" / "gpu"
@@ -174,7 +174,7 @@ def test_turns_with_a_resident_trainer_or_resident_engines():
 def test_sglang_memory_saver_only_when_the_engines_release_their_memory():
     from types import SimpleNamespace
 
-    from rl_launcher.run.rollout_manager import RolloutManager
+    from rl_launcher.roles.rollout_manager import RolloutManager
 
     def saver(turns) -> bool:
         return RolloutManager._engines_release(SimpleNamespace(turns=turns))
@@ -253,7 +253,7 @@ def test_gpu_example_configs_load(name):
 
 
 def test_a_gguf_model_path_is_checked_before_anything_starts(tmp_path):
-    from rl_launcher.run.model_setup import prepare_model
+    from rl_launcher.session.model import prepare_model
 
     config, _ = load_config(["--model.path", str(tmp_path / "SmolLM2.Q4_1.gguf")])
     with pytest.raises(ValueError, match=re.escape("does not exist; give a .gguf file")):

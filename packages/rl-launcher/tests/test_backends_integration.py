@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from rl_launcher.buffer import DataBuffer
-from rl_launcher.config_loader import load_config
-from rl_launcher.run.colocation import Turns
-from rl_launcher.run.loop import run_step
-from rl_launcher.run.setup import start_run
+from rl_launcher.config.loader import load_config
+from rl_launcher.data.buffer import DataBuffer
+from rl_launcher.infra.colocation import Turns
+from rl_launcher.loops.rl import run_step
+from rl_launcher.session.start import start_run
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[3]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rl_core.types import Sample, SampleStatus
-from rl_launcher.buffer import DataBuffer
+from rl_launcher.data.buffer import DataBuffer
 
 A = 0.5 / (math.sqrt(0.5) + 1e-6)  # GRPO advantage of a {1, 0} pair: 0.5 / (unbiased std + eps)
 

@@ -9,9 +9,9 @@ import pytest
 from ray.exceptions import RayTaskError
 from torch.distributed.checkpoint.api import CheckpointException
 
-from rl_launcher.config_loader import parse_command_line
-from rl_launcher.run import checkpoints
-from rl_launcher.run.resume_choice import choose, loading, set_aside_after
+from rl_launcher.config.loader import parse_command_line
+from rl_launcher.infra import checkpoints
+from rl_launcher.infra.resume_choice import choose, loading, set_aside_after
 
 SHARD = "trainer/dcp/__0_0.distcp"
 TRAINER_STATE = "trainer/trainer_state.pt"

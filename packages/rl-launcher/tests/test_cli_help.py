@@ -47,7 +47,7 @@ def test_rl_plot_help_exits_0_and_bad_use_exits_2():
 def test_float32_on_cuda_without_tf32_is_noted_once_at_start_up(capsys):
     import torch
 
-    from rl_launcher.run.model_setup import precision_note
+    from rl_launcher.session.model import precision_note
 
     config, before = TrainConfig(), torch.get_float32_matmul_precision()
     try:

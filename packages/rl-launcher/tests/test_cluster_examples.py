@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rl_launcher.config_loader import load_config
-from rl_launcher.placement import plan_from_config
-from rl_launcher.run.weight_sync import resolve_transport
+from rl_launcher.config.loader import load_config
+from rl_launcher.infra.placement import plan_from_config
+from rl_launcher.infra.weight_sync import resolve_transport
 
 ROOT = Path(__file__).resolve().parents[3]
 CLUSTER = ROOT / "examples" / "cluster"

@@ -28,13 +28,14 @@ from test_kill_resume import uninterrupted_order, wait_for
 from test_rendezvous import listening_addresses
 from test_train_loop import shrunk
 
-from rl_launcher.config_loader import load_config
-from rl_launcher.run import checkpoints, data_order
-from rl_launcher.run.critic import make_buffer
-from rl_launcher.run.loop import run_step, sync
-from rl_launcher.run.setup import start_run
-from rl_launcher.run.shared_dirs import check_shared_dirs
-from rl_launcher.run_log import read_metrics
+from rl_launcher.config.loader import load_config
+from rl_launcher.infra import checkpoints, data_order
+from rl_launcher.infra.run_log import read_metrics
+from rl_launcher.infra.shared_dirs import check_shared_dirs
+from rl_launcher.loops.rl import run_step
+from rl_launcher.loops.rl_state import sync
+from rl_launcher.roles.critic import make_buffer
+from rl_launcher.session.start import start_run
 
 pytestmark = pytest.mark.integration
 NODE_ADDRESSES = (node_address(0), node_address(1))  # 127.0.0.2, 127.0.0.3
@@ -96,7 +97,7 @@ def test_groups_meet_at_training_rank_0s_node(cluster, tmp_path):
 
 
 CONNECT = (
-    "import ray; from rl_launcher.ray_cluster import connect; "
+    "import ray; from rl_launcher.infra.ray_cluster import connect; "
     "print(connect(num_cpus=1), len(ray.nodes()))"
 )
 

@@ -10,7 +10,7 @@ import yaml
 
 from rl_launcher.cli import main
 from rl_launcher.config import TrainConfig
-from rl_launcher.config_loader import (
+from rl_launcher.config.loader import (
     config_from_tree,
     config_to_yaml,
     load_config,

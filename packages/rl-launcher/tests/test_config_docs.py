@@ -4,17 +4,17 @@ import dataclasses
 from pathlib import Path
 
 from rl_launcher import config as config_module
-from rl_launcher.config_docs import render
+from rl_launcher.config.docs import render
 
 DOCS = Path(__file__).resolve().parents[3] / "docs" / "config.md"
 
 
 def test_checked_in_docs_match_the_classes():
     assert DOCS.is_file(), (
-        f"{DOCS} is missing; run: python -m rl_launcher.config_docs > docs/config.md"
+        f"{DOCS} is missing; run: python -m rl_launcher.config.docs > docs/config.md"
     )
     assert DOCS.read_text() == render(), (
-        "docs/config.md is out of date; regenerate it: python -m rl_launcher.config_docs > docs/config.md"
+        "docs/config.md is out of date; regenerate it: python -m rl_launcher.config.docs > docs/config.md"
     )
 
 

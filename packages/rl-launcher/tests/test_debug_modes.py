@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from rl_launcher.cli import main
-from rl_launcher.run.dumps import dump_files, read_rollout
-from rl_launcher.run_log import read_metrics
+from rl_launcher.infra.dumps import dump_files, read_rollout
+from rl_launcher.infra.run_log import read_metrics
 
 ROOT = Path(__file__).resolve().parents[3]
 QUICKSTART = ROOT / "examples" / "quickstart"

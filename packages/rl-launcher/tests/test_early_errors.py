@@ -12,11 +12,11 @@ import torch
 
 from rl_core.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs
 from rl_launcher import cli
-from rl_launcher.config_checks import GROUP_RELATIVE_ESTIMATORS, KL_BLIND_ESTIMATORS
-from rl_launcher.config_loader import load_config
-from rl_launcher.ray_cluster import check_reachable
-from rl_launcher.run.setup import check_fresh
-from rl_launcher.run_dirs import prepare_run_dirs
+from rl_launcher.config.checks import GROUP_RELATIVE_ESTIMATORS, KL_BLIND_ESTIMATORS
+from rl_launcher.config.loader import load_config
+from rl_launcher.infra.ray_cluster import check_reachable
+from rl_launcher.infra.run_dirs import prepare_run_dirs
+from rl_launcher.session.run import check_fresh
 
 
 def _must_not_start(config):

@@ -1,5 +1,5 @@
 """Steps that train nothing, without processes: the cause a step records (from its samples),
-the progress line, and when the run stops (rl_launcher.run.faults.check_trained). A real
+the progress line, and when the run stops (rl_launcher.infra.faults.check_trained). A real
 rl-train whose reward fails on every sample is in test_stop_signals.py. In the fully
 asynchronous loop, failed groups reach the step (rather than being retried for ever)."""
 
@@ -10,12 +10,12 @@ import pytest
 from test_loop_parts import ScriptedManager, aborted_group, group
 
 from rl_core.types import Sample, SampleStatus
-from rl_launcher.buffer import DataBuffer
 from rl_launcher.config import TrainConfig
-from rl_launcher.run import faults
-from rl_launcher.run.async_rollout import ContinuousRollout
-from rl_launcher.run.loop import run_step
-from rl_launcher.run_log import format_progress
+from rl_launcher.data.buffer import DataBuffer
+from rl_launcher.infra import faults
+from rl_launcher.infra.run_log import format_progress
+from rl_launcher.loops.rl import run_step
+from rl_launcher.roles.async_rollout import ContinuousRollout
 from rl_sglang.rollout.default import RolloutResult
 
 REFUSAL = ("EngineError: http://127.0.0.1:30000 -> HTTP 400: top_k must be -1 (off) or >= 1, "

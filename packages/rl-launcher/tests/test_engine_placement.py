@@ -30,13 +30,15 @@ ray = pytest.importorskip("ray")
 
 from cluster_fixtures import node_address, simulated_cluster  # noqa: E402
 
-from rl_launcher.buffer import DataBuffer  # noqa: E402
 from rl_launcher.cli import main  # noqa: E402
-from rl_launcher.config_loader import load_config  # noqa: E402
-from rl_launcher.run.extras import after_step  # noqa: E402
-from rl_launcher.run.loop import finish_step, run_step, save  # noqa: E402
-from rl_launcher.run.setup import start_run  # noqa: E402
-from rl_launcher.run_log import read_metrics  # noqa: E402
+from rl_launcher.config.loader import load_config  # noqa: E402
+from rl_launcher.data.buffer import DataBuffer  # noqa: E402
+from rl_launcher.infra.run_log import read_metrics  # noqa: E402
+from rl_launcher.loops.extras import after_step  # noqa: E402
+from rl_launcher.loops.rl import run_step  # noqa: E402
+from rl_launcher.loops.rl_state import save  # noqa: E402
+from rl_launcher.loops.step import finish_step  # noqa: E402
+from rl_launcher.session.start import start_run  # noqa: E402
 from rl_sglang.process import API_KEY_ENV  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -176,7 +178,7 @@ def test_disaggregated_async_over_two_nodes_as_rl_train(cluster, tmp_path):
     finally:
         if process.poll() is None:
             process.kill()
-    records = read_metrics(run_dir)  # each sync checked every engine's version (loop.sync)
+    records = read_metrics(run_dir)  # each sync checked every engine's version (rl_state.sync)
     assert [r["sync/weight_version"] for r in records] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
     node, address = layout["E0"]
     assert records[0]["engine/0/node"].startswith(node)

@@ -9,12 +9,12 @@ import signal
 import pytest
 from test_train_loop import shrunk
 
-from rl_launcher.buffer import DataBuffer
-from rl_launcher.config_loader import load_config
-from rl_launcher.run import data_order
-from rl_launcher.run.feeds import SyncFeed
-from rl_launcher.run.loop import run_step
-from rl_launcher.run.setup import start_run
+from rl_launcher.config.loader import load_config
+from rl_launcher.data.buffer import DataBuffer
+from rl_launcher.infra import data_order
+from rl_launcher.loops.feeds import SyncFeed
+from rl_launcher.loops.rl import run_step
+from rl_launcher.session.start import start_run
 
 pytestmark = pytest.mark.integration
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from rl_launcher.config_loader import load_config
-from rl_launcher.run.model_setup import prepare_model
+from rl_launcher.config.loader import load_config
+from rl_launcher.session.model import prepare_model
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[3]

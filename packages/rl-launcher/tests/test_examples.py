@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from rl_launcher.config_loader import load_config
+from rl_launcher.config.loader import load_config
 from rl_launcher.data.reader import parse_spec
 
 ROOT = Path(__file__).resolve().parents[3]

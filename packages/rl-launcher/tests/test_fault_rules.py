@@ -1,4 +1,4 @@
-"""The rules of rl_launcher.run.faults that need no processes: counting non-finite steps
+"""The rules of rl_launcher.infra.faults that need no processes: counting non-finite steps
 over minibatches and in a row, when the run stops, and what the message names."""
 
 import math
@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from rl_launcher.config import TrainConfig
-from rl_launcher.run import checkpoints, faults
-from rl_launcher.run_log import MetricsLog
+from rl_launcher.infra import checkpoints, faults
+from rl_launcher.infra.run_log import MetricsLog
 
 GOOD = {"loss/total": 0.5, "train/grad_norm": 1.0, faults.NONFINITE_KEY: 0.0}
 BAD = {"loss/total": math.nan, "train/grad_norm": math.inf, faults.NONFINITE_KEY: 1.0}

@@ -11,8 +11,8 @@ import yaml
 from rl_launcher.cli import main
 from rl_launcher.eval_cli import main as eval_main
 from rl_launcher.eval_cli import resolve_model_dir
-from rl_launcher.run.dumps import ReplayRollout, dump_files, read_rollout
-from rl_launcher.run_log import read_metrics
+from rl_launcher.infra.dumps import ReplayRollout, dump_files, read_rollout
+from rl_launcher.infra.run_log import read_metrics
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[3]

@@ -1,8 +1,8 @@
-"""The driver's and the trainers' garbage-collection pauses (rl_launcher.run.gc_pauses)."""
+"""The driver's and the trainers' garbage-collection pauses (rl_launcher.infra.gc_pauses)."""
 
 import gc
 
-from rl_launcher.run.gc_pauses import GcPauses, freeze_startup
+from rl_launcher.infra.gc_pauses import GcPauses, freeze_startup
 
 
 def test_pauses_are_counted_per_take_and_stop_after_close():

@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 from test_train_loop import shrunk
 
-from rl_launcher.config_loader import load_config
+from rl_launcher.config.loader import load_config
 from rl_launcher.data import build_prompt_source
-from rl_launcher.run import data_order
-from rl_launcher.run.model_setup import load_tokenizer
-from rl_launcher.run_log import read_metrics
+from rl_launcher.infra import data_order
+from rl_launcher.infra.run_log import read_metrics
+from rl_launcher.session.model import load_tokenizer
 
 pytestmark = pytest.mark.integration
 MARKER = "RL_LAUNCHER_KILL_TEST"

@@ -6,8 +6,8 @@ import time
 import pytest
 
 from rl_launcher.config import LoggingConfig
-from rl_launcher.log_sinks import require
-from rl_launcher.run_log import MetricsLog, read_metrics
+from rl_launcher.infra.log_sinks import require
+from rl_launcher.infra.run_log import MetricsLog, read_metrics
 
 
 def test_tensorboard_events_hold_every_numeric_metric(tmp_path):

@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from rl_core.types import Sample, SampleStatus
-from rl_launcher.buffer import DataBuffer
-from rl_launcher.config_loader import load_config
-from rl_launcher.run import data_order
-from rl_launcher.run.async_rollout import ContinuousRollout, group_version, restart
-from rl_launcher.run.loop import check_loop, fresh_only, mismatch, staleness
-from rl_launcher.run.rollout_manager import relabel
+from rl_launcher.config.checks import check_loop
+from rl_launcher.config.loader import load_config
+from rl_launcher.data.buffer import DataBuffer
+from rl_launcher.infra import data_order
+from rl_launcher.loops.step_metrics import fresh_only, mismatch, staleness
+from rl_launcher.roles.async_rollout import ContinuousRollout, group_version, restart
+from rl_launcher.roles.rollout_manager import relabel
 from rl_sglang.rollout.default import RolloutResult
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -149,7 +150,7 @@ def test_loop_settings_that_cannot_work_together_are_refused():
 
 
 def test_overlapping_loops_on_cpu_split_the_cores_between_trainer_and_engines(monkeypatch):
-    from rl_launcher.run.feeds import engine_threads_env, engines_beside_training
+    from rl_launcher.infra.colocation import engine_threads_env, engines_beside_training
 
     monkeypatch.setattr("os.cpu_count", lambda: 8)
     config, _ = load_config(["--engine.num_engines", "2", "--cluster.devices_per_node", "2"])

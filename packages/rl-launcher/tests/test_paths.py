@@ -1,9 +1,9 @@
 """What a run reads back from its own directories stays inside them: a symlink planted in
 the checkpoint or dump directory is ignored (and named), never followed."""
 
-from rl_launcher.paths import contained
-from rl_launcher.run import checkpoints
-from rl_launcher.run.dumps import dump_files, dump_path
+from rl_launcher.infra import checkpoints
+from rl_launcher.infra.dumps import dump_files, dump_path
+from rl_launcher.infra.paths import contained
 
 
 def _checkpoint(root, step, weight_version):

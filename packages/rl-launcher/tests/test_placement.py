@@ -3,8 +3,8 @@
 import pytest
 
 from rl_launcher.config import TrainConfig
-from rl_launcher.config_loader import load_config
-from rl_launcher.placement import Slot, plan_from_config, plan_layout
+from rl_launcher.config.loader import load_config
+from rl_launcher.infra.placement import Slot, plan_from_config, plan_layout
 
 
 def test_one_node_colocated_shares_every_device():
@@ -77,7 +77,7 @@ def test_plan_from_config():
 
 
 def test_embedded_engines_get_the_runs_context_bound_and_dtype(tmp_path):
-    from rl_launcher.run.engines import engine_max_context, engine_processes
+    from rl_launcher.roles.engine_servers import engine_max_context, engine_processes
 
     config, _ = load_config(["--data.max_prompt_tokens", "100", "--rollout.max_response_tokens",
                              "40", "--eval.max_response_tokens", "60", "--model.dtype",

@@ -2,7 +2,7 @@
 
 import os
 
-from rl_launcher.ray_cluster import LOCAL_RAY_ENV, prepare_local_ray_env
+from rl_launcher.infra.ray_cluster import LOCAL_RAY_ENV, prepare_local_ray_env
 
 
 def test_local_ray_env_is_set_only_without_a_cluster(monkeypatch):

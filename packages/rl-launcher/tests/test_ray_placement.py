@@ -7,8 +7,8 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from rl_launcher.placement import plan_layout  # noqa: E402
-from rl_launcher.ray_placement import create_placement  # noqa: E402
+from rl_launcher.infra.placement import plan_layout  # noqa: E402
+from rl_launcher.infra.ray_placement import create_placement  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

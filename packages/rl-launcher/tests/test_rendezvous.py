@@ -1,5 +1,5 @@
-"""Where groups meet (rl_launcher.run.rendezvous) and the shared-directory probe
-(rl_launcher.run.shared_dirs), on this machine: interfaces named by the environment, a
+"""Where groups meet (rl_launcher.infra.rendezvous) and the shared-directory probe
+(rl_launcher.infra.shared_dirs), on this machine: interfaces named by the environment, a
 store that listens on one address only, a node that does not see the driver's files."""
 
 import datetime
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rl_launcher.run import rendezvous, shared_dirs
+from rl_launcher.infra import rendezvous, shared_dirs
 
 
 def listening_addresses(port: int) -> list[str]:

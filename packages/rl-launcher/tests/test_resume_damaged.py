@@ -17,8 +17,8 @@ from test_kill_resume import arguments, uninterrupted_order
 from test_train_faults import ray_started  # noqa: F401 (the module's one Ray)
 
 from rl_launcher.cli import main
-from rl_launcher.run import checkpoints, data_order
-from rl_launcher.run_log import read_metrics
+from rl_launcher.infra import checkpoints, data_order
+from rl_launcher.infra.run_log import read_metrics
 
 pytestmark = pytest.mark.integration
 

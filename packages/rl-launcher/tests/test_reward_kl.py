@@ -8,10 +8,10 @@ import torch
 
 from rl_core.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, whiten
 from rl_core.types import Sample
-from rl_launcher.buffer import DataBuffer
-from rl_launcher.run.critic import GaeBuffer
-from rl_launcher.run.reference import with_reference
-from rl_launcher.run.train_group import with_old_log_probs
+from rl_launcher.data.buffer import DataBuffer
+from rl_launcher.roles.critic import GaeBuffer
+from rl_launcher.roles.reference import with_reference
+from rl_launcher.roles.train_group import with_old_log_probs
 
 COEF = 0.1
 # per sample: tokens, response length, reward, k1 KL (old - ref) of each response token

@@ -12,12 +12,12 @@ from test_train_loop import ROOT, shrunk
 
 from rl_core.types import Sample, SampleStatus
 from rl_launcher.cli import main
-from rl_launcher.config_loader import load_config
-from rl_launcher.run.extras import reward_counts
-from rl_launcher.run.model_setup import load_tokenizer
-from rl_launcher.run.reward import RewardError, load_reward
-from rl_launcher.run.rollout_manager import RolloutManager, take_rollout_counts
-from rl_launcher.run_log import read_metrics
+from rl_launcher.config.loader import load_config
+from rl_launcher.infra.run_log import read_metrics
+from rl_launcher.loops.extras import reward_counts
+from rl_launcher.roles.reward import RewardError, load_reward
+from rl_launcher.roles.rollout_manager import RolloutManager, take_rollout_counts
+from rl_launcher.session.model import load_tokenizer
 
 TOKENIZER = ROOT / "examples/quickstart/tokenizer"
 STUCK = "stuck_rewards:stuck_reward"  # spins on label "spin", sleeps on "sleep"

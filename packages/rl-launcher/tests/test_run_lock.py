@@ -1,4 +1,4 @@
-"""One run per run directory (rl_launcher.run_lock) with real processes holding the lock;
+"""One run per run directory (rl_launcher.infra.run_lock) with real processes holding the lock;
 the refusal of a second real rl-train is in test_stop_signals.py."""
 
 import contextlib
@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-from rl_launcher.run_lock import LOCK_FILE, RunDirBusy, lock_run_dir
+from rl_launcher.infra.run_lock import LOCK_FILE, RunDirBusy, lock_run_dir
 
 HOLD = """
 import subprocess, sys, time
-from rl_launcher.run_lock import lock_run_dir
+from rl_launcher.infra.run_lock import lock_run_dir
 lock = lock_run_dir(sys.argv[1])
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # an engine
 print(child.pid, flush=True)

@@ -8,8 +8,8 @@ import struct
 import pytest
 
 from rl_launcher.cli import plot_main
+from rl_launcher.infra.run_log import MetricsLog, format_progress, read_metrics, truncate_metrics
 from rl_launcher.plots import plot_run, time_split, time_split_series
-from rl_launcher.run_log import MetricsLog, format_progress, read_metrics, truncate_metrics
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

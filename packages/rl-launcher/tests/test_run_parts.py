@@ -9,12 +9,13 @@ import torch
 
 from rl_core.batch import batch_from_samples
 from rl_core.types import Sample
-from rl_launcher.config_loader import load_config
-from rl_launcher.run import checkpoints
-from rl_launcher.run.loop import Clock, minibatches, mismatch
-from rl_launcher.run.model_setup import build_tiny_model, load_tokenizer, prepare_model
-from rl_launcher.run.reward import RewardError, load_reward
-from rl_launcher.run.train_group import cpu_threads_env, fsdp_config
+from rl_launcher.config.loader import load_config
+from rl_launcher.infra import checkpoints
+from rl_launcher.loops.step import Clock, minibatches
+from rl_launcher.loops.step_metrics import mismatch
+from rl_launcher.roles.reward import RewardError, load_reward
+from rl_launcher.roles.train_group import cpu_threads_env, fsdp_config
+from rl_launcher.session.model import build_tiny_model, load_tokenizer, prepare_model
 
 ROOT = Path(__file__).resolve().parents[3]
 TOKENIZER = ROOT / "examples" / "quickstart" / "tokenizer"
@@ -113,7 +114,7 @@ def test_fsdp_config_carries_the_algorithm_and_optimizer(tmp_path):
 def test_sum_norm_aggregation_divides_by_the_response_limit_in_both_backends(tmp_path):
     """seq-mean-token-sum-norm needs its constant (packed batches have no padded width):
     the launcher hands both backends the response limit."""
-    from rl_launcher.run.backends import megatron_config
+    from rl_launcher.roles.backends import megatron_config
 
     config, _ = load_config(["--algorithm.loss_agg_mode", "seq-mean-token-sum-norm",
                              "--rollout.max_response_tokens", "48"])  # fmt: skip
@@ -145,7 +146,7 @@ def test_cpu_ranks_share_the_nodes_cores(monkeypatch):
 def test_no_engine_restarts_while_engines_take_turns_or_share_a_weight_group(capsys):
     from types import SimpleNamespace
 
-    from rl_launcher.run.engine_health import watch_engines
+    from rl_launcher.roles.engine_health import watch_engines
 
     engine = SimpleNamespace(health_interval_s=5.0)
     for sync, turns, why in (("distributed", None, "weight-update group"),
@@ -163,7 +164,7 @@ def test_an_engine_that_cannot_freeze_its_gc_is_reported_not_fatal():
     without /freeze_gc (an older SGLang answers 404) gives a reason, not an exception."""
     import asyncio
 
-    from rl_launcher.run.rollout_manager import freeze_gc
+    from rl_launcher.roles.rollout_manager import freeze_gc
     from rl_sglang.client import EngineError
 
     class Engine:

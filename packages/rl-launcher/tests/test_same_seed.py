@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from test_train_loop import shrunk
 
-from rl_launcher.buffer import reward_failed
 from rl_launcher.cli import main
-from rl_launcher.run.dumps import dump_files, read_rollout
-from rl_launcher.run_log import read_metrics
+from rl_launcher.data.buffer import reward_failed
+from rl_launcher.infra.dumps import dump_files, read_rollout
+from rl_launcher.infra.run_log import read_metrics
 
 pytestmark = pytest.mark.integration
 # the clock's and the placement's, not the run's (and "time", the record's): timings,

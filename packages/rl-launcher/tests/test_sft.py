@@ -13,13 +13,13 @@ from safetensors.torch import load_file
 
 from rl_launcher.cli import main
 from rl_launcher.config import DataConfig, DatasetConfig
-from rl_launcher.config_loader import load_config
+from rl_launcher.config.loader import load_config
 from rl_launcher.data.prompts import MalformedRow
 from rl_launcher.data.sft import load_sft_dataset, sft_sample_from_row, split_response
 from rl_launcher.eval_cli import resolve_model_dir
-from rl_launcher.run import checkpoints
-from rl_launcher.run.model_setup import load_tokenizer
-from rl_launcher.run_log import read_metrics
+from rl_launcher.infra import checkpoints
+from rl_launcher.infra.run_log import read_metrics
+from rl_launcher.session.model import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[3]
 TOKENIZER = ROOT / "examples" / "quickstart" / "tokenizer"

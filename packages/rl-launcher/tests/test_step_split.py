@@ -1,13 +1,13 @@
 """The per-step overhead and in-loop throughput (loop.split_step) and the GPU sampler
-(run.gpu_monitor) fed by a process printing nvidia-smi's CSV loop format."""
+(infra.gpu_monitor) fed by a process printing nvidia-smi's CSV loop format."""
 
 import sys
 import time
 
 import pytest
 
-from rl_launcher.run.gpu_monitor import GpuMonitor, parse_line, smi_command, start_gpu_monitor
-from rl_launcher.run.loop import split_step
+from rl_launcher.infra.gpu_monitor import GpuMonitor, parse_line, smi_command, start_gpu_monitor
+from rl_launcher.loops.step_metrics import split_step
 
 
 def test_overhead_is_the_step_outside_rollout_and_trainer_compute():

@@ -39,8 +39,8 @@ from test_kill_resume import (  # noqa: F401 (marker: a fixture)
 from test_train_loop import ROOT, shrunk
 
 from rl_core.types import Sample
-from rl_launcher.run import checkpoints, data_order
-from rl_launcher.run_log import read_metrics
+from rl_launcher.infra import checkpoints, data_order
+from rl_launcher.infra.run_log import read_metrics
 
 pytestmark = pytest.mark.integration
 TESTS = Path(__file__).resolve().parent

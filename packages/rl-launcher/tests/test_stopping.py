@@ -1,4 +1,4 @@
-"""The stop-signal rules of rl_launcher.run.stopping without Ray: real signals sent to this
+"""The stop-signal rules of rl_launcher.infra.stopping without Ray: real signals sent to this
 process (handlers run in the main thread, as in rl-train) and, for the second signal that
 exits at once, to a child process. The real rl-train, with Ray, is in
 test_stop_signals.py."""
@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from rl_launcher.config import TrainConfig
-from rl_launcher.run import checkpoints, stopping
+from rl_launcher.infra import checkpoints, stopping
 
 GRACE_S = 0.3
 
@@ -113,7 +113,7 @@ SECOND_SIGNAL = """
 import os, signal, subprocess, sys, time
 from types import SimpleNamespace
 from rl_launcher.config import TrainConfig
-from rl_launcher.run import stopping
+from rl_launcher.infra import stopping
 
 stopping.install(60.0)
 server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # an engine

@@ -5,7 +5,7 @@ exactly as the original, not as the tokenizer class of the config's model_type."
 from pathlib import Path
 
 from rl_launcher.config import ModelConfig
-from rl_launcher.run.model_setup import load_tokenizer, prepare_model
+from rl_launcher.session.model import load_tokenizer, prepare_model
 
 ROOT = Path(__file__).resolve().parents[3]
 MULTITURN = ROOT / "examples" / "multiturn" / "tokenizer"

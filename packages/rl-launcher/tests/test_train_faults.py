@@ -24,9 +24,10 @@ import torch
 from test_train_loop import shrunk
 
 from rl_launcher.cli import main
-from rl_launcher.run import checkpoints, data_order, loop
-from rl_launcher.run.train_group import TrainGroup
-from rl_launcher.run_log import read_metrics
+from rl_launcher.infra import checkpoints, data_order
+from rl_launcher.infra.run_log import read_metrics
+from rl_launcher.loops import rl as loop
+from rl_launcher.roles.train_group import TrainGroup
 
 pytestmark = pytest.mark.integration
 STOP_BOUND_S = 60.0  # from the SIGKILL to rl-train's return, cleanup included
@@ -37,7 +38,7 @@ def ray_started():
     """One local Ray for the module (runs attach to it and leave it running)."""
     import ray
 
-    from rl_launcher.ray_cluster import connect
+    from rl_launcher.infra.ray_cluster import connect
 
     assert connect(num_cpus=max(os.cpu_count() or 1, 4)) == "started"
     yield

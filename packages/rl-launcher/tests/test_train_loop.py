@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from rl_launcher.buffer import DataBuffer
 from rl_launcher.cli import main
-from rl_launcher.config_loader import load_config
-from rl_launcher.run import checkpoints
-from rl_launcher.run.loop import run_step
-from rl_launcher.run.setup import start_run
-from rl_launcher.run_log import read_metrics
+from rl_launcher.config.loader import load_config
+from rl_launcher.data.buffer import DataBuffer
+from rl_launcher.infra import checkpoints
+from rl_launcher.infra.run_log import read_metrics
+from rl_launcher.loops.rl import run_step
+from rl_launcher.session.start import start_run
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[3]

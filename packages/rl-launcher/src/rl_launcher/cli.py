@@ -1,17 +1,20 @@
 """Console scripts: ``rl-train`` and ``rl-plot`` (``rl-eval`` is :mod:`rl_launcher.eval_cli`).
 
 ``rl-train --config run.yaml [--section.option VALUE ...] [--sglang-* ...] [--resume [STEP|PATH]]``
-trains: the RL loops of :mod:`rl_launcher.run.loop` (train-only on dumped rollouts with
-``rollout.replay_dir``), SFT (``mode: sft``, :mod:`rl_launcher.run.sft`) or rollout-only
-(``rollout.rollout_only``, :mod:`rl_launcher.run.modes`); ``--print-config`` prints the
-resolved configuration instead. A reward that raises (unless skipped) exits with status 2.
+trains with the loop :mod:`rl_launcher.loops.dispatch` picks: the RL loop of
+:mod:`rl_launcher.loops.rl` (train-only on dumped rollouts with ``rollout.replay_dir``),
+SFT (``mode: sft``, :mod:`rl_launcher.loops.sft`) or rollout-only
+(``rollout.rollout_only``, :mod:`rl_launcher.loops.rollout_only`); ``--print-config``
+prints the resolved configuration instead. A reward that raises (unless skipped) exits with status 2.
 Combinations that cannot run are refused with exit status 2 and a message saying so, and
-so is a second run into a run directory in use (:mod:`rl_launcher.run_lock`). SIGTERM or
+so is a second run into a run directory in use (:mod:`rl_launcher.infra.run_lock`). SIGTERM or
 SIGINT stops the run at a step boundary with a checkpoint and exits with 143 or 130
-(:mod:`rl_launcher.run.stopping`).
+(:mod:`rl_launcher.infra.stopping`).
 """
 
 import sys
+
+from rl_launcher.loops.dispatch import run_mode
 
 USAGE = """usage: rl-train [--config FILE] [--section.option VALUE | section.option=VALUE ...]
                 [--sglang-OPTION [VALUE] ...] [--megatron-OPTION [VALUE] ...]
@@ -46,29 +49,14 @@ def not_wired(config) -> str | None:
     return None
 
 
-def run_mode(config):
-    """The driver of ``config``: SFT, rollout-only, or the RL loop (replay included)."""
-    if config.mode == "sft":
-        from rl_launcher.run.sft import train_sft
-
-        return train_sft
-    if config.rollout.rollout_only:
-        from rl_launcher.run.modes import rollout_only
-
-        return rollout_only
-    from rl_launcher.run.loop import train
-
-    return train
-
-
 def main(argv: list[str] | None = None) -> int:
     """``rl-train``: returns the process exit status (0 ok, 1 the run stopped on a fault,
     2 bad input or not available, 128 + N stopped by signal N)."""
-    from rl_launcher.config_loader import config_to_yaml, load_config
+    from rl_launcher.config.loader import config_to_yaml, load_config
 
     argv = sys.argv[1:] if argv is None else argv
     if "-h" in argv or "--help" in argv:
-        from rl_launcher.config_docs import option_groups
+        from rl_launcher.config.docs import option_groups
 
         print(USAGE + "\n" + HELP + "\n" + option_groups())
         return 0
@@ -88,20 +76,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_training(config) -> int:
-    from rl_launcher.ray_cluster import check_before_ray, prepare_local_ray_env
+    from rl_launcher.infra.ray_cluster import check_before_ray, prepare_local_ray_env
 
     prepare_local_ray_env(config.cluster.ray_address)  # before the loop's modules import ray
-    from rl_launcher.run import faults, stopping
-    from rl_launcher.run.reward import RewardError
-    from rl_launcher.run_dirs import absolute_paths, prepare_run_dirs
-    from rl_launcher.run_lock import lock_run_dir
+    from rl_launcher.infra import faults, stopping
+    from rl_launcher.infra.run_dirs import absolute_paths, prepare_run_dirs
+    from rl_launcher.infra.run_lock import lock_run_dir
+    from rl_launcher.roles.reward import RewardError
     from rl_rewards import get_reward
 
     reason = not_wired(config)
     if reason is not None:
         print(f"rl-train: error: {reason}", file=sys.stderr)
         return 2
-    # SIGTERM and SIGINT: stop at a step boundary with a checkpoint (rl_launcher.run.stopping)
+    # SIGTERM and SIGINT: stop at a step boundary with a checkpoint (rl_launcher.infra.stopping)
     stopping.install(config.checkpoint.stop_grace_s)
     lock = None
     absolute_paths(config)  # workers on other nodes open them: not relative to their cwd

@@ -66,7 +66,7 @@ def split_options(argv: list[str]) -> tuple[dict[str, list[str]], list[str]]:
 def resolve_model_dir(path: str | Path, config=None) -> Path:
     """The HF directory of an HF dir, a checkpoint dir or a run dir (its newest checkpoint).
     A checkpoint without ``hf/`` is exported first when ``config`` (the run's) is given."""
-    from rl_launcher.run import checkpoints
+    from rl_launcher.infra import checkpoints
 
     path = Path(path)
     if (path / "config.json").is_file():
@@ -89,7 +89,7 @@ def export_checkpoint(step_dir: Path, config) -> Path:
     import dataclasses
 
     from rl_fsdp import FSDPBackend, init_distributed
-    from rl_launcher.run.backends import fsdp_config
+    from rl_launcher.roles.backends import fsdp_config
 
     base = Path(config.model.path) if config.model.path else step_dir.parents[1] / "initial_model"
     if not (base / "config.json").is_file():
@@ -161,9 +161,9 @@ def evaluate(config, model_dir: Path, *, log_dir: Path) -> dict:
     """Start engines on ``model_dir`` (their logs in ``log_dir``), evaluate
     ``config.eval.datasets``, stop; the summary. The engines' rollout scores with the
     evaluator's reward: one set of reward processes."""
-    from rl_launcher.run.evaluation import Evaluator
-    from rl_launcher.run.model_setup import load_tokenizer
-    from rl_launcher.run.modes import start_engines
+    from rl_launcher.roles.evaluation import Evaluator
+    from rl_launcher.session.model import load_tokenizer
+    from rl_launcher.session.start import start_engines
 
     tokenizer_dir = model_dir if (model_dir / "tokenizer_config.json").is_file() else None
     tokenizer = load_tokenizer(tokenizer_dir or config.model.tokenizer_path or model_dir)
@@ -183,8 +183,8 @@ def evaluate(config, model_dir: Path, *, log_dir: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     from rl_launcher.config import DatasetConfig
-    from rl_launcher.config_loader import load_config
-    from rl_launcher.run.reward import RewardError
+    from rl_launcher.config.loader import load_config
+    from rl_launcher.roles.reward import RewardError
 
     argv = sys.argv[1:] if argv is None else argv
     if "-h" in argv or "--help" in argv:

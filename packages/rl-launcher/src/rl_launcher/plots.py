@@ -8,7 +8,7 @@ directly (no pyplot, no display needed).
 from pathlib import Path
 from typing import Any
 
-from rl_launcher.run_log import read_metrics
+from rl_launcher.infra.run_log import read_metrics
 
 LINE_CHARTS = {
     "reward": ("rollout/reward/mean", "mean training reward"),

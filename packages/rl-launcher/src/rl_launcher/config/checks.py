@@ -1,0 +1,148 @@
+"""Checks that span several fields of a :class:`TrainConfig` (single fields are checked
+while it is built). Each raises ValueError naming the fields involved and a fix."""
+
+from rl_launcher.config import TrainConfig
+from rl_launcher.infra.placement import plan_from_config
+
+# Estimators whose baseline is the other samples of the prompt: a group of one sample has
+# zero advantage (rloo refuses it), so nothing would be learnt from rewards.
+GROUP_RELATIVE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline")
+# Estimators whose advantages never read the per-token KL (AdvantageInputs.kl), so a
+# KL-shaped reward (algorithm.reward_kl_coef) would silently do nothing.
+KL_BLIND_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
+
+
+def check_consistency(config: TrainConfig) -> None:
+    checks = (_check_algorithm, _check_optimizer, _check_rollout, _check_sampling,
+              _check_devices, _check_data, _check_eval, _check_modes)  # fmt: skip
+    for check in checks:
+        check(config)
+    plan_from_config(config)  # raises when the device pool cannot hold the layout
+
+
+def _check_algorithm(config: TrainConfig) -> None:
+    estimator, group_size = config.algorithm.advantage_estimator, config.rollout.group_size
+    trains_on_rewards = config.mode == "rl" and not config.rollout.rollout_only
+    if trains_on_rewards and estimator in GROUP_RELATIVE_ESTIMATORS and group_size < 2:
+        raise ValueError(
+            f"algorithm.advantage_estimator={estimator} needs rollout.group_size >= 2 "
+            f"(got {group_size}): its baseline is the other samples of the prompt, so a "
+            "group of one has zero advantage and nothing is learnt; raise rollout.group_size "
+            "or use reinforce_plus_plus"
+        )
+    reward_kl = config.algorithm.reward_kl_coef
+    if trains_on_rewards and reward_kl > 0 and estimator in KL_BLIND_ESTIMATORS:
+        raise ValueError(
+            f"algorithm.reward_kl_coef={reward_kl} has no effect with "
+            f"algorithm.advantage_estimator={estimator}, which ignores the per-token KL; use "
+            "reinforce_plus_plus, reinforce_plus_plus_baseline or gae, or put the KL in the "
+            "loss with algorithm.kl_coef (and reward_kl_coef=0)"
+        )
+
+
+def _check_optimizer(config: TrainConfig) -> None:
+    betas = config.optimizer.betas
+    if len(betas) != 2 or not all(0.0 <= beta < 1.0 for beta in betas):
+        raise ValueError(f"optimizer.betas must be two numbers in [0, 1), got {betas}")
+
+
+def _check_rollout(config: TrainConfig) -> None:
+    rollout = config.rollout
+    if rollout.loop == "async" and rollout.max_staleness < 1:
+        raise ValueError(
+            "rollout.loop=async with rollout.max_staleness=0 is the synchronous loop; "
+            "set rollout.loop=sync or rollout.max_staleness >= 1"
+        )
+    if rollout.replay_dir is not None and rollout.rollout_only:
+        raise ValueError(
+            "rollout.replay_dir (train only) and rollout.rollout_only exclude each other"
+        )
+
+
+def _check_sampling(config: TrainConfig) -> None:
+    """The engines' rules (SGLang's and the embedded engine's) for what they are sent."""
+    top_k = config.rollout.top_k
+    if top_k == 0:
+        raise ValueError(
+            "rollout.top_k=0 is not a way to turn top-k off here (Hugging Face reads it so); "
+            "the engines refuse it: write -1 for off, or a k >= 1"
+        )
+    if top_k < -1:
+        raise ValueError(f"rollout.top_k must be -1 (off) or a k >= 1, got {top_k}")
+
+
+def _check_devices(config: TrainConfig) -> None:
+    if config.engine.kind == "sglang" and config.cluster.device != "cuda":
+        raise ValueError(
+            "engine.kind=sglang needs cluster.device=cuda; on CPU use engine.kind=embedded"
+        )
+    if config.cluster.device == "cpu" and config.cluster.cpus_per_bundle <= 0:
+        raise ValueError(
+            "cluster.cpus_per_bundle must be > 0 on cluster.device=cpu (the CPU is the device)"
+        )
+    backend = config.backend
+    model_parallel = backend.tensor_parallel * backend.pipeline_parallel * backend.context_parallel
+    num_ranks = plan_from_config(config).num_train_ranks
+    if num_ranks % model_parallel:
+        raise ValueError(
+            f"backend.num_ranks={num_ranks} is not a multiple of tensor_parallel x "
+            f"pipeline_parallel x context_parallel = {model_parallel}"
+        )
+
+
+def _check_data(config: TrainConfig) -> None:
+    if not config.data.train and config.rollout.replay_dir is None:
+        raise ValueError("data.train is empty; give at least one dataset (path: file.jsonl)")
+    if config.data.train and sum(d.weight for d in config.data.train) <= 0:
+        raise ValueError("data.train weights sum to 0; give at least one dataset a positive weight")
+
+
+def _check_eval(config: TrainConfig) -> None:
+    evaluation = config.eval
+    for k in evaluation.pass_k:
+        if not 1 <= k <= evaluation.samples_per_prompt:
+            raise ValueError(
+                f"eval.pass_k contains {k}; every k must be in 1..eval.samples_per_prompt "
+                f"({evaluation.samples_per_prompt})"
+            )
+    if evaluation.interval and not evaluation.datasets:
+        raise ValueError("eval.interval is set but eval.datasets is empty; add a dataset or set 0")
+
+
+def _check_modes(config: TrainConfig) -> None:
+    """SFT, replay and rollout-only runs lack a part that some options need."""
+    rollout = config.rollout
+    if config.mode == "sft":
+        for name, value in (("rollout.dump_dir", rollout.dump_dir),
+                            ("rollout.replay_dir", rollout.replay_dir),
+                            ("rollout.rollout_only", rollout.rollout_only),
+                            ("eval.interval", config.eval.interval)):  # fmt: skip
+            if value:
+                raise ValueError(
+                    f"mode=sft starts no engines, so {name} does not apply; unset it (evaluate "
+                    "an SFT checkpoint with rl-eval, or in the RL run that starts from it)"
+                )
+    if rollout.replay_dir and config.eval.interval:
+        raise ValueError(
+            "rollout.replay_dir trains without engines, so eval.interval cannot run; set it to 0"
+        )
+
+
+def check_loop(config) -> None:
+    """Loop settings that only make sense together (ValueError with the fix); the RL loop
+    checks them first (:func:`rl_launcher.loops.rl.train`)."""
+    rollout, algorithm = config.rollout, config.algorithm
+    importance = rollout.loop != "sync" and rollout.stale_policy == "importance"
+    if algorithm.old_log_probs == "train_step" and (
+        algorithm.num_minibatches > 1 or algorithm.reward_kl_coef > 0
+    ):
+        raise ValueError(
+            "algorithm.old_log_probs=train_step takes the old log-probs from the one update's "
+            "own forward: it needs algorithm.num_minibatches=1 and reward_kl_coef=0 (several "
+            "updates, or a KL-shaped reward, need them before training: use recompute)"
+        )  # fmt: skip
+    if importance and not algorithm.rollout_is_level:
+        raise ValueError(
+            "rollout.stale_policy=importance corrects stale samples with rollout importance "
+            "weights: set algorithm.rollout_is_level=token (or sequence)"
+        )  # fmt: skip

@@ -1,0 +1,515 @@
+"""The typed configuration tree of a run: one keyword-only dataclass per section.
+
+Every field carries its meaning in ``metadata["help"]`` (docs/config.md is generated from
+it), and optionally ``choices`` (a tuple or an rl_core registry) and ``low`` (smallest
+allowed number). The defaults run the CPU quickstart: a tiny model built from a config,
+one embedded engine, the FSDP backend over gloo and GRPO, colocated on one CPU bundle.
+Loading, overrides and validation live in :mod:`rl_launcher.config.loader`.
+"""
+
+from dataclasses import MISSING, dataclass, field
+from typing import Any
+
+from rl_core.advantages import ADVANTAGE_ESTIMATORS
+from rl_core.aggregation import AGGREGATION_MODES
+from rl_core.filters import GROUP_FILTERS
+from rl_core.importance import IS_LEVELS, IS_MODES
+from rl_core.kl import KL_KINDS
+from rl_core.losses import POLICY_LOSSES
+
+# bound -> (how a message says it, how docs/config.md says it)
+BOUNDS = {"low": (">=", "At least"), "above": (">", "Above"), "high": ("<=", "At most"),
+          "below": ("<", "Below")}  # fmt: skip
+
+
+def meta(help: str, *, choices=None, **bounds) -> dict[str, Any]:
+    """Field metadata: its documentation and validation rules.
+
+    ``bounds`` may hold ``low`` (value >= low), ``above`` (> above), ``high`` (<= high)
+    and ``below`` (< below); a float must also be finite.
+    """
+    unknown = set(bounds) - set(BOUNDS)
+    assert not unknown, f"unknown bounds {unknown}; use {list(BOUNDS)}"
+    return {"help": help, "choices": choices, **{name: bounds.get(name) for name in BOUNDS}}
+
+
+def option(default: Any = MISSING, *, help: str, choices=None, **bounds) -> Any:
+    """A field with an immutable default (or none: required) and its metadata."""
+    return field(default=default, metadata=meta(help, choices=choices, **bounds))
+
+
+@dataclass(kw_only=True)
+class ClusterConfig:
+    """Where the run executes: Ray cluster and device pool."""
+
+    ray_address: str | None = option(
+        None,
+        help="Ray cluster to attach to (host:port of its head, or ray://host:10001); null "
+        "reads RAY_ADDRESS (set by `ray job submit`), else starts a local Ray.",
+    )
+    device: str = option("cpu", help="Device kind of every bundle.", choices=("cpu", "cuda"))
+    num_nodes: int = option(
+        1,
+        help="Nodes the run is placed on, each a distinct Ray node with room for "
+        "devices_per_node bundles (larger nodes are fine; too few is an error before anything "
+        "starts).",
+        low=1,
+    )
+    devices_per_node: int = option(
+        1, help="GPUs per node (cuda) or CPU bundles per node (cpu).", low=1
+    )
+    cpus_per_bundle: float = option(
+        1.0, help="CPUs reserved with each bundle (more than 0 on cluster.device=cpu).", low=0
+    )
+    colocate: bool = option(
+        True,
+        help="Training and engines share the devices and take turns; false gives each its own pool.",
+    )
+    connect_timeout_s: float = option(
+        30.0,
+        help="Seconds to wait for the Ray cluster of ray_address (or RAY_ADDRESS) to answer on "
+        "its port before rl-train gives up, naming the address.",
+        above=0,
+    )
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """The policy model and its tokenizer."""
+
+    path: str | None = option(
+        None,
+        help="Hugging Face model directory, or a .gguf file (dequantized once into the run "
+        "directory; needs the gguf package); null builds a tiny model from init_config.",
+    )
+    tokenizer_path: str | None = option(
+        None, help="Tokenizer directory; null uses model.path (or the example's tokenizer)."
+    )
+    init_config: dict[str, Any] = field(
+        metadata=meta("Model config used when path is null (a transformers config as a mapping)."),
+        default_factory=lambda: {
+            "model_type": "qwen2",
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 512,
+            "max_position_embeddings": 512,
+        },
+    )
+    dtype: str = option(
+        "float32", help="Parameter dtype.", choices=("float32", "bfloat16", "float16")
+    )
+    gradient_checkpointing: bool = option(False, help="Recompute activations in backward.")
+
+
+@dataclass(kw_only=True)
+class BackendConfig:
+    """The training backend and its parallel layout."""
+
+    name: str = option("fsdp", help="Training backend.", choices=("fsdp", "megatron"))
+    num_ranks: int | None = option(
+        None,
+        help="Training ranks; null = every device when colocated, the devices engines leave otherwise.",
+        low=1,
+    )
+    micro_batch_tokens: int = option(4096, help="Token budget of one micro-batch.", low=1)
+    offload_when_idle: bool = option(
+        True,
+        help="Colocated on GPUs: move training state to host memory while engines generate "
+        "(false: it stays on the device when both fit).",
+    )
+    tensor_parallel: int = option(1, help="Megatron tensor-parallel size.", low=1)
+    pipeline_parallel: int = option(1, help="Megatron pipeline-parallel size.", low=1)
+    context_parallel: int = option(1, help="Context-parallel size.", low=1)
+    expert_parallel: int = option(1, help="Megatron expert-parallel size.", low=1)
+    extra_args: list[str] = field(
+        default_factory=list,
+        metadata=meta(
+            "Backend-specific options passed through verbatim (--megatron-* on the command line)."
+        ),
+    )
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    """Optimizer and learning-rate schedule (the critic reuses them unless told)."""
+
+    name: str = option("adamw", help="Optimizer.", choices=("adamw", "sgd"))
+    lr: float = option(1e-4, help="Peak learning rate.", above=0)
+    critic_lr: float | None = option(None, help="Critic learning rate; null = lr.", above=0)
+    betas: list[float] = field(
+        default_factory=lambda: [0.9, 0.999], metadata=meta("Adam betas: two numbers in [0, 1).")
+    )
+    eps: float = option(1e-8, help="Adam epsilon.", above=0)
+    weight_decay: float = option(0.0, help="Decoupled weight decay.", low=0)
+    grad_clip: float = option(1.0, help="Clip the global gradient norm to this; 0 disables.", low=0)
+    schedule: str = option(
+        "constant", help="Learning-rate schedule.", choices=("constant", "linear", "cosine")
+    )
+    warmup_steps: int = option(0, help="Linear warm-up steps.", low=0)
+    min_lr_ratio: float = option(
+        0.0, help="Final lr / peak lr for linear and cosine.", low=0, high=1
+    )
+
+
+@dataclass(kw_only=True)
+class AlgorithmConfig:
+    """What is optimised: advantages, policy loss, KL, entropy, filtering."""
+
+    advantage_estimator: str = option(
+        "grpo", help="Advantage estimator (gae trains a critic).", choices=ADVANTAGE_ESTIMATORS
+    )
+    policy_loss: str = option("ppo", help="Policy loss.", choices=POLICY_LOSSES)
+    loss_agg_mode: str = option(
+        "token-mean", help="How per-token losses become one number.", choices=AGGREGATION_MODES
+    )
+    clip_low: float = option(0.2, help="Lower ratio clip (1 - clip_low).", low=0)
+    clip_high: float | None = option(
+        None, help="Upper ratio clip (1 + clip_high); null = clip_low.", low=0
+    )
+    dual_clip: float | None = option(
+        None, help="Dual-clip bound c for negative advantages; null disables it.", above=1
+    )
+    kl_coef: float = option(
+        0.0,
+        help="KL-to-reference loss weight. The reference model is loaded only when this or "
+        "reward_kl_coef is > 0.",
+        low=0,
+    )
+    kl_kind: str = option("low_var_kl", help="KL estimator of the loss.", choices=KL_KINDS)
+    reward_kl_coef: float = option(
+        0.0,
+        help="KL-to-reference penalty in the reward: each response token's reward loses this "
+        "times the KL of the step's old policy to the reference before the advantages "
+        "(reinforce_plus_plus, reinforce_plus_plus_baseline, gae; grpo, dr_grpo and rloo "
+        "ignore it and refuse it). Independent of the loss's kl_coef.",
+        low=0,
+    )
+    reward_kl_kind: str = option(
+        "k1",
+        help="KL estimator of the reward penalty; k1 = old - reference log-prob, whose sum "
+        "over a response estimates the sequence KL.",
+        choices=KL_KINDS,
+    )
+    entropy_coef: float = option(0.0, help="Entropy bonus weight.", low=0)
+    gamma: float = option(1.0, help="Discount (gae, reinforce_plus_plus).", low=0, high=1)
+    lam: float = option(1.0, help="GAE lambda.", low=0, high=1)
+    group_filter: str = option(
+        "keep_all", help="Dynamic-sampling filter applied per prompt group.", choices=GROUP_FILTERS
+    )
+    reward_key: str | None = option(
+        None, help="Key of the scalar reward when a reward function returns a mapping."
+    )
+    num_minibatches: int = option(1, help="Optimizer steps per rollout batch.", low=1)
+    old_log_probs: str = option(
+        "recompute",
+        help="Where the PPO ratio's old log-probs come from. recompute: a forward pass of "
+        "the whole batch before training (as slime and verl do). train_step: the train "
+        "step's own forward, detached (ratio 1, as TRL with num_iterations 1), saving that "
+        "pass; needs num_minibatches 1 and reward_kl_coef 0, and the engine-vs-trainer gap "
+        "is then reported as its mean only.",
+        choices=("recompute", "train_step"),
+    )
+    rollout_is_level: str | None = option(
+        None,
+        help="Rollout importance correction level; null disables it.",
+        choices=IS_LEVELS,
+    )
+    rollout_is_mode: str = option(
+        "truncate", help="Rollout importance correction.", choices=IS_MODES
+    )
+    rollout_is_cap: float = option(2.0, help="Upper bound of the importance weight.", above=0)
+    max_nonfinite_steps: int = option(
+        3,
+        help="Stop the run after this many steps in a row whose loss or gradients were NaN "
+        "or inf (each such update is skipped); 0 never stops.",
+        low=0,
+    )
+    max_empty_steps: int = option(
+        3,
+        help="Stop the run (exit 1, naming the cause) after this many steps in a row that "
+        "trained no sample because samples failed: refused by the engine or their reward "
+        "failed (rollout.on_reward_error=skip); steps whose groups were only filtered "
+        "(algorithm.group_filter) are reported but not counted; 0 never stops. A run that "
+        "trains no sample at all fails at its end either way.",
+        low=0,
+    )
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    """How samples are produced and how generation overlaps training."""
+
+    batch_size: int = option(
+        8, help="Prompts per training step (mode=sft: examples per step).", low=1
+    )
+    group_size: int = option(
+        4,
+        help="Samples per prompt; the group-relative advantage estimators (grpo, dr_grpo, "
+        "rloo, reinforce_plus_plus_baseline) need at least 2.",
+        low=1,
+    )
+    max_response_tokens: int = option(32, help="Response length limit.", low=1)
+    temperature: float = option(1.0, help="Sampling temperature; 0 = greedy.", low=0)
+    top_p: float = option(1.0, help="Nucleus sampling mass; 1 disables.", above=0, high=1)
+    top_k: int = option(
+        -1,
+        help="Top-k sampling: keep the k >= 1 most likely tokens; -1 = off. 0 is refused "
+        "rather than read as off (Hugging Face's meaning), as SGLang refuses it: write -1.",
+    )
+    stop: list[str] = field(default_factory=list, metadata=meta("Stop strings."))
+    function: str = option(
+        "default", help="Rollout function: a name in rl-sglang or a dotted path module:function."
+    )
+    reward: str = option(
+        "math", help="Reward function: a name in rl-rewards or a dotted path module:function."
+    )
+    loop: str = option("sync", help="Training loop.", choices=("sync", "one_step_async", "async"))
+    max_staleness: int = option(
+        1, help="Async loop: samples older than this many weight versions are stale.", low=0
+    )
+    stale_policy: str = option(
+        "drop", help="What happens to stale samples.", choices=("drop", "importance")
+    )
+    partial_rollout: bool = option(
+        False, help="Resume aborted generations after a weight update instead of restarting."
+    )
+    over_sampling: float = option(
+        1.0, help="Prompts requested per needed prompt, to refill groups a filter drops.", low=1
+    )
+    dump_dir: str | None = option(None, help="Write every rollout's samples here.")
+    replay_dir: str | None = option(None, help="Train only, replaying rollouts dumped earlier.")
+    rollout_only: bool = option(False, help="Generate and score without training.")
+    on_reward_error: str = option(
+        "raise",
+        help="A reward function that raises: stop the run (raise, exit 2) or leave the sample "
+        "out and count it (skip): its group's advantages are taken over the samples that "
+        "scored, and a group with fewer than two of them is dropped "
+        "(rollout/groups_dropped_reward_error).",
+        choices=("raise", "skip"),
+    )
+    reward_timeout_s: float | None = option(
+        60.0,
+        help="A reward taking longer is a failed one (handled per on_reward_error; NaN and "
+        "inf rewards too); null = wait forever.",
+        above=0,
+    )
+
+
+@dataclass(kw_only=True)
+class EngineConfig:
+    """Generation engines and weight sync."""
+
+    kind: str = option(
+        "embedded",
+        help="Engine server: embedded (CPU or GPU) or sglang.",
+        choices=("embedded", "sglang"),
+    )
+    num_engines: int = option(1, help="Engine servers.", low=1)
+    devices_per_engine: int = option(
+        1, help="Devices per engine (its tensor-parallel size).", low=1
+    )
+    use_router: bool = option(True, help="Put sglang-router in front of the engines.")
+    max_context: int | None = option(
+        None,
+        help="Embedded engine: prompt + response tokens per request (its KV slot size); "
+        "null = data.max_prompt_tokens + the longest response limit (the model's own limit "
+        "with a custom rollout.function).",
+        low=2,
+    )
+    host: str = option(
+        "127.0.0.1",
+        help="Address the engines and router bind to when the whole run is on the driver's "
+        "node; engines on other nodes bind their node's address (RL_SGLANG_API_KEY then needed).",
+    )
+    mem_fraction: float = option(0.8, help="Engine memory fraction (sglang).", above=0, high=1)
+    weight_sync: str = option(
+        "auto",
+        help="Weight transport; auto picks tensor (colocated) or distributed (disaggregated).",
+        choices=("auto", "tensor", "distributed", "disk"),
+    )
+    weight_sync_dir: str | None = option(
+        None,
+        help="Directory of weight_sync=disk, written by training rank 0 and read by every "
+        "engine; null = <logging.run_dir>/sync_weights. A run over several nodes needs it "
+        "on storage every node mounts at the same path (checked at start-up).",
+    )
+    weight_bucket_bytes: int = option(1 << 30, help="Bytes per weight-sync bucket.", low=1)
+    weight_flatten: bool = option(
+        True,
+        help="Send each bucket as one flat buffer (SGLang's flattened_bucket format): one "
+        "tensor handle or one broadcast per bucket instead of one per tensor.",
+    )
+    sync_every: int = option(1, help="Sync weights every N training steps.", low=1)
+    release_when_idle: bool = option(
+        True,
+        help="Colocated on GPUs: engines release weights, KV cache and CUDA graphs while the "
+        "trainer works, and resume them for the weight sync (needs sync_every=1).",
+    )
+    freeze_gc: bool = option(
+        True,
+        help="After the first step, freeze each engine's garbage collector (SGLang's "
+        "/freeze_gc; also after an engine restart): later full collections in the engine's "
+        "processes skip the model, caches and tokenizer built at start-up.",
+    )
+    health_interval_s: float = option(
+        5.0,
+        help="Seconds between engine health checks; a dead engine is restarted, given the "
+        "trainer's current weights and re-added to the router (0 = no checks).",
+        low=0,
+    )
+    health_timeout_s: float = option(
+        10.0, help="A health check not answered within this is a failed one.", above=0
+    )
+    max_restarts: int = option(3, help="Restarts per engine before it is left out.", low=0)
+    sglang_args: list[str] = field(
+        default_factory=list,
+        metadata=meta("Server options passed through verbatim (--sglang-* on the command line)."),
+    )
+
+
+@dataclass(kw_only=True)
+class DatasetConfig:
+    """One prompt dataset (JSONL or Parquet)."""
+
+    path: str = option(help="File path, optionally sliced by rows: data.jsonl@[100:200].")
+    weight: float = option(1.0, help="Mixing weight among the datasets of a list.", low=0)
+    name: str | None = option(None, help="Name in metrics; null = file stem.")
+    prompt_key: str = option("prompt", help="Column with the prompt (text or chat messages).")
+    label_key: str | None = option("label", help="Column with the label; null = none.")
+    metadata_key: str | None = option("metadata", help="Column with a metadata mapping.")
+    tools_key: str | None = option("tools", help="Column with tool schemas for the chat template.")
+    response_key: str | None = option(
+        "response",
+        help="mode=sft: column with the target response (null: the chat messages' last "
+        "assistant turn).",
+    )
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Prompt datasets and how they are read."""
+
+    train: list[DatasetConfig] = field(
+        default_factory=lambda: [DatasetConfig(path="examples/quickstart/data/train.jsonl")],
+        metadata=meta("Training datasets, mixed by weight."),
+    )
+    apply_chat_template: bool = option(
+        True, help="Format prompts with the tokenizer's chat template."
+    )
+    max_prompt_tokens: int = option(256, help="Longer prompts are filtered out and counted.", low=1)
+    on_malformed: str = option(
+        "skip", help="Malformed rows: skip (counted, reported) or raise.", choices=("skip", "raise")
+    )
+    shuffle: bool = option(True, help="Shuffle each epoch (seeded by the run's seed).")
+    read_batch_rows: int = option(1024, help="Rows per record batch when streaming files.", low=1)
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    """Periodic evaluation."""
+
+    datasets: list[DatasetConfig] = field(
+        default_factory=list, metadata=meta("Evaluation datasets.")
+    )
+    interval: int = option(0, help="Evaluate every N steps; 0 disables.", low=0)
+    samples_per_prompt: int = option(1, help="Samples per eval prompt.", low=1)
+    pass_k: list[int] = field(default_factory=lambda: [1], metadata=meta("k values of pass@k."))
+    temperature: float = option(0.0, help="Eval sampling temperature.", low=0)
+    max_response_tokens: int | None = option(
+        None, help="Eval response limit; null = rollout.max_response_tokens.", low=1
+    )
+    greedy: bool = option(
+        False,
+        help="Also decode every eval prompt once at temperature 0 and report "
+        "eval/<name>/greedy@1 (pass@1 of greedy decoding) beside the sampled pass@k.",
+    )
+    at_start: bool = option(
+        False,
+        help="Also evaluate the starting weights before step 1 (a step-0 record in "
+        "metrics.jsonl; skipped on resume).",
+    )
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Saving and resuming."""
+
+    dir: str | None = option(None, help="Checkpoint directory; null = <run_dir>/checkpoints.")
+    interval: int = option(0, help="Save every N steps; 0 saves only at the end.", low=0)
+    keep_last: int = option(2, help="Checkpoints kept on disk.", low=1)
+    resume: bool | int | str = option(
+        False,
+        help="Resume: true = the newest loadable checkpoint (damaged newer ones are skipped, "
+        "saying why); a step number or a checkpoint directory = that one (rl-train --resume "
+        "[STEP|PATH]).",
+    )
+    save_hf: bool = option(False, help="Also export Hugging Face weights with each checkpoint.")
+    save_on_stop: bool = option(
+        True,
+        help="On SIGTERM or SIGINT, save a checkpoint of the last completed step before "
+        "exiting (exit 143 or 130; continue with --resume).",
+    )
+    stop_grace_s: float = option(
+        10.0,
+        help="After SIGTERM or SIGINT, how long a step still generating may take to finish; "
+        "then it is abandoned (its prompts are drawn again on resume). A step that trains "
+        "always finishes. A second signal exits at once.",
+        low=0,
+    )
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    """What a person reads: progress, metrics, charts."""
+
+    run_dir: str = option("runs/quickstart", help="Run directory (metrics.jsonl, plots, dumps).")
+    progress: bool = option(True, help="Print a progress line per step.")
+    tensorboard: bool = option(False, help="Write TensorBoard events to <run_dir>/tensorboard.")
+    wandb: bool = option(False, help="Log to Weights & Biases.")
+    wandb_project: str = option("rl", help="wandb project.")
+    wandb_mode: str = option(
+        "offline", help="wandb mode.", choices=("online", "offline", "disabled")
+    )
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """A whole run."""
+
+    mode: str = option(
+        "rl", help="rl trains on rewards; sft on labelled responses.", choices=("rl", "sft")
+    )
+    seed: int = option(
+        42,
+        help="Seed of data order, initialisation and sampling: embedded engines seed each "
+        "prompt's requests from it and the prompt's draw number, so on CPU the same seed, "
+        "machine and config give the same samples, rewards and losses. Not covered: SGLang "
+        "servers (given it as --random-seed; their samples depend on batching), GPU kernels "
+        "that are not deterministic (atomic adds in attention, matmul and scatter; see "
+        "torch.use_deterministic_algorithms), other hardware or library versions.",
+        low=0,
+        high=2**32 - 1,
+    )
+    num_steps: int = option(20, help="Training steps.", low=1)
+    cluster: ClusterConfig = field(
+        default_factory=ClusterConfig, metadata=meta("Ray cluster and devices.")
+    )
+    model: ModelConfig = field(default_factory=ModelConfig, metadata=meta("Policy model."))
+    backend: BackendConfig = field(
+        default_factory=BackendConfig, metadata=meta("Training backend.")
+    )
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig, metadata=meta("Optimizer."))
+    algorithm: AlgorithmConfig = field(
+        default_factory=AlgorithmConfig, metadata=meta("RL algorithm.")
+    )
+    rollout: RolloutConfig = field(default_factory=RolloutConfig, metadata=meta("Rollout."))
+    engine: EngineConfig = field(default_factory=EngineConfig, metadata=meta("Engines."))
+    data: DataConfig = field(default_factory=DataConfig, metadata=meta("Prompt data."))
+    eval: EvalConfig = field(default_factory=EvalConfig, metadata=meta("Evaluation."))
+    checkpoint: CheckpointConfig = field(
+        default_factory=CheckpointConfig, metadata=meta("Checkpoints.")
+    )
+    logging: LoggingConfig = field(default_factory=LoggingConfig, metadata=meta("Logging."))

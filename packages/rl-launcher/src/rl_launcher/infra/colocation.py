@@ -1,0 +1,157 @@
+"""Colocated on GPUs, the trainer and the engines take turns on the same devices:
+
+    generate   engines hold weights + KV cache + CUDA graphs; training state offloaded
+    train      engines released (all of it); training state onloaded (log-probs, steps)
+    sync       engine memory resumed (all of it, in one call), weights filled from the
+               trainer (CUDA IPC)
+    generate   training state offloaded
+
+Each side's half is optional: ``engine.release_when_idle`` (the engines' release/resume)
+and ``backend.offload_when_idle`` (the trainer's offload/onload). When the training state
+fits beside the engine's memory, keeping it resident saves moving it twice a step.
+
+A real SGLang engine's released weights come back uninitialised, so generation right after
+training, without a weight sync in between, is refused (``engine.sync_every`` must be 1).
+The trainer group calls :meth:`Turns.training` / :meth:`Turns.syncing` and the rollout
+manager :meth:`Turns.generating` before their work; each is a no-op when already there.
+
+On CPU, engines that generate while training runs (the overlapping loops) share the
+node's cores with the training ranks (:func:`engines_beside_training`,
+:func:`engine_threads_env`).
+"""
+
+import os
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
+ENGINE_MEMORY = ("weights", "kv_cache", "cuda_graph")  # SGLang's memory tags
+
+
+class Turns:
+    def __init__(self, trainer, rollout, *, offload_trainer: bool = True,
+                 release_engines: bool = True):  # fmt: skip
+        self.trainer, self.rollout = trainer, rollout
+        self.offload_trainer, self.release_engines = offload_trainer, release_engines
+        self.released: list[str] = []  # engine memory tags released now
+        self.trainer_offloaded = False
+        self.log: list[str] = []  # transitions, in order (for tests and debugging)
+        self.seconds: dict[str, float] = defaultdict(float)  # driver wall time per transition
+
+    def take_times(self) -> dict[str, float]:
+        """``time/turns/<transition>`` seconds since the last call (engine_release,
+        engine_resume, trainer_offload, trainer_onload), their sum ``time/turns``, and
+        ``time/turns/in_rollout``: the part spent before a rollout, inside its phase."""
+        times, self.seconds = dict(self.seconds), defaultdict(float)
+        in_rollout = times.pop("in_rollout", 0.0)
+        if not times:
+            return {}
+        out = {f"time/turns/{name}": seconds for name, seconds in times.items()}
+        return out | {"time/turns": sum(times.values()), "time/turns/in_rollout": in_rollout}
+
+    @contextmanager
+    def _timed(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - start
+
+    def training(self) -> None:
+        """Before log-probs and training: the devices belong to the trainer."""
+        held = [tag for tag in ENGINE_MEMORY if tag not in self.released]
+        if held and self.release_engines:
+            with self._timed("engine_release"):
+                self.rollout.release_memory(held)
+            self.released += held
+            self.log.append(f"release {'+'.join(held)}")
+        self._trainer_on()
+
+    def syncing(self) -> None:
+        """Before a weight sync: engine memory resident, trainer weights on the device.
+        Everything released is resumed at once: SGLang 0.5.15 is proven with a full
+        release followed by a full resume; resuming the weights alone first is not. So
+        the trainer's state and the engines' memory must fit together here; a resident
+        trainer first returns the blocks its caching allocator keeps (activations)."""
+        if self.released and not self.offload_trainer:
+            with self._timed("trainer_empty_cache"):
+                self.trainer.empty_cache()
+        self._resume(list(self.released))
+        self._trainer_on()
+
+    def generating(self) -> None:
+        """Before a rollout: the devices belong to the engines."""
+        if "weights" in self.released:
+            raise RuntimeError(
+                "colocated engines released their weights for training and have not been "
+                "synced since; set engine.sync_every=1 (or cluster.colocate=false)"
+            )
+        with self._timed("in_rollout"):
+            self._hand_over_to_engines()
+
+    def _hand_over_to_engines(self) -> None:
+        if self.offload_trainer and not self.trainer_offloaded:
+            with self._timed("trainer_offload"):
+                self.trainer.offload()
+            self.trainer_offloaded = True
+            self.log.append("offload trainer")
+        self._resume(list(self.released))
+
+    def _resume(self, tags: list[str]) -> None:
+        tags = [tag for tag in tags if tag in self.released]
+        if tags:
+            with self._timed("engine_resume"):
+                self.rollout.resume_memory(tags)
+            self.released = [tag for tag in self.released if tag not in tags]
+            self.log.append(f"resume {'+'.join(tags)}")
+
+    def _trainer_on(self) -> None:
+        if self.trainer_offloaded:
+            with self._timed("trainer_onload"):
+                self.trainer.onload()
+            self.trainer_offloaded = False
+            self.log.append("onload trainer")
+
+
+def turns_needed(config, plan) -> bool:
+    """Trainer and engines share GPUs and one of them gives its memory up when idle."""
+    shared = plan.colocate and config.cluster.device == "cuda"
+    return shared and (config.backend.offload_when_idle or config.engine.release_when_idle)
+
+
+def make_turns(config, trainer, rollout) -> Turns:
+    return Turns(trainer, rollout, offload_trainer=config.backend.offload_when_idle,
+                 release_engines=config.engine.release_when_idle)  # fmt: skip
+
+
+def check_turns(config) -> None:
+    if config.rollout.loop != "sync":
+        raise ValueError(
+            f"rollout.loop={config.rollout.loop} overlaps generation with training, which "
+            "colocated GPUs cannot do (they take turns): set cluster.colocate=false or "
+            "rollout.loop=sync"
+        )
+    if config.engine.release_when_idle and config.engine.sync_every != 1:
+        raise ValueError(
+            "colocated on GPUs the engines' memory is released while training, so their "
+            f"weights must be synced every step: set engine.sync_every=1 (got "
+            f"{config.engine.sync_every}), or engine.release_when_idle=false"
+        )
+
+
+def engines_beside_training(config) -> int:
+    """Engines that generate while training runs on the same CPU cores (the overlapping
+    loops on CPU): the cores are split between them and the training ranks, as threads
+    of both spinning on the same cores made every step several times slower."""
+    overlapping = config.rollout.loop != "sync" and config.cluster.device == "cpu"
+    return config.engine.num_engines if overlapping and config.engine.kind == "embedded" else 0
+
+
+def engine_threads_env(config, ranks_per_node: int) -> dict:
+    """OMP/MKL threads of an embedded CPU engine that generates beside training ({} when
+    it does not: it then has the cores to itself while the trainer waits)."""
+    engines = engines_beside_training(config)
+    if not engines:
+        return {}
+    threads = str(max(1, (os.cpu_count() or 1) // (ranks_per_node + engines)))
+    return {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}

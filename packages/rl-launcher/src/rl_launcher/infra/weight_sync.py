@@ -1,0 +1,126 @@
+"""How trained weights reach the engines, chosen per placement.
+
+- ``tensor``: tensor handles (CUDA IPC on GPU, shared memory on CPU) into colocated engines.
+- ``disk``: an HF safetensors directory the engines load (``engine.weight_sync_dir``,
+  else ``<run_dir>/sync_weights``); written by training rank 0 and read by every engine,
+  so on a run over several nodes it must be on storage they share (checked at start-up,
+  :mod:`rl_launcher.infra.shared_dirs`).
+- ``distributed``: a process group between training rank 0 and every engine
+  (``/init_weights_update_group`` once, then ``/update_weights_from_distributed`` and a
+  broadcast per bucket): gloo on CPU, nccl on GPU. For disaggregated layouts. Rank 0
+  hosts the group's store on its own node (loopback when the whole run is on one node,
+  else its node's address: :func:`rl_launcher.infra.rendezvous.rendezvous_host`).
+- ``auto``: ``tensor`` when colocated, ``distributed`` when disaggregated.
+
+:func:`sync_options` (driver) resolves the choice; :class:`EngineWeightSync` (inside each
+training rank) carries the buckets: every rank gathers the full tensors, rank 0 sends.
+"""
+
+import asyncio
+from pathlib import Path
+
+TRANSPORTS = ("tensor", "disk", "distributed")
+
+
+def resolve_transport(weight_sync: str, *, colocate: bool, device: str) -> str:
+    """The transport of ``engine.weight_sync`` for this placement."""
+    if weight_sync == "auto":
+        return "tensor" if colocate else "distributed"
+    if weight_sync not in TRANSPORTS:
+        raise ValueError(
+            f"engine.weight_sync={weight_sync!r}; choose auto, {', '.join(TRANSPORTS)}"
+        )
+    if weight_sync == "tensor" and not colocate and device == "cuda":
+        raise ValueError(
+            "engine.weight_sync=tensor hands CUDA IPC handles to engines on the trainer's GPU; "
+            "with cluster.colocate=false use distributed (or auto)"
+        )
+    return weight_sync
+
+
+def sync_dir(config, run_dir: Path) -> Path:
+    """The directory of disk weight sync, absolute (the engines resolve it elsewhere)."""
+    return Path(config.engine.weight_sync_dir or Path(run_dir) / "sync_weights").absolute()
+
+
+def sync_options(config, run_dir: Path) -> dict:
+    """What every training rank needs to push weights (a plain dict: it crosses Ray)."""
+    engine, device = config.engine, config.cluster.device
+    transport = resolve_transport(engine.weight_sync, colocate=config.cluster.colocate,
+                                  device=device)  # fmt: skip
+    return {"transport": transport, "bucket_bytes": engine.weight_bucket_bytes,
+            "path": str(sync_dir(config, run_dir)), "engine_kind": engine.kind,
+            "group_backend": "nccl" if device == "cuda" else "gloo",
+            "tp_size": engine.devices_per_engine, "flatten": engine.weight_flatten}  # fmt: skip
+
+
+class EngineWeightSync:
+    """A training rank's side of weight sync. Its event loop, engine clients (keep-alive
+    connections) and, for ``distributed``, the process group live as long as the rank.
+    ``master_address``: where rank 0 hosts the weight-update group (its node)."""
+
+    def __init__(self, rank: int, *, master_address: str | None = None):
+        self.rank, self._loop, self._clients, self._sender = rank, None, {}, None
+        self.master_address = master_address
+
+    def address(self) -> tuple[str, int | None]:
+        """Where this rank hosts the weight-update group: host, and port once it exists."""
+        port = self._sender.master_port if self._sender is not None else None
+        return self.master_address or "127.0.0.1", port
+
+    def sync(self, buckets, urls: list[str], version: str, how: dict) -> float:
+        """Push every bucket of ``(hf_name, tensor)``; returns the bytes sent."""
+        sent = 0.0
+        if how["transport"] == "disk":
+            named = [item for bucket in buckets for item in bucket]
+            if self.rank == 0:
+                self._run(self._to_disk(urls, named, how["path"], version))
+            return float(sum(t.numel() * t.element_size() for _, t in named))
+        for bucket in buckets:
+            sent += sum(t.numel() * t.element_size() for _, t in bucket)
+            if self.rank == 0:
+                self._run(self._send(urls, bucket, version, how))
+        return sent
+
+    async def _to_disk(self, urls, named, path, version):
+        from rl_sglang import transports
+
+        await transports.update_from_disk(self.clients(urls), named, path, weight_version=version)
+
+    async def _send(self, urls, bucket, version, how):
+        from rl_sglang import transports
+
+        if how["transport"] == "tensor":
+            await transports.update_from_tensor(self.clients(urls), bucket, weight_version=version,
+                                                tp_size=how["tp_size"], flatten=how["flatten"])  # fmt: skip
+            return
+        sender = await self._connected_sender(urls, how)
+        await sender.send(bucket, weight_version=version, flatten=how["flatten"])
+
+    async def _connected_sender(self, urls, how):
+        """The process group with the engines, joined on the first sync."""
+        if self._sender is None:
+            self._sender = make_sender(self.clients(urls), how, self.master_address)
+            await self._sender.connect()
+        return self._sender
+
+    def clients(self, urls: list[str]) -> list:
+        from rl_sglang.client import EngineClient
+
+        return [self._clients.setdefault(url, EngineClient(url)) for url in urls]
+
+    def _run(self, work):
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+        return self._loop.run_until_complete(work)
+
+
+def make_sender(clients: list, how: dict, master_address: str | None = None):
+    """rl-sglang's sender: its group is built the way SGLang's engines build their end, so
+    it serves embedded engines and real SGLang alike (an engine of TP size t takes t ranks).
+    Its store listens on ``master_address`` only (loopback when None)."""
+    from rl_sglang.transports import DistributedWeightSender
+
+    tp_size = how["tp_size"] if how["engine_kind"] == "sglang" else 1
+    return DistributedWeightSender(clients, master_address=master_address or "127.0.0.1",
+                                   backend=how["group_backend"], tp_size=tp_size)  # fmt: skip

@@ -1,0 +1,143 @@
+"""The GRPO / PPO-style training loop; every step reads like the algorithm:
+
+    rollout (engines)  ->  buffer (groups, filter, advantages, per-rank batches)
+    ->  old log-probs (trainer)  ->  train step  ->  weight sync (engines at version = step)
+
+``rollout.loop`` picks the feed of groups (:mod:`rl_launcher.loops.feeds`): synchronous,
+one-step off-policy (the next rollout overlaps this step's training) or fully
+asynchronous (continuous generation, bounded staleness). ``train(config)`` sets everything
+up (model directory, data, Ray, training actor group, engines and router), optionally
+resumes from the newest complete checkpoint, runs ``num_steps`` steps writing
+``metrics.jsonl``, ``data_order.jsonl`` and a progress line per step, checkpoints every
+``checkpoint.interval`` steps and at the end, and draws the charts.
+
+Around the step: the run it drives (:mod:`rl_launcher.session`), its weight sync and
+checkpoints (:mod:`.rl_state`), the metrics it adds about itself (:mod:`.step_metrics`)
+and the plumbing it shares with SFT (:mod:`.step`).
+"""
+
+import contextlib
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from rl_launcher.config.checks import check_loop
+from rl_launcher.data.buffer import DataBuffer
+from rl_launcher.infra import data_order, faults, resume_choice, stopping
+from rl_launcher.infra.gc_pauses import GcPauses, freeze_startup, unfreeze
+from rl_launcher.loops.extras import after_step, dump_step
+from rl_launcher.loops.feeds import SyncFeed, make_feed
+from rl_launcher.loops.rl_state import resume, save, sync
+from rl_launcher.loops.step import Clock, draw_charts, finish_step, minibatches
+from rl_launcher.loops.step_metrics import (
+    empty_step,
+    fresh_only,
+    mismatch,
+    split_step,
+    staleness,
+    trained_tokens,
+    turn_times,
+)
+from rl_launcher.roles.critic import make_buffer, train_critic
+from rl_launcher.roles.evaluation import evaluate_at_start
+from rl_launcher.roles.reference import with_reference
+from rl_launcher.roles.train_group import with_old_log_probs
+from rl_launcher.session.run import Run
+from rl_launcher.session.start import start_run
+
+# The driver's own tensors are bookkeeping (token ids, masks, log-probs on the host). On a
+# 32-core GPU host busy with engines and training processes, the train phase's driver work
+# took ~0.3 s a step (10 ms on a 2-core CPU machine) with torch's default of one thread per
+# core; a small pool avoids waking dozens of threads for ops on a few thousand numbers.
+DRIVER_TORCH_THREADS = 2
+
+
+def train(config) -> Path:
+    """Run ``config`` to its last step; returns the run directory."""
+    check_loop(config)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(min(threads, DRIVER_TORCH_THREADS))
+    try:
+        return _train(config)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(config) -> Path:
+    chosen = resume_choice.chosen(config)  # before anything starts: a bad --resume fails fast
+    started = time.perf_counter()
+    with contextlib.closing(start_run(config)) as run:
+        first = resume(run, chosen) + 1 if config.checkpoint.resume else 1
+        buffer = make_buffer(run)  # a GaeBuffer (critic values) for advantage_estimator=gae
+        freeze_startup()  # full collections walk only what the steps leave
+        pauses = GcPauses()
+        run._cleanup += [pauses.close, unfreeze]
+        feed = make_feed(run, last_step=config.num_steps)  # sync, one_step_async or async
+        run._cleanup.append(feed.close)
+        evaluate_at_start(run, first)  # eval.at_start: the starting weights, as step 0
+        say_ready(config, first, time.perf_counter() - started)
+        with stopping.stepping(run, save, first):  # SIGTERM / SIGINT: stop at a step boundary
+            for step in range(first, config.num_steps + 1):
+                metrics = run_step(run, buffer, step, feed)
+                if step == first:
+                    freeze_engine_gc(run)  # the engines are warm: their start-up objects stay
+                metrics |= after_step(run, step)  # evaluation, counted reward errors
+                metrics |= pauses.take()  # the driver's garbage-collection pauses
+                finish_step(run, step, metrics, save)
+    draw_charts(Path(config.logging.run_dir))
+    return Path(config.logging.run_dir)
+
+
+def say_ready(config, first: int, seconds: float) -> None:
+    """The last start-up line: the first step begins (its progress line comes when it ends)."""
+    if config.logging.progress:
+        print(f"rl-train: started in {seconds:.1f}s; step {first}/{config.num_steps} running",
+              flush=True)  # fmt: skip
+
+
+def freeze_engine_gc(run) -> None:
+    """``engine.freeze_gc``: every engine's processes move what they hold after the first
+    step into Python's permanent generation, so their later full collections (pauses in
+    the middle of a rollout) walk only what the steps leave."""
+    if not run.config.engine.freeze_gc or not hasattr(run.rollout, "freeze_gc"):
+        return
+    for url, answer in zip(run.rollout.engine_urls, run.rollout.freeze_gc(), strict=True):
+        print(f"rl-train: engine {url}: {answer}", file=sys.stderr, flush=True)
+
+
+def run_step(run: Run, buffer: DataBuffer, step: int, feed=None) -> dict[str, float]:
+    config, clock, feed = run.config, Clock(), feed or SyncFeed(run)
+    with stopping.generating(step):  # a stop signal may abandon the step here (only)
+        groups, metrics = feed.groups(step)
+    buffer.add(s for group in groups for s in group)
+    clock.lap("rollout")
+    data_order.append(config.logging.run_dir, step, groups)
+    dump_step(run, step, groups)  # rollout.dump_dir
+    if hasattr(run.rollout, "consumed"):  # stand-ins (replay) draw no prompts
+        run.rollout.consumed(groups)
+    metrics[faults.BATCH_KEY] = float(sum(len(group) for group in groups))
+    if buffer.num_ready_groups == 0:  # every group aborted or filtered: nothing to learn from
+        return metrics | empty_step(groups, config) | buffer.take_counts() | clock.times()
+    batch = buffer.pop_step(buffer.num_ready_groups)
+    metrics[faults.TRAINED_KEY] = float(len(batch.samples))
+    rank_batches = batch.rank_batches
+    if config.algorithm.old_log_probs == "recompute":  # else the train step's forward gives them
+        rank_batches = with_old_log_probs(rank_batches, run.trainer.log_probs(rank_batches))
+    rank_batches = with_reference(run, buffer, batch, rank_batches)  # KL in loss and/or reward
+    clock.lap("log_probs")
+    metrics |= batch.metrics | staleness(batch, trainer_version=step - 1)
+    metrics |= mismatch(fresh_only(rank_batches, batch, trainer_version=step - 1))
+    parts = minibatches(rank_batches, config.algorithm.num_minibatches)
+    metrics |= run.trainer.train_steps(parts)  # the last minibatch's train metrics are kept
+    metrics |= train_critic(run, parts)  # PPO's critic, when there is one
+    clock.lap("train")
+    if step % config.engine.sync_every == 0 or step == config.num_steps:
+        feed.before_sync()  # one-step async: the overlapping rollout ends; async: engines pause
+        clock.lap("rollout_wait")
+        metrics |= sync(run, version=step)
+        feed.after_sync()
+    clock.lap("sync")
+    metrics |= turn_times(run)
+    return metrics | split_step(clock.times(), metrics, trained_tokens(parts))

@@ -1,0 +1,69 @@
+"""What an RL run hands on between its parts: the trainer's weights into the engines
+(:func:`sync`), and its state into a checkpoint and back (:func:`save`, :func:`resume`):
+trainer and critic, the data position (with the prompts drawn but not trained) and the
+weight version."""
+
+from pathlib import Path
+
+from rl_launcher.infra import checkpoints, data_order, resume_choice
+from rl_launcher.infra.run_log import truncate_metrics
+from rl_launcher.loops.extras import load_extras, save_extras
+from rl_launcher.roles.engine_health import wait_for_restarts
+from rl_launcher.session.run import Run
+
+
+def sync(run: Run, *, version: int) -> dict[str, float]:
+    """Trainer weights into every engine; the engines then report ``version``."""
+    wait_for_restarts(run)
+    synced = run.trainer.sync_weights(run.rollout.engine_urls, str(version), **run.sync_options)
+    engine_versions = run.rollout.weight_versions()
+    if any(v != str(version) for v in engine_versions):
+        raise RuntimeError(f"weight sync to version {version} left engines at {engine_versions}")
+    run.weight_version = version  # what a restarted engine is given (roles.engine_health)
+    return synced | {"sync/weight_version": float(version)}
+
+
+def save(run: Run, step: int) -> None:
+    root = checkpoints.checkpoint_dir(run.config)
+    path = checkpoints.step_path(root, step)
+    path.mkdir(parents=True, exist_ok=True)
+    run.trainer.save(str(path / "trainer"))
+    save_extras(run, path)  # critic, HF export
+    data = data_state(run)  # prompts in flight (async loops) are drawn again on resume
+    state = {"step": step, "weight_version": step, "data": data["source"],
+             "pending_prompts": data["pending"]}  # fmt: skip
+    checkpoints.write_state(path, state)
+    checkpoints.prune(root, run.config.checkpoint.keep_last)
+
+
+def data_state(run: Run) -> dict:
+    """The data position to checkpoint: the source's and the prompts drawn, not trained."""
+    if hasattr(run.rollout, "data_state"):
+        return run.rollout.data_state()
+    return {"source": run.source.state_dict(), "pending": []}  # a stand-in (replay)
+
+
+def resume(run: Run, found: tuple[Path, dict] | None) -> int:
+    """Load ``found``, the checkpoint ``checkpoint.resume`` named and its state
+    (:func:`resume_choice.chosen`); returns its step (0 when there is none)."""
+    if found is None:
+        print("rl-train: --resume found no complete checkpoint; starting at step 1", flush=True)
+        return 0
+    path, state = found
+    with resume_choice.loading(path):  # every error names the checkpoint
+        run.trainer.load(str(path / "trainer"))
+        load_extras(run, path, state)  # critic
+        if hasattr(run.rollout, "load_data_state"):
+            run.rollout.load_data_state({"source": state["data"],
+                                         "pending": state.get("pending_prompts", [])})  # fmt: skip
+        else:  # a stand-in rollout (replay) is its own source
+            run.source.load_state_dict(state["data"])
+        version = int(state["weight_version"])
+    root = checkpoints.checkpoint_dir(run.config)
+    resume_choice.set_aside_after(root, int(state["step"]))  # the steps after it are redone
+    sync(run, version=version)
+    dropped = truncate_metrics(run.config.logging.run_dir, int(state["step"]))
+    data_order.truncate(run.config.logging.run_dir, int(state["step"]))
+    print(f"rl-train: resumed from {path} (step {state['step']}; {dropped} later metrics "
+          "records dropped)", flush=True)  # fmt: skip
+    return int(state["step"])

@@ -1,0 +1,287 @@
+"""Engine servers started on their own nodes, each by a Ray actor in its own bundles.
+
+    sites = engine_sites(config, plan, placement)       # checked before anything starts
+    engines = start_placed_engines(config, sites, model_dir=d, log_dir=l, max_batch_size=64)
+    for e in engines: e.wait_ready()
+    engines[0].url, engines[0].node_id                   # http://<node address>:<port>, Ray node
+
+Each engine's :class:`EngineHost` actor is scheduled into the engine's first placement
+bundle with no resources of its own (the bundle's stay with the training rank sharing it,
+or with the engine process), so it runs on the node the plan gives the engine. There it
+builds the server (:func:`rl_launcher.roles.engine_servers.engine_process`) on a port free on that
+node, with the bundles' GPU ids, bound to loopback when the whole run is on the driver's
+node (``engine.host``) and else to the node's address (Ray's node IP), which needs the API
+key; it starts the server tied to itself (:mod:`rl_launcher.infra.lifetime`), so the server
+dies with its actor. :class:`PlacedEngine` is the driver's handle, shaped like rl-sglang's
+ServerProcess (``url``, ``api_key``, ``alive``, ``start``, ``wait_ready``, ``kill``,
+``stop``, ``process.pid``, ``process.poll()``), so the router, the rollout manager and the
+health monitor use it as a local server: a restarted engine comes back through the same
+actor, on its node, on its port. Generation, aborts, memory release and weight updates go
+straight to the URL.
+
+The API key is the driver's ``RL_SGLANG_API_KEY``, handed to every engine; the driver's
+router and clients read the same variable, and so do the training ranks, which send the
+weights: off loopback it must be set for rl-train and on every node of the run (checked at
+start-up, :func:`check_key_on_nodes`).
+"""
+
+import contextlib
+import hashlib
+import os
+from dataclasses import dataclass
+
+import ray
+
+from rl_sglang.process import API_KEY_ENV
+
+KEY_NEEDED = (
+    "set {variable} to one secret in the environment of rl-train and of every Ray node "
+    '(`ray start`, or `ray job submit --runtime-env-json \'{{"env_vars": {{"{variable}": '
+    "...}}}}'`): engines on other nodes than the driver's listen on their node's address, "
+    "and control calls need the key"
+)
+
+
+@dataclass(frozen=True)
+class EngineSites:
+    """Where a run's engines start: ``plan.engine_bundles[e]`` of ``placement``, bound to
+    ``host`` (None: each node's own address) with ``api_key``."""
+
+    plan: object  # placement.PlacementPlan
+    placement: object  # ray_placement.OrderedPlacement
+    host: str | None
+    api_key: str | None
+
+    def gpu_ids(self, engine: int) -> list[int] | None:
+        if not self.placement.use_gpu:
+            return None
+        return [self.placement.gpu_ids[b] for b in self.plan.engine_bundles[engine]]
+
+
+def engine_sites(config, plan, placement, *, transport: str) -> EngineSites:
+    """The run's :class:`EngineSites`, after the checks that need no engine: every engine
+    on one node; off loopback, the API key set here and on every training node, and a
+    weight transport that crosses nodes. ValueError with the fix otherwise."""
+    for engine, bundles in enumerate(plan.engine_bundles):
+        if len({placement.node_ids[b] for b in bundles}) > 1:
+            raise ValueError(
+                f"engine {engine} spans nodes (bundles {list(bundles)}); engines over several "
+                "nodes (SGLang --nnodes) are not supported yet: make engine.devices_per_engine "
+                "at most cluster.devices_per_node"
+            )
+    if on_driver_node(placement):
+        return EngineSites(plan, placement, config.engine.host, os.environ.get(API_KEY_ENV))
+    check_transport(plan, placement, transport)
+    api_key = os.environ.get(API_KEY_ENV)
+    if not api_key:
+        raise ValueError(KEY_NEEDED.format(variable=API_KEY_ENV))
+    check_key_on_nodes(placement, plan.train_bundles[:1], api_key)
+    return EngineSites(plan, placement, None, api_key)
+
+
+def on_driver_node(placement) -> bool:
+    """Whether every bundle of the run is on the driver's node (engines on loopback)."""
+    return set(placement.node_ids) == {ray.get_runtime_context().get_node_id()}
+
+
+def check_transport(plan, placement, transport: str) -> None:
+    """``tensor`` weight sync hands training rank 0's tensor handles (CUDA IPC, shared
+    memory) to the engines: only engines on rank 0's node can open them."""
+    if transport != "tensor":
+        return
+    rank0 = placement.node_ids[plan.train_bundles[0]]
+    away = [e for e, b in enumerate(plan.engine_bundles) if placement.node_ids[b[0]] != rank0]
+    if away:
+        raise ValueError(
+            f"engine.weight_sync=tensor (what auto picks colocated) hands tensor handles from "
+            f"training rank 0 to engines on its node, and engines {away} are on other nodes; set "
+            "engine.weight_sync to distributed, or disk on storage every node shares"
+        )
+
+
+def key_digest(key: str | None) -> str:
+    return hashlib.sha256((key or "").encode()).hexdigest()
+
+
+@ray.remote(num_cpus=0)
+def _node_key_digest() -> tuple[str, str]:
+    return ray.util.get_node_ip_address(), key_digest(os.environ.get(API_KEY_ENV))
+
+
+def check_key_on_nodes(placement, slots, api_key: str) -> None:
+    """The processes in ``slots`` (training rank 0: it sends the weights) see the driver's
+    key; only digests travel."""
+    probes = [_node_key_digest.options(scheduling_strategy=placement.strategy(s)).remote()
+              for s in slots]  # fmt: skip
+    for address, digest in ray.get(probes):
+        if digest != key_digest(api_key):
+            raise ValueError(
+                f"node {address} has another {API_KEY_ENV} than rl-train, or none: "
+                + KEY_NEEDED.format(variable=API_KEY_ENV)
+            )
+
+
+def start_placed_engines(config, sites: EngineSites, *, model_dir, log_dir, max_batch_size: int,
+                         memory_saver: bool = False) -> list["PlacedEngine"]:  # fmt: skip
+    """One :class:`EngineHost` per engine in its bundles, each server started (not yet
+    ready): all load at once."""
+    host_actor = ray.remote(EngineHost)
+    ranks = config.cluster.devices_per_node  # training ranks beside each engine
+    hosts = [
+        host_actor.options(num_cpus=0, scheduling_strategy=sites.placement.strategy(bundles[0]))
+        .remote(config, model_dir=str(model_dir), log_dir=str(log_dir),
+                gpu_ids=sites.gpu_ids(engine), host=sites.host, api_key=sites.api_key,
+                max_batch_size=max_batch_size, memory_saver=memory_saver, ranks_per_node=ranks)
+        for engine, bundles in enumerate(sites.plan.engine_bundles)
+    ]  # fmt: skip
+    try:
+        started = ray.get([host.start.remote() for host in hosts])
+    except BaseException:  # the hosts that did start are not left behind
+        for host in hosts:
+            ray.kill(host)
+        raise
+    return [PlacedEngine(h, where, sites.api_key) for h, where in zip(hosts, started, strict=True)]
+
+
+class EngineHost:
+    """A Ray actor holding one engine server on its node (see the module docstring). Its
+    methods run on the actor's main thread, which lives as long as the actor: the server's
+    tie to its parent (PR_SET_PDEATHSIG) holds until the actor goes."""
+
+    def __init__(self, config, *, model_dir: str, log_dir: str, gpu_ids, host: str | None,
+                 api_key: str | None, max_batch_size: int, memory_saver: bool,
+                 ranks_per_node: int):  # fmt: skip
+        from rl_launcher.infra.colocation import engine_threads_env
+        from rl_launcher.infra.lifetime import tie_to_this_process
+        from rl_launcher.roles.engine_servers import engine_process
+
+        _drop_ray_thread_default()
+        os.environ.pop(API_KEY_ENV, None)  # the server holds the driver's key, not the node's
+        host = host or ray.util.get_node_ip_address()
+        server = engine_process(config, model_dir=model_dir, log_dir=log_dir, gpu_ids=gpu_ids,
+                                host=host, max_batch_size=max_batch_size,
+                                memory_saver=memory_saver, api_key=api_key or "")  # fmt: skip
+        server.env = {**server.env, **engine_threads_env(config, ranks_per_node)}
+        self.server = tie_to_this_process(server)
+
+    def start(self) -> dict:
+        """Start the server (not waiting for it); where it runs."""
+        self.server.start(wait=False)
+        return self.where()
+
+    def where(self) -> dict:
+        context = ray.get_runtime_context()
+        return {"url": self.server.url, "node_id": context.get_node_id(),
+                "node_address": ray.util.get_node_ip_address(), "host_pid": os.getpid()}  # fmt: skip
+
+    def wait_ready(self, timeout_s: float | None = None) -> None:
+        self.server.wait_ready(timeout_s)
+
+    def alive(self) -> bool:
+        return self.server.alive()
+
+    def poll(self) -> int | None:
+        """The server's exit code, None while it runs (or before it started)."""
+        return self.server.process.poll() if self.server.process is not None else None
+
+    def pid(self) -> int | None:
+        return self.server.process.pid if self.server.process is not None else None
+
+    def kill(self) -> None:
+        self.server.kill()
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    def log_tail(self, num_lines: int = 30) -> str:
+        return self.server.log_tail(num_lines)
+
+
+def _drop_ray_thread_default() -> None:
+    """Ray sets OMP_NUM_THREADS=1 in an actor whose node did not set it (its default for
+    actors without CPUs); the engine gets the node's own setting, as a server started by
+    rl-train itself would, unless :func:`~rl_launcher.infra.colocation.engine_threads_env` gives
+    it a share. What the node set is in the environment this process was started with."""
+    try:
+        with open("/proc/self/environ", "rb") as file:
+            started_with = {item.split(b"=", 1)[0] for item in file.read().split(b"\0")}
+    except OSError:  # not Linux: keep Ray's setting
+        return
+    if b"OMP_NUM_THREADS" not in started_with:
+        os.environ.pop("OMP_NUM_THREADS", None)
+
+
+class PlacedEngine:
+    """The driver's handle on one engine of an :class:`EngineHost` (see the module
+    docstring). A host whose node is gone reads as a dead engine that cannot restart."""
+
+    name = "engine"
+
+    def __init__(self, actor, where: dict, api_key: str | None):
+        self.actor, self.api_key = actor, api_key
+        self.url, self.node_id = where["url"], where["node_id"]
+        self.node_address, self.host_pid = where["node_address"], where["host_pid"]
+        self.process = RemoteProcess(self)
+
+    def call(self, method: str, *args):
+        """``method`` of the host actor; its own error, not Ray's wrapper, is raised."""
+        try:
+            return ray.get(getattr(self.actor, method).remote(*args))
+        except ray.exceptions.RayTaskError as error:
+            raise (error.cause or error) from None
+
+    def start(self, wait: bool = True) -> "PlacedEngine":
+        """Start again (after :meth:`kill`): same actor, node and port."""
+        try:
+            self.call("start")
+        except ray.exceptions.RayActorError as error:
+            raise RuntimeError(f"engine {self.url}: its host on node {self.node_address} "
+                               f"is gone ({type(error).__name__})") from None  # fmt: skip
+        if wait:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout_s: float | None = None) -> None:
+        self.call("wait_ready", timeout_s)
+
+    def alive(self) -> bool:
+        try:
+            return self.call("alive")
+        except ray.exceptions.RayActorError:
+            return False
+
+    def healthy(self) -> bool:
+        from rl_sglang.process import http_ok
+
+        return self.alive() and http_ok(self.url + "/health")
+
+    def kill(self) -> None:
+        with contextlib.suppress(ray.exceptions.RayActorError):  # its node is gone, and
+            self.call("kill")  # the server with it
+
+    def stop(self) -> None:
+        """Stop the server (SIGTERM, then SIGKILL), then its host."""
+        with contextlib.suppress(ray.exceptions.RayActorError):
+            self.call("stop")
+        ray.kill(self.actor)
+
+    def log_tail(self, num_lines: int = 30) -> str:
+        return self.call("log_tail", num_lines)
+
+
+class RemoteProcess:
+    """``engine.process`` of a :class:`PlacedEngine`: the server's pid on its node and its
+    exit code, asked of the host each time (a restart changes the pid)."""
+
+    def __init__(self, engine: PlacedEngine):
+        self.engine = engine
+
+    @property
+    def pid(self) -> int | None:
+        return self.engine.call("pid")
+
+    def poll(self) -> int | None:
+        try:
+            return self.engine.call("poll")
+        except ray.exceptions.RayActorError:
+            return None

@@ -1,0 +1,95 @@
+"""What an engine server of a run is: an embedded engine or a real SGLang server, not yet
+started (:mod:`rl_launcher.roles.engines` starts them, here or on their nodes).
+
+:func:`engine_process` builds the server: ``gpu_ids`` are the physical GPU ids of the
+engine's bundles, handed to it as CUDA_VISIBLE_DEVICES (None on CPU). SGLang servers get their options from the config
+(tensor-parallel size, memory fraction, dtype, seed, weight version "0", the memory saver
+when colocated) overridden by ``--sglang-*`` pass-through options, and their PYTHONPATH
+from ``RL_SGLANG_PYTHONPATH`` (rl-sglang's SGLangServer keeps SGLang's pinned transformers
+out of the trainer's process). Embedded engines get the model's dtype and the run's
+context bound (:func:`engine_max_context`).
+"""
+
+from pathlib import Path
+
+SGLANG_READY_TIMEOUT_S = 900.0  # the first start compiles Triton kernels (minutes)
+
+
+def sglang_server_args(config, *, memory_saver: bool) -> dict:
+    """``sglang.launch_server`` options (``key -> value``, True for a bare flag)."""
+    from rl_sglang.process import sglang_args_from_cli
+
+    passthrough, rest = sglang_args_from_cli(list(config.engine.sglang_args))
+    if rest:
+        raise ValueError(
+            f"engine.sglang_args holds {rest!r}; every item must be a --sglang-* option "
+            "(e.g. --sglang-attention-backend triton)"
+        )
+    args = {
+        "tp_size": config.engine.devices_per_engine,
+        "mem_fraction_static": config.engine.mem_fraction,
+        "dtype": config.model.dtype,
+        "random_seed": config.seed,
+        "weight_version": "0",  # as the embedded engine: rollouts before any sync are v0
+    }
+    if memory_saver:  # /release_memory_occupation needs it
+        args["enable_memory_saver"] = True
+    return args | passthrough
+
+
+def engine_processes(config, *, model_dir: Path, log_dir: Path, gpus: list | None,
+                     max_batch_size: int, memory_saver: bool = False) -> list:  # fmt: skip
+    """One not-yet-started server per engine (``config.engine.num_engines``), on this
+    machine at ``engine.host``."""
+    gpus = gpus or [None] * config.engine.num_engines
+    return [engine_process(config, model_dir=model_dir, log_dir=log_dir, gpu_ids=ids,
+                           host=config.engine.host, max_batch_size=max_batch_size,
+                           memory_saver=memory_saver)
+            for ids in gpus]  # fmt: skip
+
+
+def engine_process(config, *, model_dir: Path, log_dir: Path, gpu_ids, host: str,
+                   max_batch_size: int, memory_saver: bool = False, api_key=None):  # fmt: skip
+    """One not-yet-started server bound to ``host`` on a port free there; ``api_key``
+    None: rl-sglang's default (``RL_SGLANG_API_KEY``)."""
+    where = {"host": host, "log_dir": log_dir, "api_key": api_key}
+    if config.engine.kind == "sglang":
+        from rl_sglang.process import SGLangServer
+
+        args = sglang_server_args(config, memory_saver=memory_saver)
+        return SGLangServer(model_dir, sglang_args=args, gpu_ids=gpu_ids,
+                            ready_timeout_s=SGLANG_READY_TIMEOUT_S, **where)  # fmt: skip
+    from rl_sglang.process import EmbeddedEngine
+
+    device = "cuda" if config.cluster.device == "cuda" else "cpu"
+    context = engine_max_context(config)
+    extra = [] if context is None else ["--max-context", str(context)]
+    return EmbeddedEngine(model_dir, device=device, dtype=config.model.dtype,
+                          max_batch_size=max_batch_size, env=visible_devices(gpu_ids),
+                          extra_args=extra, **where)  # fmt: skip
+
+
+def engine_max_context(config) -> int | None:
+    """Prompt + response tokens one request may hold in an embedded engine: the run's own
+    bound, which sizes the engine's KV slots (a model's limit, 8,192 for SmolLM2, would
+    make every decode step attend over that many positions per row). ``engine.max_context``
+    when set; else the longest prompt kept plus the longest response limit (rollout or
+    eval); None (the model's limit) for a custom rollout function, whose context may grow
+    over turns."""
+    if config.engine.max_context is not None:
+        return config.engine.max_context
+    if config.rollout.function != "default":
+        return None
+    responses = (config.rollout.max_response_tokens, config.eval.max_response_tokens or 0)
+    return config.data.max_prompt_tokens + max(responses)
+
+
+def visible_devices(gpu_ids) -> dict:
+    return {} if gpu_ids is None else {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpu_ids))}
+
+
+def engine_gpus(plan, placement) -> list[list[int]] | None:
+    """Physical GPU ids of each engine's bundles; None for CPU bundles."""
+    if not placement.use_gpu:
+        return None
+    return [[placement.gpu_ids[b] for b in bundles] for bundles in plan.engine_bundles]

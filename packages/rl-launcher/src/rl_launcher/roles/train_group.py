@@ -1,0 +1,291 @@
+"""The training actor group: one Ray actor per rank, torch.distributed among them.
+
+Each :class:`TrainWorker` joins a gloo (CPU) or nccl (GPU) group with an explicit rank and
+world size, meeting at rank 0's node on a port rank 0 holds there
+(:mod:`rl_launcher.infra.rendezvous`), and runs the configured backend (rl-fsdp's
+``FSDPBackend`` or rl-megatron's ``MegatronBackend``, see :mod:`rl_launcher.roles.backends`).
+The driver calls every method on all ranks at once (they are collectives); a step is split
+into one batch per data-parallel rank, and ranks of one data-parallel rank (Megatron's
+TP / PP / CP peers) get the same batch. Weight sync runs inside the workers: every rank
+gathers the full tensors, and rank 0 hands them to the engines itself
+(:mod:`rl_launcher.infra.weight_sync`), so weights never travel through Ray.
+"""
+
+import dataclasses
+import os
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import ray
+
+from rl_core.batch import TrainBatch
+from rl_launcher.infra import faults
+from rl_launcher.infra.gc_pauses import GcPauses, freeze_startup
+from rl_launcher.infra.rendezvous import GroupMember, meet, spans_nodes
+from rl_launcher.roles.backends import BackendSpec, fsdp_config  # noqa: F401  (re-exported)
+
+
+class TimedIter:
+    """Iterates ``items``, summing in ``seconds`` the time spent waiting for each one."""
+
+    def __init__(self, items):
+        self.items, self.seconds = iter(items), 0.0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        start = time.perf_counter()
+        try:
+            return next(self.items)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+
+class TrainWorker(GroupMember):
+    """One training rank (a Ray actor; see the module docstring). ``run_spans_nodes``:
+    the run's engines may be on other nodes than rank 0 (the weight-update group then
+    meets at rank 0's node address, not on loopback)."""
+
+    def __init__(self, rank: int, world_size: int, spec: BackendSpec, run_spans_nodes: bool):
+        self.rank, self.world_size, self.spec = rank, world_size, spec
+        self.run_spans_nodes, self.offloaded = run_spans_nodes, False
+        self.busy_s: dict[str, float] = defaultdict(float)  # time in the backend, by part
+
+    def join(self, host: str, port: int) -> None:
+        """Join the group at rank 0's ``host:port``, then build the backend."""
+        from rl_launcher.infra.rendezvous import rendezvous_host
+        from rl_launcher.infra.weight_sync import EngineWeightSync
+        from rl_launcher.roles.backends import build_backend
+
+        # rank 0's weight-update address first: a bad interface fails before any collective
+        sync_host = rendezvous_host(self.run_spans_nodes) if self.rank == 0 else None
+        self.join_group(self.spec.device, host, port)
+        self.backend = build_backend(self.spec, rank=self.rank, world_size=self.world_size,
+                                     master_addr=host, master_port=port)  # fmt: skip
+        self.weights = EngineWeightSync(self.rank, master_address=sync_host)
+        freeze_startup()  # a full collection mid-step would leave the GPU waiting
+        self.gc_pauses = GcPauses()
+
+    def weight_sync_address(self) -> tuple[str, int | None]:
+        """Rank 0: where it hosts the weight-update group (the port once the first
+        ``distributed`` sync made the group)."""
+        return self.weights.address()
+
+    def data_rank(self) -> int:
+        from rl_launcher.roles.backends import data_rank
+
+        return data_rank(self.spec, self.backend, self.rank)
+
+    def log_probs(self, batch: TrainBatch, model: str = "actor"):
+        """``[N]`` log-probs of this rank's batch, on CPU."""
+        self.onload()
+        start = time.perf_counter()
+        log_probs = self.backend.compute_log_probs(batch, model=model).cpu()
+        self.busy_s["log_probs_compute"] += time.perf_counter() - start
+        return log_probs
+
+    def train_steps(self, batches: list[TrainBatch]) -> dict[str, float]:
+        """One optimizer step per minibatch, in order; later minibatches' metrics win.
+        Also ``time/<part>``: this rank's seconds inside the backend since the last call
+        (``log_probs_compute``, ``train_compute``) and moving state back (``onload``)."""
+        from rl_launcher.roles.backends import common_metrics
+
+        entered = time.time()  # wall clock, comparable with the driver's on one node
+        self.onload()
+        start = time.perf_counter()
+        metrics: dict[str, float] = {}
+        for batch in batches:
+            metrics = faults.merge_minibatch_metrics(
+                metrics, common_metrics(self.backend.train_step(batch))
+            )  # skipped (non-finite) minibatches are counted, not overwritten
+        metrics = {key: float(value) for key, value in metrics.items()}  # no device tensors
+        metrics["time/trainer_gc"] = self.gc_pauses.take()["time/gc"]
+        _wait_for_device()  # the last optimizer step's kernels count as compute
+        self.busy_s["train_compute"] += time.perf_counter() - start
+        stamps = {"time/train_entered_at": entered, "time/train_left_at": time.time()}
+        return metrics | self.take_busy_times() | stamps
+
+    def take_busy_times(self) -> dict[str, float]:
+        times, self.busy_s = dict(self.busy_s), defaultdict(float)
+        return {f"time/{part}": seconds for part, seconds in times.items()}
+
+    def sync_weights(self, engine_urls: list[str], version: str, how: dict) -> dict:
+        """Gather full weights (all ranks) and load them into every engine (rank 0).
+        ``how``: see :func:`rl_launcher.infra.weight_sync.sync_options`. Returns the bytes
+        sent (``sync/bytes``), this rank's wall time in the call (``time/sync_call``) and
+        the part of it spent producing the buckets (``time/sync_export``: gathering and
+        casting in the backend; the rest is packing and handing them to the engines)."""
+        start = time.perf_counter()
+        self.onload()
+        buckets = TimedIter(self.backend.export_weights(bucket_bytes=how["bucket_bytes"]))
+        sent = self.weights.sync(buckets, engine_urls, version, how)
+        return {"sync/bytes": sent, "time/sync_call": time.perf_counter() - start,
+                "time/sync_export": buckets.seconds}  # fmt: skip
+
+    def offload(self) -> None:
+        """Training state to host memory (colocated engines generate meanwhile)."""
+        if not self.offloaded:
+            self.backend.offload()
+            self.offloaded = True
+        self.empty_cache()  # the engines need the cached blocks back
+
+    def empty_cache(self) -> None:
+        """Cached device blocks back to the driver (colocated engines resume into them)."""
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        if self.offloaded:
+            start = time.perf_counter()
+            self.backend.onload()
+            self.offloaded = False
+            self.busy_s["onload"] += time.perf_counter() - start
+
+    def save(self, path: str) -> None:
+        self.onload()
+        self.backend.save_checkpoint(Path(path))
+
+    def load(self, path: str) -> int:
+        self.onload()
+        self.backend.load_checkpoint(Path(path))
+        return self.backend.step
+
+    def export_hf(self, path: str) -> None:
+        """A Hugging Face directory of the current weights (collective; rank 0 writes)."""
+        self.onload()
+        self.backend.export_hf(Path(path))
+
+
+def _wait_for_device() -> None:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def cpu_threads_env(ranks_per_node: int) -> dict:
+    """Ray starts an actor with OMP_NUM_THREADS=num_cpus (1 by default), which also pins
+    oneDNN/MKL to one thread; on CPU the node's cores belong to its training ranks (a
+    colocated engine waits while they train), so each rank gets its share."""
+    threads = max(1, (os.cpu_count() or 1) // max(1, ranks_per_node))
+    return {"env_vars": {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}}
+
+
+class TrainGroup:
+    """``num_ranks`` :class:`TrainWorker` actors, rank r in placement slot ``slots[r]``.
+
+    Per-rank arguments are given per data-parallel rank (``num_data_ranks`` of them);
+    per-rank results come back the same way. ``address``: where the ranks met (rank 0's
+    node, loopback when all ranks share it); ``node_ids[r]``: rank r's Ray node."""
+
+    def __init__(self, spec: BackendSpec, placement, slots, *, num_cpus: float,
+                 num_gpus: float = 0, ranks_per_node: int = 1):  # fmt: skip
+        actor, world = ray.remote(TrainWorker), len(slots)
+        env = cpu_threads_env(ranks_per_node) if spec.device != "cuda" else {}
+        run_spans_nodes = len(set(placement.node_ids)) > 1
+        self.workers = [
+            actor.options(num_cpus=num_cpus, num_gpus=num_gpus, runtime_env=env,
+                          scheduling_strategy=placement.strategy(slot)).remote(
+                rank, world, spec, run_spans_nodes)
+            for rank, slot in enumerate(slots)
+        ]  # fmt: skip
+        self.node_ids = [placement.node_ids[slot] for slot in slots]
+        self.address = meet(self.workers, spans_nodes=spans_nodes(placement, slots))
+        self.data_ranks = ray.get([w.data_rank.remote() for w in self.workers])
+        self.num_data_ranks = spec.data_parallel
+        self.turns = None  # a colocation.Turns when trainer and engines share GPUs
+        self._lock = threading.Lock()
+        assert sorted(set(self.data_ranks)) == list(range(self.num_data_ranks)), self.data_ranks
+
+    def call(self, method: str, *per_rank_args, **shared) -> list:
+        """``method`` on every rank (rank r gets ``per_rank_args[i][data_rank(r)]``);
+        results in rank order."""
+        with self._lock:  # calls from two threads (an engine restore) never interleave
+            refs = [
+                getattr(worker, method).remote(
+                    *(args[self.data_ranks[r]] for args in per_rank_args), **shared
+                )
+                for r, worker in enumerate(self.workers)
+            ]
+            # a dead rank raises at once, named with its node
+            return faults.gather(refs, method=method, where=self.where)
+
+    def where(self, rank: int, error: BaseException) -> str:
+        """Rank ``rank``'s node, in words (said when its actor dies of ``error``)."""
+        return faults.describe_node(self.node_ids[rank], error)
+
+    def per_data_rank(self, results: list) -> list:
+        """One result per data-parallel rank (its first rank's)."""
+        return [results[self.data_ranks.index(d)] for d in range(self.num_data_ranks)]
+
+    def _turn(self, phase: str) -> None:
+        if self.turns is not None:
+            getattr(self.turns, phase)()
+
+    def log_probs(self, batches: list[TrainBatch], model: str = "actor") -> list:
+        self._turn("training")
+        return self.per_data_rank(self.call("log_probs", batches, model=model))
+
+    def train_step(self, batches: list[TrainBatch]) -> dict[str, float]:
+        """One optimizer step on ``batches[d]`` per data rank (metrics summed over ranks)."""
+        return self.train_steps([batches])
+
+    def train_steps(self, parts: list[list[TrainBatch]]) -> dict[str, float]:
+        """``parts[m][d]``: minibatch m of data rank d; one remote call per rank for all."""
+        per_rank = [[part[d] for part in parts] for d in range(self.num_data_ranks)]
+        self._turn("training")
+        sent = time.time()
+        metrics = self.call("train_steps", per_rank)[0]
+        return metrics | call_latency(metrics, sent=sent, received=time.time())
+
+    def sync_weights(self, engine_urls: list[str], version: str, **how) -> dict:
+        self._turn("syncing")
+        return self.call("sync_weights", engine_urls=engine_urls, version=version, how=how)[0]
+
+    def offload(self) -> None:
+        self.call("offload")
+
+    def onload(self) -> None:
+        self.call("onload")
+
+    def empty_cache(self) -> None:
+        self.call("empty_cache")
+
+    # Paths go to the ranks absolute: a relative one would be taken from each rank's own
+    # working directory, which on another node is not the driver's.
+    def save(self, path: str) -> None:
+        self.call("save", path=str(Path(path).absolute()))
+
+    def load(self, path: str) -> int:
+        return self.call("load", path=str(Path(path).absolute()))[0]
+
+    def export_hf(self, path: str) -> None:
+        self.call("export_hf", path=str(Path(path).absolute()))
+
+    def shutdown(self) -> None:
+        for worker in self.workers:
+            ray.kill(worker)
+
+
+def call_latency(metrics: dict, *, sent: float, received: float) -> dict[str, float]:
+    """Rank 0's entry and exit stamps (popped from ``metrics``) as the time the call took
+    to reach the worker (``time/train_dispatch``: Ray scheduling, argument transfer) and
+    to come back (``time/train_return``), and the worker's own wall time in the call
+    (``time/train_call``); on one node both clocks are the same."""
+    entered, left = metrics.pop("time/train_entered_at"), metrics.pop("time/train_left_at")
+    return {
+        "time/train_dispatch": entered - sent,
+        "time/train_return": received - left,
+        "time/train_call": left - entered,  # the worker's wall time in the call
+    }
+
+
+def with_old_log_probs(batches: list[TrainBatch], log_probs: list) -> list[TrainBatch]:
+    return [
+        dataclasses.replace(b, old_log_probs=lp) for b, lp in zip(batches, log_probs, strict=True)
+    ]

@@ -1,0 +1,66 @@
+"""What a run holds (:class:`Run`), handed to every loop: the config, the data source, the
+roles started for it (trainer, rollout, critic), its placement, metrics log and the
+cleanups that stop them; and the checks and first steps every kind of run shares."""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rl_launcher.infra.checkpoints import checkpoint_dir
+from rl_launcher.infra.run_log import METRICS_FILE, MetricsLog
+from rl_launcher.infra.weight_sync import sync_options
+from rl_launcher.session.model import prepare_model
+
+
+@dataclass(kw_only=True)
+class Run:
+    config: Any
+    source: Any
+    trainer: Any = None
+    rollout: Any = None
+    metrics_log: MetricsLog
+    sync_options: dict = field(default_factory=dict)
+    num_ranks: int = 1  # data-parallel ranks: the step is split into this many batches
+    plan: Any = None  # placement.PlacementPlan
+    placement: Any = None  # ray_placement.OrderedPlacement
+    engine_sites: Any = None  # engine_hosts.EngineSites: where the engines start (RL runs)
+    weight_version: int = 0  # the version the engines were last synced to
+    critic: Any = None  # PPO's critic group (rl_launcher.roles.critic), when the algorithm has one
+    extras: dict = field(default_factory=dict)  # state of optional features (e.g. the evaluator)
+    _cleanup: list = field(default_factory=list)
+
+    def close(self) -> None:
+        """Stop what was started, newest first; every part is stopped even if one fails."""
+        errors = []
+        while self._cleanup:
+            try:
+                self._cleanup.pop()()
+            except Exception as error:  # keep stopping the rest, then report
+                errors.append(error)
+        if errors:
+            raise errors[0]
+
+
+def check_fresh(config, run_dir: Path) -> None:
+    """A new run never mixes its metrics or checkpoints with an earlier run's."""
+    if config.checkpoint.resume:
+        return
+    checkpoints = checkpoint_dir(config)  # made empty by infra.run_dirs before the run
+    if (run_dir / METRICS_FILE).exists() or (checkpoints.is_dir() and any(checkpoints.iterdir())):
+        raise ValueError(
+            f"{run_dir} already holds a run; pass --resume to continue it, or set "
+            "logging.run_dir to a new directory (or delete the old one)"
+        )
+
+
+def new_run(config, source_fn):
+    """A Run with its model prepared and a metrics log; ``source_fn(tokenizer)`` gives the source."""
+    run_dir = Path(config.logging.run_dir)
+    check_fresh(config, run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    model_dir, tokenizer = prepare_model(config.model, run_dir=run_dir, seed=config.seed)
+    run = Run(config=config, source=source_fn(tokenizer),
+              metrics_log=MetricsLog(run_dir, logging=config.logging),
+              sync_options=sync_options(config, run_dir))  # fmt: skip
+    run._cleanup.append(run.metrics_log.close)
+    return run, model_dir, tokenizer

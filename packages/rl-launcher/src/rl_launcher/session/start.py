@@ -1,0 +1,170 @@
+"""A run's start-up, in order, each part stopped in reverse by :meth:`Run.close`: the
+starting model, the prompt source, Ray and its placement group, the training actor group
+(rl-fsdp or rl-megatron) and the rollout manager (embedded or SGLang engines + router).
+Colocated on GPUs, trainer and engines then take turns (:mod:`rl_launcher.infra.colocation`).
+
+- :func:`start_run`: an RL run (a train-only replay of dumped rollouts with
+  ``rollout.replay_dir``: :func:`start_replay_run`);
+- :func:`start_trainer`: Ray, the placement and the training actor group (SFT uses it alone);
+- :func:`start_engines`: a rollout manager with its engines and router, no Ray and no
+  trainer (rollout-only runs and ``rl-eval``).
+"""
+
+import os
+from pathlib import Path
+
+from rl_launcher.infra import stopping
+from rl_launcher.infra.run_log import MetricsLog, startup_phase
+from rl_launcher.infra.weight_sync import sync_options
+from rl_launcher.session.run import Run, check_fresh, new_run
+
+
+def start_run(config) -> Run:
+    from rl_launcher.data import build_prompt_source
+    from rl_launcher.roles.critic import start_critic
+    from rl_launcher.session.model import precision_note, prepare_model
+
+    if config.rollout.replay_dir:  # train only, on dumped rollouts: no engines, no prompts
+        return start_replay_run(config)
+    run_dir = Path(config.logging.run_dir)
+    check_fresh(config, run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with startup_phase("model and prompts ready", show=config.logging.progress):
+        model_dir, tokenizer = prepare_model(config.model, run_dir=run_dir, seed=config.seed)
+        source = build_prompt_source(config.data, seed=config.seed, tokenizer=tokenizer)
+    precision_note(config)  # float32 on CUDA without TF32: one line, once
+    run = Run(config=config, source=source, metrics_log=MetricsLog(run_dir, logging=config.logging),
+              sync_options=sync_options(config, run_dir))  # fmt: skip
+    run._cleanup.append(run.metrics_log.close)
+    _start_gpu_monitor(run)
+    try:
+        start_trainer(run, model_dir)
+        start_critic(run, model_dir)  # PPO with a critic (gae) only
+        _start_rollout(run, model_dir, tokenizer, run_dir)
+    except BaseException:
+        run.close()
+        raise
+    return run
+
+
+def start_replay_run(config) -> Run:
+    """A train-only run on the dumps of ``rollout.replay_dir`` (no engines start): the
+    training actor group and a :class:`~rl_launcher.infra.dumps.ReplayRollout` in place of
+    the engines and the prompt source."""
+    from rl_launcher.infra.dumps import ReplayRollout
+    from rl_launcher.roles.critic import start_critic
+
+    replay = ReplayRollout(config.rollout.replay_dir, group_size=config.rollout.group_size)
+    run, model_dir, _ = new_run(config, lambda tokenizer: replay)
+    run.rollout = replay
+    try:
+        start_trainer(run, model_dir)
+        start_critic(run, model_dir)  # PPO with a critic (gae) only
+    except BaseException:
+        run.close()
+        raise
+    return run
+
+
+def start_engines(config, *, model_dir, tokenizer, source, log_dir: Path, cleanup: list,
+                  reward=None):  # fmt: skip
+    """A rollout manager with its engines and router started, without Ray or a trainer
+    (engines on the default devices); its stop is appended to ``cleanup``. ``reward``: a
+    reward that exists already (see :class:`RolloutManager`)."""
+    from rl_launcher.roles.rollout_manager import RolloutManager
+
+    manager = RolloutManager(config, model_dir=model_dir, tokenizer=tokenizer, source=source,
+                             log_dir=log_dir, reward=reward)  # fmt: skip
+    cleanup.append(manager.stop)
+    return manager.start()
+
+
+def _start_gpu_monitor(run: Run) -> None:
+    """GPU utilisation per step (``gpu/*`` metrics) on CUDA runs with nvidia-smi."""
+    from rl_launcher.infra.gpu_monitor import start_gpu_monitor
+
+    if (monitor := start_gpu_monitor(run.config.cluster.device)) is not None:
+        run.extras["gpu_monitor"] = monitor
+        run._cleanup.append(monitor.close)
+
+
+def start_trainer(run: Run, model_dir: Path) -> None:
+    """Ray (started or attached), the placement group and the training actor group."""
+    import ray
+
+    from rl_launcher.infra.colocation import engines_beside_training
+    from rl_launcher.infra.placement import plan_from_config
+    from rl_launcher.infra.ray_cluster import connect
+    from rl_launcher.infra.ray_placement import create_placement
+    from rl_launcher.infra.shared_dirs import check_shared_dirs
+    from rl_launcher.roles.backends import backend_spec
+    from rl_launcher.roles.train_group import TrainGroup
+
+    config = run.config
+    plan, cluster = plan_from_config(config), config.cluster
+    spec = backend_spec(config, model_dir=model_dir, num_ranks=plan.num_train_ranks)
+    use_gpu = cluster.device == "cuda"
+    cpus = max(os.cpu_count() or 1, plan.num_bundles * cluster.cpus_per_bundle)
+    show = config.logging.progress
+    with stopping.ray_starting(), startup_phase("Ray ready", show=show):  # stop signals: ours
+        if connect(cluster.ray_address, num_cpus=int(cpus)) == "started":
+            run._cleanup.append(ray.shutdown)
+    placement = create_placement(plan, use_gpu=use_gpu, cpus_per_bundle=cluster.cpus_per_bundle,
+                                 devices_per_node=cluster.devices_per_node)  # fmt: skip
+    run._cleanup.append(placement.remove)
+    run.plan, run.placement = plan, placement
+    _place_engines(run)
+    check_shared_dirs(run)  # over several nodes: run, checkpoint, sync and model dirs shared
+    slots = list(plan.train_bundles)
+    # colocated on GPU, the engine shares the rank's device: the actor takes half of it
+    num_gpus = (0.5 if plan.colocate else 1.0) if use_gpu else 0
+    # CPU threads: the node's cores are shared with engines generating beside training
+    sharing = min(len(slots), cluster.devices_per_node) + engines_beside_training(config)
+    with startup_phase(f"trainer ready ({config.backend.name}, {len(slots)} rank(s))", show=show):
+        run.trainer = TrainGroup(spec, placement, slots, num_cpus=cluster.cpus_per_bundle,
+                                 num_gpus=num_gpus, ranks_per_node=sharing)  # fmt: skip
+    run._cleanup.append(run.trainer.shutdown)
+    run.num_ranks = run.trainer.num_data_ranks
+
+
+def _place_engines(run: Run) -> None:
+    """Print the layout (which node runs which training rank and engine) and, for runs
+    with engines, check where they will start before anything does
+    (:func:`rl_launcher.roles.engine_hosts.engine_sites`)."""
+    from rl_launcher.infra.ray_placement import describe_layout
+    from rl_launcher.roles.engine_hosts import engine_sites
+
+    config = run.config
+    with_engines = config.mode != "sft" and not config.rollout.replay_dir
+    if config.logging.progress:
+        layout = describe_layout(run.plan, run.placement, engines=with_engines)
+        print("rl-train: layout (T<r> training rank r, E<e> engine e, one cell per device):\n"
+              + "\n".join(f"rl-train:   {line}" for line in layout.splitlines()), flush=True)  # fmt: skip
+    if with_engines:
+        transport = run.sync_options["transport"]
+        run.engine_sites = engine_sites(config, run.plan, run.placement, transport=transport)
+
+
+def watch_engines(run: Run) -> None:
+    from rl_launcher.roles import engine_health
+
+    engine_health.watch_engines(run)
+
+
+def _start_rollout(run: Run, model_dir: Path, tokenizer, run_dir: Path) -> None:
+    from rl_launcher.infra.colocation import check_turns, make_turns, turns_needed
+    from rl_launcher.roles.rollout_manager import RolloutManager
+
+    run.rollout = RolloutManager(run.config, model_dir=model_dir, tokenizer=tokenizer,
+                                 source=run.source, log_dir=run_dir / "logs")  # fmt: skip
+    run.rollout.sites = run.engine_sites  # each engine on its node, by a Ray actor
+    if turns_needed(run.config, run.plan):
+        check_turns(run.config)
+        run.rollout.turns = run.trainer.turns = make_turns(run.config, run.trainer, run.rollout)
+    run._cleanup.append(run.rollout.stop)
+    engine = run.config.engine
+    router = " and router" if engine.use_router else ""
+    what = f"{engine.num_engines} {engine.kind} engine(s){router}"
+    with startup_phase(f"{what} ready", show=run.config.logging.progress):
+        run.rollout.start()
+    watch_engines(run)
