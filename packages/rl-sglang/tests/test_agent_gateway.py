@@ -14,6 +14,7 @@ from rl_core.types import Sample
 from rl_sglang.agent.buffer import RolloutBuffer
 from rl_sglang.agent.gateway import Gateway, parse_tool_calls
 from rl_sglang.agent.rollout import AgentRollout
+from rl_sglang.agent.streaming import merge_chunk
 from rl_sglang.client import EngineClient
 from rl_sglang.rollout.generate import GenerateContext
 
@@ -21,7 +22,8 @@ TOOLS = [{"type": "function", "function": {"name": "calc", "parameters": {"type"
 
 
 class Recording(EngineClient):
-    """The router's client, keeping every /generate reply the engines sent."""
+    """The router's client, keeping every /generate reply the engines sent (a streamed
+    one as its chunks add up)."""
 
     def __init__(self, url):
         super().__init__(url)
@@ -31,6 +33,13 @@ class Recording(EngineClient):
         output = await super().generate(**body)
         self.outputs.append((body["input_ids"], output))
         return output
+
+    async def generate_stream(self, **body):
+        output = None
+        async for chunk in super().generate_stream(**body):
+            output = merge_chunk(output, chunk)
+            yield chunk
+        self.outputs.append((body["input_ids"], output))
 
 
 async def two_turn_agent(base_url, session_id, sample):
@@ -111,6 +120,66 @@ def test_gateway_needs_its_key_and_refuses_exposure_without_one(cluster):
     assert reply.usage.completion_tokens == samples[0].response_length
     with pytest.raises(ValueError, match="API key"):
         run(Gateway(None, tok).start(host="0.0.0.0"))
+
+
+async def chat_twice(gateway, session_id, params, *, stream):
+    """Two user turns of one session through the real client: each reply's content, the
+    number of content chunks a streamed reply came in, and the session's samples."""
+    client = openai.AsyncOpenAI(base_url=gateway.url, api_key="unused")
+    gateway.open(session_id, params)
+    messages, contents, num_chunks, finals = [{"role": "user", "content": "hi"}], [], [], []
+    for _ in range(2):
+        if stream:
+            *chunks, usage = [c async for c in await client.chat.completions.create(
+                model="policy", messages=messages, stream=True, user=session_id,
+                stream_options={"include_usage": True})]  # fmt: skip
+            pieces = [c.choices[0].delta.content for c in chunks if c.choices[0].delta.content]
+            contents.append("".join(pieces))
+            num_chunks.append(len(pieces))
+            finals.append((chunks[-1].choices[0], usage.usage))
+        else:
+            reply = await client.chat.completions.create(
+                model="policy", messages=messages, user=session_id
+            )
+            contents.append(reply.choices[0].message.content)
+        messages += [{"role": "assistant", "content": contents[-1]},
+                     {"role": "user", "content": "ab12"}]  # fmt: skip
+    return contents, num_chunks, finals, gateway.close(session_id)
+
+
+def test_streaming_relays_tokens_and_records_the_same_trajectory(cluster):
+    tok = chat_tokenizer()
+    params = {"max_new_tokens": 24, "temperature": 1.0, "sampling_seed": 5, "ignore_eos": True}
+
+    async def main():
+        gateway = Gateway(EngineClient(cluster.engine_urls[0]), tok)
+        await gateway.start()
+        try:
+            plain = await chat_twice(gateway, "plain", params, stream=False)
+            streamed = await chat_twice(gateway, "streamed", params, stream=True)
+            return plain, streamed, gateway.counts
+        finally:
+            await gateway.stop()
+            await gateway.client.close()
+
+    (texts, _, _, [plain]), (streamed_texts, num_chunks, finals, [streamed]), counts = run(main())
+    assert streamed_texts == texts and all(texts)
+    assert min(num_chunks) >= 3  # token by token, not the finished reply in one chunk
+    assert [f.finish_reason for f, _ in finals] == ["length", "length"]
+    (_, usage1), (last, usage2) = finals
+    assert last.model_extra["token_ids"] == streamed.tokens[-24:]
+    assert (usage1.prompt_tokens, usage1.completion_tokens) == (streamed.prompt_length, 24)
+    assert usage2.prompt_tokens + usage2.completion_tokens == len(streamed.tokens)
+    assert streamed.tokens == plain.tokens and streamed.prompt_length == plain.prompt_length
+    assert streamed.loss_mask == plain.loss_mask and sum(plain.loss_mask) == 48
+    assert streamed.rollout_log_probs == plain.rollout_log_probs
+    assert streamed.weight_versions == plain.weight_versions
+    assert streamed.status is plain.status and counts["stream_text_mismatches"] == 0
+
+
+def test_an_unknown_tool_parser_is_refused_with_the_known_ones():
+    with pytest.raises(ValueError, match=r"unknown tool parser 'mistral'.*'hermes', 'llama3_json'"):
+        Gateway(None, chat_tokenizer(), tool_parser="mistral")
 
 
 def test_tool_calls_are_parsed_and_bad_ones_counted():

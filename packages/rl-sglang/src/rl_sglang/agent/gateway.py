@@ -9,63 +9,56 @@ token-exact trajectory (:mod:`~rl_sglang.agent.sessions`).
     samples = gateway.close("episode-1")    # one Sample per leaf of the trajectory tree
 
 ``POST /v1/chat/completions``: ``messages``, ``tools`` (OpenAI format, rendered through the
-tokenizer's chat template), ``stream`` (server-sent events; the reply is generated whole,
-then sent as chunks), ``max_tokens`` / ``max_completion_tokens``, ``temperature``,
-``top_p``, ``stop``. The session is the ``X-Session-Id`` header, else the ``user`` field.
-A session opened with sampling params (the rollout's) generates with them, whatever the
-client asks (a client's smaller ``max_tokens`` still applies); an unopened one is opened
-by its first request with the client's. Tool calls are read in the Hermes / Qwen format
-(``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``). Like the engines, the
-gateway listens on loopback unless given an API key (then every request but ``/health``
-needs ``Authorization: Bearer <key>``).
+tokenizer's chat template), ``stream`` (server-sent events relayed token by token from the
+engine's streamed ``/generate``, :mod:`~rl_sglang.agent.streaming`; the recorded turn is
+the same as without streaming; ``stream_options.include_usage``), ``max_tokens`` /
+``max_completion_tokens``, ``temperature``, ``top_p``, ``stop``. The session is the
+``X-Session-Id`` header, else the ``user`` field. A session opened with sampling params
+(the rollout's) generates with them, whatever the client asks (a client's smaller
+``max_tokens`` still applies); an unopened one is opened by its first request with the
+client's. Tool calls are read in the format ``tool_parser`` names (``hermes``:
+``<tool_call>{...}</tool_call>``; ``llama3_json``: Llama 3.1/3.2's bare JSON; see
+:mod:`~rl_sglang.agent.tools`), by default the one the chat template writes. Like the
+engines, the gateway listens on loopback unless given an API key (then every request but
+``/health`` needs ``Authorization: Bearer <key>``).
 """
 
 import hmac
-import json
-import re
 import time
 import uuid
-from typing import Any
 
 from aiohttp import web
 
-from rl_sglang.agent.sessions import Session
+from rl_sglang.agent import tools
+from rl_sglang.agent.sessions import Session, Turn
+from rl_sglang.agent.streaming import ChunkWriter, ContentDeltas, merge_chunk
+from rl_sglang.client import EngineError
 from rl_sglang.process import check_exposure
 
 SESSION_HEADER = "X-Session-Id"
-TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 GATEWAY_KEY = web.AppKey("gateway", object)
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[dict], int]:
-    """``(content, tool_calls, invalid)``: the text outside ``<tool_call>`` blocks, the
-    calls whose JSON has a string ``name`` (OpenAI format, arguments as a JSON string),
-    and how many blocks were not such JSON."""
-    calls, invalid = [], 0
-    for block in TOOL_CALL.findall(text):
-        try:
-            call = json.loads(block)
-        except json.JSONDecodeError:
-            invalid += 1
-            continue
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            invalid += 1
-            continue
-        arguments = call.get("arguments", call.get("parameters", {}))
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": call["name"], "arguments": json.dumps(arguments)}})  # fmt: skip
-    content = TOOL_CALL.sub("", text).strip() if calls else text
-    return content, calls, invalid
+    """``(content, tool_calls, invalid)`` of a reply in the Hermes / Qwen format."""
+    return tools.TOOL_PARSERS["hermes"].parse(text)
 
 
 class Gateway:
-    """The HTTP server and its sessions (see the module docstring)."""
+    """The HTTP server and its sessions (see the module docstring). ``tool_parser`` names
+    the tool-call format (:data:`~rl_sglang.agent.tools.TOOL_PARSERS`; None: the one the
+    tokenizer's chat template writes)."""
 
-    def __init__(self, client, tokenizer, *, api_key: str | None = None, model: str = "policy"):
+    def __init__(
+        self, client, tokenizer, *, api_key: str | None = None, model: str = "policy",
+        tool_parser: str | None = None,
+    ):  # fmt: skip
         self.client, self.tokenizer, self.api_key, self.model = client, tokenizer, api_key, model
+        self.parser = tools.tool_parser(tool_parser, tokenizer)
         self.sessions: dict[str, Session] = {}
         self.params: dict[str, dict] = {}
-        self.counts = {"requests": 0, "tool_calls": 0, "invalid_tool_calls": 0}
+        self.counts = {"requests": 0, "tool_calls": 0, "invalid_tool_calls": 0,
+                       "stream_text_mismatches": 0}  # fmt: skip
         self._runner: web.AppRunner | None = None
         self.url = ""
 
@@ -126,19 +119,53 @@ class Gateway:
                 self.open(session_id)
             session = self.sessions[session_id]
             turn = session.prompt(list(body.get("messages") or []), body.get("tools"))
+            params = self._sampling_params(session_id, body)
         except (ValueError, KeyError, TypeError) as error:
             return _error(f"{type(error).__name__}: {error}", 400)
-        output = await self.client.generate(
-            input_ids=turn.input_ids, return_logprob=True,
-            sampling_params=self._sampling_params(session_id, body),
-        )  # fmt: skip
+        generate = {"input_ids": turn.input_ids, "return_logprob": True, "sampling_params": params}
+        if body.get("stream"):
+            return await self._chat_stream(request, body, session, turn, generate)
+        output = await self.client.generate(**generate)
+        message, finish = self._finish(session, turn, output)
+        return web.json_response(
+            _completion(self.model, message, finish, len(turn.input_ids), output)
+        )
+
+    async def _chat_stream(
+        self, request: web.Request, body: dict, session: Session, turn: Turn, generate: dict
+    ) -> web.StreamResponse:
+        """Relay the engine's tokens as content deltas while they come, then the tool
+        calls, the finish reason (with ``token_ids`` and ``weight_version``) and, when
+        asked for, the usage; record the turn exactly as :meth:`_chat` does."""
+        writer, deltas, output = ChunkWriter(request, self.model), ContentDeltas(self.parser), None
+        await writer.open()
+        async for chunk in self.client.generate_stream(**generate):
+            output = merge_chunk(output, chunk)
+            piece = deltas.delta(self._decode(output["output_ids"]))
+            if piece:
+                await writer.send({"content": piece})
+        if output is None:
+            raise EngineError(self.client.url, 502, "the streamed /generate sent no output")
+        message, finish = self._finish(session, turn, output)
+        rest = deltas.rest(message["content"] or "")
+        self.counts["stream_text_mismatches"] += rest is None
+        if rest:
+            await writer.send({"content": rest})
+        for index, call in enumerate(message.get("tool_calls", [])):
+            await writer.send({"tool_calls": [{"index": index, **call}]})
+        choice = _completion(self.model, message, finish, len(turn.input_ids), output)
+        await writer.send({}, finish, token_ids=choice["choices"][0]["token_ids"],
+                          weight_version=choice["choices"][0]["weight_version"])  # fmt: skip
+        include_usage = (body.get("stream_options") or {}).get("include_usage")
+        await writer.close(choice["usage"] if include_usage else None)
+        return writer.response
+
+    def _finish(self, session: Session, turn: Turn, output: dict) -> tuple[dict, str]:
+        """The reply's assistant message and finish reason, the turn recorded."""
         message, finish = self._reply(output)
         session.record(turn, output, message)
         self.counts["requests"] += 1
-        reply = _completion(self.model, message, finish, len(turn.input_ids), output)
-        if body.get("stream"):
-            return await _stream(request, reply)
-        return web.json_response(reply)
+        return message, finish
 
     def _sampling_params(self, session_id: str, body: dict) -> dict:
         asked = body.get("max_completion_tokens") or body.get("max_tokens")
@@ -156,9 +183,11 @@ class Gateway:
             params = {**params, "stop": [stop] if isinstance(stop, str) else list(stop)}
         return params
 
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
     def _reply(self, output: dict) -> tuple[dict, str]:
-        text = self.tokenizer.decode(output["output_ids"], skip_special_tokens=True)
-        content, calls, invalid = parse_tool_calls(text)
+        content, calls, invalid = self.parser.parse(self._decode(output["output_ids"]))
         self.counts["tool_calls"] += len(calls)
         self.counts["invalid_tool_calls"] += invalid
         message = {"role": "assistant", "content": content or None}
@@ -189,26 +218,3 @@ def _completion(model: str, message: dict, finish: str, prompt_tokens: int, outp
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                   "total_tokens": prompt_tokens + completion_tokens},
     }  # fmt: skip
-
-
-async def _stream(request: web.Request, reply: dict) -> web.StreamResponse:
-    """The finished reply as OpenAI chunks: role, content, tool calls, finish reason."""
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-    await response.prepare(request)
-    message, head = (
-        reply["choices"][0]["message"],
-        {k: reply[k] for k in ("id", "created", "model")},
-    )
-    deltas: list[dict[str, Any]] = [{"role": "assistant", "content": ""}]
-    if message.get("content"):
-        deltas.append({"content": message["content"]})
-    for index, call in enumerate(message.get("tool_calls", [])):
-        deltas.append({"tool_calls": [{"index": index, **call}]})
-    chunks = [{"index": 0, "delta": d, "finish_reason": None} for d in deltas]
-    chunks.append({"index": 0, "delta": {}, "finish_reason": reply["choices"][0]["finish_reason"]})
-    for choice in chunks:
-        chunk = {**head, "object": "chat.completion.chunk", "choices": [choice]}
-        await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
-    return response

@@ -8,7 +8,9 @@ the episode's reward. Make a generate function of it, in a module of yours::
 
     generate = AgentRollout("my_pkg.agents:solve")   # rollout.function: my_pkg.agents:generate
 
-or use ``rl_sglang.agent.rollout:generate`` with ``RL_SGLANG_AGENT=my_pkg.agents:solve``.
+or use ``rl_sglang.agent.rollout:generate`` with ``RL_SGLANG_AGENT=my_pkg.agents:solve``
+(and ``RL_SGLANG_TOOL_PARSER=hermes|llama3_json`` where the chat template does not imply
+the tool-call format; ``AgentRollout(..., tool_parser=)``).
 Each call starts the gateway on the rollout's event loop if it is not up yet (loopback,
 a free port), runs one episode under the rollout's sampling params, and returns one
 Sample per leaf of the episode's trajectory tree (:mod:`~rl_sglang.agent.sessions`). The
@@ -26,13 +28,16 @@ from rl_sglang.agent.gateway import Gateway
 from rl_sglang.rollout.generate import GenerateContext, load_function, seeded
 
 AGENT_ENV = "RL_SGLANG_AGENT"
+TOOL_PARSER_ENV = "RL_SGLANG_TOOL_PARSER"
 
 
 class AgentRollout:
-    """A generate function running the agent ``agent`` (a dotted path or the function)."""
+    """A generate function running the agent ``agent`` (a dotted path or the function);
+    ``tool_parser`` names the gateway's tool-call format (None: ``RL_SGLANG_TOOL_PARSER``,
+    else the one the chat template writes)."""
 
-    def __init__(self, agent, *, api_key: str | None = None):
-        self.agent, self.api_key = agent, api_key
+    def __init__(self, agent, *, api_key: str | None = None, tool_parser: str | None = None):
+        self.agent, self.api_key, self.tool_parser = agent, api_key, tool_parser
         self.gateway: Gateway | None = None
         self._started = None  # the start, awaited by every episode (they begin together)
 
@@ -40,7 +45,10 @@ class AgentRollout:
         if self.gateway is None:
             if ctx.tokenizer is None:
                 raise ValueError("the agent rollout needs GenerateContext.tokenizer")
-            self.gateway = Gateway(ctx.client, ctx.tokenizer, api_key=self.api_key)
+            parser = self.tool_parser or os.environ.get(TOOL_PARSER_ENV) or None
+            self.gateway = Gateway(
+                ctx.client, ctx.tokenizer, api_key=self.api_key, tool_parser=parser
+            )
             self._started = asyncio.ensure_future(self.gateway.start())
         await self._started
         return self.gateway
