@@ -5,9 +5,11 @@ import json
 
 import pytest
 from agent_tokenizers import chat_tokenizer
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
 
 from rl_sglang.agent.gateway import Gateway
-from rl_sglang.agent.streaming import ContentDeltas, merge_chunk
+from rl_sglang.agent.streaming import ContentDeltas, IncrementalText, merge_chunk
 from rl_sglang.agent.tools import TOOL_PARSERS, detect_tool_parser
 
 LLAMA = TOOL_PARSERS["llama3_json"]
@@ -91,9 +93,45 @@ def test_a_llama_gateway_replies_with_tool_calls_or_counted_plain_content():
 def streamed(parser, tok, text):
     """The content deltas of ``text`` decoded token by token, and the final content."""
     ids, deltas = tok.encode(text, add_special_tokens=False), ContentDeltas(parser)
-    pieces = [deltas.delta(tok.decode(ids[:n], skip_special_tokens=True)) for n in range(1, len(ids) + 1)]  # fmt: skip
+    incremental = IncrementalText(lambda some: tok.decode(some, skip_special_tokens=True))
+    pieces = [deltas.delta(incremental.update(ids[:n])) for n in range(1, len(ids) + 1)]
     content = parser.parse(tok.decode(ids, skip_special_tokens=True))[0]
     return [p for p in pieces if p], deltas.rest(content), content
+
+
+def metaspace_tokenizer():
+    """Words with SentencePiece's leading ``▁``: a word decoded alone loses its space."""
+    words = ["<unk>", "▁Hello", "▁world", "▁again", "▁", "!"]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Metaspace()
+    core.decoder = decoders.Metaspace()
+    return PreTrainedTokenizerFast(tokenizer_object=core)
+
+
+WORDS = "Hello world again world Hello again world Hello world again"
+
+
+@pytest.mark.parametrize(
+    ("tok", "text", "whole"),
+    [
+        (metaspace_tokenizer(), WORDS, WORDS),
+        (chat_tokenizer(), "naïve € 12ab<|im_end|>\U0001f600 end", "naïve € 12ab\U0001f600 end"),
+    ],
+)  # 2-, 3- and 4-byte characters in the byte-level one
+def test_incremental_text_adds_up_to_the_whole_decode_reading_few_ids(tok, text, whole):
+    ids, windows = tok.encode(text, add_special_tokens=False), []
+
+    def decode(some):
+        windows.append(len(some))
+        return tok.decode(some, skip_special_tokens=True)
+
+    incremental = IncrementalText(decode)
+    texts = [incremental.update(ids[:n]) for n in range(1, len(ids) + 1)]
+    assert texts[-1] == whole == tok.decode(ids, skip_special_tokens=True)
+    assert all(whole.startswith(t) for t in texts)
+    assert max(windows) <= 8 < len(ids)  # a few ids at a time, never the whole reply
+    one_by_one = "".join(tok.decode([i], skip_special_tokens=True) for i in ids)
+    assert one_by_one != whole  # what decoding each token alone would get wrong
 
 
 def test_streamed_hermes_content_never_shows_the_call_and_adds_up():

@@ -31,7 +31,7 @@ from aiohttp import web
 
 from rl_sglang.agent import tools
 from rl_sglang.agent.sessions import Session, Turn
-from rl_sglang.agent.streaming import ChunkWriter, ContentDeltas, merge_chunk
+from rl_sglang.agent.streaming import ChunkWriter, ContentDeltas, IncrementalText, merge_chunk
 from rl_sglang.client import EngineError
 from rl_sglang.process import check_exposure
 
@@ -138,10 +138,11 @@ class Gateway:
         calls, the finish reason (with ``token_ids`` and ``weight_version``) and, when
         asked for, the usage; record the turn exactly as :meth:`_chat` does."""
         writer, deltas, output = ChunkWriter(request, self.model), ContentDeltas(self.parser), None
+        text = IncrementalText(self._decode)
         await writer.open()
         async for chunk in self.client.generate_stream(**generate):
             output = merge_chunk(output, chunk)
-            piece = deltas.delta(self._decode(output["output_ids"]))
+            piece = deltas.delta(text.update(output["output_ids"]))
             if piece:
                 await writer.send({"content": piece})
         if output is None:

@@ -4,7 +4,9 @@ SGLang streams ``/generate`` as server-sent events whose ``output_ids`` and ``me
 (``output_token_logprobs`` included) are cumulative by default, and deltas when the server
 runs with ``--incremental-streaming-output``; :func:`merge_chunk` keeps the whole output so
 far either way, so the turn the gateway records at the end is the one a plain
-``/generate`` returns. :class:`ContentDeltas` turns the text decoded so far into OpenAI
+``/generate`` returns. :class:`IncrementalText` decodes the growing ids a few at a time
+(decoding all of them at every token costs time quadratic in the reply's length, on the
+event loop every session shares). :class:`ContentDeltas` turns that text into OpenAI
 content deltas, holding back what may still become a tool call (the parser's
 ``streamable``) and an unfinished UTF-8 character, so that the deltas joined equal the
 content of the non-streamed reply. :class:`ChunkWriter` writes the
@@ -31,6 +33,29 @@ def merge_chunk(output: dict | None, chunk: dict) -> dict:
     logprobs = before + (meta.get("output_token_logprobs") or [])
     return {**chunk, "output_ids": output["output_ids"] + ids,
             "meta_info": {**meta, "output_token_logprobs": logprobs}}  # fmt: skip
+
+
+class IncrementalText:
+    """The text of a growing list of ids, ``decode`` called on the ids since the last
+    settled point only. The previous step's ids are decoded with the new ones and their
+    own text cut off, so a token whose text depends on the one before (SentencePiece's
+    leading space) comes out as in a whole decode; ids whose text ends in an unfinished
+    character wait for the next ones."""
+
+    def __init__(self, decode):
+        self.decode, self.text = decode, ""
+        self.start = self.settled = 0  # ids[start:settled]: the step before, for context
+
+    def update(self, ids: list[int]) -> str:
+        """The text of ``ids`` (which extend the previous call's) up to the last settled
+        point."""
+        if len(ids) > self.settled:
+            window = self.decode(ids[self.start :])
+            before = self.decode(ids[self.start : self.settled])
+            if window.startswith(before) and not window.endswith(REPLACEMENT):
+                self.text += window[len(before) :]
+                self.start, self.settled = self.settled, len(ids)
+        return self.text
 
 
 class ContentDeltas:
