@@ -23,6 +23,7 @@ engines, the gateway listens on loopback unless given an API key (then every req
 ``/health`` needs ``Authorization: Bearer <key>``).
 """
 
+import contextlib
 import hmac
 import time
 import uuid
@@ -140,11 +141,13 @@ class Gateway:
         writer, deltas, output = ChunkWriter(request, self.model), ContentDeltas(self.parser), None
         text = IncrementalText(self._decode)
         await writer.open()
-        async for chunk in self.client.generate_stream(**generate):
-            output = merge_chunk(output, chunk)
-            piece = deltas.delta(text.update(output["output_ids"]))
-            if piece:
-                await writer.send({"content": piece})
+        # closed at once if the client goes away mid-reply (its turn is then not recorded)
+        async with contextlib.aclosing(self.client.generate_stream(**generate)) as chunks:
+            async for chunk in chunks:
+                output = merge_chunk(output, chunk)
+                piece = deltas.delta(text.update(output["output_ids"]))
+                if piece:
+                    await writer.send({"content": piece})
         if output is None:
             raise EngineError(self.client.url, 502, "the streamed /generate sent no output")
         message, finish = self._finish(session, turn, output)
