@@ -37,3 +37,16 @@ def test_engine_log_has_a_line_per_start_up_phase(cluster):
         ready = log.index(f"embedded engine ready on {engine.url} (dynamic runner, float32, ")
         assert loaded < ready and "runner prepared in " in log[ready:].splitlines()[0]
         assert "TF32" not in log
+
+
+@pytest.mark.integration
+def test_engine_stopped_by_sigterm_says_so_and_exits_0(tiny_dir, tmp_path):
+    """SIGTERM: the server finishes its shutdown (the line after it) and the process exits
+    0 without the interpreter's teardown (embedded.exit_now)."""
+    from rl_sglang.process import EmbeddedEngine
+
+    engine = EmbeddedEngine(tiny_dir, log_dir=tmp_path).start()
+    engine.stop()
+    assert engine.process.returncode == 0
+    lines = engine.log_path.read_text(errors="replace").splitlines()
+    assert lines[-1] == "embedded engine: shut down"
