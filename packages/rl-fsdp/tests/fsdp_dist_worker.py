@@ -12,8 +12,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from rl_core.distributed import init_distributed
 from rl_core.protocols import TrainingBackend
-from rl_fsdp import FSDPBackend, FSDPConfig, FSDPCritic, init_distributed, shard_for_rank
+from rl_fsdp import FSDPBackend, FSDPConfig, FSDPCritic, shard_for_rank
 from rl_fsdp.weights import full_tensor
 
 
@@ -60,7 +61,8 @@ def _checks(spec: dict, dist_info, workdir: Path) -> dict:
         metrics = backend.forward_backward(local)
         out["grads_by_budget"][budget] = (metrics, _full_grads(backend.model))
     backend.config.max_tokens_per_micro_batch = spec["budgets"][0]
-    sft = dataclasses.replace(backend.config, mode="sft")
+    sft_objective = dataclasses.replace(backend.config.objective, mode="sft")
+    sft = dataclasses.replace(backend.config, objective=sft_objective)
     backend.config, actor_config = sft, backend.config
     backend.optimizer.zero_grad(set_to_none=True)
     out["sft"] = (backend.forward_backward(local), _full_grads(backend.model))

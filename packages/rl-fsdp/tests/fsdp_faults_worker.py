@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 from fsdp_tiny import CONFIGS, tokens_batch
 
-from rl_fsdp import FSDPBackend, FSDPConfig, init_distributed, shard_for_rank
+from rl_core.distributed import init_distributed
+from rl_fsdp import FSDPBackend, FSDPConfig, shard_for_rank
 from rl_fsdp import checkpoint as fsdp_checkpoint
 from rl_fsdp.weights import full_tensor
 

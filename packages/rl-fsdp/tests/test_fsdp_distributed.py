@@ -14,9 +14,9 @@ import torch
 import torch.multiprocessing as mp
 from fsdp_tiny import CONFIGS, padded_log_probs, padded_logits, plain_model, tokens_batch
 
+from rl_core.distributed import free_port
 from rl_core.importance import rollout_importance_weights
-from rl_core.objective import policy_objective, sft_objective
-from rl_fsdp import free_port
+from rl_core.objective import Objective, policy_objective, sft_objective
 from rl_fsdp.optim import lr_multiplier
 
 pytestmark = pytest.mark.integration
@@ -27,9 +27,7 @@ ACTOR = {
     "device": "cpu",
     "reference": True,
     "lr": 1e-2,
-    "kl_coef": 0.1,
-    "entropy_coef": 0.01,
-    "rollout_is": "truncate",
+    "objective": Objective(kl_coef=0.1, entropy_coef=0.01, rollout_is_level="token"),
     "warmup_steps": 2,
     "lr_decay": "cosine",
     "total_steps": 6,
@@ -94,9 +92,9 @@ def _reference_rl(batch):
         advantages=batch.advantages,
         mask=batch.loss_mask,
         entropy=entropy,
-        entropy_coef=ACTOR["entropy_coef"],
+        entropy_coef=ACTOR["objective"].entropy_coef,
         ref_log_probs=batch.ref_log_probs,
-        kl_coef=ACTOR["kl_coef"],
+        kl_coef=ACTOR["objective"].kl_coef,
         importance_weights=weights,
         cu_seqlens=batch.cu_seqlens,
     )

@@ -8,7 +8,7 @@ import pytest
 import torch
 from fsdp_tiny import FAMILIES, LENGTHS, WINDOW, padded_log_probs, plain_model, tokens_batch
 
-from rl_core.objective import sft_objective
+from rl_core.objective import Objective, sft_objective
 from rl_fsdp import FSDPBackend, FSDPConfig
 from rl_fsdp.attention import _packed_mask, packed_attention, register_packed_attention
 from rl_fsdp.forward import packed_forward
@@ -18,7 +18,7 @@ from rl_fsdp.forward import packed_forward
 def world_of_one():
     import torch.distributed as dist
 
-    from rl_fsdp.distributed import init_distributed
+    from rl_core.distributed import init_distributed
 
     yield init_distributed(device="cpu")
     dist.destroy_process_group()
@@ -38,7 +38,9 @@ def reference(family: str):
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_log_probs_and_one_sft_step_equal_hugging_face(world_of_one, family):
-    config = FSDPConfig(model_config=FAMILIES[family], device="cpu", mode="sft", lr=1e-2)
+    config = FSDPConfig(
+        model_config=FAMILIES[family], device="cpu", objective=Objective(mode="sft"), lr=1e-2
+    )
     backend = FSDPBackend(config, dist_info=world_of_one)
     batch = tokens_batch().with_global_denominators()
     expected, loss, grad_norm = reference(family)

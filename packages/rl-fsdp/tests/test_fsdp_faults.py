@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from rl_fsdp import free_port
+from rl_core.distributed import free_port
 from rl_fsdp.checkpoint import TRAINER_STATE
 
 pytestmark = pytest.mark.integration

@@ -126,7 +126,7 @@ def test_failed_compilation_falls_back_to_eager():
 def world_of_one():
     import torch.distributed as dist
 
-    from rl_fsdp.distributed import init_distributed
+    from rl_core.distributed import init_distributed
 
     yield init_distributed(device="cpu")
     dist.destroy_process_group()

@@ -5,7 +5,8 @@ import pytest
 import torch
 from fsdp_tiny import CONFIGS, LENGTHS, plain_model, tokens_batch
 
-from rl_fsdp import FSDPConfig, init_distributed, shard_for_rank
+from rl_core.distributed import init_distributed
+from rl_fsdp import FSDPConfig, shard_for_rank
 from rl_fsdp.attention import resolve_attention
 from rl_fsdp.forward import micro_batch, plan_micro_batches, token_indices
 from rl_fsdp.metrics import matmul_params, train_flops

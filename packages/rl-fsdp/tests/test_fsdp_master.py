@@ -20,7 +20,7 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 def world_of_one():
     import torch.distributed as dist
 
-    from rl_fsdp.distributed import init_distributed
+    from rl_core.distributed import init_distributed
 
     yield init_distributed(device="cpu")
     dist.destroy_process_group()

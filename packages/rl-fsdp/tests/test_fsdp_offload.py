@@ -55,7 +55,7 @@ def test_host_buffers_are_reused_across_turns():
 def world_of_one():
     import torch.distributed as dist
 
-    from rl_fsdp.distributed import init_distributed
+    from rl_core.distributed import init_distributed
 
     yield init_distributed(device="cpu")
     dist.destroy_process_group()

@@ -89,12 +89,14 @@ def test_summary_by_hand():
 def test_profile_of_a_real_cpu_training_step():
     import torch.distributed as dist
 
+    from rl_core.distributed import init_distributed
+    from rl_core.objective import Objective
     from rl_fsdp import FSDPBackend, FSDPConfig
-    from rl_fsdp.distributed import init_distributed
 
     info = init_distributed(device="cpu")
     try:
-        config = FSDPConfig(model_config=CONFIGS["qwen2"], device="cpu", mode="sft")
+        objective = Objective(mode="sft")
+        config = FSDPConfig(model_config=CONFIGS["qwen2"], device="cpu", objective=objective)
         backend = FSDPBackend(config, dist_info=info)
         batch = tokens_batch().with_global_denominators()
         report = profile_step(lambda: backend.train_step(batch), torch.device("cpu"), top=5)

@@ -7,6 +7,8 @@ import tiny
 import torch
 import torch.distributed as dist
 
+from rl_core.distributed import free_port
+
 
 @pytest.fixture(scope="session")
 def world1():
@@ -15,7 +17,7 @@ def world1():
     from rl_megatron.testing import cpu_shim
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(tiny.free_port()))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     cpu_shim.install()
     dist.init_process_group("gloo", rank=0, world_size=1)
     initialize_parallel(tp=1, device="cpu")

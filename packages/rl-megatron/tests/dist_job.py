@@ -10,8 +10,11 @@ import tiny
 import torch
 import torch.distributed as dist
 
+from rl_core.objective import Objective
+
 LENGTHS = [9, 14, 6, 11]
-POLICY = dict(device="cpu", lr=1e-3, clip_grad=0.0, entropy_coef=0.01)
+POLICY = dict(device="cpu", lr=1e-3, clip_grad=0.0, objective=Objective(entropy_coef=0.01))
+SFT = Objective(mode="sft")
 BF16_LAYOUTS = {
     "tp2+sp": {"tp": 2, "sequence_parallel": True},
     "pp2": {"pp": 2, "max_tokens_per_micro_batch": 28},
@@ -193,7 +196,7 @@ def critic_values_after_a_step(hf_path: str, *, tp: int) -> torch.Tensor:
     from rl_megatron.config import MegatronConfig
 
     config = MegatronConfig(
-        hf_path=hf_path, tp=tp, sequence_parallel=tp > 1, mode="critic",
+        hf_path=hf_path, tp=tp, sequence_parallel=tp > 1, critic=True,
         device="cpu", lr=1e-2, clip_grad=0.0,
     )  # fmt: skip
     critic = MegatronBackend(config)
@@ -268,7 +271,7 @@ def bf16_checks(hf_path: str, **layout) -> dict:
     from rl_megatron.config import MegatronConfig
 
     config = MegatronConfig(
-        hf_path=hf_path, precision="bf16", mode="sft", device="cpu", lr=1e-3, **layout
+        hf_path=hf_path, precision="bf16", objective=SFT, device="cpu", lr=1e-3, **layout
     )
     backend = MegatronBackend(config)
     assert {p.dtype for p in backend.model.parameters()} == {torch.bfloat16}

@@ -8,6 +8,8 @@ import tiny
 import torch
 import torch.distributed as dist
 
+from rl_core.objective import Objective
+
 LENGTHS = [33, 70, 17, 52]
 LAYOUTS = {
     "single": {},
@@ -25,7 +27,12 @@ def run(rank: int, world: int, port: int, hf_path: str, out_path: str, layout: s
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world)
     config = MegatronConfig(
-        hf_path=hf_path, device="cuda", precision="bf16", lr=1e-3, mode="sft", **LAYOUTS[layout]
+        hf_path=hf_path,
+        device="cuda",
+        precision="bf16",
+        lr=1e-3,
+        objective=Objective(mode="sft"),
+        **LAYOUTS[layout],
     )
     backend = MegatronBackend(config)
     assert {p.dtype for p in backend.model.parameters()} == {torch.bfloat16}

@@ -12,12 +12,14 @@ import torch
 import torch.multiprocessing as mp
 from gpu_job import LENGTHS, run
 
+from rl_core.distributed import free_port
+
 pytestmark = pytest.mark.gpu
 
 
 def _run_job(world: int, hf_path, out_path, layout: str) -> dict:
     """Spawned (fresh interpreters): the GPU job never sees the CPU shim of other tests."""
-    args = (world, tiny.free_port(), str(hf_path), str(out_path), layout)
+    args = (world, free_port(), str(hf_path), str(out_path), layout)
     mp.start_processes(run, args=args, nprocs=world, start_method="spawn")
     return torch.load(out_path, weights_only=False)
 

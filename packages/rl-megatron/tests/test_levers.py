@@ -6,6 +6,7 @@ import pytest
 import tiny
 import torch
 
+from rl_core.objective import Objective
 from rl_megatron.backend import MegatronBackend
 from rl_megatron.config import MegatronConfig
 
@@ -14,7 +15,11 @@ LENGTHS = [9, 14, 6, 11]
 
 def _run(model_dirs, name: str, **overrides):
     config = MegatronConfig(
-        hf_path=model_dirs[name][0], device="cpu", lr=1e-3, entropy_coef=0.01, **overrides
+        hf_path=model_dirs[name][0],
+        device="cpu",
+        lr=1e-3,
+        objective=Objective(entropy_coef=0.01),
+        **overrides,
     )
     backend = MegatronBackend(config)
     assert backend.model.config.bias_activation_fusion is config.swiglu_fusion

@@ -10,6 +10,7 @@ import pytest
 import tiny
 import torch
 
+from rl_core.objective import Objective
 from rl_megatron.backend import MegatronBackend
 from rl_megatron.config import MegatronConfig
 from rl_megatron.precision import MasterWeightsOptimizer, finish_accumulation
@@ -63,6 +64,9 @@ def test_master_weights_keep_updates_below_bf16_resolution():
         assert torch.equal(p.detach(), master.to(torch.bfloat16))
 
 
+SFT = Objective(mode="sft")
+
+
 def _backend(model_dirs, name="qwen3", **overrides) -> MegatronBackend:
     settings = dict(hf_path=model_dirs[name][0], device="cpu", lr=1e-3, clip_grad=0.0)
     return MegatronBackend(MegatronConfig(**{**settings, **overrides}))
@@ -80,10 +84,10 @@ def test_precision_is_validated(model_dirs):
 def test_bf16_backend_matches_fp32(world1, model_dirs, tmp_path, name):
     batch = tiny.random_batch(LENGTHS, seed=2)
     mask = batch.loss_mask.bool()
-    fp32 = _backend(model_dirs, name, mode="sft")
+    fp32 = _backend(model_dirs, name, objective=SFT)
     fp32.forward_backward(batch)
     backend = _backend(
-        model_dirs, name, mode="sft", precision="bf16", max_tokens_per_micro_batch=20
+        model_dirs, name, objective=SFT, precision="bf16", max_tokens_per_micro_batch=20
     )
     assert {p.dtype for p in backend.model.parameters()} == {torch.bfloat16}
     diff = (backend.compute_log_probs(batch) - fp32.compute_log_probs(batch))[mask].abs()
@@ -108,7 +112,7 @@ def test_bf16_backend_matches_fp32(world1, model_dirs, tmp_path, name):
 
 
 def test_bf16_critic_offload_and_onload(world1, model_dirs):
-    critic = _backend(model_dirs, mode="critic", precision="bf16", lr=1e-2)
+    critic = _backend(model_dirs, critic=True, precision="bf16", lr=1e-2)
     batch = tiny.random_batch(LENGTHS, seed=5)
     batch.returns = torch.full_like(batch.loss_mask, 0.7)
     critic.offload()
@@ -125,10 +129,10 @@ def test_checkpoints_resume_across_precisions(world1, model_dirs, tmp_path):
     """A bf16 checkpoint resumed in fp32 gets the fp32 masters, an fp32 one resumed in bf16
     gets its fp32 weights as masters: nothing is rounded through bf16 on the way."""
     batch = tiny.random_batch(LENGTHS, seed=6)
-    bf16 = _backend(model_dirs, mode="sft", precision="bf16")
+    bf16 = _backend(model_dirs, objective=SFT, precision="bf16")
     bf16.train_step(batch)
     bf16.save_checkpoint(tmp_path / "bf16")
-    fp32 = _backend(model_dirs, mode="sft")
+    fp32 = _backend(model_dirs, objective=SFT)
     fp32.load_checkpoint(tmp_path / "bf16")
     assert all(torch.equal(p, m) for p, m in zip(fp32.params, bf16.optimizer.masters, strict=True))
     fp32.train_step(batch)

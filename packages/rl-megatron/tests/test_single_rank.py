@@ -8,7 +8,7 @@ import tiny
 import torch
 from safetensors.torch import load_file
 
-from rl_core.objective import policy_objective
+from rl_core.objective import Objective, policy_objective
 from rl_megatron import checkpoint
 from rl_megatron.backend import MegatronBackend
 from rl_megatron.config import MegatronConfig
@@ -69,7 +69,7 @@ def test_export_round_trip_is_exact(world1, model_dirs, name, tmp_path):
 @pytest.mark.parametrize("name", ["qwen3", "qwen3-moe"])
 def test_policy_loss_and_grads_equal_hf(world1, model_dirs, name):
     """Loss from rl_core on Megatron log-probs, and its gradient, equal the HF model's."""
-    backend = make_backend(model_dirs, name, entropy_coef=0.0)
+    backend = make_backend(model_dirs, name)
     batch = tiny.random_batch(LENGTHS, seed=2)
     metrics = backend.forward_backward(batch)
     hf_model = model_dirs[name][1]
@@ -97,7 +97,8 @@ def test_policy_loss_and_grads_equal_hf(world1, model_dirs, name):
 def test_rollout_importance_weights_scale_the_policy_loss(world1, model_dirs):
     batch = tiny.random_batch(LENGTHS, seed=10)
     plain = make_backend(model_dirs, "qwen3").forward_backward(batch)
-    backend = make_backend(model_dirs, "qwen3", rollout_is_cap=2.0, max_tokens_per_micro_batch=20)
+    corrected = Objective(rollout_is_level="token", rollout_is_cap=2.0)
+    backend = make_backend(model_dirs, "qwen3", objective=corrected, max_tokens_per_micro_batch=20)
     batch.rollout_log_probs = batch.old_log_probs - 0.5  # every weight exp(0.5) < cap
     weighted = backend.forward_backward(batch)
     assert weighted["loss/pg"] == pytest.approx(plain["loss/pg"] * 1.6487213, rel=1e-5)
@@ -122,7 +123,7 @@ def test_micro_batches_give_the_full_batch_loss_and_grads(world1, model_dirs):
 
 
 def test_sft_steps_lower_the_loss(world1, model_dirs):
-    backend = make_backend(model_dirs, "llama", mode="sft", lr=3e-3)
+    backend = make_backend(model_dirs, "llama", objective=Objective(mode="sft"), lr=3e-3)
     batch = tiny.random_batch(LENGTHS, seed=4)
     losses = [backend.train_step(batch)["loss/sft"] for _ in range(4)]
     assert losses[-1] < losses[0] - 0.05
@@ -131,7 +132,7 @@ def test_sft_steps_lower_the_loss(world1, model_dirs):
 
 
 def test_critic_learns_returns(world1, model_dirs):
-    backend = make_backend(model_dirs, "qwen3", mode="critic", lr=1e-3, value_clip=0.5)
+    backend = make_backend(model_dirs, "qwen3", critic=True, lr=1e-3, value_clip=0.5)
     batch = tiny.random_batch(LENGTHS, seed=5)
     batch.returns = torch.full_like(batch.loss_mask, 0.7)
     values = backend.compute_values(batch)
@@ -151,18 +152,19 @@ def test_critic_learns_returns(world1, model_dirs):
 def test_critic_resumes_from_a_distributed_checkpoint(world1, model_dirs, tmp_path):
     batch = tiny.random_batch(LENGTHS, seed=5)
     batch.returns = torch.full_like(batch.loss_mask, 0.7)
-    straight = make_backend(model_dirs, "qwen3", mode="critic", lr=1e-2)
+    straight = make_backend(model_dirs, "qwen3", critic=True, lr=1e-2)
     straight.train_step(batch)
     straight.save_checkpoint(tmp_path / "critic")
     expected = straight.train_step(batch)
-    resumed = make_backend(model_dirs, "qwen3", mode="critic", lr=1e-2)
+    resumed = make_backend(model_dirs, "qwen3", critic=True, lr=1e-2)
     resumed.load_checkpoint(tmp_path / "critic")
     assert resumed.train_step(batch) == expected
     assert torch.equal(resumed.compute_values(batch), straight.compute_values(batch))
 
 
 def test_reference_log_probs_come_from_ref_weights(world1, model_dirs):
-    backend = make_backend(model_dirs, "qwen3", ref_path=model_dirs["qwen3-ref"][0], kl_coef=0.1)
+    ref_path, with_kl = model_dirs["qwen3-ref"][0], Objective(kl_coef=0.1)
+    backend = make_backend(model_dirs, "qwen3", ref_path=ref_path, objective=with_kl)
     batch = tiny.random_batch(LENGTHS, seed=6)
     actor = backend.compute_log_probs(batch)
     ref = backend.compute_log_probs(batch, model="ref")
@@ -191,7 +193,8 @@ def test_resume_equals_uninterrupted(world1, model_dirs, tmp_path):
         assert torch.equal(a, b), name
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # nothing left aside
     with pytest.raises(ValueError, match="mode"):
-        make_backend(model_dirs, "qwen2-tied", mode="sft").load_checkpoint(tmp_path / "ckpt")
+        sft = make_backend(model_dirs, "qwen2-tied", objective=Objective(mode="sft"))
+        sft.load_checkpoint(tmp_path / "ckpt")
     checkpoint.save_sharded(tmp_path / "per_rank", {"step": 1}, {"mode": "policy"})
     with pytest.raises(ValueError, match="not a megatron distributed checkpoint"):
         resumed.load_checkpoint(tmp_path / "per_rank")

@@ -6,8 +6,9 @@ import pytest
 import tiny
 import torch
 import torch.multiprocessing as mp
-from dist_job import LENGTHS, POLICY, critic_values_after_a_step, run
+from dist_job import LENGTHS, POLICY, SFT, critic_values_after_a_step, run
 
+from rl_core.distributed import free_port
 from rl_core.logprobs import log_probs_and_entropy
 from rl_megatron.backend import MegatronBackend
 from rl_megatron.config import MegatronConfig
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.integration
 def job(model_dirs, tmp_path_factory):
     out = tmp_path_factory.mktemp("job") / "results.pt"
     dirs = {name: str(d) for name, (d, _) in model_dirs.items()}
-    mp.spawn(run, args=(2, tiny.free_port(), dirs, str(out)), nprocs=2, join=True)
+    mp.spawn(run, args=(2, free_port(), dirs, str(out)), nprocs=2, join=True)
     return torch.load(out, weights_only=False)
 
 
@@ -93,7 +94,7 @@ def test_tp2_checkpoint_resumes_at_tp1(job, world1, model_dirs):
     backend.load_checkpoint(got["ckpt"])
     assert backend.step == 1
     metrics = backend.train_step(tiny.random_batch(LENGTHS, seed=8))
-    for key in ("loss/total", "loss/pg", "actor/entropy", "grad_norm"):
+    for key in ("loss/total", "loss/pg", "actor/entropy", "train/grad_norm"):
         assert metrics[key] == pytest.approx(got["expected"][key], abs=1e-5), key
     after = backend.compute_log_probs(tiny.random_batch(LENGTHS, seed=8))
     torch.testing.assert_close(after, got["log_probs"], atol=1e-5, rtol=0)
@@ -219,7 +220,7 @@ def test_bf16_layouts_match_fp32_one_rank(job, world1, model_dirs, layout):
     (bf16 activations sent between stages) and ZeRO-1 on fp32 masters run and stay within
     bf16 tolerances of the fp32 one-rank model; training lowers the loss."""
     got = job["bf16"][layout]
-    config = MegatronConfig(hf_path=model_dirs["qwen3"][0], mode="sft", device="cpu")
+    config = MegatronConfig(hf_path=model_dirs["qwen3"][0], objective=SFT, device="cpu")
     fp32 = MegatronBackend(config)
     full = tiny.random_batch(LENGTHS, seed=11).with_global_denominators()
     part = full.select([0, 2]) if layout == "dp2" else full  # dp2: rank 0's half
@@ -237,7 +238,7 @@ def test_bf16_layouts_match_fp32_one_rank(job, world1, model_dirs, layout):
 def test_dp2_nonfinite_steps_are_skipped_by_both_ranks_and_leave_state_untouched(job, precision):
     got = job["nonfinite_dp2"][precision]  # NaN on rank 1 only, then inf on rank 0 only
     assert [m["train/nonfinite_skipped"] for m in got["bad"]] == [1.0, 1.0]
-    assert not any(math.isfinite(m["grad_norm"]) for m in got["bad"])
+    assert not any(math.isfinite(m["train/grad_norm"]) for m in got["bad"])
     assert math.isnan(got["bad"][0]["loss/total"])
     assert got["untouched"]  # weights, fp32 masters, ZeRO-1 AdamW shard, step
 

@@ -7,7 +7,7 @@ import torch
 
 from rl_core.cp import zigzag_gather
 from rl_core.logprobs import log_probs_and_entropy
-from rl_core.objective import policy_objective
+from rl_core.objective import Objective, policy_objective
 from rl_megatron.config import MegatronConfig
 from rl_megatron.cp import cp_shard_batch, cp_token_index
 from rl_megatron.forward import model_inputs, padded_micro_batches
@@ -165,14 +165,31 @@ def test_config_is_validated(model_dirs):
     path = model_dirs["qwen3"][0]
     with pytest.raises(ValueError, match="config"):
         MegatronConfig(hf_path=path.parent)
-    with pytest.raises(ValueError, match="mode"):
-        MegatronConfig(hf_path=path, mode="dpo")
-    with pytest.raises(ValueError, match="unknown"):
-        MegatronConfig(hf_path=path, loss_name="nope")
-    with pytest.raises(ValueError, match="ref_path"):
-        MegatronConfig(hf_path=path, kl_coef=0.1)
+    with pytest.raises(ValueError, match="objective must be an rl_core"):
+        MegatronConfig(hf_path=path, objective={"kl_coef": 0.1})
     with pytest.raises(ValueError, match="tp must be positive"):
         MegatronConfig(hf_path=path, tp=0)
+
+
+def test_config_reads_the_objective(model_dirs):
+    """The reference defaults to the policy's own weights when the objective needs one
+    (not for a critic); context parallelism refuses sequence-level terms by name."""
+    path = model_dirs["qwen3"][0]
+    with_kl, with_reward_kl = Objective(kl_coef=0.1), Objective(reward_kl_coef=0.1)
+    assert MegatronConfig(hf_path=path, objective=with_kl).ref_path == path
+    assert MegatronConfig(hf_path=path, objective=with_reward_kl).ref_path == path
+    assert MegatronConfig(hf_path=path, objective=with_kl, critic=True).ref_path is None
+    assert MegatronConfig(hf_path=path).ref_path is None
+    sft, critic = Objective(mode="sft"), MegatronConfig(hf_path=path, critic=True)
+    assert (MegatronConfig(hf_path=path, objective=sft).role, critic.role) == ("sft", "critic")
+    with pytest.raises(ValueError, match="token-level policy_loss"):
+        MegatronConfig(hf_path=path, cp=2, objective=Objective(policy_loss="gspo"))
+    with pytest.raises(ValueError, match="rollout_is_level"):
+        MegatronConfig(hf_path=path, cp=2, objective=Objective(rollout_is_level="sequence"))
+    with pytest.raises(ValueError, match="seq-mean-token-mean"):
+        MegatronConfig(hf_path=path, cp=2, objective=Objective(loss_agg_mode="seq-mean-token-mean"))
+    token_level = Objective(policy_loss="cispo", rollout_is_level="token")
+    assert MegatronConfig(hf_path=path, cp=2, objective=token_level).cp == 2
 
 
 def test_modules_import_each_other_without_cycles():

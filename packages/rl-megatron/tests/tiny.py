@@ -1,7 +1,6 @@
 """Tiny HF models and packed batches shared by the tests (built from configs, no downloads)."""
 
 import itertools
-import socket
 from pathlib import Path
 
 import torch
@@ -144,9 +143,3 @@ def hf_files(directory: Path) -> dict[str, torch.Tensor]:
     for path in directory.glob("*.safetensors"):
         tensors.update(load_file(str(path)))
     return tensors
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -1,17 +1,169 @@
-"""The full RL training loss of one micro-batch: policy loss, KL to the reference, entropy
-bonus and rollout importance correction, aggregated with the step's global denominators.
+"""What a trainer optimises, described once (:class:`Objective`), and the full RL training
+loss of one micro-batch: policy loss, KL to the reference, entropy bonus and rollout
+importance correction, aggregated with the step's global denominators.
 
-Backends call this with the tensors they computed; it reads no config object. Every value
-in the returned metrics is this micro-batch's share of the step-wide mean (computed with
-the same global denominators), so summing metrics over micro-batches and data-parallel
-ranks gives the step's metric.
+Both training backends carry one :class:`Objective` (the launcher builds it from its
+``algorithm.*`` options, whose names its fields share) and hand it to
+:func:`objective_loss` with the tensors they computed. :func:`policy_objective` and
+:func:`sft_objective` read no config object. Every value in the returned metrics is this
+micro-batch's share of the step-wide mean (computed with the same global denominators), so
+summing metrics over micro-batches and data-parallel ranks gives the step's metric.
 """
+
+import math
+from dataclasses import dataclass
 
 import torch
 
-from rl_core.aggregation import aggregate
-from rl_core.kl import approx_kl
+from rl_core.aggregation import AGGREGATION_MODES, aggregate
+from rl_core.importance import IS_LEVELS, IS_MODES
+from rl_core.kl import KL_KINDS, approx_kl
 from rl_core.losses import POLICY_LOSSES, entropy_loss, sft_loss
+
+OBJECTIVE_MODES = ("policy", "sft")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Objective:
+    """The loss a policy is trained with; validated once, read by every backend.
+
+    Field names are the launcher's ``algorithm.*`` option names wherever one exists, so a
+    new term is one field here (and one option of the same name there). OPD / DPO terms
+    join as fields the same way.
+    """
+
+    mode: str = "policy"
+    """"policy" (RL policy loss with KL, entropy and importance terms) or "sft" (negative
+    log-likelihood of the loss-masked tokens; only the aggregation applies)."""
+    policy_loss: str = "ppo"
+    """Policy loss from rl_core.losses.POLICY_LOSSES (ppo, gspo, cispo, ...)."""
+    loss_agg_mode: str = "token-mean"
+    """How per-token losses become one number (rl_core.aggregation.AGGREGATION_MODES)."""
+    norm_length: float | None = None
+    """Constant divisor of "seq-mean-token-sum-norm" (Dr.GRPO: the response limit);
+    required by that mode, since packed batches have no padded width to default to."""
+    clip_low: float = 0.2
+    """Lower ratio clip: ratios below 1 - clip_low are clipped."""
+    clip_high: float | None = None
+    """Upper ratio clip (1 + clip_high); None = clip_low (set higher for DAPO clip-higher)."""
+    dual_clip: float | None = None
+    """Dual-clip bound c (> 1) for negative advantages; None disables it."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus."""
+    kl_coef: float = 0.0
+    """Weight of KL(actor || reference) in the loss; needs reference log-probs."""
+    kl_kind: str = "low_var_kl"
+    """KL estimator of the loss term (rl_core.kl.KL_KINDS)."""
+    reward_kl_coef: float = 0.0
+    """KL-to-reference penalty folded into the rewards before the advantages (not a loss
+    term); with ``kl_coef`` it decides whether a reference model is loaded."""
+    rollout_is_level: str | None = None
+    """Rollout importance correction pi_old / pi_rollout: "token", "sequence" or None (off)."""
+    rollout_is_mode: str = "truncate"
+    """"truncate" (TIS: min(w, cap)) or "mask" (MIS: drop tokens outside [1/cap, cap])."""
+    rollout_is_cap: float = 2.0
+    """Upper bound of the importance weight."""
+    temperature: float = 1.0
+    """Sampling temperature of the rollout; logits are divided by it, as engines do."""
+
+    def __post_init__(self):
+        self._check_choices()
+        self._check_bounds()
+        if self.loss_agg_mode == "seq-mean-token-sum-norm" and self.norm_length is None:
+            raise ValueError(
+                "loss_agg_mode='seq-mean-token-sum-norm' needs norm_length (the response "
+                "limit it divides by)"
+            )
+
+    def _check_choices(self) -> None:
+        choices = {
+            "mode": OBJECTIVE_MODES,
+            "policy_loss": tuple(POLICY_LOSSES.names()),
+            "loss_agg_mode": AGGREGATION_MODES,
+            "kl_kind": KL_KINDS,
+            "rollout_is_level": (None, *IS_LEVELS),
+            "rollout_is_mode": IS_MODES,
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                known = ", ".join(str(choice) for choice in allowed)
+                raise ValueError(f"{name}={getattr(self, name)!r} unknown; choose one of: {known}")
+
+    def _check_bounds(self) -> None:
+        """Every number finite; coefficients and clips >= 0, scales > 0, dual_clip > 1."""
+        at_least_zero = ("clip_low", "clip_high", "entropy_coef", "kl_coef", "reward_kl_coef")
+        above_zero = ("norm_length", "rollout_is_cap", "temperature")
+        for name in (*at_least_zero, *above_zero, "dual_clip"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value}")
+            if name in at_least_zero and value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+            if name in above_zero and value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ValueError(f"dual_clip must be > 1 (or None to disable), got {self.dual_clip}")
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether a frozen reference model must be loaded (KL in the loss or the reward)."""
+        return self.kl_coef > 0 or self.reward_kl_coef > 0
+
+    @property
+    def corrects_rollout(self) -> bool:
+        """Whether the policy loss is weighted by rollout importance weights."""
+        return self.rollout_is_level is not None
+
+
+def objective_loss(
+    objective: Objective,
+    *,
+    log_probs: torch.Tensor,
+    mask: torch.Tensor,
+    old_log_probs: torch.Tensor | None = None,
+    advantages: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    ref_log_probs: torch.Tensor | None = None,
+    importance_weights: torch.Tensor | None = None,
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    tensor_metrics: bool = False,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The loss ``objective`` describes: :func:`sft_objective` in "sft" mode, else
+    :func:`policy_objective` with every term of the objective (shapes and metrics as
+    there; ``old_log_probs`` and ``advantages`` are required in "policy" mode)."""
+    aggregation = {
+        "agg_mode": objective.loss_agg_mode,
+        "norm_length": objective.norm_length,
+        "num_tokens": num_tokens,
+        "num_seqs": num_seqs,
+        "cu_seqlens": cu_seqlens,
+        "tensor_metrics": tensor_metrics,
+    }
+    if objective.mode == "sft":
+        return sft_objective(log_probs=log_probs, mask=mask, **aggregation)
+    if old_log_probs is None or advantages is None:
+        raise ValueError("mode='policy' needs old_log_probs and advantages (or use mode='sft')")
+    return policy_objective(
+        log_probs=log_probs,
+        old_log_probs=old_log_probs,
+        advantages=advantages,
+        mask=mask,
+        loss_name=objective.policy_loss,
+        clip_low=objective.clip_low,
+        clip_high=objective.clip_high,
+        dual_clip=objective.dual_clip,
+        entropy=entropy,
+        entropy_coef=objective.entropy_coef,
+        ref_log_probs=ref_log_probs,
+        kl_coef=objective.kl_coef,
+        kl_kind=objective.kl_kind,
+        importance_weights=importance_weights,
+        **aggregation,
+    )
 
 
 def policy_objective(

@@ -3,10 +3,11 @@ causal LMs, CPU (gloo, fp32) and GPU (nccl, bf16 mixed precision)."""
 
 from importlib.metadata import PackageNotFoundError, version
 
+from rl_core.distributed import DistInfo, free_port, init_distributed  # moved to rl_core
 from rl_fsdp.backend import FSDPBackend
 from rl_fsdp.config import FSDPConfig
 from rl_fsdp.critic import FSDPCritic
-from rl_fsdp.distributed import DistInfo, free_port, init_distributed, shard_for_rank
+from rl_fsdp.distributed import shard_for_rank
 
 try:
     __version__ = version("rl-fsdp")

@@ -1,6 +1,7 @@
 """The FSDP2 actor: rl_core.protocols.TrainingBackend on a Hugging Face causal LM.
 
-    backend = FSDPBackend(FSDPConfig(model_path="/models/qwen", lr=1e-6, reference=True))
+    objective = Objective(policy_loss="ppo", kl_coef=0.001)  # needs the reference model
+    backend = FSDPBackend(FSDPConfig(model_path="/models/qwen", lr=1e-6, objective=objective))
     batch = shard_for_rank(global_batch, backend.dist.rank, backend.dist.world_size)
     batch.old_log_probs = backend.compute_log_probs(batch)
     batch.ref_log_probs = backend.compute_log_probs(batch, model="ref")
@@ -18,11 +19,11 @@ import torch
 
 from rl_core.aggregation import aggregate
 from rl_core.batch import TrainBatch
+from rl_core.distributed import DistInfo
 from rl_core.importance import logprob_gap_share, rollout_importance_weights
 from rl_core.kl import approx_kl
-from rl_core.objective import policy_objective, sft_objective
+from rl_core.objective import objective_loss
 from rl_fsdp.config import FSDPConfig
-from rl_fsdp.distributed import DistInfo
 from rl_fsdp.engine import ShardedTrainer
 from rl_fsdp.forward import packed_log_probs
 from rl_fsdp.modeling import (
@@ -44,7 +45,7 @@ class FSDPBackend(ShardedTrainer):
 
     def __init__(self, config: FSDPConfig, *, dist_info: DistInfo | None = None):
         super().__init__(config, dist_info=dist_info)
-        self.ref_model = self._build_reference() if config.reference else None
+        self.ref_model = self._build_reference() if config.loads_reference else None
 
     def _build_reference(self) -> torch.nn.Module:
         """A frozen, sharded copy of the initial weights (same source and seed)."""
@@ -78,7 +79,10 @@ class FSDPBackend(ShardedTrainer):
             return self.model
         if model == "ref":
             if self.ref_model is None:
-                raise ValueError("model='ref' needs FSDPConfig(reference=True)")
+                raise ValueError(
+                    "model='ref' needs a reference: FSDPConfig(reference=True) or an "
+                    "objective with kl_coef or reward_kl_coef > 0"
+                )
             return self.ref_model
         raise ValueError(f"model={model!r}; choose 'actor' or 'ref'")
 
@@ -100,7 +104,7 @@ class FSDPBackend(ShardedTrainer):
             net,
             mb,
             impl=self.attention,
-            temperature=self.config.temperature,
+            temperature=self.config.objective.temperature,
             chunk_size=self.config.logits_chunk_size,
             with_entropy=with_entropy,
             pad_to=budget,
@@ -108,85 +112,69 @@ class FSDPBackend(ShardedTrainer):
 
     # --- the loss of one micro-batch ---------------------------------------------------
     def micro_batch_loss(self, mb: TrainBatch) -> tuple[torch.Tensor, dict]:
-        rl = self.config.mode == "rl"
+        """rl_core.objective.objective_loss of the config's objective, metrics as 0-d
+        device tensors (summed on the device, read back once per step)."""
+        objective = self.config.objective
+        policy = objective.mode == "policy"
         budget = self.config.max_tokens_per_micro_batch
-        log_probs, entropy = self._log_probs(self.model, mb, with_entropy=rl, budget=budget)
-        if not rl:
-            return sft_objective(
-                log_probs=log_probs,
-                mask=mb.loss_mask,
-                tensor_metrics=True,
-                **self._denominators(mb),
-            )
-        return self._policy_loss(mb, log_probs, entropy)
+        log_probs, entropy = self._log_probs(self.model, mb, with_entropy=policy, budget=budget)
+        old, weights, metrics = self._policy_inputs(mb, log_probs) if policy else (None, None, {})
+        loss, objective_metrics = objective_loss(
+            objective,
+            log_probs=log_probs,
+            mask=mb.loss_mask,
+            old_log_probs=old,
+            advantages=mb.advantages,
+            entropy=entropy,
+            ref_log_probs=mb.ref_log_probs,
+            importance_weights=weights,
+            num_tokens=mb.global_num_tokens,
+            num_seqs=mb.global_num_seqs,
+            cu_seqlens=mb.cu_seqlens,
+            tensor_metrics=True,
+        )
+        metrics.update(objective_metrics)
+        if policy and mb.ref_log_probs is not None and objective.kl_coef == 0.0:
+            kl = approx_kl(log_probs.detach(), mb.ref_log_probs, kind=objective.kl_kind)
+            metrics["actor/kl"] = self._aggregate(kl, mb)  # reported even if unused
+        return loss, metrics
 
-    def _denominators(self, mb: TrainBatch) -> dict:
-        return {
-            "num_tokens": mb.global_num_tokens,
-            "num_seqs": mb.global_num_seqs,
-            "cu_seqlens": mb.cu_seqlens,
-            "agg_mode": self.config.agg_mode,
-        }
-
-    def _policy_loss(self, mb: TrainBatch, log_probs: torch.Tensor, entropy: torch.Tensor):
-        """rl_core.objective.policy_objective with this config; on-policy when the batch
-        has no old log-probs (ratio 1)."""
-        cfg = self.config
+    def _policy_inputs(self, mb: TrainBatch, log_probs: torch.Tensor):
+        """``(old log-probs, rollout IS weights or None, their metrics)``; on-policy (the
+        detached log-probs, ratio 1) when the batch has no old log-probs."""
         if mb.advantages is None:
-            raise ValueError("mode='rl' needs batch.advantages (or use mode='sft')")
+            raise ValueError("a policy objective needs batch.advantages (or use mode='sft')")
         old = mb.old_log_probs if mb.old_log_probs is not None else log_probs.detach()
         weights, metrics = self._rollout_weights(mb, old)
         if mb.old_log_probs is None and mb.rollout_log_probs is not None:
             metrics["mismatch/logprob_abs_diff_mean"] = logprob_gap_share(
                 old, mb.rollout_log_probs, mb.loss_mask, num_tokens=mb.global_num_tokens
             )
-        loss, objective_metrics = policy_objective(
-            log_probs=log_probs,
-            old_log_probs=old,
-            advantages=mb.advantages,
-            mask=mb.loss_mask,
-            loss_name=cfg.loss_name,
-            clip_low=cfg.clip_low,
-            clip_high=cfg.clip_high,
-            dual_clip=cfg.dual_clip,
-            entropy=entropy,
-            entropy_coef=cfg.entropy_coef,
-            ref_log_probs=mb.ref_log_probs,
-            kl_coef=cfg.kl_coef,
-            kl_kind=cfg.kl_kind,
-            importance_weights=weights,
-            norm_length=cfg.norm_length,
-            tensor_metrics=True,  # summed on the device, read back once per step
-            **self._denominators(mb),
-        )
-        metrics.update(objective_metrics)
-        if mb.ref_log_probs is not None and cfg.kl_coef == 0.0:  # report KL even if unused
-            kl = approx_kl(log_probs.detach(), mb.ref_log_probs, kind=cfg.kl_kind)
-            metrics["actor/kl"] = self._aggregate(kl, mb)  # read back once per step
-        return loss, metrics
+        return old, weights, metrics
 
     def _aggregate(self, per_token: torch.Tensor, mb: TrainBatch) -> torch.Tensor:
         return aggregate(
             per_token,
             mb.loss_mask,
-            mode=self.config.agg_mode,
+            mode=self.config.objective.loss_agg_mode,
             cu_seqlens=mb.cu_seqlens,
             num_tokens=mb.global_num_tokens,
             num_seqs=mb.global_num_seqs,
-            norm_length=self.config.norm_length,
+            norm_length=self.config.objective.norm_length,
         )
 
     def _rollout_weights(self, mb: TrainBatch, old: torch.Tensor):
         """Rollout importance weights (or None) and their metrics as shares of the step."""
-        if self.config.rollout_is is None or mb.rollout_log_probs is None:
+        objective = self.config.objective
+        if not objective.corrects_rollout or mb.rollout_log_probs is None:
             return None, {}
         weights, metrics = rollout_importance_weights(
             old,
             mb.rollout_log_probs,
             mb.loss_mask,
-            level=self.config.rollout_is_level,
-            mode=self.config.rollout_is,
-            cap=self.config.rollout_is_cap,
+            level=objective.rollout_is_level,
+            mode=objective.rollout_is_mode,
+            cap=objective.rollout_is_cap,
             cu_seqlens=mb.cu_seqlens,
             tensor_metrics=True,
         )

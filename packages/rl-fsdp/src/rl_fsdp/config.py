@@ -1,16 +1,15 @@
 """The one configuration object of the FSDP backend (actor, reference and critic alike).
 
 Keyword-only, every field documented, validated once in ``__post_init__`` with a
-ValueError that names the field and says how to fix it.
+ValueError that names the field and says how to fix it. What the loss is comes from
+``objective`` (:class:`rl_core.objective.Objective`, validated there); this config holds how
+the model is built, sharded, batched and optimised.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from rl_core.aggregation import AGGREGATION_MODES
-from rl_core.importance import IS_LEVELS, IS_MODES
-from rl_core.kl import KL_KINDS
-from rl_core.losses import POLICY_LOSSES
+from rl_core.objective import Objective
 
 ATTENTION_IMPLS = (
     "auto",
@@ -23,7 +22,6 @@ ATTENTION_IMPLS = (
 )
 PRECISIONS = ("fp32", "bf16")
 LR_DECAYS = ("constant", "linear", "cosine")
-MODES = ("rl", "sft")
 
 
 @dataclass(kw_only=True)
@@ -84,8 +82,9 @@ class FSDPConfig:
     """dtype of the gradient reduction ("fp32" or "bf16"). None = fp32, except on a single
     rank where it is the compute dtype: nothing is summed there, so the result is the same
     bit for bit and the float32 copy of every gradient is skipped."""
-    reference: bool = False
-    """Build a frozen reference copy of the initial weights (for ``model="ref"`` log-probs)."""
+    reference: bool | None = None
+    """Build a frozen reference copy of the initial weights (for ``model="ref"`` log-probs).
+    None = when the objective needs one (``objective.needs_reference``)."""
     ref_offload: bool = False
     """Keep the reference model's shards on CPU between uses (moved in for each call)."""
     # --- batching ----------------------------------------------------------------------
@@ -95,29 +94,10 @@ class FSDPConfig:
     """Token budget for no-grad log-prob passes; None = ``max_tokens_per_micro_batch``."""
     logits_chunk_size: int = 1024
     """Rows per chunk of the log-softmax over the vocabulary (rl_core.logprobs)."""
-    temperature: float = 1.0
-    """Sampling temperature of the rollout; logits are divided by it as engines do."""
     # --- loss --------------------------------------------------------------------------
-    mode: str = "rl"
-    """"rl" (policy objective) or "sft" (negative log-likelihood of loss-masked tokens)."""
-    loss_name: str = "ppo"
-    """Policy loss from rl_core.losses.POLICY_LOSSES (ppo, gspo, cispo, ...)."""
-    clip_low: float = 0.2
-    clip_high: float | None = None
-    """Upper ratio clip; None = ``clip_low`` (set higher for DAPO clip-higher)."""
-    dual_clip: float | None = None
-    agg_mode: str = "token-mean"
-    """Loss aggregation (rl_core.aggregation.AGGREGATION_MODES)."""
-    norm_length: float | None = None
-    """Divisor of "seq-mean-token-sum-norm" (required for that mode)."""
-    entropy_coef: float = 0.0
-    kl_coef: float = 0.0
-    """Weight of KL(actor || ref) in the loss; needs ``ref_log_probs`` in the batch."""
-    kl_kind: str = "low_var_kl"
-    rollout_is: str | None = None
-    """Rollout importance correction: None, "truncate" (TIS) or "mask" (MIS)."""
-    rollout_is_level: str = "token"
-    rollout_is_cap: float = 2.0
+    objective: Objective = field(default_factory=Objective)
+    """The loss (policy or SFT, clipping, KL, entropy, rollout correction, aggregation,
+    temperature): rl_core.objective.Objective, shared with every backend."""
     value_clip: float | None = 0.2
     """Critic only: clip range of the PPO value loss (None = unclipped)."""
     # --- optimizer ---------------------------------------------------------------------
@@ -159,12 +139,6 @@ class FSDPConfig:
             "device": ("auto", "cpu", "cuda"),
             "precision": PRECISIONS,
             "attention": ATTENTION_IMPLS,
-            "mode": MODES,
-            "loss_name": tuple(POLICY_LOSSES.names()),
-            "agg_mode": AGGREGATION_MODES,
-            "kl_kind": KL_KINDS,
-            "rollout_is": (None, *IS_MODES),
-            "rollout_is_level": IS_LEVELS,
             "lr_decay": LR_DECAYS,
             "export_dtype": (None, *PRECISIONS),
             "reduce_dtype": (None, *PRECISIONS),
@@ -174,8 +148,7 @@ class FSDPConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r}; choose one of: {allowed}")
 
     def _check_numbers(self):
-        positive = ["max_tokens_per_micro_batch", "logits_chunk_size", "temperature"]
-        positive += ["lr", "eps", "rollout_is_cap"]
+        positive = ["max_tokens_per_micro_batch", "logits_chunk_size", "lr", "eps"]
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -189,10 +162,12 @@ class FSDPConfig:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ValueError(f"max_grad_norm must be positive or None, got {self.max_grad_norm}")
-        if self.agg_mode == "seq-mean-token-sum-norm" and self.norm_length is None:
-            raise ValueError("agg_mode='seq-mean-token-sum-norm' needs norm_length (packed input)")
-        if self.ref_offload and not self.reference:
-            raise ValueError("ref_offload=True needs reference=True")
+        if not isinstance(self.objective, Objective):
+            raise ValueError(
+                f"objective must be an rl_core.objective.Objective, got {type(self.objective)}"
+            )
+        if self.ref_offload and not self.loads_reference:
+            raise ValueError("ref_offload=True needs a reference (reference=True, or a KL term)")
         if self.cpu_offload and self.fsdp_on_one_rank is False:
             raise ValueError(
                 "cpu_offload=True is FSDP2's offload policy; drop fsdp_on_one_rank=False"
@@ -206,6 +181,11 @@ class FSDPConfig:
 
         if self.compile_blocks and self.compile_layers:
             raise ValueError("compile_layers=True already compiles the blocks; drop compile_blocks")
+
+    @property
+    def loads_reference(self) -> bool:
+        """Whether the backend builds the frozen reference model."""
+        return self.objective.needs_reference if self.reference is None else self.reference
 
     @property
     def micro_batch_tokens_for_log_probs(self) -> int:

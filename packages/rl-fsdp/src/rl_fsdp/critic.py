@@ -47,11 +47,11 @@ class FSDPCritic(ShardedTrainer):
             return aggregate(
                 x,
                 mb.loss_mask,
-                mode=self.config.agg_mode,
+                mode=self.config.objective.loss_agg_mode,
                 cu_seqlens=mb.cu_seqlens,
                 num_tokens=mb.global_num_tokens,
                 num_seqs=mb.global_num_seqs,
-                norm_length=self.config.norm_length,
+                norm_length=self.config.objective.norm_length,
             )
 
         loss = agg(per_token)

@@ -14,16 +14,15 @@ from pathlib import Path
 import torch
 
 from rl_core.batch import TrainBatch, to_device
+from rl_core.distributed import DistInfo, init_distributed
 from rl_fsdp import checkpoint, faults
 from rl_fsdp.attention import resolve_attention
 from rl_fsdp.config import FSDPConfig
 from rl_fsdp.distributed import (
-    DistInfo,
     add_metrics,
     all_reduce_max_int,
     all_reduce_metrics,
     global_denominators,
-    init_distributed,
 )
 from rl_fsdp.forward import micro_batch, plan_micro_batches, token_indices
 from rl_fsdp.master import MasterWeights
@@ -42,6 +41,22 @@ from rl_fsdp.optim import build_optimizer
 
 class ShardedTrainer:
     head = "causal_lm"
+    step: int  # optimizer steps taken
+
+    @classmethod
+    def start(
+        cls, config: FSDPConfig, *, rank: int, world_size: int, master_addr: str, master_port: int
+    ):
+        """Join the ranks' process group (rl_core.distributed.init_distributed: gloo on
+        CPU, nccl on GPU) and build the model (rl_core.protocols.TrainingBackend.start)."""
+        dist_info = init_distributed(
+            device=config.device,
+            rank=rank,
+            world_size=world_size,
+            master_addr=master_addr,
+            master_port=master_port,
+        )
+        return cls(config, dist_info=dist_info)
 
     def __init__(self, config: FSDPConfig, *, dist_info: DistInfo | None = None):
         self.config = config
@@ -59,6 +74,11 @@ class ShardedTrainer:
         self.step = 0
         self.offloaded = False
         self._stash = HostStash()  # pinned host copies while offloaded (colocated turns)
+
+    @property
+    def data_rank(self) -> int:
+        """Every rank trains on its own batch (FSDP shards parameters, not batches)."""
+        return self.dist.rank
 
     # --- to be provided by subclasses --------------------------------------------------
     def micro_batch_loss(self, mb: TrainBatch) -> tuple[torch.Tensor, dict]:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from rl_core.batch import TrainBatch
+from rl_core.distributed import init_distributed
 from rl_megatron import faults, optim, pipeline
 from rl_megatron.config import MegatronConfig
 from rl_megatron.cp import restrict_batch
@@ -36,10 +37,39 @@ from rl_megatron.weights import SafetensorsReader, hf_config_of, load_hf_weights
 
 
 class MegatronBackend(WeightsAndStateMixin):
-    """Actor, reference and SFT model (``mode`` "policy"/"sft") or critic ("critic").
+    """Actor, reference and SFT model (the objective's ``mode`` "policy"/"sft") or a critic
+    (``MegatronConfig(critic=True)``).
 
     Forward passes and training live here; weight export, checkpoints and offload in
     :class:`rl_megatron.state.WeightsAndStateMixin`."""
+
+    step: int  # optimizer steps taken
+
+    @classmethod
+    def start(
+        cls,
+        config: MegatronConfig,
+        *,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+    ) -> "MegatronBackend":
+        """Join the ranks' process group (rl_core.distributed.init_distributed: gloo on
+        CPU, nccl on GPU), install the CPU shim on CPU, then build megatron's groups and
+        the model (rl_core.protocols.TrainingBackend.start)."""
+        init_distributed(
+            device=config.device,
+            rank=rank,
+            world_size=world_size,
+            master_addr=master_addr,
+            master_port=master_port,
+        )
+        if config.device == "cpu":  # megatron-core allocates on "cuda" unless shimmed
+            from rl_megatron.testing import cpu_shim
+
+            cpu_shim.install(config.seed)
+        return cls(config)
 
     def __init__(self, config: MegatronConfig):
         from megatron.core import parallel_state as ps
@@ -72,7 +102,7 @@ class MegatronBackend(WeightsAndStateMixin):
         self.pipeline_stats: dict = {}  # pp > 1: the last step's schedule (peak_held)
 
     def _build_model(self):
-        build = build_critic_model if self.config.mode == "critic" else build_gpt_model
+        build = build_critic_model if self.config.critic else build_gpt_model
         model = build(
             self.hf_config,
             tp_size=self.config.tp,
@@ -89,6 +119,11 @@ class MegatronBackend(WeightsAndStateMixin):
     def _swiglu_fusion_works(self) -> bool:
         width = 2 * (self.shape.moe_ffn_hidden_size or self.shape.ffn_hidden_size) // self.config.tp
         return fused_swiglu_works(self.device, DTYPES[self.config.precision], width)
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's data-parallel index: its TP / PP / CP peers share its batch."""
+        return self.layout.dp_rank
 
     # ----------------------------------------------------------------- forward passes
     def _multiple(self) -> int:
@@ -115,14 +150,14 @@ class MegatronBackend(WeightsAndStateMixin):
 
     def _head(self, part: TrainBatch, logits, held, *, with_entropy: bool):
         """Logits ``[N_held, V/tp]`` -> ``(log_probs, entropy or None)``; critic: values."""
-        if self.config.mode == "critic":
+        if self.config.critic:
             return logits[:, 0].float(), None
         return log_probs_and_entropy(
             logits,
             held_targets(part.tokens, part.cu_seqlens, held),
             vocab_size=self.shape.vocab_size,
             tp_group=self.tp_group,
-            temperature=self.config.temperature,
+            temperature=self.config.objective.temperature,
             chunk_size=self.config.logprob_chunk_size,
             with_entropy=with_entropy,
         )
@@ -172,7 +207,7 @@ class MegatronBackend(WeightsAndStateMixin):
 
     def compute_log_probs(self, batch: TrainBatch, *, model: str = "actor") -> torch.Tensor:
         """Log-probs ``[N]`` (prediction at position) of the actor or the reference model."""
-        if self.config.mode == "critic":
+        if self.config.critic:
             raise ValueError("a critic has no log-probs; call compute_values")
         if model == "actor":
             return self._forward_all(batch)
@@ -183,8 +218,8 @@ class MegatronBackend(WeightsAndStateMixin):
 
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
         """Critic values ``[N]`` of every position."""
-        if self.config.mode != "critic":
-            raise ValueError("compute_values needs mode='critic'")
+        if not self.config.critic:
+            raise ValueError("compute_values needs MegatronConfig(critic=True)")
         return self._forward_all(batch)
 
     @contextlib.contextmanager
@@ -217,7 +252,7 @@ class MegatronBackend(WeightsAndStateMixin):
             self.step += 1
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.optimizer.param_groups[0]["lr"]
-        return {**metrics, "grad_norm": grad_norm, "lr": lr,
+        return {**metrics, "train/grad_norm": grad_norm, "train/lr": lr,
                 "train/nonfinite_skipped": float(skipped)}  # fmt: skip
 
     def forward_backward(self, batch: TrainBatch) -> dict[str, float]:
@@ -239,7 +274,7 @@ class MegatronBackend(WeightsAndStateMixin):
         metrics: dict[str, float] = defaultdict(float)
         for group in groups:
             part = batch.select(group)
-            first, entropy, held = self._per_token(part, with_entropy=self.config.mode == "policy")
+            first, entropy, held = self._per_token(part, with_entropy=self.config.role == "policy")
             loss, part_metrics = self._loss(part, first, entropy, held)
             loss.backward()
             for key, value in part_metrics.items():
@@ -248,14 +283,14 @@ class MegatronBackend(WeightsAndStateMixin):
 
     def _loss(self, part: TrainBatch, first, entropy, held):
         part = restrict_batch(part, held)
-        if self.config.mode == "critic":
+        if self.config.critic:
             return critic_loss(self.config, part, first)
         return actor_loss(self.config, part, first, entropy)
 
     def _pipeline_forward_backward(self, batch: TrainBatch, groups) -> dict[str, float]:
         def stage_loss(part, logits, held):
             first, entropy = self._head(
-                part, logits, held, with_entropy=self.config.mode == "policy"
+                part, logits, held, with_entropy=self.config.role == "policy"
             )
             return self._loss(part, first, entropy, held)
 

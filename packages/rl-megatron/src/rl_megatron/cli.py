@@ -10,10 +10,10 @@ and exit 2 (bad arguments) or 1 (a rank failed).
 """
 
 import argparse
-import socket
 import sys
 import time
 
+from rl_core.distributed import free_port
 from rl_megatron import convert
 
 EPILOG = """\
@@ -84,13 +84,7 @@ def run(plan: convert.Plan) -> None:
 
     # its "Terminating process ... via SIGTERM" when one rank fails: the error says enough
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-    mp.spawn(convert.run_rank, args=(plan, _free_port()), nprocs=plan.world_size, join=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    mp.spawn(convert.run_rank, args=(plan, free_port()), nprocs=plan.world_size, join=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,14 +1,19 @@
-"""Configuration of :class:`rl_megatron.backend.MegatronBackend`, validated once."""
+"""Configuration of :class:`rl_megatron.backend.MegatronBackend`, validated once.
 
-from dataclasses import dataclass
+What the loss is comes from ``objective`` (:class:`rl_core.objective.Objective`, validated
+there and shared with every backend); this config holds the model, its parallel layout
+and the optimizer, and checks only what the layout demands of the objective.
+"""
+
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from rl_core.aggregation import AGGREGATION_MODES
-from rl_core.importance import IS_LEVELS, IS_MODES
-from rl_core.losses import POLICY_LOSSES
+from rl_core.objective import Objective
 from rl_megatron.precision import PRECISIONS
 
-MODES = ("policy", "sft", "critic")
+# Under context parallelism a rank sees part of each sequence: only per-token sums add up.
+CP_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+CP_POLICY_LOSSES = ("ppo", "cispo")
 
 
 @dataclass(kw_only=True)
@@ -18,9 +23,14 @@ class MegatronConfig:
     hf_path: str | Path
     """HF model directory (config.json + *.safetensors) the weights are loaded from."""
     ref_path: str | Path | None = None
-    """Reference-model directory for ``compute_log_probs(model="ref")``; None: no reference."""
-    mode: str = "policy"
-    """"policy" (RL loss), "sft" (negative log-likelihood) or "critic" (value head)."""
+    """Reference-model directory for ``compute_log_probs(model="ref")``. None: ``hf_path``
+    when the objective needs a reference (``objective.needs_reference``), else none."""
+    objective: Objective = field(default_factory=Objective)
+    """The loss (policy or SFT, clipping, KL, entropy, rollout correction, aggregation,
+    temperature): rl_core.objective.Objective, shared with every backend."""
+    critic: bool = False
+    """Build a value head trained with the clipped value loss instead of the objective's
+    policy (only the objective's aggregation applies)."""
     tp: int = 1
     """Tensor-parallel size."""
     sequence_parallel: bool = False
@@ -57,29 +67,8 @@ class MegatronConfig:
     """Global gradient-norm clip (over all TP shards); 0 disables clipping."""
     max_tokens_per_micro_batch: int = 8192
     """Token budget of one micro-batch (first-fit packing of whole sequences)."""
-    loss_name: str = "ppo"
-    """Policy loss from rl_core.losses.POLICY_LOSSES (ppo, gspo, cispo, ...)."""
-    clip_low: float = 0.2
-    clip_high: float | None = None
-    dual_clip: float | None = None
-    entropy_coef: float = 0.0
-    kl_coef: float = 0.0
-    kl_kind: str = "low_var_kl"
-    agg_mode: str = "token-mean"
-    norm_length: float | None = None
-    """seq-mean-token-sum-norm's constant divisor (Dr.GRPO: the response limit); the packed
-    batches have no padded width to default to."""
-    rollout_is_cap: float | None = None
-    """Correct for rollout/trainer mismatch with importance weights pi_old / pi_rollout
-    capped at this value (needs batch.rollout_log_probs); None: off."""
-    rollout_is_level: str = "token"
-    """"token" or "sequence" importance ratios."""
-    rollout_is_mode: str = "truncate"
-    """"truncate" (TIS: min(w, cap)) or "mask" (MIS: drop tokens outside [1/cap, cap])."""
     value_clip: float | None = None
     """Critic only: clip of the value update around old_values."""
-    temperature: float = 1.0
-    """Sampling temperature of the rollout; logits are divided by it."""
     logprob_chunk_size: int = 1024
     """Rows per chunk of the vocab-parallel softmax."""
 
@@ -89,8 +78,12 @@ class MegatronConfig:
             raise ValueError(
                 f"hf_path {self.hf_path} has no config.json; point it at an HF model dir"
             )
-        if self.mode not in MODES:
-            raise ValueError(f"mode {self.mode!r} unknown; choose one of {', '.join(MODES)}")
+        if not isinstance(self.objective, Objective):
+            raise ValueError(
+                f"objective must be an rl_core.objective.Objective, got {type(self.objective)}"
+            )
+        if self.ref_path is None and self.objective.needs_reference and not self.critic:
+            self.ref_path = self.hf_path
         if self.device not in ("cuda", "cpu"):
             raise ValueError(f"device must be 'cuda' or 'cpu', got {self.device!r}")
         if self.precision is None:
@@ -103,43 +96,38 @@ class MegatronConfig:
             self.swiglu_fusion = self.device == "cuda"
         _positive(tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep)
         _positive(max_tokens_per_micro_batch=self.max_tokens_per_micro_batch)
-        _positive(
-            lr=self.lr, temperature=self.temperature, logprob_chunk_size=self.logprob_chunk_size
-        )
+        _positive(lr=self.lr, logprob_chunk_size=self.logprob_chunk_size)
         if self.clip_grad < 0:
             raise ValueError(f"clip_grad must be >= 0 (0 disables), got {self.clip_grad}")
-        if self.agg_mode not in AGGREGATION_MODES:
-            raise ValueError(
-                f"agg_mode {self.agg_mode!r} unknown; choose one of {AGGREGATION_MODES}"
-            )
-        if self.agg_mode == "seq-mean-token-sum-norm" and not (self.norm_length or 0) > 0:
-            raise ValueError("agg_mode='seq-mean-token-sum-norm' needs norm_length > 0 "
-                             "(the response limit it divides by)")  # fmt: skip
-        if self.mode == "policy":
-            POLICY_LOSSES.get(self.loss_name)  # raises with the known names
-        if self.rollout_is_level not in IS_LEVELS or self.rollout_is_mode not in IS_MODES:
-            raise ValueError(
-                f"rollout_is_level must be one of {IS_LEVELS} and rollout_is_mode one of {IS_MODES}"
-            )
         if self.cp > 1:
             self._check_context_parallel()
-        if self.pp > 1 and (self.mode == "critic" or self.cp > 1 or self.ep > 1):
-            raise ValueError("pp > 1 supports policy and sft modes with tp and dp (cp=1, ep=1)")
+        if self.pp > 1 and (self.critic or self.cp > 1 or self.ep > 1):
+            raise ValueError(
+                "pp > 1 supports policy and sft (not critic) with tp and dp (cp=1, ep=1)"
+            )
         if self.pp_schedule not in ("1f1b", "gpipe"):
             raise ValueError(f"pp_schedule must be '1f1b' or 'gpipe', got {self.pp_schedule!r}")
-        if self.kl_coef and self.ref_path is None:
-            raise ValueError("kl_coef > 0 needs ref_path (the reference model's HF directory)")
+
+    @property
+    def role(self) -> str:
+        """ "policy", "sft" (the objective's mode) or "critic": what the model is trained as."""
+        return "critic" if self.critic else self.objective.mode
 
     def _check_context_parallel(self) -> None:
         """Under CP a rank sees part of each sequence: only per-token sums add up."""
-        if self.agg_mode not in ("token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
-            raise ValueError(f"cp > 1 cannot aggregate with {self.agg_mode!r}; use token-mean")
-        if self.mode == "policy" and self.loss_name not in ("ppo", "cispo"):
+        objective = self.objective
+        if objective.loss_agg_mode not in CP_AGG_MODES:
             raise ValueError(
-                f"cp > 1 needs a token-level loss (ppo, cispo), not {self.loss_name!r}"
+                f"cp > 1 cannot aggregate with loss_agg_mode={objective.loss_agg_mode!r}; "
+                f"use one of {', '.join(CP_AGG_MODES)}"
             )
-        if self.rollout_is_level != "token" or self.ep != 1:
-            raise ValueError("cp > 1 needs rollout_is_level='token' and ep=1")
+        if self.role == "policy" and objective.policy_loss not in CP_POLICY_LOSSES:
+            raise ValueError(
+                f"cp > 1 needs a token-level policy_loss ({', '.join(CP_POLICY_LOSSES)}), "
+                f"not {objective.policy_loss!r}"
+            )
+        if objective.rollout_is_level == "sequence" or self.ep != 1:
+            raise ValueError("cp > 1 needs rollout_is_level 'token' (or None) and ep=1")
 
 
 def _positive(**values: float) -> None:

@@ -1,4 +1,5 @@
-"""The loss of one micro-batch from the backend's per-token outputs, all maths from rl_core.
+"""The loss of one micro-batch from the backend's per-token outputs, all maths from rl_core:
+the config's :class:`rl_core.objective.Objective` through ``objective_loss``.
 
 Every loss is aggregated with the step's global denominators carried by the batch, so
 summing micro-batches and ranks gives the full-batch loss.
@@ -10,18 +11,17 @@ from rl_core.aggregation import aggregate
 from rl_core.batch import TrainBatch
 from rl_core.importance import logprob_gap_share, rollout_importance_weights
 from rl_core.losses import value_loss
-from rl_core.objective import policy_objective, sft_objective
+from rl_core.objective import objective_loss
 from rl_megatron.config import MegatronConfig
 
 
 def _aggregation(config: MegatronConfig, part: TrainBatch) -> dict:
     return {
-        "mask": part.loss_mask,
-        "agg_mode": config.agg_mode,
+        "mode": config.objective.loss_agg_mode,
         "cu_seqlens": part.cu_seqlens,
         "num_tokens": part.global_num_tokens,
         "num_seqs": part.global_num_seqs,
-        "norm_length": config.norm_length,
+        "norm_length": config.objective.norm_length,
     }
 
 
@@ -29,8 +29,15 @@ def actor_loss(
     config: MegatronConfig, part: TrainBatch, log_probs: torch.Tensor, entropy: torch.Tensor | None
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """SFT or policy loss of ``part`` from its log-probs ``[N]`` (and entropy ``[N]``)."""
-    if config.mode == "sft":
-        return sft_objective(log_probs=log_probs, **_aggregation(config, part))
+    denominators = {
+        "num_tokens": part.global_num_tokens,
+        "num_seqs": part.global_num_seqs,
+        "cu_seqlens": part.cu_seqlens,
+    }
+    if config.objective.mode == "sft":
+        return objective_loss(
+            config.objective, log_probs=log_probs, mask=part.loss_mask, **denominators
+        )
     if part.advantages is None:
         raise ValueError("policy training needs batch.advantages")
     old = part.old_log_probs if part.old_log_probs is not None else log_probs.detach()
@@ -39,21 +46,16 @@ def actor_loss(
         gap = logprob_gap_share(old, part.rollout_log_probs, part.loss_mask,
                                 num_tokens=part.global_num_tokens or 1.0)  # fmt: skip
         is_metrics["mismatch/logprob_abs_diff_mean"] = float(gap)
-    loss, metrics = policy_objective(
+    loss, metrics = objective_loss(
+        config.objective,
         log_probs=log_probs,
+        mask=part.loss_mask,
         old_log_probs=old,
         advantages=part.advantages,
-        loss_name=config.loss_name,
-        clip_low=config.clip_low,
-        clip_high=config.clip_high,
-        dual_clip=config.dual_clip,
         entropy=entropy,
-        entropy_coef=config.entropy_coef,
         ref_log_probs=part.ref_log_probs,
-        kl_coef=config.kl_coef,
-        kl_kind=config.kl_kind,
         importance_weights=weights,
-        **_aggregation(config, part),
+        **denominators,
     )
     return loss, {**metrics, **is_metrics}
 
@@ -61,17 +63,18 @@ def actor_loss(
 def _importance_weights(config: MegatronConfig, part: TrainBatch, old: torch.Tensor):
     """Rollout-correction weights ``[N]`` (None when off) and their metrics, each scaled by
     this part's share of the step's valid tokens so that summing parts gives the mean."""
-    if config.rollout_is_cap is None:
+    objective = config.objective
+    if not objective.corrects_rollout:
         return None, {}
     if part.rollout_log_probs is None:
-        raise ValueError("rollout_is_cap is set but the batch has no rollout_log_probs")
+        raise ValueError("rollout_is_level is set but the batch has no rollout_log_probs")
     weights, metrics = rollout_importance_weights(
         old,
         part.rollout_log_probs,
         part.loss_mask,
-        level=config.rollout_is_level,
-        mode=config.rollout_is_mode,
-        cap=config.rollout_is_cap,
+        level=objective.rollout_is_level,
+        mode=objective.rollout_is_mode,
+        cap=objective.rollout_is_cap,
         cu_seqlens=part.cu_seqlens,
     )
     share = float(part.loss_mask.sum()) / max(float(part.global_num_tokens or 1.0), 1.0)
@@ -87,8 +90,7 @@ def critic_loss(
     old = part.old_values if part.old_values is not None else values.detach()
     per_token, clipped = value_loss(values, old, part.returns, clip=config.value_clip)
     settings = _aggregation(config, part)
-    mask, mode = settings.pop("mask"), settings.pop("agg_mode")
-    loss = aggregate(per_token, mask, mode=mode, **settings)
-    clipfrac = aggregate(clipped, mask, mode=mode, **settings)
+    loss = aggregate(per_token, part.loss_mask, **settings)
+    clipfrac = aggregate(clipped, part.loss_mask, **settings)
     metrics = {"loss/value": float(loss.detach()), "critic/clipfrac": float(clipfrac)}
     return loss, {**metrics, "loss/total": metrics["loss/value"]}

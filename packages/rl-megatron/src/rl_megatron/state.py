@@ -23,7 +23,7 @@ class WeightsAndStateMixin:
         return export.hf_buckets(self.model, self.shape, bucket_bytes=bucket_bytes, on_device=True)
 
     def _check_exportable(self) -> None:
-        if self.config.mode == "critic":
+        if self.config.critic:
             raise ValueError("a critic (value head) has no HF causal-LM form to export")
 
     def hf_gradients(self) -> dict[str, torch.Tensor]:
@@ -48,7 +48,7 @@ class WeightsAndStateMixin:
         """Checked on load: the mode. The layout (tp, pp, cp, ep) is recorded only: megatron
         reshards a distributed checkpoint into this run's layout."""
         layout = {"tp": self.config.tp, "pp": self.config.pp, "cp": self.config.cp}
-        return {"mode": self.config.mode, "saved_layout": {**layout, "ep": self.config.ep}}
+        return {"mode": self.config.role, "saved_layout": {**layout, "ep": self.config.ep}}
 
     def save_checkpoint(self, path: Path) -> None:
         """Model (fp32 weights), AdamW state, step and RNG as a megatron distributed
@@ -59,7 +59,7 @@ class WeightsAndStateMixin:
 
     def load_checkpoint(self, path: Path) -> None:
         """Resume from :meth:`save_checkpoint`'s directory, saved under any TP/PP layout."""
-        expected = {"mode": self.config.mode}
+        expected = {"mode": self.config.role}
         saved = checkpoint.distributed_meta(path, expected)  # refused before any change
         adam_state = saved.get("adam_state", False)
         if not adam_state:  # saved before the first step: no moments to load

@@ -1,0 +1,99 @@
+"""FSDPBackend as rl_core's TrainingBackend: its signatures match the protocol, ``start``
+joins the group, and the config's Objective is the loss a step computes, term by term (the
+same number policy_objective gives with those terms spelled out, as the backend computed
+it before the Objective existed)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from fsdp_tiny import CONFIGS, tokens_batch
+
+from rl_core.distributed import free_port
+from rl_core.objective import Objective, policy_objective
+from rl_core.protocols import TrainingBackend, protocol_mismatches
+from rl_fsdp import FSDPBackend, FSDPConfig
+
+OBJECTIVES = {
+    "gspo, seq-mean-token-mean": Objective(policy_loss="gspo", loss_agg_mode="seq-mean-token-mean"),
+    "cispo, clip-higher, Dr.GRPO norm": Objective(
+        policy_loss="cispo",
+        clip_high=0.28,
+        loss_agg_mode="seq-mean-token-sum-norm",
+        norm_length=32.0,
+    ),
+    "ppo, dual clip, k3 KL, temperature": Objective(
+        dual_clip=1.2, kl_coef=0.1, kl_kind="k3", temperature=0.7
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def group():
+    """The process group the backends' ``start`` joins (once) and reuses."""
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def start(objective: Objective) -> FSDPBackend:
+    config = FSDPConfig(model_config=CONFIGS["qwen2"], device="cpu", lr=1e-2, objective=objective)
+    return FSDPBackend.start(
+        config, rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port()
+    )
+
+
+def rl_batch(log_probs: torch.Tensor):
+    batch = tokens_batch()
+    gen = torch.Generator().manual_seed(4)
+    batch.advantages = torch.randn(batch.num_tokens, generator=gen)
+    batch.old_log_probs = log_probs + 0.5 * torch.randn(batch.num_tokens, generator=gen)
+    batch.ref_log_probs = log_probs + 0.1 * torch.randn(batch.num_tokens, generator=gen)
+    return batch.with_global_denominators()
+
+
+def test_signatures_match_the_protocol():
+    assert protocol_mismatches(FSDPBackend, TrainingBackend) == []
+
+
+@pytest.mark.parametrize("name", list(OBJECTIVES))
+def test_a_step_computes_the_objective_of_the_config(group, name):
+    objective = OBJECTIVES[name]
+    backend = start(objective)
+    assert isinstance(backend, TrainingBackend)
+    assert (backend.data_rank, backend.step) == (0, 0)
+    assert (backend.ref_model is not None) == objective.needs_reference
+    log_probs = backend.compute_log_probs(tokens_batch())
+    batch = rl_batch(log_probs)
+    metrics = backend.train_step(batch)
+    expected, _ = policy_objective(
+        log_probs=log_probs,
+        old_log_probs=batch.old_log_probs,
+        advantages=batch.advantages,
+        mask=batch.loss_mask,
+        loss_name=objective.policy_loss,
+        clip_low=objective.clip_low,
+        clip_high=objective.clip_high,
+        dual_clip=objective.dual_clip,
+        ref_log_probs=batch.ref_log_probs,
+        kl_coef=objective.kl_coef,
+        kl_kind=objective.kl_kind,
+        agg_mode=objective.loss_agg_mode,
+        norm_length=objective.norm_length,
+        cu_seqlens=batch.cu_seqlens,
+        num_tokens=batch.global_num_tokens,
+        num_seqs=batch.global_num_seqs,
+    )
+    assert metrics["loss/total"] == pytest.approx(float(expected), rel=1e-5, abs=1e-6)
+    assert ("loss/kl" in metrics) == (objective.kl_coef > 0)
+    assert {"train/grad_norm", "train/lr", "train/nonfinite_skipped"} <= set(metrics)
+    assert backend.step == 1
+
+
+def test_temperature_and_mode_are_read(group):
+    batch = tokens_batch()
+    hot = start(Objective(temperature=0.7)).compute_log_probs(batch)
+    plain = start(Objective()).compute_log_probs(batch)
+    assert not torch.allclose(hot, plain)
+    sft = start(Objective(mode="sft")).train_step(batch.with_global_denominators())
+    nll = -(plain * batch.loss_mask).sum() / batch.loss_mask.sum()
+    assert sft["loss/sft"] == pytest.approx(float(nll), rel=1e-5)
