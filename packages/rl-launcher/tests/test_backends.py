@@ -38,7 +38,7 @@ def test_megatron_spec_maps_the_layout_and_pass_through_options(tmp_path):
     assert (megatron.tp, megatron.pp, megatron.cp, megatron.ep) == (2, 1, 1, 1)
     assert megatron.sequence_parallel is True and megatron.logprob_chunk_size == 256
     assert megatron.precision == "bf16" and megatron.lr == 3e-6 and megatron.device == "cpu"
-    assert megatron.ref_path == tmp_path and megatron.kl_coef == 0.05  # reference = start
+    assert megatron.ref_path == tmp_path and megatron.objective.kl_coef == 0.05  # reference = start
     config.backend.name = "fsdp"
     fsdp = backend_spec(config, model_dir=tmp_path, num_ranks=4)
     assert (fsdp.name, fsdp.data_parallel, fsdp.config.precision) == ("fsdp", 4, "bf16")
@@ -50,10 +50,13 @@ def test_a_kl_shaped_reward_alone_loads_the_reference(tmp_path):
     for extra, loaded in (([], False), (["--algorithm.reward_kl_coef", "0.1"], True)):
         config, _ = load_config([*shaped, *extra])
         fsdp = backend_spec(config, model_dir=tmp_path, num_ranks=1).config
-        assert (fsdp.reference, fsdp.kl_coef) == (loaded, 0.0)
+        assert (fsdp.reference, fsdp.objective.kl_coef) == (loaded, 0.0)
         config.backend.name = "megatron"
         megatron = backend_spec(config, model_dir=tiny_model_dir(tmp_path), num_ranks=1).config
-        assert (megatron.ref_path, megatron.kl_coef) == (tmp_path if loaded else None, 0.0)
+        assert (megatron.ref_path, megatron.objective.kl_coef) == (
+            tmp_path if loaded else None,
+            0.0,
+        )
 
 
 def test_megatron_refuses_what_it_cannot_do(tmp_path):

@@ -105,9 +105,9 @@ def test_fsdp_config_carries_the_algorithm_and_optimizer(tmp_path):
          "--optimizer.schedule", "cosine", "--rollout.temperature", "0.7"]
     )  # fmt: skip
     fsdp = fsdp_config(config, model_dir=tmp_path)
-    assert fsdp.reference and fsdp.kl_coef == 0.01 and fsdp.max_grad_norm is None
-    assert (fsdp.lr_decay, fsdp.total_steps, fsdp.temperature) == ("cosine", 7, 0.7)
-    assert fsdp.model_path == str(tmp_path) and fsdp.rollout_is is None
+    assert fsdp.reference and fsdp.objective.kl_coef == 0.01 and fsdp.max_grad_norm is None
+    assert (fsdp.lr_decay, fsdp.total_steps, fsdp.objective.temperature) == ("cosine", 7, 0.7)
+    assert fsdp.model_path == str(tmp_path) and fsdp.objective.rollout_is_level is None
     assert fsdp.export_dtype == fsdp.precision  # engines get model.dtype, not fp32 masters
 
 
@@ -119,12 +119,12 @@ def test_sum_norm_aggregation_divides_by_the_response_limit_in_both_backends(tmp
     config, _ = load_config(["--algorithm.loss_agg_mode", "seq-mean-token-sum-norm",
                              "--rollout.max_response_tokens", "48"])  # fmt: skip
     (tmp_path / "config.json").write_text("{}")  # rl-megatron checks that it is an HF dir
-    assert fsdp_config(config, model_dir=tmp_path).norm_length == 48.0
-    assert megatron_config(config, model_dir=tmp_path).norm_length == 48.0
-    from rl_megatron.config import MegatronConfig
+    assert fsdp_config(config, model_dir=tmp_path).objective.norm_length == 48.0
+    assert megatron_config(config, model_dir=tmp_path).objective.norm_length == 48.0
+    from rl_core.objective import Objective
 
     with pytest.raises(ValueError, match="needs norm_length"):
-        MegatronConfig(hf_path=tmp_path, agg_mode="seq-mean-token-sum-norm")
+        Objective(loss_agg_mode="seq-mean-token-sum-norm")
 
 
 def test_clock_splits_the_step():

@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from rl_core.objective import Objective
 from rl_launcher.roles.reference import needs_reference
 
 PRECISIONS = {"float32": "fp32", "bfloat16": "bf16"}
@@ -64,13 +65,7 @@ def fsdp_config(config, *, model_dir: Path):
         export_dtype=precision,  # engines serve model.dtype: bf16 runs send bf16, not fp32 masters
         activation_checkpointing=config.model.gradient_checkpointing,
         max_tokens_per_micro_batch=config.backend.micro_batch_tokens,
-        temperature=config.rollout.temperature or 1.0, mode=config.mode,
-        loss_name=algo.policy_loss, clip_low=algo.clip_low, clip_high=algo.clip_high,
-        dual_clip=algo.dual_clip, agg_mode=algo.loss_agg_mode, entropy_coef=algo.entropy_coef,
-        norm_length=norm_length(config),
-        kl_coef=algo.kl_coef, kl_kind=algo.kl_kind, reference=needs_reference(algo),
-        rollout_is=algo.rollout_is_mode if algo.rollout_is_level else None,
-        rollout_is_level=algo.rollout_is_level or "token", rollout_is_cap=algo.rollout_is_cap,
+        objective=objective_of(config), reference=needs_reference(algo),
         lr=opt.lr, weight_decay=opt.weight_decay, betas=tuple(opt.betas), eps=opt.eps,
         warmup_steps=opt.warmup_steps, lr_decay=opt.schedule, total_steps=config.num_steps,
         min_lr_ratio=opt.min_lr_ratio, max_grad_norm=opt.grad_clip or None,
@@ -89,20 +84,28 @@ def megatron_config(config, *, model_dir: Path):
         )
     fields = dict(
         hf_path=model_dir, ref_path=model_dir if needs_reference(algo) else None,
-        mode=_mode(config),
         tp=backend.tensor_parallel, pp=backend.pipeline_parallel, cp=backend.context_parallel,
         ep=backend.expert_parallel, device=config.cluster.device,
         precision=_precision(config, "megatron"), seed=config.seed, lr=opt.lr,
         weight_decay=opt.weight_decay, adam_betas=tuple(opt.betas), adam_eps=opt.eps,
         clip_grad=opt.grad_clip, max_tokens_per_micro_batch=backend.micro_batch_tokens,
-        loss_name=algo.policy_loss, clip_low=algo.clip_low, clip_high=algo.clip_high,
-        dual_clip=algo.dual_clip, entropy_coef=algo.entropy_coef, kl_coef=algo.kl_coef,
-        kl_kind=algo.kl_kind, agg_mode=algo.loss_agg_mode, norm_length=norm_length(config),
-        rollout_is_cap=algo.rollout_is_cap if algo.rollout_is_level else None,
-        rollout_is_level=algo.rollout_is_level or "token", rollout_is_mode=algo.rollout_is_mode,
-        temperature=config.rollout.temperature or 1.0,
+        objective=objective_of(config),
     )  # fmt: skip
     return MegatronConfig(**(fields | megatron_overrides(backend.extra_args)))
+
+
+def objective_of(config) -> Objective:
+    """The run's :class:`~rl_core.objective.Objective`: every field of the same name in
+    ``algorithm.*``, plus the few taken from elsewhere in the config."""
+    algo = config.algorithm
+    same_name = {f.name: getattr(algo, f.name) for f in dataclasses.fields(Objective)
+                 if hasattr(algo, f.name)}  # fmt: skip
+    return Objective(**same_name | {
+        "mode": _mode(config),
+        "norm_length": norm_length(config),
+        "temperature": config.rollout.temperature or 1.0,
+        "rollout_is_level": algo.rollout_is_level or None,
+    })  # fmt: skip
 
 
 def norm_length(config) -> float:
@@ -146,7 +149,7 @@ def megatron_overrides(extra_args: list[str]) -> dict[str, Any]:
 def build_backend(spec: BackendSpec, *, rank: int, world_size: int, master_addr: str,
                   master_port: int):  # fmt: skip
     """Join the ranks' process group (gloo on CPU, nccl on GPU) and build the backend."""
-    from rl_fsdp import init_distributed
+    from rl_core.distributed import init_distributed
 
     info = init_distributed(device=spec.device, rank=rank, world_size=world_size,
                             master_addr=master_addr, master_port=master_port)  # fmt: skip
