@@ -70,8 +70,10 @@ class CriticWorker(GroupMember):
 def critic_config(actor_config, optimizer):
     """The actor's rl-fsdp config turned into the critic's: no reference, own lr."""
     lr = optimizer.critic_lr if optimizer.critic_lr is not None else optimizer.lr
+    objective = dataclasses.replace(actor_config.objective, kl_coef=0.0, reward_kl_coef=0.0,
+                                    entropy_coef=0.0, mode="policy")  # fmt: skip
     return dataclasses.replace(actor_config, lr=lr, reference=False, ref_offload=False,
-                               kl_coef=0.0, entropy_coef=0.0, mode="rl")  # fmt: skip
+                               objective=objective)  # fmt: skip
 
 
 class CriticGroup:
