@@ -93,7 +93,7 @@ def test_exported_weights_carry_checkpoint_names(world_of_one, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    config = FSDPConfig(model_config=FAMILIES["qwen3_moe"], device="cpu")
+    config = FSDPConfig(model_config=FAMILIES["qwen3_moe"], device="cpu", fsdp_on_one_rank=True)
     backend = FSDPBackend(config, dist_info=world_of_one)
     exported = {n: t for b in backend.export_weights(bucket_bytes=1 << 20) for n, t in b}
     plain_model(FAMILIES["qwen3_moe"]).save_pretrained(tmp_path / "hf")

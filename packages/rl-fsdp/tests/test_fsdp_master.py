@@ -28,11 +28,12 @@ def world_of_one():
 
 def test_when_fsdp_is_used():
     cfg = FSDPConfig(model_config=CONFIGS["qwen2"], device="cpu")
-    assert (uses_fsdp(cfg, 1, CPU), uses_fsdp(cfg, 1, CUDA), uses_fsdp(cfg, 2, CUDA)) == (
-        True,
+    assert (uses_fsdp(cfg, 1, CPU), uses_fsdp(cfg, 1, CUDA), uses_fsdp(cfg, 2, CPU)) == (
+        False,
         False,
         True,
     )
+    assert uses_fsdp(replace(cfg, fsdp_on_one_rank=True), 1, CPU)
     assert uses_fsdp(replace(cfg, cpu_offload=True), 1, CUDA)
     assert uses_fsdp(replace(cfg, fsdp_on_one_rank=True), 1, CUDA)
     assert not uses_fsdp(replace(cfg, fsdp_on_one_rank=False), 1, CPU)
@@ -162,7 +163,7 @@ def test_same_numbers_as_fsdp_on_one_rank(world_of_one):
     shared weight's two contributions may round in another order)."""
     plain, plain_losses = _train(world_of_one, fsdp_on_one_rank=False)
     assert not is_fsdp(plain.model) and plain.master is not None
-    sharded, sharded_losses = _train(world_of_one)
+    sharded, sharded_losses = _train(world_of_one, fsdp_on_one_rank=True)
     assert is_fsdp(sharded.model)
     assert plain_losses == sharded_losses
     got, expected = _state(plain), _state(sharded)

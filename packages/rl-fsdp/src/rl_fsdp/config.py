@@ -65,8 +65,8 @@ class FSDPConfig:
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state on CPU (FSDP2 offload policy)."""
     fsdp_on_one_rank: bool | None = None
-    """Shard with FSDP2 on a single rank too. None = on CPU or with ``cpu_offload``; a
-    single GPU otherwise keeps float32 master parameters and a bf16 compute copy itself
+    """Shard with FSDP2 on a single rank too. None = only with ``cpu_offload``; a single
+    rank (CPU or GPU) otherwise keeps float32 master parameters and its compute copy itself
     (:mod:`rl_fsdp.master`: the same arithmetic without FSDP's per-step gather and
     reduce copies, which communicate nothing on one rank)."""
     reshard_after_forward: bool | None = None
