@@ -64,6 +64,19 @@ async def _wait_running(client, count=1):
     raise TimeoutError("request never started")
 
 
+def test_client_prompt_logprobs_through_the_router(cluster, tiny_model):
+    """What a distillation teacher answers: the log-prob of every id after the first."""
+    ids = [[9, 1, 4, 4, 250, 3], [7, 7]]
+
+    async def go():
+        async with EngineClient(cluster.router.url) as client:
+            return await asyncio.gather(*(client.prompt_logprobs(row) for row in ids))
+
+    for row, logprobs in zip(ids, run(go()), strict=True):
+        assert logprobs == pytest.approx(teacher_forced_logprobs(tiny_model, row[:1], row[1:]),
+                                         abs=1e-4)  # fmt: skip
+
+
 def test_abort_mid_generation_returns_the_partial_response(cluster, tiny_model):
     async def go():
         client, task = _start_long(cluster, 0, "to-abort")

@@ -124,6 +124,21 @@ def test_n_samples_and_seeds(engine):
     assert [o["meta_info"]["id"] for o in first] == ["abc-0", "abc-1", "abc-2"]
 
 
+def test_prompt_logprobs_are_teacher_forced_from_logprob_start_len(engine, tiny_model):
+    ids = [3, 17, 200, 5, 5, 64]
+    expected = teacher_forced_logprobs(tiny_model, ids[:1], ids[1:])
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True}
+    whole = generate(engine, **body, logprob_start_len=0)[0]
+    entries = whole["meta_info"]["input_token_logprobs"]
+    assert [e[1] for e in entries] == ids and entries[0][0] is None  # no context for ids[0]
+    assert [e[0] for e in entries[1:]] == pytest.approx(expected, abs=1e-4)
+    tail = generate(engine, **body, logprob_start_len=4)[0]["meta_info"]["input_token_logprobs"]
+    assert [e[0] for e in tail] == pytest.approx(expected[3:], abs=1e-4)
+    assert "input_token_logprobs" not in generate(engine, **body)[0]["meta_info"]  # SGLang's -1
+    with pytest.raises(ValueError, match="logprob_start_len"):
+        engine.make_requests(body | {"logprob_start_len": 6})
+
+
 def test_zero_max_new_tokens_and_bad_params(engine):
     out = generate(engine, input_ids=[1], sampling_params={"max_new_tokens": 0})[0]
     assert out["output_ids"] == [] and out["meta_info"]["finish_reason"]["type"] == "length"

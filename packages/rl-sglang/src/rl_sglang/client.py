@@ -10,6 +10,7 @@ from typing import Any
 import aiohttp
 
 from rl_sglang.process import API_KEY_ENV
+from rl_sglang.protocol import parse_token_logprobs
 
 
 class EngineError(RuntimeError):
@@ -86,6 +87,24 @@ class EngineClient:
                     raise
                 await asyncio.sleep(self.backoff_s * (2**attempt))
         raise AssertionError("unreachable")
+
+    async def prompt_logprobs(self, input_ids: list[int]) -> list[float]:
+        """Teacher-forced log-probs ``[len(input_ids) - 1]``: entry i is the log-prob of
+        ``input_ids[i + 1]`` given the ids before it (temperature 1). One /generate with
+        ``max_new_tokens: 0``, ``return_logprob`` and ``logprob_start_len: 0``, which SGLang
+        and the embedded engine answer with ``input_token_logprobs`` (the first, None,
+        dropped). A distillation teacher scores the student's samples with it."""
+        out = await self.generate(
+            input_ids=list(input_ids),
+            sampling_params={"max_new_tokens": 0, "temperature": 1.0},
+            return_logprob=True,
+            logprob_start_len=0,
+        )
+        entries = out["meta_info"]["input_token_logprobs"]
+        if len(entries) != len(input_ids):
+            raise EngineError(self.url, 200, f"{len(entries)} input_token_logprobs for "
+                              f"{len(input_ids)} ids; the engine ignored logprob_start_len")  # fmt: skip
+        return parse_token_logprobs(entries[1:])[0]
 
     async def generate_stream(self, **body: Any) -> AsyncIterator[dict]:
         """Yield the chunks of a streamed /generate until ``[DONE]``."""

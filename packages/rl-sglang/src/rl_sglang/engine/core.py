@@ -132,6 +132,7 @@ class Engine:
                     prompt_ids=list(ids),
                     params=sample_params,
                     return_logprob=bool(body.get("return_logprob", False)),
+                    logprob_start_len=_start_len(body.get("logprob_start_len"), len(ids)),
                 )
             )
         return requests
@@ -144,6 +145,9 @@ class Engine:
     async def run(self, requests: list[Request]) -> list[dict[str, Any]]:
         """Submit requests and wait for all of them; their /generate responses in order."""
         loop = asyncio.get_running_loop()
+        scored = [r for r in requests if r.return_logprob and r.logprob_start_len is not None]
+        for request in scored:  # on the scheduler thread: no weight update lands mid-forward
+            request.input_logprobs = await self.on_scheduler(lambda r=request: self.score(r))
         futures = []
         for request in requests:
             future = loop.create_future()
@@ -151,6 +155,18 @@ class Engine:
             futures.append(future)
         self.scheduler.submit(*requests)
         return [request.response() for request in await asyncio.gather(*futures)]
+
+    @torch.inference_mode()
+    def score(self, request: Request) -> list[float | None]:
+        """Teacher-forced log-probs of ``request.prompt_ids[logprob_start_len:]``, each
+        given the ids before it, from one plain forward at temperature 1 (SGLang's
+        ``input_token_logprobs``): the first prompt id has no context, so its entry is
+        None. A teacher scores a student's sample this way (``max_new_tokens: 0``)."""
+        ids_1T = torch.tensor([request.prompt_ids], dtype=torch.long, device=self.device)
+        logits_TV = self.model(ids_1T).logits[0, :-1].float()
+        logprobs_T = torch.log_softmax(logits_TV, dim=-1).gather(-1, ids_1T[0, 1:, None])
+        values: list[float | None] = [None, *logprobs_T.squeeze(-1).tolist()]
+        return values[request.logprob_start_len :]
 
     # ---- control ------------------------------------------------------------------------
     async def on_scheduler(self, fn):
@@ -251,6 +267,16 @@ class Engine:
 
 
 RUNNERS = ("auto", "dynamic", "static")
+
+
+def _start_len(value, num_ids: int) -> int | None:
+    """``logprob_start_len`` of a body: None (absent, or SGLang's -1 = no prompt log-probs)
+    or a position in the prompt."""
+    if value is None or int(value) == -1:
+        return None
+    if not 0 <= int(value) < num_ids:
+        raise ValueError(f"logprob_start_len must be -1 or in [0, {num_ids}), got {value}")
+    return int(value)
 
 
 def choose_runner(kind: str, model, max_context: int | None = None) -> str:

@@ -20,10 +20,12 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     return_logprob: bool = False
+    logprob_start_len: int | None = None  # >= 0 with return_logprob: prompt log-probs too
     on_done: Callable[["Request"], None] | None = None
     on_token: Callable[["Request"], None] | None = None
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    input_logprobs: list[float | None] | None = None  # of prompt_ids[logprob_start_len:]
     finish: dict[str, Any] | None = None
     text: str = ""
     weight_version: str = ""
@@ -63,4 +65,7 @@ class Request:
         }
         if self.return_logprob:
             meta["output_token_logprobs"] = token_logprobs(self.output_logprobs, self.output_ids)
+        if self.return_logprob and self.input_logprobs is not None:
+            ids = self.prompt_ids[len(self.prompt_ids) - len(self.input_logprobs) :]
+            meta["input_token_logprobs"] = token_logprobs(self.input_logprobs, ids)
         return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}
