@@ -11,6 +11,9 @@ Colocated on GPUs, trainer and engines then take turns (:mod:`rl_launcher.infra.
 """
 
 import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 from rl_launcher.infra import stopping
@@ -38,13 +41,24 @@ def start_run(config) -> Run:
     run._cleanup.append(run.metrics_log.close)
     _start_gpu_monitor(run)
     try:
-        start_trainer(run, model_dir)
+        rollout = partial(_start_rollout, run, model_dir, tokenizer, run_dir)
+        start_trainer(run, model_dir, meanwhile=None if _takes_turns(config) else rollout)
         start_critic(run, model_dir)  # PPO with a critic (gae) only
-        _start_rollout(run, model_dir, tokenizer, run_dir)
+        if run.rollout is None:  # colocated GPUs: the engines start once the trainer is up
+            rollout()
     except BaseException:
         run.close()
         raise
     return run
+
+
+def _takes_turns(config) -> bool:
+    """Trainer and engines share GPUs (colocated): each must see the other's memory when
+    it starts, so they start one after the other."""
+    from rl_launcher.infra.colocation import turns_needed
+    from rl_launcher.infra.placement import plan_from_config
+
+    return turns_needed(config, plan_from_config(config))
 
 
 def start_replay_run(config) -> Run:
@@ -88,8 +102,11 @@ def _start_gpu_monitor(run: Run) -> None:
         run._cleanup.append(monitor.close)
 
 
-def start_trainer(run: Run, model_dir: Path) -> None:
-    """Ray (started or attached), the placement group and the training actor group."""
+def start_trainer(run: Run, model_dir: Path, meanwhile: Callable[[], None] | None = None) -> None:
+    """Ray (started or attached), the placement group and the training actor group.
+    ``meanwhile``: run on this thread while the training ranks start (the engines: each
+    loads its model while the ranks load theirs; servers it starts stay tied to the main
+    thread, see :func:`rl_launcher.infra.lifetime.tie_to_this_process`)."""
     import ray
 
     from rl_launcher.infra.colocation import engines_beside_training
@@ -120,11 +137,35 @@ def start_trainer(run: Run, model_dir: Path) -> None:
     num_gpus = (0.5 if plan.colocate else 1.0) if use_gpu else 0
     # CPU threads: the node's cores are shared with engines generating beside training
     sharing = min(len(slots), cluster.devices_per_node) + engines_beside_training(config)
-    with startup_phase(f"trainer ready ({config.backend.name}, {len(slots)} rank(s))", show=show):
-        run.trainer = TrainGroup(spec, placement, slots, num_cpus=cluster.cpus_per_bundle,
-                                 num_gpus=num_gpus, ranks_per_node=sharing)  # fmt: skip
+    group = partial(TrainGroup, spec, placement, slots, num_cpus=cluster.cpus_per_bundle,
+                    num_gpus=num_gpus, ranks_per_node=sharing)  # fmt: skip
+    what = f"trainer ready ({config.backend.name}, {len(slots)} rank(s))"
+    run.trainer = beside(group, meanwhile, what=what, show=show)
     run._cleanup.append(run.trainer.shutdown)
     run.num_ranks = run.trainer.num_data_ranks
+
+
+def beside(build: Callable, meanwhile: Callable[[], None] | None, *, what: str, show: bool):
+    """``build()``'s result, built on a worker thread while ``meanwhile()`` runs on this
+    one (``build`` alone without it); ``what`` is said with ``build``'s time. When both
+    fail, ``meanwhile``'s error is raised and ``build``'s chained to it."""
+    if meanwhile is None:
+        with startup_phase(what, show=show):
+            return build()
+
+    def timed_build():
+        with startup_phase(what, show=show):
+            return build()
+
+    with ThreadPoolExecutor(1, thread_name_prefix="start-trainer") as pool:
+        future = pool.submit(timed_build)
+        try:
+            meanwhile()
+        except BaseException as error:
+            if (built := future.exception()) is not None:
+                raise error from built
+            raise
+        return future.result()
 
 
 def _place_engines(run: Run) -> None:
