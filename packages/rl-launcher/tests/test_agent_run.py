@@ -41,3 +41,29 @@ def test_two_agent_steps_train_on_the_engines_ids(tmp_path):
     versions = [{v for s in step for v in s["weight_versions"]} for step in steps]
     assert len(versions[0]) == len(versions[1]) == 1
     assert int(next(iter(versions[1]))) > int(next(iter(versions[0])))  # weights reached it
+
+
+@pytest.mark.integration
+def test_forked_episodes_train_as_groups_of_their_leaves(tmp_path):
+    """tests/forking_agent.py forks every even episode: each group of two episodes is three
+    samples, and the step trains all of them as one group."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent),
+           "RL_SGLANG_AGENT": "forking_agent:solve"}  # fmt: skip
+    run_dir, dumps = tmp_path / "run", tmp_path / "dumps"
+    args = ["--config", str(ROOT / "examples/agent/config.yaml"), "--num_steps", "1",
+            "--logging.run_dir", str(run_dir), "--rollout.dump_dir", str(dumps),
+            "--rollout.batch_size", "2", "--rollout.group_size", "2",
+            "--rollout.max_response_tokens", "4"]  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "rl_launcher.cli", *args], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=480)  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    [metrics] = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert metrics["rollout/num_samples"] == metrics["train/num_samples"] == 6
+    [name] = os.listdir(dumps)
+    samples = [json.loads(row) for row in (dumps / name).read_text().splitlines()]
+    sizes = {}
+    for sample in samples:
+        sizes.setdefault(sample["group_index"], []).append(sample["metadata"]["rid"])
+    assert sorted(len(rids) for rids in sizes.values()) == [3, 3]
+    leaves = sorted(rids.count(rid) for rids in sizes.values() for rid in set(rids))
+    assert leaves == [1, 1, 2, 2]  # two episodes forked in two, two did not

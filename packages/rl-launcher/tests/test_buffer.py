@@ -170,3 +170,18 @@ def test_an_engine_abort_still_drops_the_whole_group():
     counts = buffer.take_counts()
     assert counts["buffer/groups_aborted"] == 1.0
     assert counts["rollout/groups_dropped_reward_error"] == 0.0
+
+
+def test_a_forked_episode_makes_its_group_uneven_and_the_advantages_span_its_leaves():
+    buffer = DataBuffer(group_size=2, num_ranks=1)
+    # episode 0 forked into two leaves (same sample index), episode 1 did not
+    forked = [sample(0, 0, [1, 2, 3], 1, 1.0), sample(0, 0, [1, 2, 4], 1, 1.0),
+              sample(0, 1, [1, 2, 5], 1, 0.0)]  # fmt: skip
+    buffer.add_groups([forked, [sample(1, 0, [6, 7], 1, 0.0), sample(1, 1, [6, 8], 1, 1.0)]])
+    step = buffer.pop_step(2)
+    assert step.group_sizes == [3, 2] and [s.tokens[-1] for s in step.samples] == [3, 4, 5, 7, 8]
+    up = (1 / 3) / (math.sqrt(1 / 3) + 1e-6)  # rewards {1, 1, 0}: mean 2/3, unbiased std √⅓
+    expected = [0, up, 0, 0, up, 0, 0, -2 * up, 0, -A, 0, A, 0]  # one response token each
+    torch.testing.assert_close(step.rank_batches[0].advantages, torch.tensor(expected))
+    with pytest.raises(ValueError, match="one prompt per group"):
+        buffer.add_groups([[sample(2, 0, [1, 2], 1, 1.0), sample(3, 1, [1, 2], 1, 0.0)]])

@@ -1,10 +1,12 @@
 """The data buffer: scored samples in, per-rank training batches of one step out.
 
 Samples arrive in any order; the buffer groups them by prompt (``Sample.group_index``),
-and once a group is complete it drops it when a sample was aborted by the engine or when
-the dynamic-sampling filter (rl_core ``GROUP_FILTERS``, by name) rejects its rewards. A
-sample whose reward failed (skipped under ``rollout.on_reward_error=skip``: aborted, with
-``metadata["reward_error"]``) leaves only itself: the group goes on with the samples that
+and once a group is complete (``group_size`` samples, or a whole group a rollout returned:
+:meth:`DataBuffer.add_groups`, whose size may differ, e.g. forked agent episodes) it drops
+it when a sample was aborted by the engine or when the dynamic-sampling filter (rl_core
+``GROUP_FILTERS``, by name) rejects its rewards. A sample whose reward failed (skipped
+under ``rollout.on_reward_error=skip``: aborted, with ``metadata["reward_error"]``) leaves
+only itself: the group goes on with the samples that
 scored, its advantages taken over them, unless fewer than two are left (one for groups of
 one); then it is dropped and counted (``rollout/groups_dropped_reward_error``). A step
 takes the oldest ready groups, computes advantages with the named estimator
@@ -119,6 +121,20 @@ class DataBuffer:
             group.append(sample)
             if len(group) == self.group_size:
                 self._complete(self._pending.pop(sample.group_index))
+
+    def add_groups(self, groups: Iterable[list[Sample]]) -> None:
+        """Groups whole, as a rollout returns them, whatever their size: an agent episode
+        whose history forked is one sample per leaf of its trajectory tree, so a prompt's
+        group can hold more than ``group_size`` samples (or fewer). Advantages are taken
+        over the group as it came (the estimators' ragged path)."""
+        for group in groups:
+            draws = {sample.group_index for sample in group}
+            if len(draws) != 1 or None in draws:
+                raise ValueError(
+                    f"a rollout group holds group_index {sorted(draws, key=str)}: a custom "
+                    "rollout must return one prompt per group, every sample numbered by it"
+                )
+            self._complete(list(group))
 
     def _complete(self, group: list[Sample]) -> None:
         group.sort(key=lambda s: (s.index is None, s.index))

@@ -111,7 +111,7 @@ def run_step(run: Run, buffer: DataBuffer, step: int, feed=None) -> dict[str, fl
     config, clock, feed = run.config, Clock(), feed or SyncFeed(run)
     with stopping.generating(step):  # a stop signal may abandon the step here (only)
         groups, metrics = feed.groups(step)
-    buffer.add(s for group in groups for s in group)
+    buffer.add_groups(groups)  # whole: a forked agent episode gives its group more samples
     clock.lap("rollout")
     data_order.append(config.logging.run_dir, step, groups)
     dump_step(run, step, groups)  # rollout.dump_dir
