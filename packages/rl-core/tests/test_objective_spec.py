@@ -22,7 +22,7 @@ MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"mode": "dpo"}, "mode='dpo' unknown; choose one of: policy, sft"),
+        ({"mode": "kto"}, "mode='kto' unknown; choose one of: policy, sft, dpo"),
         ({"policy_loss": "grpo"}, "policy_loss='grpo' unknown; choose one of: cispo, gspo"),
         ({"loss_agg_mode": "mean"}, "loss_agg_mode='mean' unknown; choose one of: token-mean"),
         ({"kl_kind": "k4"}, "kl_kind='k4' unknown; choose one of: k1, k2, k3, low_var_kl"),

@@ -19,8 +19,9 @@ from rl_core.aggregation import AGGREGATION_MODES, aggregate
 from rl_core.importance import IS_LEVELS, IS_MODES
 from rl_core.kl import KL_KINDS, approx_kl
 from rl_core.losses import POLICY_LOSSES, entropy_loss, sft_loss
+from rl_core.preference import PREFERENCE_LOSSES, packed_pair_loss
 
-OBJECTIVE_MODES = ("policy", "sft")
+OBJECTIVE_MODES = ("policy", "sft", "dpo")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,8 +34,9 @@ class Objective:
     """
 
     mode: str = "policy"
-    """"policy" (RL policy loss with KL, entropy and importance terms) or "sft" (negative
-    log-likelihood of the loss-masked tokens; only the aggregation applies)."""
+    """"policy" (RL policy loss with KL, entropy and importance terms), "sft" (negative
+    log-likelihood of the loss-masked tokens; only the aggregation applies) or "dpo"
+    (preference pairs against the frozen reference: the ``dpo_*`` fields)."""
     policy_loss: str = "ppo"
     """Policy loss from rl_core.losses.POLICY_LOSSES (ppo, gspo, cispo, ...)."""
     loss_agg_mode: str = "token-mean"
@@ -65,6 +67,12 @@ class Objective:
     """Upper bound of the importance weight."""
     temperature: float = 1.0
     """Sampling temperature of the rollout; logits are divided by it, as engines do."""
+    dpo_loss: str = "sigmoid"
+    """mode "dpo": the preference loss (rl_core.preference.PREFERENCE_LOSSES)."""
+    dpo_beta: float = 0.1
+    """mode "dpo": strength of the implicit KL constraint to the reference (> 0)."""
+    dpo_label_smoothing: float = 0.0
+    """mode "dpo", sigmoid loss: the assumed share of flipped labels, in [0, 0.5)."""
 
     def __post_init__(self):
         self._check_choices()
@@ -83,6 +91,7 @@ class Objective:
             "kl_kind": KL_KINDS,
             "rollout_is_level": (None, *IS_LEVELS),
             "rollout_is_mode": IS_MODES,
+            "dpo_loss": PREFERENCE_LOSSES,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -91,8 +100,9 @@ class Objective:
 
     def _check_bounds(self) -> None:
         """Every number finite; coefficients and clips >= 0, scales > 0, dual_clip > 1."""
-        at_least_zero = ("clip_low", "clip_high", "entropy_coef", "kl_coef", "reward_kl_coef")
-        above_zero = ("norm_length", "rollout_is_cap", "temperature")
+        at_least_zero = ("clip_low", "clip_high", "entropy_coef", "kl_coef", "reward_kl_coef",
+                         "dpo_label_smoothing")  # fmt: skip
+        above_zero = ("norm_length", "rollout_is_cap", "temperature", "dpo_beta")
         for name in (*at_least_zero, *above_zero, "dual_clip"):
             value = getattr(self, name)
             if value is None:
@@ -103,13 +113,16 @@ class Objective:
                 raise ValueError(f"{name} must be >= 0, got {value}")
             if name in above_zero and value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
+        if not self.dpo_label_smoothing < 0.5:
+            raise ValueError(f"dpo_label_smoothing must be < 0.5, got {self.dpo_label_smoothing}")
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ValueError(f"dual_clip must be > 1 (or None to disable), got {self.dual_clip}")
 
     @property
     def needs_reference(self) -> bool:
-        """Whether a frozen reference model must be loaded (KL in the loss or the reward)."""
-        return self.kl_coef > 0 or self.reward_kl_coef > 0
+        """Whether a frozen reference model must be loaded (KL in the loss or the reward,
+        or DPO's reference log-probs)."""
+        return self.kl_coef > 0 or self.reward_kl_coef > 0 or self.mode == "dpo"
 
     @property
     def corrects_rollout(self) -> bool:
@@ -132,7 +145,9 @@ def objective_loss(
     cu_seqlens: torch.Tensor | None = None,
     tensor_metrics: bool = False,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The loss ``objective`` describes: :func:`sft_objective` in "sft" mode, else
+    """The loss ``objective`` describes: :func:`sft_objective` in "sft" mode,
+    :func:`rl_core.preference.packed_pair_loss` in "dpo" mode (packed pairs, needs
+    ``ref_log_probs``, ``cu_seqlens`` and ``num_seqs`` = twice the step's pairs), else
     :func:`policy_objective` with every term of the objective (shapes and metrics as
     there; ``old_log_probs`` and ``advantages`` are required in "policy" mode)."""
     aggregation = {
@@ -145,6 +160,10 @@ def objective_loss(
     }
     if objective.mode == "sft":
         return sft_objective(log_probs=log_probs, mask=mask, **aggregation)
+    if objective.mode == "dpo":
+        return dpo_objective(objective, log_probs=log_probs, mask=mask,
+                             ref_log_probs=ref_log_probs, cu_seqlens=cu_seqlens,
+                             num_seqs=num_seqs, tensor_metrics=tensor_metrics)  # fmt: skip
     if old_log_probs is None or advantages is None:
         raise ValueError("mode='policy' needs old_log_probs and advantages (or use mode='sft')")
     return policy_objective(
@@ -164,6 +183,19 @@ def objective_loss(
         importance_weights=importance_weights,
         **aggregation,
     )
+
+
+def dpo_objective(objective: Objective, *, log_probs, mask, ref_log_probs, cu_seqlens,
+                  num_seqs, tensor_metrics=False):  # fmt: skip
+    """The "dpo" mode's loss; its inputs checked, the rest in ``packed_pair_loss``."""
+    if ref_log_probs is None or cu_seqlens is None or num_seqs is None:
+        raise ValueError("mode='dpo' needs ref_log_probs, cu_seqlens and num_seqs (2 x pairs)")
+    loss, metrics = packed_pair_loss(
+        log_probs=log_probs, ref_log_probs=ref_log_probs, mask=mask, cu_seqlens=cu_seqlens,
+        num_pairs=float(num_seqs) / 2, beta=objective.dpo_beta, kind=objective.dpo_loss,
+        label_smoothing=objective.dpo_label_smoothing, tensor_metrics=tensor_metrics,
+    )  # fmt: skip
+    return loss, metrics | {"loss/total": metrics["pref/loss"]}
 
 
 def policy_objective(

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from rl_core._dtype import wide
+from rl_core.aggregation import row_sums_and_counts
 
 PREFERENCE_LOSSES = ("sigmoid", "ipo")
 
@@ -71,6 +72,45 @@ def dpo_loss(
         loss = -(1.0 - label_smoothing) * F.logsigmoid(beta * margin)
         loss = loss - label_smoothing * F.logsigmoid(-beta * margin)
     return loss, _metrics(loss, beta * chosen_reward.detach(), beta * rejected_reward.detach())
+
+
+def packed_pair_loss(
+    *,
+    log_probs: torch.Tensor,
+    ref_log_probs: torch.Tensor,
+    mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    num_pairs: float,
+    beta: float = 0.1,
+    kind: str = "sigmoid",
+    label_smoothing: float = 0.0,
+    tensor_metrics: bool = False,
+) -> tuple[torch.Tensor, dict]:
+    """:func:`dpo_loss` of packed pairs: this micro-batch's share of the step's mean loss.
+
+    Shapes: ``log_probs``, ``ref_log_probs``, ``mask`` ``[N]`` packed over ``2P``
+    sequences (``cu_seqlens`` ``[2P + 1]``), each pair as two neighbours, chosen first.
+    The loss is the sum over these pairs divided by ``num_pairs``, the step's pairs over
+    every micro-batch and data-parallel rank, so micro-batching and the layout never change
+    the step's loss; each metric is scaled the same way (sum the shares to get the mean).
+    A batch holding no whole pair (a rank's padding micro-batch) gives a zero loss that
+    still reaches every parameter of ``log_probs``'s graph.
+    """
+    num_seqs = cu_seqlens.numel() - 1
+    if num_seqs % 2:
+        if num_seqs == 1 and not bool(mask.any()):  # an empty micro-batch's one-token dummy
+            zero = (wide(log_probs) * 0).sum()
+            keys = ("pref/loss", "pref/accuracy", "pref/margin", "pref/chosen_reward",
+                    "pref/rejected_reward")  # fmt: skip
+            return zero, {k: zero.detach() if tensor_metrics else 0.0 for k in keys}
+        raise ValueError(f"{num_seqs} sequences do not make pairs (chosen, rejected, ...)")
+    policy, _ = row_sums_and_counts(wide(log_probs), mask, cu_seqlens)
+    ref, _ = row_sums_and_counts(wide(ref_log_probs).detach(), mask, cu_seqlens)
+    losses, metrics = dpo_loss(policy[0::2], policy[1::2], ref[0::2], ref[1::2], beta=beta,
+                               kind=kind, label_smoothing=label_smoothing)  # fmt: skip
+    share = (num_seqs // 2) / max(float(num_pairs), 1.0)
+    metrics = {k: v * share if tensor_metrics else float(v) * share for k, v in metrics.items()}
+    return losses.sum() / max(float(num_pairs), 1.0), metrics
 
 
 def _check(kind: str, beta: float, label_smoothing: float) -> None:
