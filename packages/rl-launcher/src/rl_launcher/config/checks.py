@@ -1,6 +1,8 @@
 """Checks that span several fields of a :class:`TrainConfig` (single fields are checked
 while it is built). Each raises ValueError naming the fields involved and a fix."""
 
+from pathlib import Path
+
 from rl_launcher.config import TrainConfig
 from rl_launcher.infra.placement import plan_from_config
 
@@ -14,7 +16,7 @@ KL_BLIND_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
 
 def check_consistency(config: TrainConfig) -> None:
     checks = (_check_algorithm, _check_optimizer, _check_rollout, _check_sampling,
-              _check_devices, _check_data, _check_eval, _check_modes)  # fmt: skip
+              _check_devices, _check_data, _check_eval, _check_modes, _check_distill)  # fmt: skip
     for check in checks:
         check(config)
     plan_from_config(config)  # raises when the device pool cannot hold the layout
@@ -125,6 +127,40 @@ def _check_modes(config: TrainConfig) -> None:
     if rollout.replay_dir and config.eval.interval:
         raise ValueError(
             "rollout.replay_dir trains without engines, so eval.interval cannot run; set it to 0"
+        )
+
+
+def _check_distill(config: TrainConfig) -> None:
+    """On-policy distillation needs exactly one teacher and a loop whose student samples."""
+    distill = config.distill
+    teachers = [name for name in ("teacher_url", "teacher_path") if getattr(distill, name)]
+    if distill.coef == 0:
+        if teachers:
+            raise ValueError(
+                f"distill.{teachers[0]} is set but distill.coef=0, so the teacher would not "
+                "be asked; set distill.coef > 0 (e.g. 1.0), or unset the teacher"
+            )
+        return
+    if len(teachers) != 1:
+        raise ValueError(
+            f"distill.coef={distill.coef} needs one teacher: set distill.teacher_url (a running "
+            "engine) or distill.teacher_path (an HF directory), not "
+            + ("both" if teachers else "neither")
+        )
+    if config.mode != "rl" or config.rollout.rollout_only:
+        raise ValueError(
+            "distill.coef > 0 shapes the advantages of RL training; mode=rl without "
+            "rollout.rollout_only needs it, so set distill.coef=0 here"
+        )
+    if distill.teacher_path and config.cluster.device != "cpu":
+        raise ValueError(
+            "distill.teacher_path runs the teacher on the driver's CPU; on cluster.device=cuda "
+            "start an SGLang server on the teacher and give its address as distill.teacher_url"
+        )
+    if distill.teacher_path and not Path(distill.teacher_path, "config.json").is_file():
+        raise ValueError(
+            f"distill.teacher_path={distill.teacher_path} has no config.json: give an HF model "
+            "directory (e.g. the hf/ export of a run with checkpoint.save_hf)"
         )
 
 

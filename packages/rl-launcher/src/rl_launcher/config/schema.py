@@ -16,6 +16,7 @@ from rl_core.filters import GROUP_FILTERS
 from rl_core.importance import IS_LEVELS, IS_MODES
 from rl_core.kl import KL_KINDS
 from rl_core.losses import POLICY_LOSSES
+from rl_core.preference import PREFERENCE_LOSSES
 
 # bound -> (how a message says it, how docs/config.md says it)
 BOUNDS = {"low": (">=", "At least"), "above": (">", "Above"), "high": ("<=", "At most"),
@@ -194,6 +195,25 @@ class AlgorithmConfig:
         choices=KL_KINDS,
     )
     entropy_coef: float = option(0.0, help="Entropy bonus weight.", low=0)
+    dpo_loss: str = option(
+        "sigmoid",
+        help="mode=dpo: preference loss; sigmoid (DPO, with dpo_label_smoothing) or ipo.",
+        choices=PREFERENCE_LOSSES,
+    )
+    dpo_beta: float = option(
+        0.1,
+        help="mode=dpo: beta, the strength of the implicit KL constraint to the frozen "
+        "reference (the starting model); the implicit reward is beta x (policy - reference) "
+        "sequence log-prob.",
+        above=0,
+    )
+    dpo_label_smoothing: float = option(
+        0.0,
+        help="mode=dpo, sigmoid loss: the assumed share of flipped preference labels "
+        "(conservative DPO).",
+        low=0,
+        below=0.5,
+    )
     gamma: float = option(1.0, help="Discount (gae, reinforce_plus_plus).", low=0, high=1)
     lam: float = option(1.0, help="GAE lambda.", low=0, high=1)
     group_filter: str = option(
@@ -235,6 +255,34 @@ class AlgorithmConfig:
         "(algorithm.group_filter) are reported but not counted; 0 never stops. A run that "
         "trains no sample at all fails at its end either way.",
         low=0,
+    )
+
+
+@dataclass(kw_only=True)
+class DistillConfig:
+    """On-policy distillation (slime's --use-opd): a teacher scores the student's samples."""
+
+    coef: float = option(
+        0.0,
+        help="On-policy distillation weight: every response token's advantage loses coef "
+        "times (student - teacher) log-prob of that token, the student's being the engine's "
+        "rollout log-prob (rl_core.distill.opd_advantages; metric opd/reverse_kl). Added to "
+        "the estimator's advantage; for distillation alone give every sample the same reward "
+        "(e.g. a constant reward). 0 = off; > 0 needs teacher_url or teacher_path.",
+        low=0,
+    )
+    teacher_url: str | None = option(
+        None,
+        help="A running teacher engine (SGLang server, embedded engine or a router in front "
+        "of them; same tokenizer as the student) that scores each sample with /generate, "
+        "max_new_tokens 0 and prompt log-probs. Exclusive with teacher_path.",
+    )
+    teacher_path: str | None = option(
+        None,
+        help="An HF model directory (same tokenizer as the student): rl-train starts an "
+        "embedded engine on it as the teacher, a child of the driver on the driver's CPU "
+        "(model.dtype; its log in <run_dir>/teacher_logs). Exclusive with teacher_url; "
+        "cluster.device=cpu only: on GPUs start an SGLang teacher and give its teacher_url.",
     )
 
 
@@ -509,6 +557,9 @@ class TrainConfig:
     engine: EngineConfig = field(default_factory=EngineConfig, metadata=meta("Engines."))
     data: DataConfig = field(default_factory=DataConfig, metadata=meta("Prompt data."))
     eval: EvalConfig = field(default_factory=EvalConfig, metadata=meta("Evaluation."))
+    distill: DistillConfig = field(
+        default_factory=DistillConfig, metadata=meta("On-policy distillation from a teacher.")
+    )
     checkpoint: CheckpointConfig = field(
         default_factory=CheckpointConfig, metadata=meta("Checkpoints.")
     )

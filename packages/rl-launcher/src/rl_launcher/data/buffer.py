@@ -18,6 +18,11 @@ With a KL-shaped reward (``reward_kl_coef`` > 0) the advantages need the step's 
 reference log-probs, which the trainer computes from the rank batches: ``pop_step`` then
 leaves ``advantages`` empty and :meth:`DataBuffer.fill_advantages` fills them once the
 log-probs exist. Without it nothing waits: ``pop_step`` computes them as before.
+
+On-policy distillation (``opd_coef`` > 0, the launcher's ``distill.coef``) shapes the
+estimator's advantages per response token with the teacher's log-probs that each sample
+carries in ``metadata[TEACHER_KEY]`` (rl_core ``opd_advantages``, against the engine's
+rollout log-probs), and adds ``opd/reverse_kl`` to the step's metrics.
 """
 
 from collections.abc import Iterable
@@ -27,11 +32,14 @@ import torch
 
 from rl_core.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs
 from rl_core.batch import TrainBatch, batch_from_samples
+from rl_core.distill import opd_advantages
 from rl_core.filters import GROUP_FILTERS
 from rl_core.kl import approx_kl
 from rl_core.metrics import summarize
 from rl_core.packing import balanced_partitions
 from rl_core.types import Sample, SampleStatus
+
+TEACHER_KEY = "teacher_log_probs"  # Sample.metadata: the teacher's log-prob of each response token
 
 
 @dataclass(kw_only=True)
@@ -76,12 +84,14 @@ class DataBuffer:
         lam: float = 1.0,
         reward_kl_coef: float = 0.0,
         reward_kl_kind: str = "k1",
+        opd_coef: float = 0.0,
     ):
         self._estimator = ADVANTAGE_ESTIMATORS.get(advantage_estimator)
         self._filter = GROUP_FILTERS.get(group_filter)
         self.group_size, self.num_ranks, self.reward_key = group_size, num_ranks, reward_key
         self.gamma, self.lam = gamma, lam
         self.reward_kl_coef, self.reward_kl_kind = reward_kl_coef, reward_kl_kind
+        self.opd_coef = opd_coef
         self._pending: dict[int, list[Sample]] = {}
         self._ready: list[list[Sample]] = []
         self._counts = {"groups_filtered": 0, "groups_aborted": 0, "groups_dropped_reward_error": 0}
@@ -101,6 +111,7 @@ class DataBuffer:
             lam=algorithm.lam,
             reward_kl_coef=algorithm.reward_kl_coef,
             reward_kl_kind=algorithm.reward_kl_kind,
+            opd_coef=config.distill.coef,
             **extra,
         )
 
@@ -160,7 +171,9 @@ class DataBuffer:
         groups, self._ready = self._ready[:num_groups], self._ready[num_groups:]
         samples = [s for group in groups for s in group]
         sizes = [len(group) for group in groups]
-        advantages = None if self.defers_advantages else self.advantages(samples, group_sizes=sizes)
+        advantages, distill_metrics = None, {}
+        if not self.defers_advantages:
+            advantages, distill_metrics = self.shaped_advantages(samples, group_sizes=sizes)
         full = batch_from_samples(samples, advantages)
         everything = list(range(len(samples)))
         partitions = (
@@ -172,7 +185,7 @@ class DataBuffer:
             samples=samples,
             rank_batches=[full if part == everything else full.select(part) for part in partitions],
             partitions=partitions,
-            metrics=self._step_metrics(samples),
+            metrics=self._step_metrics(samples) | distill_metrics,
             group_sizes=sizes,
         )
         if not self.defers_advantages:
@@ -195,7 +208,10 @@ class DataBuffer:
         kl = response_rows(step.samples, step.partitions, per_rank)
         mask = response_mask(step.samples)
         step.metrics["algorithm/reward_kl_mean"] = float((kl * mask).sum() / mask.sum().clamp(1))
-        rows = self.advantages(step.samples, kl=kl, group_sizes=step.group_sizes)
+        rows, distill_metrics = self.shaped_advantages(
+            step.samples, kl=kl, group_sizes=step.group_sizes
+        )
+        step.metrics |= distill_metrics
         rank_batches = [
             replace(b, advantages=packed(step.samples, rows, part))
             for b, part in zip(rank_batches, step.partitions, strict=True)
@@ -205,6 +221,16 @@ class DataBuffer:
     def _with_targets(self, step: StepBatch, rank_batches: list[TrainBatch]) -> list[TrainBatch]:
         """What else the step's rank batches need once advantages exist (a critic's)."""
         return rank_batches
+
+    def shaped_advantages(
+        self, samples: list[Sample], kl=None, group_sizes=None
+    ) -> tuple[list[list[float]], dict[str, float]]:
+        """:meth:`advantages`, then the teacher's per-token penalty when ``opd_coef`` > 0
+        (:func:`distilled`); returns the rows and the distillation metrics (none when off)."""
+        rows = self.advantages(samples, kl=kl, group_sizes=group_sizes)
+        if self.opd_coef == 0:
+            return rows, {}
+        return distilled(samples, rows, self.opd_coef)
 
     def advantages(
         self,
@@ -264,6 +290,36 @@ def response_mask(samples: list[Sample]) -> torch.Tensor:
     rows = [s.effective_loss_mask() for s in samples]  # one tensor, not one per sample
     mask = torch.tensor([row + [0] * (width - len(row)) for row in rows], dtype=torch.float32)
     return mask.reshape(len(samples), width)
+
+
+def distilled(
+    samples: list[Sample], rows: list[list[float]], coef: float
+) -> tuple[list[list[float]], dict[str, float]]:
+    """``rows`` (per-response-token advantages) minus ``coef`` x (rollout - teacher)
+    log-prob of each token the loss trains (rl_core ``opd_advantages``), and its metrics."""
+    for sample in samples:
+        if sample.rollout_log_probs is None or TEACHER_KEY not in sample.metadata:
+            raise ValueError(
+                f"sample {sample.group_index}/{sample.index} lacks rollout log-probs or the "
+                f"teacher's ({TEACHER_KEY}): distillation needs both (engine rollouts and "
+                "distill.teacher_url / teacher_path give them)"
+            )
+    shaped, metrics = opd_advantages(
+        padded_rows(rows),
+        padded_rows([s.rollout_log_probs for s in samples]),
+        padded_rows([s.metadata[TEACHER_KEY] for s in samples]),
+        response_mask(samples),
+        coef=coef,
+    )
+    trimmed = [row[: s.response_length] for row, s in zip(shaped.tolist(), samples, strict=True)]
+    return trimmed, metrics
+
+
+def padded_rows(rows: list[list[float]]) -> torch.Tensor:
+    """``[B, T]`` float32 of per-response-token lists, 0 past each one's end."""
+    width = max((len(row) for row in rows), default=0)
+    padded = [[*row, *[0.0] * (width - len(row))] for row in rows]
+    return torch.tensor(padded, dtype=torch.float32).reshape(len(rows), width)
 
 
 def response_rows(

@@ -43,6 +43,7 @@ from rl_launcher.loops.step_metrics import (
 from rl_launcher.roles.critic import make_buffer, train_critic
 from rl_launcher.roles.evaluation import evaluate_at_start
 from rl_launcher.roles.reference import with_reference
+from rl_launcher.roles.teacher import score_groups
 from rl_launcher.roles.train_group import with_old_log_probs
 from rl_launcher.session.run import Run
 from rl_launcher.session.start import start_run
@@ -113,6 +114,8 @@ def run_step(run: Run, buffer: DataBuffer, step: int, feed=None) -> dict[str, fl
         groups, metrics = feed.groups(step)
     buffer.add_groups(groups)  # whole: a forked agent episode gives its group more samples
     clock.lap("rollout")
+    if score_groups(run, groups):  # distill.*: the teacher's log-prob of every response token
+        clock.lap("teacher")
     data_order.append(config.logging.run_dir, step, groups)
     dump_step(run, step, groups)  # rollout.dump_dir
     if hasattr(run.rollout, "consumed"):  # stand-ins (replay) draw no prompts

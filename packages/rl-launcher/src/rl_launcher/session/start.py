@@ -25,6 +25,7 @@ from rl_launcher.session.run import Run, check_fresh, new_run
 def start_run(config) -> Run:
     from rl_launcher.data import build_prompt_source
     from rl_launcher.roles.critic import start_critic
+    from rl_launcher.roles.teacher import start_teacher
     from rl_launcher.session.model import precision_note, prepare_model
 
     if config.rollout.replay_dir:  # train only, on dumped rollouts: no engines, no prompts
@@ -46,6 +47,7 @@ def start_run(config) -> Run:
         start_critic(run, model_dir)  # PPO with a critic (gae) only
         if run.rollout is None:  # colocated GPUs: the engines start once the trainer is up
             rollout()
+        start_teacher(run)  # distill.*: an engine that scores the samples, or its URL
     except BaseException:
         run.close()
         raise
