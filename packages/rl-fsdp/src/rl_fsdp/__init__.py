@@ -8,6 +8,7 @@ from rl_fsdp.backend import FSDPBackend
 from rl_fsdp.config import FSDPConfig
 from rl_fsdp.critic import FSDPCritic
 from rl_fsdp.distributed import shard_for_rank
+from rl_fsdp.lora import LoRASpec
 
 try:
     __version__ = version("rl-fsdp")
@@ -19,6 +20,7 @@ __all__ = [
     "FSDPBackend",
     "FSDPConfig",
     "FSDPCritic",
+    "LoRASpec",
     "free_port",
     "init_distributed",
     "shard_for_rank",

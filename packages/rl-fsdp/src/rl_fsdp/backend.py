@@ -26,6 +26,7 @@ from rl_core.objective import objective_loss
 from rl_fsdp.config import FSDPConfig
 from rl_fsdp.engine import ShardedTrainer
 from rl_fsdp.forward import packed_log_probs
+from rl_fsdp.lora import lora_disabled
 from rl_fsdp.modeling import (
     DTYPES,
     build_model,
@@ -45,7 +46,9 @@ class FSDPBackend(ShardedTrainer):
 
     def __init__(self, config: FSDPConfig, *, dist_info: DistInfo | None = None):
         super().__init__(config, dist_info=dist_info)
-        self.ref_model = self._build_reference() if config.loads_reference else None
+        # with LoRA the reference is the actor with its adapters off (see _pick)
+        separate_ref = config.loads_reference and config.lora is None
+        self.ref_model = self._build_reference() if separate_ref else None
 
     def _build_reference(self) -> torch.nn.Module:
         """A frozen, sharded copy of the initial weights (same source and seed)."""
@@ -68,7 +71,8 @@ class FSDPBackend(ShardedTrainer):
             return self._log_probs(net, mb, with_entropy=False, budget=budget)[0]
 
         compute = self.computing() if net is self.model else nullcontext()
-        with torch.no_grad(), self._swapped_in(net), compute:
+        base = lora_disabled(net) if model == "ref" and self.lora else nullcontext()
+        with torch.no_grad(), self._swapped_in(net), compute, base:
             out = self.per_token(batch, budget, log_probs)
             reshard_all(net)  # the root (and layers on one rank) stay gathered after forward
         out.index_fill_(0, batch.cu_seqlens[1:].long() - 1, 0.0)  # sequence ends
@@ -78,6 +82,8 @@ class FSDPBackend(ShardedTrainer):
         if model == "actor":
             return self.model
         if model == "ref":
+            if self.lora is not None:
+                return self.model  # the base: compute_log_probs turns the adapters off
             if self.ref_model is None:
                 raise ValueError(
                     "model='ref' needs a reference: FSDPConfig(reference=True) or an "
@@ -183,10 +189,14 @@ class FSDPBackend(ShardedTrainer):
 
     # --- weights out -------------------------------------------------------------------
     def export_weights(self, *, bucket_bytes: int):
-        """Buckets of ``(hf_name, full tensor)``, at most ``bucket_bytes`` each (collective)."""
+        """Buckets of ``(hf_name, full tensor)``, at most ``bucket_bytes`` each (collective);
+        with LoRA the base's names with the adapters merged in (what any engine loads)."""
         self.onload()
         dtype = DTYPES[self.config.export_dtype] if self.config.export_dtype else None
-        yield from iter_weight_buckets(self.model, bucket_bytes=bucket_bytes, dtype=dtype)
+        scaling = self.lora.scaling if self.lora is not None else None
+        yield from iter_weight_buckets(
+            self.model, bucket_bytes=bucket_bytes, dtype=dtype, lora_scaling=scaling
+        )
 
     def export_hf(self, path: Path, *, bucket_bytes: int = 1 << 30) -> None:
         """A plain HF directory (safetensors shards + config + tokenizer files) at ``path``."""

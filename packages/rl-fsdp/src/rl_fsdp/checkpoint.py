@@ -4,6 +4,8 @@ Layout of ``path`` (a directory; every rank must see the same filesystem):
     dcp/                  model and optimizer shards (torch.distributed.checkpoint)
     trainer_state.pt      step and LR-scheduler state (rank 0)
     rng_rank{r}.pt        RNG states of rank r (torch CPU/CUDA, python)
+    adapter.json          LoRA runs only: base model and spec (the shards hold only the
+                          trainable adapters and their optimizer state)
 Everything is written to ``<path>.tmp`` first; once all ranks finished, rank 0 moves an
 existing ``path`` aside to ``<path>.old``, renames ``<path>.tmp`` to ``path`` and deletes
 ``<path>.old``. A SIGKILL at any point leaves either the previous or the new checkpoint
@@ -12,6 +14,7 @@ complete under ``path``, or (between the two renames) the previous one under
 (after every rank's shards), so a directory without it is never taken for a checkpoint.
 """
 
+import json
 import os
 import random
 import shutil
@@ -20,9 +23,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 
 TRAINER_STATE = "trainer_state.pt"
+ADAPTER = "adapter.json"
 
 
 def _tmp_path(path: Path) -> Path:
@@ -70,14 +78,35 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save(path: Path, model, optimizer, scheduler, step: int) -> None:
-    """Write model, optimizer, scheduler, RNG and step under ``path`` (all ranks call)."""
+def _options(adapter: dict | None) -> StateDictOptions:
+    """An adapter run saves and loads its trainable parameters only (the frozen base is
+    rebuilt from where it came from)."""
+    return StateDictOptions(ignore_frozen_params=adapter is not None, strict=adapter is None)
+
+
+def _model_state(model, optimizer, adapter: dict | None):
+    """``get_state_dict`` of the parts a checkpoint holds. ``ignore_frozen_params`` keeps
+    a tied weight's second name (``lm_head.weight``), so an adapter run also filters by
+    the trainable parameters' names."""
+    model_state, optim_state = get_state_dict(model, optimizer, options=_options(adapter))
+    if adapter is not None:
+        trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+        model_state = {k: v for k, v in model_state.items() if k in trainable}
+    return model_state, optim_state
+
+
+def save(path: Path, model, optimizer, scheduler, step: int, *, adapter: dict | None = None):
+    """Write model, optimizer, scheduler, RNG and step under ``path`` (all ranks call);
+    with ``adapter`` (JSON-ready), only trainable parameters, and ``adapter`` to
+    ``adapter.json``."""
     rank, tmp = dist.get_rank(), _tmp_path(path)
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
+        if adapter is not None:
+            (tmp / ADAPTER).write_text(json.dumps(adapter, indent=2))
     dist.barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = _model_state(model, optimizer, adapter)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp / "dcp"))
     torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
     dist.barrier()
@@ -88,15 +117,21 @@ def save(path: Path, model, optimizer, scheduler, step: int) -> None:
     dist.barrier()
 
 
-def load(path: Path, model, optimizer, scheduler) -> int:
+def load(path: Path, model, optimizer, scheduler, *, adapter: dict | None = None) -> int:
     """Restore everything :func:`save` wrote; returns the step. RNG is restored for ranks
-    that existed at save time (a different world size keeps the others' RNG)."""
+    that existed at save time (a different world size keeps the others' RNG). A LoRA
+    checkpoint loads only into a model with the same LoRA spec."""
     path = complete_path(path)
-    model_state, optim_state = get_state_dict(model, optimizer)
+    _check_adapter(path, adapter)
+    model_state, optim_state = _model_state(model, optimizer, adapter)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=str(path / "dcp"))
     set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=_options(adapter),
     )
     trainer = torch.load(path / TRAINER_STATE, weights_only=True)
     scheduler.load_state_dict(trainer["scheduler"])
@@ -104,3 +139,22 @@ def load(path: Path, model, optimizer, scheduler) -> int:
     if rng_file.is_file():
         set_rng_state(torch.load(rng_file, weights_only=True))
     return int(trainer["step"])
+
+
+def _check_adapter(path: Path, adapter: dict | None) -> None:
+    """The checkpoint's LoRA spec must be the model's (the base is recorded, not checked:
+    a run directory may move)."""
+    saved = json.loads((path / ADAPTER).read_text()) if (path / ADAPTER).is_file() else None
+    if saved is None and adapter is None:
+        return
+    if saved is None or adapter is None:
+        has, wants = ("no", "a") if saved is None else ("a", "no")
+        raise ValueError(
+            f"{path} holds {has} LoRA adapter but the model has {wants} LoRA spec: load it "
+            "with the lora setting it was trained with"
+        )
+    if saved["lora"] != adapter["lora"]:
+        raise ValueError(
+            f"{path} was trained with LoRA {saved['lora']}, this model has {adapter['lora']}: "
+            "use the lora settings it was trained with"
+        )

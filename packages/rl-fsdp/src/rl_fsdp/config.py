@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rl_core.objective import Objective
+from rl_fsdp.lora import LoRASpec
 
 ATTENTION_IMPLS = (
     "auto",
@@ -87,6 +88,12 @@ class FSDPConfig:
     None = when the objective needs one (``objective.needs_reference``)."""
     ref_offload: bool = False
     """Keep the reference model's shards on CPU between uses (moved in for each call)."""
+    lora: LoRASpec | None = None
+    """LoRA adapters on the policy (:mod:`rl_fsdp.lora`), added before sharding: only they
+    train, the optimizer and checkpoints hold only them, the reference is the base with
+    the adapters off (no second copy), and exported weights are merged (HF names, for any
+    transport). Without FSDP the frozen base is kept in the compute dtype, the adapters in
+    float32. The critic (:class:`rl_fsdp.FSDPCritic`) ignores it and trains in full."""
     # --- batching ----------------------------------------------------------------------
     max_tokens_per_micro_batch: int = 8192
     """Token budget of one packed micro-batch (rl_core.packing.first_fit_pack)."""
@@ -166,6 +173,11 @@ class FSDPConfig:
             raise ValueError(
                 f"objective must be an rl_core.objective.Objective, got {type(self.objective)}"
             )
+        if self.lora is not None and not isinstance(self.lora, LoRASpec):
+            raise ValueError(f"lora must be an rl_fsdp.lora.LoRASpec or None, got {self.lora!r}")
+        if self.ref_offload and self.lora is not None:
+            raise ValueError("ref_offload=True: with lora the reference is the base model "
+                             "itself (adapters off), nothing to offload; drop ref_offload")  # fmt: skip
         if self.ref_offload and not self.loads_reference:
             raise ValueError("ref_offload=True needs a reference (reference=True, or a KL term)")
         if self.cpu_offload and self.fsdp_on_one_rank is False:

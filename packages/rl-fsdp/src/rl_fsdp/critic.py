@@ -18,6 +18,7 @@ from rl_fsdp.modeling import reshard_all
 
 class FSDPCritic(ShardedTrainer):
     head = "value"
+    takes_lora = False  # a new value head has nothing to adapt: the critic trains in full
 
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
         """Values ``[N]`` float32 of this rank's batch, no graph built."""

@@ -25,6 +25,7 @@ from rl_fsdp.distributed import (
     global_denominators,
 )
 from rl_fsdp.forward import micro_batch, plan_micro_batches, token_indices
+from rl_fsdp.lora import add_lora
 from rl_fsdp.master import MasterWeights
 from rl_fsdp.metrics import train_flops
 from rl_fsdp.modeling import (
@@ -32,6 +33,7 @@ from rl_fsdp.modeling import (
     build_model,
     gathered_through,
     is_fsdp,
+    place_adapted,
     reshard_after_backward,
     shard_model,
 )
@@ -41,6 +43,7 @@ from rl_fsdp.optim import build_optimizer
 
 class ShardedTrainer:
     head = "causal_lm"
+    takes_lora = True  # config.lora adapts this model (the critic's value head must train)
     step: int  # optimizer steps taken
 
     @classmethod
@@ -65,10 +68,15 @@ class ShardedTrainer:
         self.attention = resolve_attention(config.attention, self.device, config.precision)
         model = build_model(config, head=self.head)
         self.model_config = model.config
+        self.lora = config.lora if self.takes_lora else None
+        if self.lora is not None:
+            add_lora(model, self.lora)  # before sharding: FSDP2 shards adapters with their layer
         self.model = shard_model(model, config, self.device)
         # Without FSDP (one GPU by default): float32 masters and a bf16 compute copy.
         self.master = None
-        if not is_fsdp(self.model):
+        if not is_fsdp(self.model) and self.lora is not None:
+            place_adapted(self.model, self.device, DTYPES[config.precision])
+        elif not is_fsdp(self.model):
             self.master = MasterWeights(self.model, DTYPES[config.precision], self.device)
         self.optimizer, self.scheduler = build_optimizer(self.model, config)
         self.step = 0
@@ -190,14 +198,29 @@ class ShardedTrainer:
 
     # --- checkpoints and memory --------------------------------------------------------
     def save_checkpoint(self, path: Path) -> None:
+        """Model, optimizer and schedule; with LoRA only the adapters and their optimizer
+        state, plus ``adapter.json`` (base model and spec) to rebuild the model from."""
         self.onload()
-        checkpoint.save(Path(path), self.model, self.optimizer, self.scheduler, self.step)
+        checkpoint.save(
+            Path(path), self.model, self.optimizer, self.scheduler, self.step,
+            adapter=self.adapter_info(),
+        )  # fmt: skip
 
     def load_checkpoint(self, path: Path) -> None:
         self.onload()
-        self.step = checkpoint.load(Path(path), self.model, self.optimizer, self.scheduler)
+        self.step = checkpoint.load(
+            Path(path), self.model, self.optimizer, self.scheduler, adapter=self.adapter_info()
+        )
         if self.master is not None:
             self.master.refresh()
+
+    def adapter_info(self) -> dict | None:
+        """What an adapter-only checkpoint needs besides the adapters: the base model (its
+        path, or its config fields with the seed of its random init) and the LoRA spec."""
+        if self.lora is None:
+            return None
+        base = {"model_path": self.config.model_path, "model_config": self.config.model_config}
+        return {"base": {**base, "seed": self.config.seed}, "lora": self.lora.to_dict()}
 
     def offload(self) -> None:
         """Parameters and optimizer state to pinned host memory, freeing their device

@@ -17,7 +17,8 @@ target (:func:`merge_lora`).
 
 import math
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
@@ -44,6 +45,10 @@ class LoRASpec:
     @property
     def scaling(self) -> float:
         return self.alpha / self.rank
+
+    def to_dict(self) -> dict:
+        """JSON-ready fields (what an adapter checkpoint records to rebuild the model)."""
+        return {**asdict(self), "targets": list(self.targets)}
 
 
 def add_lora(model: nn.Module, spec: LoRASpec) -> list[str]:
@@ -77,11 +82,14 @@ def _attach(linear: nn.Linear, spec: LoRASpec) -> None:
     linear.register_parameter(LORA_B, nn.Parameter(b))
     dropout = nn.Dropout(spec.dropout) if spec.dropout else nn.Identity()
     linear.add_module("lora_dropout", dropout)
+    linear.lora_enabled = True
     linear.register_forward_hook(_adapter_hook(spec.scaling))
 
 
 def _adapter_hook(scaling: float):
     def hook(module: nn.Linear, inputs, output):
+        if not module.lora_enabled:
+            return output
         x = module.lora_dropout(inputs[0])
         a, b = _local(getattr(module, LORA_A)), _local(getattr(module, LORA_B))
         return output + (x.to(a.dtype) @ a.t() @ b.t()).to(output.dtype) * scaling
@@ -93,6 +101,20 @@ def _local(param: torch.Tensor) -> torch.Tensor:
     """A parameter as a plain tensor: FSDP2 gathers it for the forward, so inside the hook
     a DTensor is already whole on this rank (its local view is what matmul needs)."""
     return param.to_local() if hasattr(param, "to_local") else param
+
+
+@contextmanager
+def lora_disabled(model: nn.Module):
+    """Within: the adapted Linears compute the base alone (the frozen base model is the
+    reference policy of a LoRA run, so no second copy of it is needed)."""
+    adapted = [m for m in model.modules() if hasattr(m, "lora_enabled")]
+    for module in adapted:
+        module.lora_enabled = False
+    try:
+        yield
+    finally:
+        for module in adapted:
+            module.lora_enabled = True
 
 
 def is_lora_name(name: str) -> bool:

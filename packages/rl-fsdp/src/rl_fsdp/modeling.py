@@ -117,6 +117,15 @@ def compute_params_only(model: nn.Module, device: torch.device, dtype: torch.dty
     move_buffers(model, device)
 
 
+def place_adapted(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """One rank without FSDP, with LoRA: the frozen base to ``device`` in the compute
+    ``dtype`` (it never changes, so no float32 master and no gradient buffers), the
+    trainable adapters in float32 (what the optimizer updates), buffers as they are."""
+    for param in model.parameters():
+        param.data = param.data.to(device, torch.float32 if param.requires_grad else dtype)
+    move_buffers(model, device)
+
+
 def uses_fsdp(config: FSDPConfig, world_size: int, device: torch.device) -> bool:
     """Whether the model is sharded with FSDP2: with more than one rank, and on one rank
     when ``fsdp_on_one_rank`` (None: only with ``cpu_offload``, FSDP2's offload policy).

@@ -21,6 +21,7 @@ from torch import nn
 
 from rl_core.protocols import WeightBucket
 from rl_core.weights import HF_TOKENIZER_FILES, bucket_by_bytes
+from rl_fsdp.lora import merge_lora
 
 
 def full_tensor(param: torch.Tensor) -> torch.Tensor:
@@ -35,16 +36,24 @@ def full_tensor(param: torch.Tensor) -> torch.Tensor:
 
 
 def iter_weight_buckets(
-    model: nn.Module, *, bucket_bytes: int, dtype: torch.dtype | None = None
+    model: nn.Module,
+    *,
+    bucket_bytes: int,
+    dtype: torch.dtype | None = None,
+    lora_scaling: float | None = None,
 ) -> Iterator[WeightBucket]:
     """Buckets ``[(hf_name, full tensor)]`` of at most ``bucket_bytes`` each (a larger
-    tensor travels alone). Collective: every rank must iterate to the end."""
+    tensor travels alone). With ``lora_scaling`` the model's LoRA adapters are merged into
+    their weights (:func:`rl_fsdp.lora.merge_lora`, before the cast to ``dtype``).
+    Collective: every rank must iterate to the end."""
 
     names = checkpoint_namer(model)
+    named = ((name, full_tensor(param)) for name, param in model.named_parameters())
+    if lora_scaling is not None:
+        named = merge_lora(named, scaling=lora_scaling)
 
     def full_tensors():
-        for name, param in model.named_parameters():
-            tensor = full_tensor(param)
+        for name, tensor in named:
             yield from names(name, tensor if dtype is None else tensor.to(dtype))
 
     yield from bucket_by_bytes(full_tensors(), bucket_bytes=bucket_bytes)
