@@ -23,7 +23,9 @@ from rl_core.distributed import DistInfo
 from rl_core.importance import logprob_gap_share, rollout_importance_weights
 from rl_core.kl import approx_kl
 from rl_core.objective import objective_loss
+from rl_core.packing import first_fit_pack
 from rl_fsdp.config import FSDPConfig
+from rl_fsdp.distributed import all_reduce_max_int
 from rl_fsdp.engine import ShardedTrainer
 from rl_fsdp.forward import packed_log_probs
 from rl_fsdp.lora import lora_disabled
@@ -117,6 +119,19 @@ class FSDPBackend(ShardedTrainer):
         )
 
     # --- the loss of one micro-batch ---------------------------------------------------
+    def plan(self, batch: TrainBatch, max_tokens: int) -> list[list[int]]:
+        """The trainer's micro-batches, except that with the "dpo" objective each pair
+        (sequences 2p, 2p + 1: chosen, rejected) stays whole in one micro-batch, as its
+        loss needs both sequences' log-probs."""
+        if self.config.objective.mode != "dpo":
+            return super().plan(batch, max_tokens)
+        lengths = batch.seq_lengths()
+        assert len(lengths) % 2 == 0, "a dpo batch holds pairs: an even number of sequences"
+        pair_lengths = [lengths[i] + lengths[i + 1] for i in range(0, len(lengths), 2)]
+        parts = first_fit_pack(pair_lengths, max_tokens=max_tokens)
+        parts += [[] for _ in range(all_reduce_max_int(len(parts), self.device) - len(parts))]
+        return [[seq for pair in part for seq in (2 * pair, 2 * pair + 1)] for part in parts]
+
     def micro_batch_loss(self, mb: TrainBatch) -> tuple[torch.Tensor, dict]:
         """rl_core.objective.objective_loss of the config's objective, metrics as 0-d
         device tensors (summed on the device, read back once per step)."""
