@@ -16,7 +16,8 @@ KL_BLIND_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
 
 def check_consistency(config: TrainConfig) -> None:
     checks = (_check_algorithm, _check_optimizer, _check_rollout, _check_sampling,
-              _check_devices, _check_data, _check_eval, _check_modes, _check_distill)  # fmt: skip
+              _check_devices, _check_data, _check_eval, _check_modes, _check_distill,
+              _check_lora)  # fmt: skip
     for check in checks:
         check(config)
     plan_from_config(config)  # raises when the device pool cannot hold the layout
@@ -46,6 +47,24 @@ def _check_optimizer(config: TrainConfig) -> None:
     betas = config.optimizer.betas
     if len(betas) != 2 or not all(0.0 <= beta < 1.0 for beta in betas):
         raise ValueError(f"optimizer.betas must be two numbers in [0, 1), got {betas}")
+
+
+def _check_lora(config: TrainConfig) -> None:
+    """LoRA adapters exist on rl-fsdp only, and need layers to go on."""
+    model = config.model
+    if not model.lora_rank:
+        return
+    if config.backend.name != "fsdp":
+        raise ValueError(
+            f"model.lora_rank={model.lora_rank} trains LoRA adapters on backend.name=fsdp only "
+            f"(got {config.backend.name}); set backend.name=fsdp, or model.lora_rank=0 for full "
+            "fine-tuning with megatron"
+        )
+    if not model.lora_targets:
+        raise ValueError(
+            "model.lora_targets is empty; name the Linear layers to adapt, e.g. "
+            "[q_proj, k_proj, v_proj, o_proj]"
+        )
 
 
 def _check_rollout(config: TrainConfig) -> None:

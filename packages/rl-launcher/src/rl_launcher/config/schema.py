@@ -39,6 +39,10 @@ def option(default: Any = MISSING, *, help: str, choices=None, **bounds) -> Any:
     return field(default=default, metadata=meta(help, choices=choices, **bounds))
 
 
+# model.lora_targets by default: every attention and MLP projection of Llama-like decoders
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 @dataclass(kw_only=True)
 class ClusterConfig:
     """Where the run executes: Ray cluster and device pool."""
@@ -103,6 +107,28 @@ class ModelConfig:
         "float32", help="Parameter dtype.", choices=("float32", "bfloat16", "float16")
     )
     gradient_checkpointing: bool = option(False, help="Recompute activations in backward.")
+    lora_rank: int = option(
+        0,
+        help="Rank of LoRA adapters on model.lora_targets (0: full fine-tuning). Only the "
+        "adapters train, and the optimizer and checkpoints hold only them (with the base's "
+        "path); a KL reference is the base with the adapters off; engines get merged weights "
+        "through the usual weight sync. RL and SFT, backend.name=fsdp (the critic trains in "
+        "full).",
+        low=0,
+    )
+    lora_alpha: float = option(
+        16.0, help="LoRA scale: adapters add lora_alpha / lora_rank * B A x.", above=0
+    )
+    lora_dropout: float = option(
+        0.0, help="Dropout on the adapters' input while training.", low=0, below=1
+    )
+    lora_targets: list[str] = field(
+        default_factory=lambda: list(LORA_TARGETS),
+        metadata=meta(
+            "Linear layers that get adapters, by the last part of their name (Qwen, Llama, "
+            "Mistral, Gemma: the attention and MLP projections)."
+        ),
+    )
 
 
 @dataclass(kw_only=True)

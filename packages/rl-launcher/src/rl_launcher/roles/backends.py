@@ -56,6 +56,7 @@ def _precision(config, backend: str) -> str:
 def fsdp_config(config, *, model_dir: Path):
     """The rl-fsdp config of a :class:`~rl_launcher.config.TrainConfig`."""
     from rl_fsdp import FSDPConfig
+    from rl_launcher.roles.lora import lora_spec
 
     algo, opt = config.algorithm, config.optimizer
     precision = _precision(config, "fsdp")
@@ -69,6 +70,7 @@ def fsdp_config(config, *, model_dir: Path):
         lr=opt.lr, weight_decay=opt.weight_decay, betas=tuple(opt.betas), eps=opt.eps,
         warmup_steps=opt.warmup_steps, lr_decay=opt.schedule, total_steps=config.num_steps,
         min_lr_ratio=opt.min_lr_ratio, max_grad_norm=opt.grad_clip or None,
+        lora=lora_spec(config),
     )  # fmt: skip
 
 
