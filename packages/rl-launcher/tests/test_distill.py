@@ -84,7 +84,6 @@ QUICKSTART = ["--config", str(ROOT / "examples/quickstart/config.yaml"),
             "not both",
         ),
         (["--distill.teacher_url", "http://127.0.0.1:1"], "distill.coef=0, so the teacher"),
-        (["--distill.coef", "1", "--distill.teacher_path", "/nowhere"], "has no config.json"),
         (
             ["--distill.coef", "1", "--distill.teacher_url", "http://h:1", "--mode", "sft"],
             "mode=rl without rollout.rollout_only",
@@ -105,6 +104,17 @@ QUICKSTART = ["--config", str(ROOT / "examples/quickstart/config.yaml"),
 def test_config_refuses_a_distillation_without_exactly_one_usable_teacher(options, message):
     with pytest.raises(ValueError, match=message):
         load_config([*QUICKSTART, *options])
+
+
+def test_a_teacher_path_without_a_model_is_refused_before_anything_starts(tmp_path):
+    from rl_launcher.roles.teacher import check_teacher
+
+    argv = [*QUICKSTART, "--distill.coef", "1", "--distill.teacher_path", str(tmp_path)]
+    config, _ = load_config(argv)  # a later run may write it: the config alone is fine
+    with pytest.raises(ValueError, match=r"has no config\.json"):
+        check_teacher(config)
+    (tmp_path / "config.json").write_text("{}")
+    check_teacher(config)
 
 
 @pytest.mark.integration

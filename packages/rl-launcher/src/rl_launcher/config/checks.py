@@ -1,8 +1,6 @@
 """Checks that span several fields of a :class:`TrainConfig` (single fields are checked
 while it is built). Each raises ValueError naming the fields involved and a fix."""
 
-from pathlib import Path
-
 from rl_launcher.config import TrainConfig
 from rl_launcher.infra.placement import plan_from_config
 
@@ -131,21 +129,38 @@ def _check_eval(config: TrainConfig) -> None:
 
 
 def _check_modes(config: TrainConfig) -> None:
-    """SFT, replay and rollout-only runs lack a part that some options need."""
+    """SFT, DPO, replay and rollout-only runs lack a part that some options need."""
     rollout = config.rollout
-    if config.mode == "sft":
+    if config.mode == "dpo":
+        _check_dpo(config)
+    if config.mode in ("sft", "dpo"):
         for name, value in (("rollout.dump_dir", rollout.dump_dir),
                             ("rollout.replay_dir", rollout.replay_dir),
                             ("rollout.rollout_only", rollout.rollout_only),
                             ("eval.interval", config.eval.interval)):  # fmt: skip
             if value:
                 raise ValueError(
-                    f"mode=sft starts no engines, so {name} does not apply; unset it (evaluate "
-                    "an SFT checkpoint with rl-eval, or in the RL run that starts from it)"
+                    f"mode={config.mode} starts no engines, so {name} does not apply; unset it "
+                    "(evaluate its checkpoint with rl-eval, or in the RL run that starts from it)"
                 )
     if rollout.replay_dir and config.eval.interval:
         raise ValueError(
             "rollout.replay_dir trains without engines, so eval.interval cannot run; set it to 0"
+        )
+
+
+def _check_dpo(config: TrainConfig) -> None:
+    """DPO is wired for rl-fsdp, one optimizer step per batch of pairs."""
+    if config.backend.name != "fsdp":
+        raise ValueError(
+            f"mode=dpo runs on backend.name=fsdp only (got {config.backend.name}): the "
+            "Megatron backend does not keep a pair's two sequences in one micro-batch yet; "
+            "set backend.name=fsdp"
+        )
+    if config.algorithm.num_minibatches != 1:
+        raise ValueError(
+            "mode=dpo takes one optimizer step per batch of pairs: set "
+            "algorithm.num_minibatches=1 (and a smaller rollout.batch_size for more steps)"
         )
 
 
@@ -175,11 +190,6 @@ def _check_distill(config: TrainConfig) -> None:
         raise ValueError(
             "distill.teacher_path runs the teacher on the driver's CPU; on cluster.device=cuda "
             "start an SGLang server on the teacher and give its address as distill.teacher_url"
-        )
-    if distill.teacher_path and not Path(distill.teacher_path, "config.json").is_file():
-        raise ValueError(
-            f"distill.teacher_path={distill.teacher_path} has no config.json: give an HF model "
-            "directory (e.g. the hf/ export of a run with checkpoint.save_hf)"
         )
 
 

@@ -460,6 +460,10 @@ class DatasetConfig:
         help="mode=sft: column with the target response (null: the chat messages' last "
         "assistant turn).",
     )
+    chosen_key: str = option("chosen", help="mode=dpo: column with the preferred response (text).")
+    rejected_key: str = option(
+        "rejected", help="mode=dpo: column with the dispreferred response (text)."
+    )
 
 
 @dataclass(kw_only=True)
@@ -554,7 +558,10 @@ class TrainConfig:
     """A whole run."""
 
     mode: str = option(
-        "rl", help="rl trains on rewards; sft on labelled responses.", choices=("rl", "sft")
+        "rl",
+        help="rl trains on rewards; sft on labelled responses; dpo on preference pairs "
+        "(prompt, chosen, rejected) against the frozen starting model.",
+        choices=("rl", "sft", "dpo"),
     )
     seed: int = option(
         42,

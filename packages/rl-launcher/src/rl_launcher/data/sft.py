@@ -50,19 +50,31 @@ def sft_sample_from_row(
     sample = sample_from_row(
         prompt_row, spec, tokenizer=tokenizer, apply_chat_template=apply_chat_template
     )
-    response_ids = list(tokenizer.encode(response, add_special_tokens=False))
-    if tokenizer.eos_token_id is not None:
-        response_ids.append(tokenizer.eos_token_id)
-    sample.tokens = [*sample.tokens, *response_ids]
-    sample.response, sample.response_length = response, len(response_ids)
+    ids = response_ids(response, tokenizer)
+    sample.tokens = [*sample.tokens, *ids]
+    sample.response, sample.response_length = response, len(ids)
     return sample
 
 
+def response_ids(response: str, tokenizer: Any) -> list[int]:
+    """A target response's ids: its text without special tokens, then EOS (learn to stop)."""
+    ids = list(tokenizer.encode(response, add_special_tokens=False))
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return ids
+
+
 def load_sft_dataset(
-    spec: DatasetConfig, data: DataConfig, *, tokenizer: Any, max_response_tokens: int
+    spec: DatasetConfig,
+    data: DataConfig,
+    *,
+    tokenizer: Any,
+    max_response_tokens: int,
+    to_sample=sft_sample_from_row,
 ) -> PromptDataset:
     """Read, check, tokenize and length-filter one SFT dataset (malformed rows are
-    reported as ``file:line`` and skipped or raised per ``data.on_malformed``)."""
+    reported as ``file:line`` and skipped or raised per ``data.on_malformed``);
+    ``to_sample`` makes a row's Sample (a DPO pair's: ``data.preference``)."""
     name = spec.name or parse_spec(spec.path)[0].stem
     stats, samples = DatasetStats(), []
     for row in iter_rows(spec.path, batch_rows=data.read_batch_rows):
@@ -70,14 +82,14 @@ def load_sft_dataset(
         try:
             if row.error is not None:
                 raise MalformedRow(row.error)
-            sample = sft_sample_from_row(
+            sample = to_sample(
                 row.value, spec, tokenizer=tokenizer, apply_chat_template=data.apply_chat_template
             )
         except MalformedRow as error:
             _report_malformed(stats, f"{row.where}: {error}", data.on_malformed)
             continue
         too_long = sample.prompt_length > data.max_prompt_tokens
-        if too_long or sample.response_length > max_response_tokens:
+        if too_long or longest_response(sample) > max_response_tokens:
             stats.too_long += 1
             continue
         sample.metadata.update(dataset=name, row=row.index)
@@ -86,11 +98,19 @@ def load_sft_dataset(
     return PromptDataset(name=name, prompts=samples, stats=stats)
 
 
-def build_sft_source(config, *, tokenizer: Any) -> PromptSource:
-    """The example stream of an SFT run: ``data.train`` mixed, shuffled and resumable."""
+def longest_response(sample: Sample) -> int:
+    """Response tokens of the sample's longest response (a DPO pair has two)."""
+    return max(sample.response_length, len(sample.metadata.get("rejected_ids", ())))
+
+
+def build_sft_source(config, *, tokenizer: Any, to_sample=sft_sample_from_row) -> PromptSource:
+    """The example stream of an SFT run (of a DPO run with ``to_sample`` =
+    :func:`rl_launcher.data.preference.pair_sample_from_row`): ``data.train`` mixed,
+    shuffled and resumable."""
     datasets = [
         load_sft_dataset(spec, config.data, tokenizer=tokenizer,
-                         max_response_tokens=config.rollout.max_response_tokens)
+                         max_response_tokens=config.rollout.max_response_tokens,
+                         to_sample=to_sample)
         for spec in config.data.train
     ]  # fmt: skip
     weights = [spec.weight for spec in config.data.train]

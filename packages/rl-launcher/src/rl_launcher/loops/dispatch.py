@@ -3,7 +3,11 @@ imported only when chosen (``rl-train --help`` and a refused config load none)."
 
 
 def run_mode(config):
-    """The driver of ``config``: SFT, rollout-only, or the RL loop (replay included)."""
+    """The driver of ``config``: SFT, DPO, rollout-only, or the RL loop (replay included)."""
+    if config.mode == "dpo":
+        from rl_launcher.loops.dpo import train_dpo
+
+        return train_dpo
     if config.mode == "sft":
         from rl_launcher.loops.sft import train_sft
 

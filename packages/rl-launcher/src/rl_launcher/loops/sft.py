@@ -26,28 +26,33 @@ from rl_launcher.session.run import Run, check_fresh
 from rl_launcher.session.start import start_trainer
 
 
-def train_sft(config) -> Path:
-    """Run an SFT ``config`` to its last step; returns the run directory."""
+def train_sft(config, *, step_fn=None, to_sample=None) -> Path:
+    """Run an SFT ``config`` to its last step; returns the run directory. DPO runs the
+    same loop with its own step and row reader (:mod:`rl_launcher.loops.dpo`)."""
+    step_fn = step_fn or sft_step
     chosen = resume_choice.chosen(config)  # before anything starts: a bad --resume fails fast
-    with contextlib.closing(start_sft_run(config)) as run:
+    with contextlib.closing(start_sft_run(config, to_sample=to_sample)) as run:
         first = resume_sft(run, chosen) + 1 if config.checkpoint.resume else 1
         with stopping.stepping(run, save_sft, first):  # SIGTERM / SIGINT: at a step boundary
             for step in range(first, config.num_steps + 1):
-                finish_step(run, step, sft_step(run), save_sft)
+                finish_step(run, step, step_fn(run, step), save_sft)
     draw_charts(Path(config.logging.run_dir))
     return Path(config.logging.run_dir)
 
 
-def start_sft_run(config):
-    """The run's starting model, example source and training actor group (no engines)."""
-    from rl_launcher.data.sft import build_sft_source
+def start_sft_run(config, *, to_sample=None):
+    """The run's starting model, example source (rows read by ``to_sample``, default
+    SFT's) and training actor group (no engines)."""
+    from rl_launcher.data.sft import build_sft_source, sft_sample_from_row
 
     run_dir = Path(config.logging.run_dir)
     check_fresh(config, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     model_dir, tokenizer = prepare_model(config.model, run_dir=run_dir, seed=config.seed)
     precision_note(config)
-    source = build_sft_source(config, tokenizer=tokenizer)
+    source = build_sft_source(
+        config, tokenizer=tokenizer, to_sample=to_sample or sft_sample_from_row
+    )
     run = Run(config=config, source=source,
               metrics_log=MetricsLog(run_dir, logging=config.logging))  # fmt: skip
     run._cleanup.append(run.metrics_log.close)
@@ -68,7 +73,7 @@ def rank_batches(samples: list, num_ranks: int) -> list:
     return [batch.select(part) for part in parts]
 
 
-def sft_step(run) -> dict[str, float]:
+def sft_step(run, step: int = 0) -> dict[str, float]:
     config, clock = run.config, Clock()
     samples = run.source.next_batch(config.rollout.batch_size)
     batches = rank_batches(samples, run.num_ranks)
@@ -86,7 +91,8 @@ def save_sft(run, step: int) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     run.trainer.save(str(path / "trainer"))
     save_extras(run, path)
-    checkpoints.write_state(path, {"step": step, "mode": "sft", "data": run.source.state_dict()})
+    mode, data = run.config.mode, run.source.state_dict()
+    checkpoints.write_state(path, {"step": step, "mode": mode, "data": data})
     checkpoints.prune(root, run.config.checkpoint.keep_last)
     return path
 
@@ -98,8 +104,11 @@ def resume_sft(run, found: tuple[Path, dict] | None) -> int:
         print("rl-train: --resume found no complete checkpoint; starting at step 1", flush=True)
         return 0
     path, state = found
-    if state.get("mode") != "sft":
-        raise ValueError(f"{path} is an RL checkpoint; an SFT run cannot resume from it")
+    if state.get("mode", "rl") != run.config.mode:
+        raise ValueError(
+            f"{path} is a checkpoint of a mode={state.get('mode', 'rl')} run; a "
+            f"mode={run.config.mode} run cannot resume from it"
+        )
     with resume_choice.loading(path):  # every error names the checkpoint
         run.trainer.load(str(path / "trainer"))
         run.source.load_state_dict(state["data"])

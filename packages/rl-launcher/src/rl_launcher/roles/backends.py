@@ -118,7 +118,7 @@ def norm_length(config) -> float:
 
 
 def _mode(config) -> str:
-    return "sft" if config.mode == "sft" else "policy"
+    return {"sft": "sft", "dpo": "dpo"}.get(config.mode, "policy")
 
 
 def megatron_overrides(extra_args: list[str]) -> dict[str, Any]:

@@ -25,11 +25,12 @@ from rl_launcher.session.run import Run, check_fresh, new_run
 def start_run(config) -> Run:
     from rl_launcher.data import build_prompt_source
     from rl_launcher.roles.critic import start_critic
-    from rl_launcher.roles.teacher import start_teacher
+    from rl_launcher.roles.teacher import check_teacher, start_teacher
     from rl_launcher.session.model import precision_note, prepare_model
 
     if config.rollout.replay_dir:  # train only, on dumped rollouts: no engines, no prompts
         return start_replay_run(config)
+    check_teacher(config)  # distill.teacher_path, before anything starts
     run_dir = Path(config.logging.run_dir)
     check_fresh(config, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -178,7 +179,7 @@ def _place_engines(run: Run) -> None:
     from rl_launcher.roles.engine_hosts import engine_sites
 
     config = run.config
-    with_engines = config.mode != "sft" and not config.rollout.replay_dir
+    with_engines = config.mode == "rl" and not config.rollout.replay_dir
     if config.logging.progress:
         layout = describe_layout(run.plan, run.placement, engines=with_engines)
         print("rl-train: layout (T<r> training rank r, E<e> engine e, one cell per device):\n"
