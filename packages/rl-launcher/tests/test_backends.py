@@ -2,6 +2,7 @@
 config and its pass-through options, SGLang command lines and GPU assignment, transports
 per placement, colocation turns."""
 
+import dataclasses
 import re
 import sys
 import time
@@ -9,11 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from rl_core.objective import Objective
 from rl_launcher.config.loader import load_config
+from rl_launcher.config.schema import AlgorithmConfig
 from rl_launcher.infra.colocation import Turns, check_turns, turns_needed
 from rl_launcher.infra.placement import plan_from_config
 from rl_launcher.infra.weight_sync import resolve_transport, sync_options
-from rl_launcher.roles.backends import backend_spec, megatron_overrides
+from rl_launcher.roles import backends
+from rl_launcher.roles.backends import OBJECTIVE_SOURCES, backend_spec, megatron_overrides
 from rl_launcher.roles.engine_servers import engine_gpus, engine_processes, sglang_server_args
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -50,13 +54,77 @@ def test_a_kl_shaped_reward_alone_loads_the_reference(tmp_path):
     for extra, loaded in (([], False), (["--algorithm.reward_kl_coef", "0.1"], True)):
         config, _ = load_config([*shaped, *extra])
         fsdp = backend_spec(config, model_dir=tmp_path, num_ranks=1).config
-        assert (fsdp.reference, fsdp.objective.kl_coef) == (loaded, 0.0)
+        assert (fsdp.loads_reference, fsdp.objective.kl_coef) == (loaded, 0.0)
         config.backend.name = "megatron"
         megatron = backend_spec(config, model_dir=tiny_model_dir(tmp_path), num_ranks=1).config
         assert (megatron.ref_path, megatron.objective.kl_coef) == (
             tmp_path if loaded else None,
             0.0,
         )
+
+
+def test_both_backends_carry_one_objective_built_from_the_config(tmp_path):
+    config, _ = load_config([
+        "--algorithm.policy_loss", "gspo", "--algorithm.clip_high", "0.28",
+        "--algorithm.kl_coef", "0.05", "--algorithm.kl_kind", "k3",
+        "--algorithm.entropy_coef", "0.01", "--algorithm.rollout_is_level", "sequence",
+        "--algorithm.rollout_is_mode", "mask", "--algorithm.rollout_is_cap", "3",
+        "--algorithm.loss_agg_mode", "seq-mean-token-sum-norm",
+        "--rollout.max_response_tokens", "48", "--rollout.temperature", "0.7",
+    ])  # fmt: skip
+    fsdp = backend_spec(config, model_dir=tmp_path, num_ranks=1).config.objective
+    config.backend.name = "megatron"
+    megatron = backend_spec(config, model_dir=tiny_model_dir(tmp_path), num_ranks=1)
+    assert (
+        megatron.config.objective
+        == fsdp
+        == Objective(
+            policy_loss="gspo",
+            clip_high=0.28,
+            kl_coef=0.05,
+            kl_kind="k3",
+            entropy_coef=0.01,
+            rollout_is_level="sequence",
+            rollout_is_mode="mask",
+            rollout_is_cap=3.0,
+            loss_agg_mode="seq-mean-token-sum-norm",
+            norm_length=48.0,
+            temperature=0.7,
+        )
+    )
+    config.mode, config.rollout.temperature = "sft", 0.0  # greedy rollouts: logits unscaled
+    sft = backend_spec(config, model_dir=tmp_path, num_ranks=1).config.objective
+    assert (sft.mode, sft.temperature) == ("sft", 1.0)
+
+
+def test_every_objective_field_comes_from_the_config_by_name_or_one_mapping():
+    """An Objective field is read from ``algorithm.<same name>`` or named in
+    OBJECTIVE_SOURCES, never both: a new option needs no edit in the launcher."""
+    names = {field.name for field in dataclasses.fields(Objective)}
+    by_name = names & {field.name for field in dataclasses.fields(AlgorithmConfig)}
+    assert names == by_name | set(OBJECTIVE_SOURCES)
+    assert not by_name & set(OBJECTIVE_SOURCES)
+    assert set(OBJECTIVE_SOURCES) == {"mode", "norm_length", "temperature"}
+
+
+def test_a_new_objective_option_reaches_both_backends_with_no_other_edit(tmp_path, monkeypatch):
+    """An option added to the Objective and to ``algorithm`` under one name (here an OPD
+    weight) arrives in both backend configs; a field with no source is refused by name."""
+    extra = [("opd_coef", float, dataclasses.field(default=0.0))]
+    objective = dataclasses.make_dataclass("WithOpd", extra, bases=(Objective,), frozen=True)
+    algorithm = dataclasses.make_dataclass("AlgorithmWithOpd", extra, bases=(AlgorithmConfig,))
+    monkeypatch.setattr(backends, "Objective", objective)
+    config, _ = load_config(["--algorithm.kl_coef", "0.05"])
+    config.algorithm = algorithm(**vars(config.algorithm), opd_coef=0.5)
+    for name in ("fsdp", "megatron"):
+        config.backend.name = name
+        spec = backend_spec(config, model_dir=tiny_model_dir(tmp_path), num_ranks=1)
+        assert (spec.config.objective.opd_coef, spec.config.objective.kl_coef) == (0.5, 0.05)
+    config.algorithm = AlgorithmConfig()
+    with pytest.raises(
+        ValueError, match=re.escape("Objective.opd_coef has no source: add algorithm.opd_coef")
+    ):
+        backend_spec(config, model_dir=tiny_model_dir(tmp_path), num_ranks=1)
 
 
 def test_megatron_refuses_what_it_cannot_do(tmp_path):

@@ -105,7 +105,7 @@ def test_fsdp_config_carries_the_algorithm_and_optimizer(tmp_path):
          "--optimizer.schedule", "cosine", "--rollout.temperature", "0.7"]
     )  # fmt: skip
     fsdp = fsdp_config(config, model_dir=tmp_path)
-    assert fsdp.reference and fsdp.objective.kl_coef == 0.01 and fsdp.max_grad_norm is None
+    assert fsdp.loads_reference and fsdp.objective.kl_coef == 0.01 and fsdp.max_grad_norm is None
     assert (fsdp.lr_decay, fsdp.total_steps, fsdp.objective.temperature) == ("cosine", 7, 0.7)
     assert fsdp.model_path == str(tmp_path) and fsdp.objective.rollout_is_level is None
     assert fsdp.export_dtype == fsdp.precision  # engines get model.dtype, not fp32 masters

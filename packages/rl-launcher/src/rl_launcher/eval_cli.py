@@ -88,7 +88,8 @@ def export_checkpoint(step_dir: Path, config) -> Path:
     process (one CPU rank; the checkpoint may come from any number of ranks)."""
     import dataclasses
 
-    from rl_fsdp import FSDPBackend, init_distributed
+    from rl_core.distributed import init_distributed
+    from rl_fsdp import FSDPBackend
     from rl_launcher.roles.backends import fsdp_config
 
     base = Path(config.model.path) if config.model.path else step_dir.parents[1] / "initial_model"

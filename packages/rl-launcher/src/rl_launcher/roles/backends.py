@@ -1,17 +1,25 @@
 """The training backends a rank can run: rl-fsdp's ``FSDPBackend`` or rl-megatron's
-``MegatronBackend`` (same protocol: log-probs, train step, export, checkpoints, offload).
+``MegatronBackend``, both :class:`rl_core.protocols.TrainingBackend`; the launcher calls
+nothing else on them.
 
     spec = backend_spec(config, model_dir=path, num_ranks=4)  # on the driver, validated
     backend = build_backend(spec, rank=r, world_size=4, master_addr=..., master_port=...)
 
+The loss is described once: :func:`objective_of` builds the run's
+:class:`rl_core.objective.Objective` from the config, and both backend configs carry that
+same object. Each Objective field is read from ``algorithm.<same name>`` unless
+:data:`OBJECTIVE_SOURCES` says where else it lives, so a new loss option is one field of
+the Objective and one option of the same name in ``algorithm``.
+
 ``spec.data_parallel`` is the number of distinct batches a step is split into: every rank
 for FSDP; ``num_ranks / (tp x pp x cp)`` for Megatron, whose TP / PP / CP ranks of one
 data-parallel rank share a batch. ``--megatron-KEY [VALUE]`` options set any
-:class:`rl_megatron.config.MegatronConfig` field (``--megatron-sequence-parallel``,
-``--megatron-logprob-chunk-size 2048``).
+:class:`rl_megatron.config.MegatronConfig` field but the objective
+(``--megatron-sequence-parallel``, ``--megatron-logprob-chunk-size 2048``).
 """
 
 import dataclasses
+import importlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,30 +27,64 @@ from typing import Any
 import yaml
 
 from rl_core.objective import Objective
-from rl_launcher.roles.reference import needs_reference
+from rl_core.protocols import TrainingBackend
 
 PRECISIONS = {"float32": "fp32", "bfloat16": "bf16"}
 MEGATRON_PREFIX = "--megatron-"
+# backend.name -> (module, class) implementing rl_core.protocols.TrainingBackend
+BACKENDS = {
+    "fsdp": ("rl_fsdp", "FSDPBackend"),
+    "megatron": ("rl_megatron.backend", "MegatronBackend"),
+}
+
+# The Objective fields the config holds elsewhere than algorithm.<same name>.
+OBJECTIVE_SOURCES = {
+    "mode": lambda config: {"sft": "sft", "dpo": "dpo"}.get(config.mode, "policy"),
+    # seq-mean-token-sum-norm's constant: the response limit (Dr.GRPO's generation budget;
+    # verl's default, the padded width, is that limit when responses are padded to it)
+    "norm_length": lambda config: float(config.rollout.max_response_tokens),
+    "temperature": lambda config: config.rollout.temperature or 1.0,  # 0 (greedy) samples at 1
+}
 
 
 @dataclass(frozen=True, kw_only=True)
 class BackendSpec:
     name: str  # "fsdp" | "megatron"
-    config: Any  # FSDPConfig | MegatronConfig
+    config: Any  # FSDPConfig | MegatronConfig, each carrying the run's Objective
     device: str  # "cpu" | "cuda"
     data_parallel: int
 
 
+def objective_of(config) -> Objective:
+    """The run's Objective: every field from ``algorithm.<name>`` or :data:`OBJECTIVE_SOURCES`."""
+    fields = {}
+    for field in dataclasses.fields(Objective):
+        if field.name in OBJECTIVE_SOURCES:
+            fields[field.name] = OBJECTIVE_SOURCES[field.name](config)
+        elif hasattr(config.algorithm, field.name):
+            fields[field.name] = getattr(config.algorithm, field.name)
+        else:
+            raise ValueError(
+                f"Objective.{field.name} has no source: add algorithm.{field.name} to the "
+                "config schema or an entry to OBJECTIVE_SOURCES"
+            )
+    return Objective(**fields)
+
+
 def backend_spec(config, *, model_dir: Path, num_ranks: int) -> BackendSpec:
     """The backend config of a :class:`~rl_launcher.config.TrainConfig` for ``num_ranks``."""
-    device = config.cluster.device
+    device, objective = config.cluster.device, objective_of(config)
     if config.backend.name == "megatron":
-        megatron = megatron_config(config, model_dir=model_dir)
+        megatron = megatron_config(config, model_dir=model_dir, objective=objective)
         model_parallel = megatron.tp * megatron.pp * megatron.cp
-        return BackendSpec(name="megatron", config=megatron, device=device,
-                           data_parallel=num_ranks // model_parallel)  # fmt: skip
-    return BackendSpec(name="fsdp", config=fsdp_config(config, model_dir=model_dir),
-                       device=device, data_parallel=num_ranks)  # fmt: skip
+        return BackendSpec(
+            name="megatron",
+            config=megatron,
+            device=device,
+            data_parallel=num_ranks // model_parallel,
+        )
+    fsdp = fsdp_config(config, model_dir=model_dir, objective=objective)
+    return BackendSpec(name="fsdp", config=fsdp, device=device, data_parallel=num_ranks)
 
 
 def _precision(config, backend: str) -> str:
@@ -53,12 +95,13 @@ def _precision(config, backend: str) -> str:
     return PRECISIONS[config.model.dtype]
 
 
-def fsdp_config(config, *, model_dir: Path):
-    """The rl-fsdp config of a :class:`~rl_launcher.config.TrainConfig`."""
+def fsdp_config(config, *, model_dir: Path, objective: Objective | None = None):
+    """The rl-fsdp config of a :class:`~rl_launcher.config.TrainConfig` (``objective``:
+    the run's, None = :func:`objective_of` the config)."""
     from rl_fsdp import FSDPConfig
     from rl_launcher.roles.lora import lora_spec
 
-    algo, opt = config.algorithm, config.optimizer
+    opt = config.optimizer
     precision = _precision(config, "fsdp")
     return FSDPConfig(
         model_path=str(model_dir), seed=config.seed, device=config.cluster.device,
@@ -66,7 +109,7 @@ def fsdp_config(config, *, model_dir: Path):
         export_dtype=precision,  # engines serve model.dtype: bf16 runs send bf16, not fp32 masters
         activation_checkpointing=config.model.gradient_checkpointing,
         max_tokens_per_micro_batch=config.backend.micro_batch_tokens,
-        objective=objective_of(config), reference=needs_reference(algo),
+        objective=objective or objective_of(config),
         lr=opt.lr, weight_decay=opt.weight_decay, betas=tuple(opt.betas), eps=opt.eps,
         warmup_steps=opt.warmup_steps, lr_decay=opt.schedule, total_steps=config.num_steps,
         min_lr_ratio=opt.min_lr_ratio, max_grad_norm=opt.grad_clip or None,
@@ -74,59 +117,36 @@ def fsdp_config(config, *, model_dir: Path):
     )  # fmt: skip
 
 
-def megatron_config(config, *, model_dir: Path):
-    """The rl-megatron config: parallel layout from ``backend.*``, then ``--megatron-*``."""
+def megatron_config(config, *, model_dir: Path, objective: Objective | None = None):
+    """The rl-megatron config: parallel layout from ``backend.*``, then ``--megatron-*``
+    (``objective`` as in :func:`fsdp_config`; the reference, when it needs one, is the
+    starting model)."""
     from rl_megatron.config import MegatronConfig
 
-    algo, opt, backend = config.algorithm, config.optimizer, config.backend
+    opt, backend = config.optimizer, config.backend
     if opt.schedule != "constant" or opt.warmup_steps or opt.name != "adamw":
         raise ValueError(
             "backend.name=megatron trains with AdamW at a constant learning rate: set "
             "optimizer.name=adamw, optimizer.schedule=constant and optimizer.warmup_steps=0"
         )
     fields = dict(
-        hf_path=model_dir, ref_path=model_dir if needs_reference(algo) else None,
+        hf_path=model_dir, objective=objective or objective_of(config),
         tp=backend.tensor_parallel, pp=backend.pipeline_parallel, cp=backend.context_parallel,
         ep=backend.expert_parallel, device=config.cluster.device,
         precision=_precision(config, "megatron"), seed=config.seed, lr=opt.lr,
         weight_decay=opt.weight_decay, adam_betas=tuple(opt.betas), adam_eps=opt.eps,
         clip_grad=opt.grad_clip, max_tokens_per_micro_batch=backend.micro_batch_tokens,
-        objective=objective_of(config),
     )  # fmt: skip
     return MegatronConfig(**(fields | megatron_overrides(backend.extra_args)))
 
 
-def objective_of(config) -> Objective:
-    """The run's :class:`~rl_core.objective.Objective`: every field of the same name in
-    ``algorithm.*``, plus the few taken from elsewhere in the config."""
-    algo = config.algorithm
-    same_name = {f.name: getattr(algo, f.name) for f in dataclasses.fields(Objective)
-                 if hasattr(algo, f.name)}  # fmt: skip
-    return Objective(**same_name | {
-        "mode": _mode(config),
-        "norm_length": norm_length(config),
-        "temperature": config.rollout.temperature or 1.0,
-        "rollout_is_level": algo.rollout_is_level or None,
-    })  # fmt: skip
-
-
-def norm_length(config) -> float:
-    """The constant ``seq-mean-token-sum-norm`` divides each step's summed token losses by:
-    the response limit (Dr.GRPO's generation budget; verl's default, the padded width, is
-    that limit when responses are padded to it)."""
-    return float(config.rollout.max_response_tokens)
-
-
-def _mode(config) -> str:
-    return {"sft": "sft", "dpo": "dpo"}.get(config.mode, "policy")
-
-
 def megatron_overrides(extra_args: list[str]) -> dict[str, Any]:
     """``["--megatron-tp", "2", "--megatron-sequence-parallel"]`` -> ``{"tp": 2,
-    "sequence_parallel": True}``; values parsed as YAML, unknown keys refused."""
+    "sequence_parallel": True}``; values parsed as YAML, unknown keys refused (the
+    objective comes from ``algorithm.*``, not from here)."""
     from rl_megatron.config import MegatronConfig
 
-    known = {f.name for f in dataclasses.fields(MegatronConfig)}
+    known = {f.name for f in dataclasses.fields(MegatronConfig)} - {"objective"}
     overrides, i = {}, 0
     while i < len(extra_args):
         flag = extra_args[i]
@@ -148,34 +168,21 @@ def megatron_overrides(extra_args: list[str]) -> dict[str, Any]:
     return overrides
 
 
-def build_backend(spec: BackendSpec, *, rank: int, world_size: int, master_addr: str,
-                  master_port: int):  # fmt: skip
-    """Join the ranks' process group (gloo on CPU, nccl on GPU) and build the backend."""
-    from rl_core.distributed import init_distributed
-
-    info = init_distributed(device=spec.device, rank=rank, world_size=world_size,
-                            master_addr=master_addr, master_port=master_port)  # fmt: skip
-    if spec.name == "fsdp":
-        from rl_fsdp import FSDPBackend
-
-        return FSDPBackend(spec.config, dist_info=info)
-    if spec.device == "cpu":  # megatron-core allocates on "cuda" unless shimmed
-        from rl_megatron.testing import cpu_shim
-
-        cpu_shim.install(spec.config.seed)
-    from rl_megatron.backend import MegatronBackend
-
-    return MegatronBackend(spec.config)
+def backend_class(name: str) -> type:
+    """The TrainingBackend class of ``backend.name`` (imported only when used)."""
+    module, cls = BACKENDS[name]
+    return getattr(importlib.import_module(module), cls)
 
 
-def data_rank(spec: BackendSpec, backend, rank: int) -> int:
-    """Which of the step's ``spec.data_parallel`` batches this rank trains on."""
-    return backend.layout.dp_rank if spec.name == "megatron" else rank
-
-
-# Megatron names two train metrics differently from rl-fsdp; the loop reads rl-fsdp's.
-METRIC_NAMES = {"grad_norm": "train/grad_norm", "lr": "train/lr"}
-
-
-def common_metrics(metrics: dict[str, float]) -> dict[str, float]:
-    return {METRIC_NAMES.get(key, key): value for key, value in metrics.items()}
+def build_backend(
+    spec: BackendSpec, *, rank: int, world_size: int, master_addr: str, master_port: int
+) -> TrainingBackend:
+    """Join the ranks' process group (gloo on CPU, nccl on GPU) and build the backend,
+    through the protocol's ``start``."""
+    return backend_class(spec.name).start(
+        spec.config,
+        rank=rank,
+        world_size=world_size,
+        master_addr=master_addr,
+        master_port=master_port,
+    )

@@ -43,13 +43,11 @@ class CriticWorker(GroupMember):
 
     def join(self, host: str, port: int) -> None:
         """Join the critic group at its rank 0's ``host:port``, then build the critic."""
-        from rl_fsdp import FSDPCritic, init_distributed
+        from rl_fsdp import FSDPCritic
 
-        device = "cuda" if self.config.device == "cuda" else "cpu"
-        self.join_group(device, host, port)
-        dist_info = init_distributed(device=device, rank=self.rank, world_size=self.world_size,
-                                     master_addr=host, master_port=port)  # fmt: skip
-        self.critic = FSDPCritic(self.config, dist_info=dist_info)
+        self.join_group("cuda" if self.config.device == "cuda" else "cpu", host, port)
+        self.critic = FSDPCritic.start(self.config, rank=self.rank, world_size=self.world_size,
+                                       master_addr=host, master_port=port)  # fmt: skip
 
     def values(self, batch: TrainBatch) -> torch.Tensor:
         return self.critic.compute_values(batch).cpu()

@@ -1,7 +1,7 @@
 """The frozen reference model's part of a step: its log-probs of the step's batch, for the
 KL in the loss (``algorithm.kl_coef``) and for the KL-shaped reward
-(``algorithm.reward_kl_coef``). The reference is loaded when either is > 0
-(:func:`needs_reference`); with neither, a step never calls it.
+(``algorithm.reward_kl_coef``). The backends load the reference when either is > 0
+(``rl_core.objective.Objective.needs_reference``); with neither, a step never calls it.
 
     rank_batches = with_old_log_probs(step.rank_batches, old)       # trainer, "actor"
     rank_batches = with_reference(run, buffer, step, rank_batches)  # trainer, "ref"
@@ -13,11 +13,6 @@ advantages it left empty (:meth:`rl_launcher.data.buffer.DataBuffer.fill_advanta
 """
 
 from dataclasses import replace
-
-
-def needs_reference(algorithm) -> bool:
-    """Whether a run with these ``algorithm`` options loads the reference model."""
-    return algorithm.kl_coef > 0 or algorithm.reward_kl_coef > 0
 
 
 def with_reference(run, buffer, step, rank_batches: list) -> list:

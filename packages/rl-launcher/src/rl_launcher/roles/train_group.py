@@ -75,9 +75,7 @@ class TrainWorker(GroupMember):
         return self.weights.address()
 
     def data_rank(self) -> int:
-        from rl_launcher.roles.backends import data_rank
-
-        return data_rank(self.spec, self.backend, self.rank)
+        return self.backend.data_rank
 
     def log_probs(self, batch: TrainBatch, model: str = "actor"):
         """``[N]`` log-probs of this rank's batch, on CPU."""
@@ -91,15 +89,13 @@ class TrainWorker(GroupMember):
         """One optimizer step per minibatch, in order; later minibatches' metrics win.
         Also ``time/<part>``: this rank's seconds inside the backend since the last call
         (``log_probs_compute``, ``train_compute``) and moving state back (``onload``)."""
-        from rl_launcher.roles.backends import common_metrics
-
         entered = time.time()  # wall clock, comparable with the driver's on one node
         self.onload()
         start = time.perf_counter()
         metrics: dict[str, float] = {}
         for batch in batches:
             metrics = faults.merge_minibatch_metrics(
-                metrics, common_metrics(self.backend.train_step(batch))
+                metrics, self.backend.train_step(batch)
             )  # skipped (non-finite) minibatches are counted, not overwritten
         metrics = {key: float(value) for key, value in metrics.items()}  # no device tensors
         metrics["time/trainer_gc"] = self.gc_pauses.take()["time/gc"]
