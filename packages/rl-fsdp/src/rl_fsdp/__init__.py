@@ -3,7 +3,6 @@ causal LMs, CPU (gloo, fp32) and GPU (nccl, bf16 mixed precision)."""
 
 from importlib.metadata import PackageNotFoundError, version
 
-from rl_core.distributed import DistInfo, free_port, init_distributed  # moved to rl_core
 from rl_fsdp.backend import FSDPBackend
 from rl_fsdp.config import FSDPConfig
 from rl_fsdp.critic import FSDPCritic
@@ -16,12 +15,9 @@ except PackageNotFoundError:
     __version__ = "0.0.0"
 
 __all__ = [
-    "DistInfo",
     "FSDPBackend",
     "FSDPConfig",
     "FSDPCritic",
     "LoRASpec",
-    "free_port",
-    "init_distributed",
     "shard_for_rank",
 ]
