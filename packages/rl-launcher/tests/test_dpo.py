@@ -106,7 +106,8 @@ def test_example_raises_margin_and_accuracy_and_lowers_the_loss(tmp_path):
     argv = ["--config", str(EXAMPLE), "--num_steps", "12", "--logging.run_dir",
             str(tmp_path / "run"), "--checkpoint.interval", "0",
             "--model.tokenizer_path", str(ROOT / "examples/quickstart/tokenizer"),
-            "--data.train.0.path", str(ROOT / "examples/dpo/data/pairs.jsonl")]  # fmt: skip
+            "--data.train.0.path", str(ROOT / "examples/dpo/data/pairs.jsonl"),
+            "--eval.datasets.0.path", str(ROOT / "examples/dpo/data/pairs_eval.jsonl")]  # fmt: skip
     assert main(argv) == 0
     records = [r for r in read_metrics(tmp_path / "run") if "pref/loss" in r]
     assert [r["step"] for r in records] == list(range(1, 13))
@@ -122,3 +123,10 @@ def test_example_raises_margin_and_accuracy_and_lowers_the_loss(tmp_path):
     assert mean(last, "pref/accuracy") > mean(first, "pref/accuracy") + 0.2
     assert mean(last, "pref/loss") < mean(first, "pref/loss") - 0.02
     assert records[0]["dpo/chosen_length/mean"] == 2.0  # one digit and EOS
+    # held-out pairs (every 10 steps and the last): all 25 of them, after the update
+    evals = [r for r in read_metrics(tmp_path / "run") if "eval/heldout/pref/accuracy" in r]
+    assert [r["step"] for r in evals] == [10, 12]
+    for r in evals:
+        accuracy = r["eval/heldout/pref/accuracy"]
+        assert accuracy * 25 == pytest.approx(round(accuracy * 25), abs=1e-4)  # k of 25 pairs
+        assert r["eval/heldout/pref/margin"] > 0 and accuracy > 0.5

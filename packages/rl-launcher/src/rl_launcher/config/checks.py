@@ -137,7 +137,7 @@ def _check_modes(config: TrainConfig) -> None:
         for name, value in (("rollout.dump_dir", rollout.dump_dir),
                             ("rollout.replay_dir", rollout.replay_dir),
                             ("rollout.rollout_only", rollout.rollout_only),
-                            ("eval.interval", config.eval.interval)):  # fmt: skip
+                            ("eval.interval", config.mode == "sft" and config.eval.interval)):  # fmt: skip
             if value:
                 raise ValueError(
                     f"mode={config.mode} starts no engines, so {name} does not apply; unset it "

@@ -8,7 +8,9 @@ with its own step and row reader. Each step reads like the algorithm:
 
 Metrics: ``pref/loss``, ``pref/accuracy`` (implicit reward of chosen above rejected),
 ``pref/margin``, ``pref/chosen_reward``, ``pref/rejected_reward`` of the step's pairs
-before its update, ``dpo/*`` lengths, ``time/*``.
+before its update, ``dpo/*`` lengths, ``time/*``. With ``eval.datasets`` (pair rows) and
+``eval.interval``, every interval and at the last step the same ``pref/*`` metrics of
+every held-out pair, after the step's update: ``eval/<name>/pref/*`` (no training).
 """
 
 from dataclasses import replace
@@ -17,7 +19,9 @@ from pathlib import Path
 from rl_core.batch import batch_from_samples
 from rl_core.metrics import summarize
 from rl_core.packing import balanced_partitions
+from rl_core.preference import packed_pair_loss
 from rl_launcher.data.preference import pair_sample_from_row, pair_sequences
+from rl_launcher.data.sft import load_sft_dataset
 from rl_launcher.loops.sft import train_sft
 from rl_launcher.loops.step import Clock
 
@@ -50,4 +54,43 @@ def dpo_step(run, step: int = 0) -> dict[str, float]:
     clock.lap("train")
     metrics |= summarize([p.response_length for p in pairs], "dpo/chosen_length")
     metrics |= summarize([len(p.metadata["rejected_ids"]) for p in pairs], "dpo/rejected_length")
+    interval = config.eval.interval
+    if interval and (step % interval == 0 or step == config.num_steps):
+        metrics |= evaluate_pairs(run)
+        clock.lap("eval")
     return metrics | clock.times()
+
+
+def evaluate_pairs(run) -> dict[str, float]:
+    """``eval/<name>/pref/*`` of every pair of each ``eval.datasets`` entry: the policy's
+    and the reference's log-probs, then rl-core's DPO metrics over all the pairs."""
+    config, metrics = run.config, {}
+    for dataset in eval_datasets(run):
+        pairs = dataset.prompts
+        batches = pair_rank_batches(pairs, run.num_ranks)
+        policy = run.trainer.log_probs(batches)
+        ref = run.trainer.log_probs(batches, model="ref")
+        for batch, actor, reference in zip(batches, policy, ref, strict=True):
+            _, shares = packed_pair_loss(
+                log_probs=actor, ref_log_probs=reference, mask=batch.loss_mask,
+                cu_seqlens=batch.cu_seqlens, num_pairs=len(pairs),
+                beta=config.algorithm.dpo_beta, kind=config.algorithm.dpo_loss,
+                label_smoothing=config.algorithm.dpo_label_smoothing,
+            )  # fmt: skip
+            for key, share in shares.items():  # each rank's share of the mean over all pairs
+                name = f"eval/{dataset.name}/{key}"
+                metrics[name] = metrics.get(name, 0.0) + share
+    return metrics
+
+
+def eval_datasets(run) -> list:
+    """The held-out pair datasets, read once (kept in ``run.extras``)."""
+    if "dpo_eval" not in run.extras:
+        config = run.config
+        run.extras["dpo_eval"] = [
+            load_sft_dataset(spec, config.data, tokenizer=run.extras["tokenizer"],
+                             max_response_tokens=config.rollout.max_response_tokens,
+                             to_sample=pair_sample_from_row)
+            for spec in config.eval.datasets
+        ]  # fmt: skip
+    return run.extras["dpo_eval"]

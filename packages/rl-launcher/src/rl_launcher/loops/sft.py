@@ -56,6 +56,7 @@ def start_sft_run(config, *, to_sample=None):
     run = Run(config=config, source=source,
               metrics_log=MetricsLog(run_dir, logging=config.logging))  # fmt: skip
     run._cleanup.append(run.metrics_log.close)
+    run.extras["tokenizer"] = tokenizer  # DPO's held-out pairs are read with it
     try:
         start_trainer(run, model_dir)
     except BaseException:
