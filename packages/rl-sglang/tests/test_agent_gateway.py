@@ -268,4 +268,24 @@ def test_buffer_keeps_unserved_groups_across_a_restart_and_collects_by_ratio(tmp
     groups, waited = run(second_life())
     assert [g[0].metadata["buffer_group"] for g in groups] == ["b", "c"]
     assert 0.9 <= waited < 10
-    assert json.loads(path.read_text()) == {}
+    assert json.loads(path.read_text())["pending"] == {}
+
+
+def test_buffer_served_groups_wait_for_settling_and_return_after_a_restart(tmp_path):
+    path = tmp_path / "buffer.json"
+    buffer = RolloutBuffer(path, until_settled=True)
+    for name in "abcd":
+        buffer.write(good_group(name))
+    first, second = buffer.take(1), buffer.take(2)
+    assert buffer.write(good_group("a")) == 0  # served, not settled: still a duplicate
+    assert [s.metadata["buffer_serve"] for s in first[0]] == [1, 1]
+    assert [g[0].metadata["buffer_serve"] for g in second] == [2, 3]
+    buffer.settle(1)  # a checkpoint holds the training on group "a"
+    restarted = RolloutBuffer(path, until_settled=True)  # b and c were served, not saved
+    assert [entry[1] for entry in restarted.served] == ["b", "c"]
+    assert restarted.requeue_after(2) == 1  # the resumed checkpoint trained "b" too
+    assert list(restarted.pending) == ["c", "d"]
+    again = restarted.take(2)
+    assert [g[0].metadata["buffer_group"] for g in again] == ["c", "d"]
+    assert [g[0].metadata["buffer_serve"] for g in again] == [4, 5]
+    assert json.loads(path.read_text())["num_served"] == 5

@@ -11,7 +11,11 @@ A write is ``{"group": "<id>", "samples": [{"tokens": [...], "prompt_length": P,
 advantages). A bad payload gets a 400 naming what is wrong and is counted
 (``counts["rejected"]``). Every accepted group is written to ``path`` (temporary file,
 fsync, rename) before the write is acknowledged, and served groups leave it the same way,
-so a restarted trainer finds every group it was sent and had not yet collected.
+so a restarted trainer finds every group it was sent and had not yet collected. With
+``until_settled=True`` (rl-train's ``rollout.source: buffer``) a served group stays in the
+file, numbered, until the trainer settles it (:meth:`settle`: its training is in a complete
+checkpoint); :meth:`requeue_after` puts the ones a resumed trainer never checkpointed back
+at the front, so nothing accepted is lost to a trainer that dies between checkpoints.
 :meth:`collect` returns as soon as ``num_groups`` groups are there; after ``timeout_s``
 it returns what arrived if that is at least ``min_ratio`` of them, else raises
 ``TimeoutError``.
@@ -80,11 +84,15 @@ def parse_group(payload) -> tuple[str, list[Sample]]:
 class RolloutBuffer:
     """The buffer (see the module docstring); ``path`` holds what is not yet served."""
 
-    def __init__(self, path: str | Path, *, api_key: str | None = None):
-        self.path, self.api_key = Path(path), api_key
+    def __init__(self, path: str | Path, *, api_key: str | None = None, until_settled=False):
+        self.path, self.api_key, self.until_settled = Path(path), api_key, until_settled
         self.pending: dict[str, list[dict]] = {}
+        self.served: list[tuple[int, str, list[dict]]] = []  # (serve number, group, samples)
+        self.num_served = 0  # serve numbers so far (the last one given)
         if self.path.exists():
-            self.pending = json.loads(self.path.read_text())
+            saved = json.loads(self.path.read_text())
+            self.pending, self.num_served = saved["pending"], saved["num_served"]
+            self.served = [tuple(entry) for entry in saved["served"]]
         self.counts = {"accepted": 0, "rejected": 0, "duplicates": 0, "served": 0}
         self._arrived = asyncio.Event()
         self._runner: web.AppRunner | None = None
@@ -93,7 +101,8 @@ class RolloutBuffer:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(self.path.name + ".tmp")
         with open(tmp, "w") as f:
-            json.dump(self.pending, f)
+            json.dump({"pending": self.pending, "served": self.served,
+                       "num_served": self.num_served}, f)  # fmt: skip
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
@@ -105,8 +114,8 @@ class RolloutBuffer:
         except BadPayload:
             self.counts["rejected"] += 1
             raise
-        if group in self.pending:
-            self.counts["duplicates"] += 1
+        if group in self.pending or any(name == group for _, name, _ in self.served):
+            self.counts["duplicates"] += 1  # a worker's retry: the first write stands
             return 0
         self.pending[group] = [s.to_dict() for s in samples]
         self._persist()
@@ -117,15 +126,40 @@ class RolloutBuffer:
     def take(self, num_groups: int) -> list[list[Sample]]:
         """Up to ``num_groups`` groups, oldest first, removed from the file."""
         names = list(self.pending)[:num_groups]
-        groups = [[Sample.from_dict(d) for d in self.pending.pop(n)] for n in names]
+        groups = []
+        for number, name in enumerate(names):
+            self.num_served += 1
+            data = self.pending.pop(name)
+            if self.until_settled:
+                self.served.append((self.num_served, name, data))
+            groups.append([Sample.from_dict(d) for d in data])
+            for index, sample in enumerate(groups[-1]):
+                sample.group_index, sample.index = number, index
+                sample.metadata["buffer_group"] = name
+                sample.metadata["buffer_serve"] = self.num_served
         if names:
             self._persist()
         self.counts["served"] += len(groups)
-        for number, (name, group) in enumerate(zip(names, groups, strict=True)):
-            for index, sample in enumerate(group):
-                sample.group_index, sample.index = number, index
-                sample.metadata["buffer_group"] = name
         return groups
+
+    def settle(self, through: int) -> None:
+        """Forget the served groups numbered ``through`` or lower (trained and saved)."""
+        kept = [entry for entry in self.served if entry[0] > through]
+        if len(kept) != len(self.served):
+            self.served = kept
+            self._persist()
+
+    def requeue_after(self, through: int) -> int:
+        """Served groups numbered above ``through`` go back to the front of the queue, in
+        serve order (a resumed trainer's checkpoint holds the training of the others, which
+        are forgotten); returns how many went back."""
+        back = [(name, data) for number, name, data in self.served if number > through]
+        self.pending = {**dict(back), **self.pending}
+        self.served = []
+        self._persist()
+        if back:
+            self._arrived.set()
+        return len(back)
 
     async def collect(self, num_groups: int, *, min_ratio: float = 1.0, timeout_s: float = 600.0):
         """``num_groups`` groups, or after ``timeout_s`` at least ``min_ratio`` of them."""
