@@ -76,6 +76,22 @@ def _check_rollout(config: TrainConfig) -> None:
         raise ValueError(
             "rollout.replay_dir (train only) and rollout.rollout_only exclude each other"
         )
+    if rollout.source == "buffer":
+        _check_buffer_source(config)
+
+
+def _check_buffer_source(config: TrainConfig) -> None:
+    """rollout.source=buffer: the workers' groups arrive whole and scored, one batch a step."""
+    rollout = config.rollout
+    for name, value in (("rollout.loop=async", rollout.loop == "async"),
+                        ("rollout.replay_dir", rollout.replay_dir),
+                        ("rollout.rollout_only", rollout.rollout_only),
+                        (f"mode={config.mode}", config.mode != "rl")):  # fmt: skip
+        if value:
+            raise ValueError(
+                f"rollout.source=buffer trains on the groups agent workers write, so {name} "
+                "does not apply; unset it (or use rollout.source=prompts)"
+            )
 
 
 def _check_sampling(config: TrainConfig) -> None:

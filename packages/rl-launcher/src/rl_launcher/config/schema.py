@@ -355,6 +355,32 @@ class RolloutConfig:
     )
     dump_dir: str | None = option(None, help="Write every rollout's samples here.")
     replay_dir: str | None = option(None, help="Train only, replaying rollouts dumped earlier.")
+    source: str = option(
+        "prompts",
+        help="Where a step's groups come from: prompts (engines generate from data.train) or "
+        "buffer: agent workers anywhere POST scored trajectories to a rollout buffer rl-train "
+        "serves (URL printed and written to <run_dir>/rollout_buffer_url.json with the "
+        "router's; see rl_sglang.agent.buffer), kept in <run_dir>/rollout_buffer.json until "
+        "a checkpoint holds their training, so --resume loses none. Engines, weight sync and "
+        "checkpoints run as usual: the workers generate through the router.",
+        choices=("prompts", "buffer"),
+    )
+    buffer_port: int = option(
+        0, help="source=buffer: the buffer's port on engine.host (0: a free one).", low=0
+    )
+    buffer_min_ratio: float = option(
+        1.0,
+        help="source=buffer: a step trains on batch_size groups, or after buffer_timeout_s on "
+        "what arrived if that is at least this fraction of them.",
+        above=0,
+        high=1,
+    )
+    buffer_timeout_s: float = option(
+        600.0,
+        help="source=buffer: how long a step waits for groups; fewer than buffer_min_ratio "
+        "by then stops the run (exit 1; what arrived stays in the buffer for --resume).",
+        above=0,
+    )
     rollout_only: bool = option(False, help="Generate and score without training.")
     on_reward_error: str = option(
         "raise",

@@ -197,10 +197,14 @@ def watch_engines(run: Run) -> None:
 
 def _start_rollout(run: Run, model_dir: Path, tokenizer, run_dir: Path) -> None:
     from rl_launcher.infra.colocation import check_turns, make_turns, turns_needed
+    from rl_launcher.roles.buffer_rollout import BufferRollout
     from rl_launcher.roles.rollout_manager import RolloutManager
 
-    run.rollout = RolloutManager(run.config, model_dir=model_dir, tokenizer=tokenizer,
-                                 source=run.source, log_dir=run_dir / "logs")  # fmt: skip
+    kind, extra = RolloutManager, {}
+    if run.config.rollout.source == "buffer":  # agent workers write the groups
+        kind, extra = BufferRollout, {"run_dir": run_dir}
+    run.rollout = kind(run.config, model_dir=model_dir, tokenizer=tokenizer, source=run.source,
+                       log_dir=run_dir / "logs", **extra)  # fmt: skip
     run.rollout.sites = run.engine_sites  # each engine on its node, by a Ray actor
     if turns_needed(run.config, run.plan):
         check_turns(run.config)
