@@ -9,8 +9,19 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[3]
+
+
+def random_init_config(tmp_path: Path) -> str:
+    """examples/agent/config.yaml on the random-initialised model of sft.yaml (the example
+    starts from the SFT warm-up's export, which these tests need not train first)."""
+    config = yaml.safe_load((ROOT / "examples/agent/config.yaml").read_text())
+    config["model"] = yaml.safe_load((ROOT / "examples/agent/sft.yaml").read_text())["model"]
+    path = tmp_path / "agent.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
 
 
 @pytest.mark.integration
@@ -18,9 +29,10 @@ def test_two_agent_steps_train_on_the_engines_ids(tmp_path):
     log = tmp_path / "replies.jsonl"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "examples" / "agent"),
            "RL_SGLANG_AGENT": "calculator_agent:solve", "AGENT_LOG": str(log)}  # fmt: skip
-    args = ["--config", str(ROOT / "examples/agent/config.yaml"), "--num_steps", "2",
+    args = ["--config", random_init_config(tmp_path), "--num_steps", "2",
             "--logging.run_dir", str(tmp_path / "run"), "--rollout.dump_dir", str(tmp_path / "dumps"),
-            "--rollout.batch_size", "2", "--rollout.group_size", "2"]  # fmt: skip
+            "--rollout.batch_size", "2", "--rollout.group_size", "2",
+            "--rollout.max_response_tokens", "48"]  # fmt: skip
     done = subprocess.run([sys.executable, "-m", "rl_launcher.cli", *args], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=480)  # fmt: skip
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
@@ -50,7 +62,7 @@ def test_forked_episodes_train_as_groups_of_their_leaves(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent),
            "RL_SGLANG_AGENT": "forking_agent:solve"}  # fmt: skip
     run_dir, dumps = tmp_path / "run", tmp_path / "dumps"
-    args = ["--config", str(ROOT / "examples/agent/config.yaml"), "--num_steps", "1",
+    args = ["--config", random_init_config(tmp_path), "--num_steps", "1",
             "--logging.run_dir", str(run_dir), "--rollout.dump_dir", str(dumps),
             "--rollout.batch_size", "2", "--rollout.group_size", "2",
             "--rollout.max_response_tokens", "4"]  # fmt: skip
