@@ -70,9 +70,12 @@ def test_client_prompt_logprobs_through_the_router(cluster, tiny_model):
 
     async def go():
         async with EngineClient(cluster.router.url) as client:
-            return await asyncio.gather(*(client.prompt_logprobs(row) for row in ids))
+            alone = await asyncio.gather(*(client.prompt_logprobs(row) for row in ids))
+            return alone, await client.prompt_logprobs_batch(ids)
 
-    for row, logprobs in zip(ids, run(go()), strict=True):
+    alone, batched = run(go())
+    for row, logprobs, in_batch in zip(ids, alone, batched, strict=True):
+        assert in_batch == pytest.approx(logprobs, abs=1e-5)
         assert logprobs == pytest.approx(teacher_forced_logprobs(tiny_model, row[:1], row[1:]),
                                          abs=1e-4)  # fmt: skip
 

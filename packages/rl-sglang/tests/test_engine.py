@@ -137,6 +137,12 @@ def test_prompt_logprobs_are_teacher_forced_from_logprob_start_len(engine, tiny_
     assert "input_token_logprobs" not in generate(engine, **body)[0]["meta_info"]  # SGLang's -1
     with pytest.raises(ValueError, match="logprob_start_len"):
         engine.make_requests(body | {"logprob_start_len": 6})
+    # a batch of ragged sequences is scored in one right-padded forward, each as alone
+    rows = [[9, 1, 4], ids, [7, 7]]
+    outs = generate(engine, **body | {"input_ids": rows}, logprob_start_len=0)
+    for row, out in zip(rows, outs, strict=True):
+        got = [e[0] for e in out["meta_info"]["input_token_logprobs"][1:]]
+        assert got == pytest.approx(teacher_forced_logprobs(tiny_model, row[:1], row[1:]), abs=1e-4)
 
 
 def test_zero_max_new_tokens_and_bad_params(engine):

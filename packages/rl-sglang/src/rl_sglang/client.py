@@ -94,17 +94,25 @@ class EngineClient:
         ``max_new_tokens: 0``, ``return_logprob`` and ``logprob_start_len: 0``, which SGLang
         and the embedded engine answer with ``input_token_logprobs`` (the first, None,
         dropped). A distillation teacher scores the student's samples with it."""
-        out = await self.generate(
-            input_ids=list(input_ids),
+        return (await self.prompt_logprobs_batch([input_ids]))[0]
+
+    async def prompt_logprobs_batch(self, batch: list[list[int]]) -> list[list[float]]:
+        """:meth:`prompt_logprobs` of every sequence of ``batch`` in one request (the
+        embedded engine scores them in shared forwards)."""
+        outs = await self.generate(
+            input_ids=[list(ids) for ids in batch],
             sampling_params={"max_new_tokens": 0, "temperature": 1.0},
             return_logprob=True,
             logprob_start_len=0,
         )
-        entries = out["meta_info"]["input_token_logprobs"]
-        if len(entries) != len(input_ids):
-            raise EngineError(self.url, 200, f"{len(entries)} input_token_logprobs for "
-                              f"{len(input_ids)} ids; the engine ignored logprob_start_len")  # fmt: skip
-        return parse_token_logprobs(entries[1:])[0]
+        scores = []
+        for ids, out in zip(batch, outs, strict=True):
+            entries = out["meta_info"]["input_token_logprobs"]
+            if len(entries) != len(ids):
+                raise EngineError(self.url, 200, f"{len(entries)} input_token_logprobs for "
+                                  f"{len(ids)} ids; the engine ignored logprob_start_len")  # fmt: skip
+            scores.append(parse_token_logprobs(entries[1:])[0])
+        return scores
 
     async def generate_stream(self, **body: Any) -> AsyncIterator[dict]:
         """Yield the chunks of a streamed /generate until ``[DONE]``."""

@@ -45,6 +45,7 @@ def _has_tokenizer(path: Path) -> bool:
 
 
 DEFAULT_MULTI_STEP = 8
+SCORE_BATCH = 32  # prompts per forward when scoring prompt log-probs
 
 
 class Engine:
@@ -146,8 +147,8 @@ class Engine:
         """Submit requests and wait for all of them; their /generate responses in order."""
         loop = asyncio.get_running_loop()
         scored = [r for r in requests if r.return_logprob and r.logprob_start_len is not None]
-        for request in scored:  # on the scheduler thread: no weight update lands mid-forward
-            request.input_logprobs = await self.on_scheduler(lambda r=request: self.score(r))
+        if scored:  # on the scheduler thread: no weight update lands mid-forward
+            await self.on_scheduler(lambda: self.score(scored))
         futures = []
         for request in requests:
             future = loop.create_future()
@@ -157,16 +158,27 @@ class Engine:
         return [request.response() for request in await asyncio.gather(*futures)]
 
     @torch.inference_mode()
-    def score(self, request: Request) -> list[float | None]:
-        """Teacher-forced log-probs of ``request.prompt_ids[logprob_start_len:]``, each
-        given the ids before it, from one plain forward at temperature 1 (SGLang's
-        ``input_token_logprobs``): the first prompt id has no context, so its entry is
-        None. A teacher scores a student's sample this way (``max_new_tokens: 0``)."""
-        ids_1T = torch.tensor([request.prompt_ids], dtype=torch.long, device=self.device)
-        logits_TV = self.model(ids_1T).logits[0, :-1].float()
-        logprobs_T = torch.log_softmax(logits_TV, dim=-1).gather(-1, ids_1T[0, 1:, None])
-        values: list[float | None] = [None, *logprobs_T.squeeze(-1).tolist()]
-        return values[request.logprob_start_len :]
+    def score(self, requests: list[Request]) -> None:
+        """Teacher-forced log-probs of each request's ``prompt_ids[logprob_start_len:]``,
+        each given the ids before it, at temperature 1 (SGLang's ``input_token_logprobs``):
+        the first prompt id has no context, so its entry is None. Right-padded forwards of
+        up to ``SCORE_BATCH`` prompts. A teacher scores a student's samples this way
+        (``max_new_tokens: 0``)."""
+        for start in range(0, len(requests), SCORE_BATCH):
+            chunk = requests[start : start + SCORE_BATCH]
+            width = max(len(r.prompt_ids) for r in chunk)
+            ids_BT = torch.zeros(len(chunk), width, dtype=torch.long)
+            mask_BT = torch.zeros(len(chunk), width, dtype=torch.long)
+            for row, request in enumerate(chunk):
+                ids_BT[row, : len(request.prompt_ids)] = torch.tensor(request.prompt_ids)
+                mask_BT[row, : len(request.prompt_ids)] = 1
+            ids_BT, mask_BT = ids_BT.to(self.device), mask_BT.to(self.device)
+            logits_BTV = self.model(input_ids=ids_BT, attention_mask=mask_BT).logits[:, :-1]
+            logprobs_BT = torch.log_softmax(logits_BTV.float(), dim=-1)
+            logprobs_BT = logprobs_BT.gather(-1, ids_BT[:, 1:, None]).squeeze(-1).tolist()
+            for row, request in enumerate(chunk):
+                values = [None, *logprobs_BT[row][: len(request.prompt_ids) - 1]]
+                request.input_logprobs = values[request.logprob_start_len :]
 
     # ---- control ------------------------------------------------------------------------
     async def on_scheduler(self, fn):
