@@ -78,6 +78,33 @@ def _check_rollout(config: TrainConfig) -> None:
         )
     if rollout.source == "buffer":
         _check_buffer_source(config)
+    if rollout.over_sampling > 1:
+        _check_over_sampling(config)
+
+
+def _check_over_sampling(config: TrainConfig) -> None:
+    """rollout.over_sampling refills the groups algorithm.group_filter drops inside one
+    rollout of prompts: the continuous producer of loop=async, agent workers, replays and
+    one-step-async's partial leftovers (two versions old) cannot honour it."""
+    rollout = config.rollout
+    if config.algorithm.group_filter == "keep_all":
+        raise ValueError(
+            "rollout.over_sampling > 1 refills groups algorithm.group_filter drops, and "
+            "algorithm.group_filter=keep_all drops none: set a filter or over_sampling=1"
+        )
+    for name, value in (("rollout.loop=async", rollout.loop == "async"),
+                        ("rollout.source=buffer", rollout.source == "buffer"),
+                        ("rollout.replay_dir", rollout.replay_dir),
+                        (f"mode={config.mode}", config.mode != "rl"),
+                        ("rollout.loop=one_step_async with rollout.partial_rollout",
+                         rollout.loop == "one_step_async" and rollout.partial_rollout),
+                        ):  # fmt: skip
+        if value:
+            raise ValueError(
+                f"rollout.over_sampling > 1 refills filtered groups in a rollout of prompts, "
+                f"which {name} does not run; set rollout.over_sampling=1 (the buffer still "
+                "filters) or unset it"
+            )
 
 
 def _check_buffer_source(config: TrainConfig) -> None:

@@ -104,7 +104,10 @@ class ModelConfig:
         },
     )
     dtype: str = option(
-        "float32", help="Parameter dtype.", choices=("float32", "bfloat16", "float16")
+        "float32",
+        help="Parameter dtype (float16 is not offered: it needs loss scaling, which no "
+        "backend does; use bfloat16).",
+        choices=("float32", "bfloat16"),
     )
     gradient_checkpointing: bool = option(False, help="Recompute activations in backward.")
     lora_rank: int = option(
@@ -351,7 +354,13 @@ class RolloutConfig:
         False, help="Resume aborted generations after a weight update instead of restarting."
     )
     over_sampling: float = option(
-        1.0, help="Prompts requested per needed prompt, to refill groups a filter drops.", low=1
+        1.0,
+        help="DAPO refill (needs algorithm.group_filter; loop sync, or one_step_async without "
+        "partial_rollout): a step launches up to ceil(over_sampling x batch_size) prompts, "
+        "drawn one launch at a time, until batch_size groups pass the filter; groups still "
+        "running are aborted and resumed first next step (partial responses kept with "
+        "partial_rollout). 1: no refill, the buffer filters and a step may train fewer groups.",
+        low=1,
     )
     dump_dir: str | None = option(None, help="Write every rollout's samples here.")
     replay_dir: str | None = option(None, help="Train only, replaying rollouts dumped earlier.")

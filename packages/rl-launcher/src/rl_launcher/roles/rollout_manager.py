@@ -20,6 +20,7 @@ docs/config.md, ``seed``).
 
 import asyncio
 import hashlib
+import math
 import threading
 from concurrent.futures import Future
 from pathlib import Path
@@ -50,6 +51,7 @@ class RolloutManager:
         self._clients: dict = {}  # url -> EngineClient, one keep-alive session each
         self._drawn: dict[int, Sample] = {}  # draw number -> prompt not yet trained on
         self._requeued: list[Sample] = []  # drawn before a resume: handed out first
+        self._leftovers: list[list[Sample]] = []  # refill: groups aborted, resumed next step
         self.engine_gpus, self.turns = None, None  # set by session.start (GPU ids, colocation)
         self.sites = (
             None  # engine_hosts.EngineSites under Ray (set by session.start): placed engines
@@ -115,46 +117,83 @@ class RolloutManager:
         return asyncio.run_coroutine_threadsafe(self._rollout(num_groups), self._loop)
 
     async def _rollout(self, num_groups: int):
+        if refills(self.config):
+            return await self._refill(num_groups)
         result = await self.generate(num_groups, num_groups)
         # exactly num_groups prompts: leftovers are only groups an engine error aborted,
         # which the buffer counts and drops
         groups = sorted(result.groups + result.leftovers, key=lambda g: g[0].group_index)
         return groups, result.metrics
 
-    async def generate(self, num_groups: int, num_prompts: int, resume=()):
+    async def _refill(self, num_groups: int):
+        """DAPO's refill (``rollout.over_sampling`` with ``algorithm.group_filter``): last
+        step's leftovers, then new prompts drawn one launch at a time, up to
+        ceil(over_sampling x num_groups) groups in all, until ``num_groups`` pass the
+        filter. Groups the filter drops are forgotten (as the buffer's are); groups still
+        running are aborted and kept for the next step (their partial responses with
+        ``rollout.partial_rollout``, else restarted): their prompts stay pending, so a
+        checkpoint keeps them and ``--resume`` draws them first."""
+        from rl_launcher.roles.async_rollout import failed, restart
+
+        budget = math.ceil(self.config.rollout.over_sampling * num_groups)
+        resume, self._leftovers = self._leftovers, []
+        before = set(self._drawn)
+        result = await self.generate(
+            num_groups, max(0, budget - len(resume)), resume=resume, filtered=True
+        )
+        kept = [g for g in result.leftovers if not failed(g)]
+        self._leftovers = kept if self.config.rollout.partial_rollout else list(map(restart, kept))
+        returned = {g[0].group_index for g in [*result.groups, *result.leftovers]}
+        drawn = set(self._drawn) - before | {g[0].group_index for g in resume}
+        self._forget(sorted(drawn - returned))  # dropped by the filter: never trained on
+        groups = result.groups + [g for g in result.leftovers if failed(g)]
+        metrics = result.metrics | {
+            "rollout/groups_passed": float(len(result.groups)),
+            "rollout/groups_aborted": float(len(kept)),
+        }
+        return sorted(groups, key=lambda g: g[0].group_index), metrics
+
+    async def generate(self, num_groups: int, num_prompts: int, resume=(), filtered=False):
         """rl-sglang's default rollout of ``resume`` (leftover groups) then ``num_prompts``
-        new prompts (exactly: none over-drawn), until ``num_groups`` groups are done or
-        nothing is left; groups are relabelled by draw number and sorted by it."""
+        new prompts (exactly: none over-drawn, each drawn when its group launches), until
+        ``num_groups`` groups are done (``filtered``: passed ``algorithm.group_filter``,
+        the others dropped, the rest aborted) or nothing is left; groups are relabelled by
+        draw number and sorted by it."""
         from rl_sglang.rollout.default import default_rollout
         from rl_sglang.rollout.generate import GenerateContext
 
         url = self.router.url if self.router else self.engines[0].url
-        settings = self.rollout_settings(num_groups)
+        settings = self.rollout_settings(num_groups, filtered=filtered)
         prompts = (self.next_prompt() for _ in range(num_prompts))
         ctx = GenerateContext(client=self.client(url), tokenizer=self.tokenizer)
         reward_fn = self.reward_fn.rollout_fn
-        result = await default_rollout(ctx, prompts, reward_fn, settings, resume=resume)
+        engines = [self.client(u) for u in self.engine_urls] if filtered else ()
+        result = await default_rollout(
+            ctx, prompts, reward_fn, settings, resume=resume, engines=engines
+        )
         take_rollout_counts(self.reward_fn, result.metrics)
         for group in [*result.groups, *result.leftovers]:
             relabel(group)
         result.groups.sort(key=lambda group: group[0].group_index)
         return result
 
-    def rollout_settings(self, num_groups: int):
-        """rl-sglang's RolloutConfig for ``num_groups`` groups. The run's reward applies
+    def rollout_settings(self, num_groups: int, filtered: bool = False):
+        """rl-sglang's RolloutConfig for ``num_groups`` groups (``filtered``: that pass
+        ``algorithm.group_filter``). The run's reward applies
         ``rollout.reward_timeout_s`` and ``rollout.on_reward_error`` itself
         (:mod:`rl_launcher.roles.reward`: a failure it skips is a sample aborted and counted),
         so rl-sglang's guard has no time limit and raises what gets past it."""
         from rl_sglang.rollout.default import RolloutConfig
 
-        rollout = self.config.rollout
+        rollout, algorithm = self.config.rollout, self.config.algorithm
         return RolloutConfig(
             num_groups=num_groups, n_samples_per_prompt=rollout.group_size,
             sampling_params=self.sampling_params(), partial_rollout=True,
             max_concurrency=num_groups * rollout.group_size,
             generate_fn=None if rollout.function == "default" else rollout.function,
             reward_timeout_s=None, reward_on_error="raise",
-            reward_key=self.config.algorithm.reward_key,
+            reward_key=algorithm.reward_key,
+            group_filter=algorithm.group_filter if filtered else None,
         )  # fmt: skip
 
     def next_prompt(self) -> Sample:
@@ -278,6 +317,13 @@ def take_rollout_counts(reward, metrics: dict[str, float]) -> None:
     one count per name, neither hiding the other."""
     for name in COUNTS:
         reward.count(name, int(metrics.pop(f"rollout/{name}", 0)))
+
+
+def refills(config) -> bool:
+    """The synchronous rollout refills filtered groups (DAPO): ``rollout.over_sampling`` > 1
+    with ``algorithm.group_filter`` set (config/checks.py refuses the loops and sources
+    where it cannot)."""
+    return config.rollout.over_sampling > 1 and config.algorithm.group_filter != "keep_all"
 
 
 def request_seed(seed: int, key: int | str) -> int:
