@@ -4,8 +4,8 @@
     score_groups(run, groups)             # after the rollout, before the buffer
 
 Each completed sample's ``tokens`` (prompt + response) go to the teacher's ``/generate``
-with ``max_new_tokens: 0`` and prompt log-probs (:meth:`rl_sglang.client.EngineClient.
-prompt_logprobs`); the log-probs of the response tokens land in
+with ``max_new_tokens: 0`` and prompt log-probs, batched (:meth:`rl_sglang.client.
+EngineClient.prompt_logprobs_batch`); the log-probs of the response tokens land in
 ``metadata[TEACHER_KEY]``, where the buffer's advantages read them
 (:func:`rl_launcher.data.buffer.distilled`). A sample that already carries them (a
 replayed dump) is not scored again. The teacher is never updated: it keeps its weights.
@@ -18,7 +18,8 @@ from rl_core.types import SampleStatus
 from rl_launcher.data.buffer import TEACHER_KEY
 
 TEACHER_START_TIMEOUT_S = 300.0
-MAX_CONCURRENT_SCORES = 64  # requests in flight to the teacher at once
+SCORE_BATCH = 32  # sequences per request to the teacher (scored in shared forwards)
+MAX_CONCURRENT_REQUESTS = 8  # requests in flight to the teacher at once
 
 
 def check_teacher(config) -> None:
@@ -73,14 +74,17 @@ def score_groups(run, groups: list[list]) -> bool:
 
 
 async def teacher_log_probs(url: str, sequences: list[list[int]]) -> list[list[float]]:
-    """Teacher-forced log-probs of each sequence after its first token (``[len - 1]``)."""
+    """Teacher-forced log-probs of each sequence after its first token (``[len - 1]``),
+    asked in requests of ``SCORE_BATCH`` sequences, a few at a time."""
     from rl_sglang.client import EngineClient
 
-    limit = asyncio.Semaphore(MAX_CONCURRENT_SCORES)
+    limit = asyncio.Semaphore(MAX_CONCURRENT_REQUESTS)
+    chunks = [sequences[i : i + SCORE_BATCH] for i in range(0, len(sequences), SCORE_BATCH)]
 
-    async def one(client, ids):
+    async def one(client, chunk):
         async with limit:
-            return await client.prompt_logprobs(ids)
+            return await client.prompt_logprobs_batch(chunk)
 
     async with EngineClient(url, retries=2) as client:
-        return await asyncio.gather(*(one(client, ids) for ids in sequences))
+        scored = await asyncio.gather(*(one(client, chunk) for chunk in chunks))
+    return [logprobs for chunk in scored for logprobs in chunk]
