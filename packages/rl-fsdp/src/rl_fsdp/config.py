@@ -23,6 +23,7 @@ ATTENTION_IMPLS = (
 )
 PRECISIONS = ("fp32", "bf16")
 LR_DECAYS = ("constant", "linear", "cosine")
+OPTIMIZERS = ("adamw", "sgd")
 
 
 @dataclass(kw_only=True)
@@ -108,6 +109,11 @@ class FSDPConfig:
     value_clip: float | None = 0.2
     """Critic only: clip range of the PPO value loss (None = unclipped)."""
     # --- optimizer ---------------------------------------------------------------------
+    optimizer: str = "adamw"
+    """"adamw" (betas, eps, decoupled weight decay) or "sgd" (``momentum``; its weight
+    decay is added to the gradient, which equals AdamW's decoupled decay without momentum)."""
+    momentum: float = 0.0
+    """SGD only: momentum in [0, 1); 0 is plain SGD, w - lr * grad."""
     lr: float = 1e-6
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
@@ -147,6 +153,7 @@ class FSDPConfig:
             "precision": PRECISIONS,
             "attention": ATTENTION_IMPLS,
             "lr_decay": LR_DECAYS,
+            "optimizer": OPTIMIZERS,
             "export_dtype": (None, *PRECISIONS),
             "reduce_dtype": (None, *PRECISIONS),
         }
@@ -161,6 +168,9 @@ class FSDPConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.log_prob_max_tokens is not None and self.log_prob_max_tokens < 1:
             raise ValueError(f"log_prob_max_tokens must be >= 1, got {self.log_prob_max_tokens}")
+        if not 0.0 <= self.momentum < 1.0 or (self.momentum and self.optimizer != "sgd"):
+            raise ValueError(f"momentum must be in [0, 1) and 0 unless optimizer='sgd', got "
+                             f"{self.momentum} with optimizer={self.optimizer!r}")  # fmt: skip
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.lr_decay != "constant" and not self.total_steps:

@@ -1,4 +1,4 @@
-"""AdamW and its learning-rate schedule: linear warmup, then constant, linear or cosine
+"""AdamW or SGD, and the learning-rate schedule: linear warmup, then constant, linear or cosine
 decay to ``min_lr_ratio · lr`` at ``total_steps``."""
 
 import math
@@ -25,11 +25,27 @@ def lr_multiplier(step: int, config: FSDPConfig) -> float:
 
 
 def build_optimizer(model: nn.Module, config: FSDPConfig):
-    """AdamW over the trainable parameters and a LambdaLR with :func:`lr_multiplier`.
-    Fused on CPU and GPU alike: its kernel can skip a non-finite step on the device
-    (:func:`rl_fsdp.faults.guarded_step`)."""
+    """``config.optimizer`` (AdamW or SGD) over the trainable parameters and a LambdaLR
+    with :func:`lr_multiplier`. Fused on CPU and GPU alike: its kernel can skip a
+    non-finite step on the device (:func:`rl_fsdp.faults.guarded_step`)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
+    optimizer = _optimizer(params, config)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_multiplier(step, config)
+    )
+    return optimizer, scheduler
+
+
+def _optimizer(params: list[nn.Parameter], config: FSDPConfig) -> torch.optim.Optimizer:
+    if config.optimizer == "sgd":  # weight decay added to the gradient (see FSDPConfig)
+        return torch.optim.SGD(
+            params,
+            lr=config.lr,
+            momentum=config.momentum,
+            weight_decay=config.weight_decay,
+            fused=True,
+        )
+    return torch.optim.AdamW(
         params,
         lr=config.lr,
         betas=config.betas,
@@ -37,7 +53,3 @@ def build_optimizer(model: nn.Module, config: FSDPConfig):
         weight_decay=config.weight_decay,
         fused=True,
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_multiplier(step, config)
-    )
-    return optimizer, scheduler

@@ -45,6 +45,20 @@ def _check_optimizer(config: TrainConfig) -> None:
     betas = config.optimizer.betas
     if len(betas) != 2 or not all(0.0 <= beta < 1.0 for beta in betas):
         raise ValueError(f"optimizer.betas must be two numbers in [0, 1), got {betas}")
+    opt = config.optimizer
+    if opt.momentum and opt.name != "sgd":
+        raise ValueError(
+            f"optimizer.momentum={opt.momentum} is SGD's; AdamW's momentum is optimizer.betas: "
+            "set optimizer.name=sgd or optimizer.momentum=0"
+        )
+    if config.backend.name == "megatron" and (
+        opt.name != "adamw" or opt.schedule != "constant" or opt.warmup_steps
+    ):
+        raise ValueError(
+            "backend.name=megatron trains with AdamW at a constant learning rate: set "
+            "optimizer.name=adamw, optimizer.schedule=constant and optimizer.warmup_steps=0, "
+            "or backend.name=fsdp"
+        )
 
 
 def _check_lora(config: TrainConfig) -> None:

@@ -166,7 +166,13 @@ class BackendConfig:
 class OptimizerConfig:
     """Optimizer and learning-rate schedule (the critic reuses them unless told)."""
 
-    name: str = option("adamw", help="Optimizer.", choices=("adamw", "sgd"))
+    name: str = option(
+        "adamw",
+        help="Optimizer. sgd (rl-fsdp only): w - lr x (grad + weight_decay x w), with "
+        "momentum when set.",
+        choices=("adamw", "sgd"),
+    )
+    momentum: float = option(0.0, help="SGD momentum; 0 = plain SGD.", low=0, below=1)
     lr: float = option(1e-4, help="Peak learning rate.", above=0)
     critic_lr: float | None = option(None, help="Critic learning rate; null = lr.", above=0)
     betas: list[float] = field(

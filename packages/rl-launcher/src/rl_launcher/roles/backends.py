@@ -110,6 +110,7 @@ def fsdp_config(config, *, model_dir: Path, objective: Objective | None = None):
         activation_checkpointing=config.model.gradient_checkpointing,
         max_tokens_per_micro_batch=config.backend.micro_batch_tokens,
         objective=objective or objective_of(config),
+        optimizer=opt.name, momentum=opt.momentum,
         lr=opt.lr, weight_decay=opt.weight_decay, betas=tuple(opt.betas), eps=opt.eps,
         warmup_steps=opt.warmup_steps, lr_decay=opt.schedule, total_steps=config.num_steps,
         min_lr_ratio=opt.min_lr_ratio, max_grad_norm=opt.grad_clip or None,
