@@ -3,7 +3,7 @@ runs the calls the model makes, and scores the episode.
 
 rl-train runs it through the agent gateway (``rl_sglang.agent.rollout:generate`` with
 ``RL_SGLANG_AGENT=calculator_agent:solve`` and this folder on ``PYTHONPATH``; see
-README.md). Reward: 0.2 for a valid calculator call, plus 1 when the final answer holds the
+README.md). Reward: 0.2 for a valid calculator call, plus 1 when the final answer is the
 right number. Set ``AGENT_LOG`` to a file to record each reply's token ids and weight
 version (the gateway's ``token_ids`` / ``weight_version`` fields).
 """
@@ -47,7 +47,7 @@ async def solve(base_url: str, session_id: str, sample) -> float:
             valid_call = valid_call or not result.startswith("error")
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
     answer = messages[-1].get("content") or ""
-    correct = str(sample.label) in answer
+    correct = answer.strip() == str(sample.label)  # not "in": "92" would hold "9"
     return 0.2 * valid_call + float(correct)
 
 
