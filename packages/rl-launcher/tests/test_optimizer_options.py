@@ -1,4 +1,4 @@
-"""optimizer.name / optimizer.momentum / model.dtype: what reaches the backend, and what is
+"""optimizer.name / optimizer.momentum / model.dtype / model.gradient_checkpointing: what reaches the backend, and what is
 refused at load (before Ray), naming the way out."""
 
 import pytest
@@ -24,6 +24,9 @@ def test_adamw_stays_the_default(tmp_path):
     (["--optimizer.name", "sgd", "--backend.name", "megatron"], "backend.name=fsdp"),
     (["--optimizer.momentum", "0.9"], "optimizer.name=sgd"),
     (["--model.dtype", "float16"], "bfloat16"),
+    (["--backend.name", "megatron", "--optimizer.schedule", "constant",
+      "--optimizer.warmup_steps", "0", "--model.gradient_checkpointing", "true"],
+     "gradient_checkpointing=false"),
 ])  # fmt: skip
 def test_what_no_backend_does_is_refused_at_load(tmp_path, extra, named):
     with pytest.raises(ValueError, match=named):

@@ -15,7 +15,7 @@ KL_BLIND_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
 def check_consistency(config: TrainConfig) -> None:
     checks = (_check_algorithm, _check_optimizer, _check_rollout, _check_sampling,
               _check_devices, _check_data, _check_eval, _check_modes, _check_distill,
-              _check_lora)  # fmt: skip
+              _check_lora, _check_megatron)  # fmt: skip
     for check in checks:
         check(config)
     plan_from_config(config)  # raises when the device pool cannot hold the layout
@@ -51,13 +51,24 @@ def _check_optimizer(config: TrainConfig) -> None:
             f"optimizer.momentum={opt.momentum} is SGD's; AdamW's momentum is optimizer.betas: "
             "set optimizer.name=sgd or optimizer.momentum=0"
         )
-    if config.backend.name == "megatron" and (
-        opt.name != "adamw" or opt.schedule != "constant" or opt.warmup_steps
-    ):
+
+
+def _check_megatron(config: TrainConfig) -> None:
+    """What rl-megatron does not do, refused rather than ignored."""
+    if config.backend.name != "megatron":
+        return
+    opt = config.optimizer
+    if opt.name != "adamw" or opt.schedule != "constant" or opt.warmup_steps:
         raise ValueError(
             "backend.name=megatron trains with AdamW at a constant learning rate: set "
             "optimizer.name=adamw, optimizer.schedule=constant and optimizer.warmup_steps=0, "
             "or backend.name=fsdp"
+        )
+    if config.model.gradient_checkpointing:
+        raise ValueError(
+            "model.gradient_checkpointing recomputes activations on backend.name=fsdp only; "
+            "rl-megatron has no recompute option: set model.gradient_checkpointing=false or "
+            "backend.name=fsdp"
         )
 
 
