@@ -196,9 +196,14 @@ def critic_values_after_a_step(hf_path: str, *, tp: int) -> torch.Tensor:
     from rl_megatron.config import MegatronConfig
 
     config = MegatronConfig(
-        hf_path=hf_path, tp=tp, sequence_parallel=tp > 1, critic=True,
-        device="cpu", lr=1e-2, clip_grad=0.0,
-    )  # fmt: skip
+        hf_path=hf_path,
+        tp=tp,
+        sequence_parallel=tp > 1,
+        critic=True,
+        device="cpu",
+        lr=1e-2,
+        clip_grad=0.0,
+    )
     critic = MegatronBackend(config)
     batch = tiny.random_batch(LENGTHS, seed=12)
     batch.returns = torch.linspace(-1.0, 1.0, batch.num_tokens)

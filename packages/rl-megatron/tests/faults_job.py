@@ -35,12 +35,14 @@ def snapshot(backend) -> dict:
     """Parameters, fp32 masters (bf16), this rank's optimizer state and the step."""
     from rl_megatron import optim
 
-    return clone({
-        "params": dict(backend.model.named_parameters()),
-        "masters": list(getattr(backend.optimizer, "masters", [])),
-        "optim": optim.local_optimizer(backend.optimizer).state_dict(),
-        "step": backend.step,
-    })  # fmt: skip
+    return clone(
+        {
+            "params": dict(backend.model.named_parameters()),
+            "masters": list(getattr(backend.optimizer, "masters", [])),
+            "optim": optim.local_optimizer(backend.optimizer).state_dict(),
+            "step": backend.step,
+        }
+    )
 
 
 def poisoned(batch, rank: int, bad_rank: int, value: float):

@@ -46,14 +46,17 @@ def test_tp2_to_pp2_round_trip_is_bit_identical(model_dirs, tmp_path):
     on both stages): the original tensors, bit for bit, with the tokenizer-side files."""
     source = model_dirs["qwen2-tied"][0]
     megatron = tmp_path / "megatron"
-    assert_converted(rl_convert("hf-to-megatron", "--hf", str(source), "--out", str(megatron),
-                                "--tp", "2"), megatron)  # fmt: skip
+    assert_converted(
+        rl_convert("hf-to-megatron", "--hf", str(source), "--out", str(megatron), "--tp", "2"),
+        megatron,
+    )
     meta = json.loads((megatron / "meta.json").read_text())
     assert meta["saved_layout"]["tp"] == 2 and meta["world_size"] == 2
     assert (megatron / "hf" / "config.json").is_file()
     back = tmp_path / "back"
-    done = rl_convert("megatron-to-hf", "--ckpt", str(megatron), "--out", str(back),
-                      "--tp", "1", "--pp", "2")  # fmt: skip
+    done = rl_convert(
+        "megatron-to-hf", "--ckpt", str(megatron), "--out", str(back), "--tp", "1", "--pp", "2"
+    )
     assert_converted(done, back)
     assert '"pp": 2' in done.stdout
     assert_same_files(back, source)
@@ -66,10 +69,24 @@ def test_ep2_round_trip_of_an_moe_model_to_bfloat16(model_dirs, tmp_path):
     writes every tensor rounded once (and says so in config.json)."""
     source = model_dirs["qwen3-moe"][0]
     megatron, back = tmp_path / "megatron", tmp_path / "back"
-    assert_converted(rl_convert("hf-to-megatron", "--hf", str(source), "--out", str(megatron),
-                                "--ep", "2"), megatron)  # fmt: skip
-    assert_converted(rl_convert("megatron-to-hf", "--ckpt", str(megatron), "--out", str(back),
-                                "--ep", "1", "--dtype", "bfloat16"), back)  # fmt: skip
+    assert_converted(
+        rl_convert("hf-to-megatron", "--hf", str(source), "--out", str(megatron), "--ep", "2"),
+        megatron,
+    )
+    assert_converted(
+        rl_convert(
+            "megatron-to-hf",
+            "--ckpt",
+            str(megatron),
+            "--out",
+            str(back),
+            "--ep",
+            "1",
+            "--dtype",
+            "bfloat16",
+        ),
+        back,
+    )
     original, converted = tiny.hf_files(source), tiny.hf_files(back)
     assert set(converted) == set(original)
     assert all(torch.equal(converted[n], t.to(torch.bfloat16)) for n, t in original.items())
@@ -90,13 +107,30 @@ def test_a_training_checkpoint_converts_to_the_backends_own_export(world1, model
     backend.save_checkpoint(tmp_path / "step_1")
     backend.export_hf(tmp_path / "expected")
     out = tmp_path / "converted"
-    assert_converted(rl_convert("megatron-to-hf", "--ckpt", str(tmp_path / "step_1"),
-                                "--config", str(source), "--out", str(out)), out)  # fmt: skip
+    assert_converted(
+        rl_convert(
+            "megatron-to-hf",
+            "--ckpt",
+            str(tmp_path / "step_1"),
+            "--config",
+            str(source),
+            "--out",
+            str(out),
+        ),
+        out,
+    )
     assert_same_files(out, tmp_path / "expected")
     moved = tiny.hf_files(out)["model.norm.weight"] - tiny.hf_files(source)["model.norm.weight"]
     assert float(moved.abs().max()) > 1e-3
-    wrong = rl_convert("megatron-to-hf", "--ckpt", str(tmp_path / "step_1"), "--config",
-                       str(model_dirs["llama"][0]), "--out", str(tmp_path / "wrong"))  # fmt: skip
+    wrong = rl_convert(
+        "megatron-to-hf",
+        "--ckpt",
+        str(tmp_path / "step_1"),
+        "--config",
+        str(model_dirs["llama"][0]),
+        "--out",
+        str(tmp_path / "wrong"),
+    )
     assert wrong.returncode == 1
     assert wrong.stderr.strip().splitlines()[-1] == (
         f"rl-convert: error: megatron-to-hf failed: ValueError: {tmp_path / 'step_1'} does not "
@@ -163,6 +197,14 @@ def test_the_way_back_refuses_a_tp_that_pads_the_vocabulary_differently(capsys, 
     config.save_pretrained(tmp_path / "ckpt" / "hf")
     meta = {"format": "megatron_dist", "mode": "weights", "saved_layout": {"tp": 1}}
     (tmp_path / "ckpt" / "meta.json").write_text(json.dumps(meta))
-    line = refusal(capsys, "megatron-to-hf", "--ckpt", str(tmp_path / "ckpt"), "--out",
-                   str(tmp_path / "out"), "--tp", "8")  # fmt: skip
+    line = refusal(
+        capsys,
+        "megatron-to-hf",
+        "--ckpt",
+        str(tmp_path / "ckpt"),
+        "--out",
+        str(tmp_path / "out"),
+        "--tp",
+        "8",
+    )
     assert "tp=8 pads the vocabulary to another size than the saved tp=1 (512 rows)" in line

@@ -82,17 +82,26 @@ REFUSED = {
     "gemma": ("rl-megatron: gemma (scaled embeddings", {}),
     "gemma2": ("rl-megatron: gemma2 (attention/final logit softcapping", {}),
     "gemma3_text": ("rl-megatron: gemma3_text (sandwich norms", {}),
-    "mistral": ("rl-megatron: mistral with sliding-window attention (sliding_window=64)", {
-        "sliding_window": 64
-    }),
-    "qwen2": ("rl-megatron: qwen2 with sliding-window", {
-        "use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1
-    }),
-    "llama": ("rl-megatron: llama with rope_type 'yarn' is not supported", {
-        "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
-                            "original_max_position_embeddings": 64}
-    }),
-}  # fmt: skip
+    "mistral": (
+        "rl-megatron: mistral with sliding-window attention (sliding_window=64)",
+        {"sliding_window": 64},
+    ),
+    "qwen2": (
+        "rl-megatron: qwen2 with sliding-window",
+        {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1},
+    ),
+    "llama": (
+        "rl-megatron: llama with rope_type 'yarn' is not supported",
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "rope_theta": 1e4,
+                "original_max_position_embeddings": 64,
+            }
+        },
+    ),
+}
 
 
 @pytest.mark.parametrize("family", list(REFUSED))

@@ -169,6 +169,8 @@ def test_config_is_validated(model_dirs):
         MegatronConfig(hf_path=path, objective={"kl_coef": 0.1})
     with pytest.raises(ValueError, match="tp must be positive"):
         MegatronConfig(hf_path=path, tp=0)
+    with pytest.raises(ValueError, match="objective mode 'dpo': rl-megatron trains policy and sft"):
+        MegatronConfig(hf_path=path, objective=Objective(mode="dpo"))
 
 
 def test_config_reads_the_objective(model_dirs):

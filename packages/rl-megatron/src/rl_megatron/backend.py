@@ -252,8 +252,12 @@ class MegatronBackend(WeightsAndStateMixin):
             self.step += 1
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.optimizer.param_groups[0]["lr"]
-        return {**metrics, "train/grad_norm": grad_norm, "train/lr": lr,
-                "train/nonfinite_skipped": float(skipped)}  # fmt: skip
+        return {
+            **metrics,
+            "train/grad_norm": grad_norm,
+            "train/lr": lr,
+            "train/nonfinite_skipped": float(skipped),
+        }
 
     def forward_backward(self, batch: TrainBatch) -> dict[str, float]:
         """Accumulate this step's full gradient (summed over DP ranks) without stepping;

@@ -51,8 +51,9 @@ def parser() -> argparse.ArgumentParser:
     for sub, layout in ((to_megatron, "1"), (to_hf, "the saved one")):
         sub.add_argument("--out", required=True, metavar="DIR", help="output directory")
         for name, what in (("tp", "tensor"), ("pp", "pipeline"), ("ep", "expert")):
-            sub.add_argument(f"--{name}", type=int, metavar="N",
-                             help=f"{what} parallel size (default {layout})")  # fmt: skip
+            sub.add_argument(
+                f"--{name}", type=int, metavar="N", help=f"{what} parallel size (default {layout})"
+            )
         sub.add_argument(
             "--dtype",
             default="auto",
@@ -66,13 +67,24 @@ def parser() -> argparse.ArgumentParser:
 def plan_of(args) -> convert.Plan:
     if args.command == "hf-to-megatron":
         return convert.plan_hf_to_megatron(
-            args.hf, args.out, tp=args.tp or 1, pp=args.pp or 1, ep=args.ep or 1,
-            dtype=args.dtype, overwrite=args.overwrite,
-        )  # fmt: skip
+            args.hf,
+            args.out,
+            tp=args.tp or 1,
+            pp=args.pp or 1,
+            ep=args.ep or 1,
+            dtype=args.dtype,
+            overwrite=args.overwrite,
+        )
     return convert.plan_megatron_to_hf(
-        args.ckpt, args.out, config_dir=args.config, tp=args.tp, pp=args.pp, ep=args.ep,
-        dtype=args.dtype, overwrite=args.overwrite,
-    )  # fmt: skip
+        args.ckpt,
+        args.out,
+        config_dir=args.config,
+        tp=args.tp,
+        pp=args.pp,
+        ep=args.ep,
+        dtype=args.dtype,
+        overwrite=args.overwrite,
+    )
 
 
 def run(plan: convert.Plan) -> None:

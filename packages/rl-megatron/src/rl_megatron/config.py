@@ -11,6 +11,7 @@ from pathlib import Path
 from rl_core.objective import Objective
 from rl_megatron.precision import PRECISIONS
 
+MEGATRON_MODES = ("policy", "sft")  # Objective modes this backend trains (not yet "dpo")
 # Under context parallelism a rank sees part of each sequence: only per-token sums add up.
 CP_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 CP_POLICY_LOSSES = ("ppo", "cispo")
@@ -81,6 +82,11 @@ class MegatronConfig:
         if not isinstance(self.objective, Objective):
             raise ValueError(
                 f"objective must be an rl_core.objective.Objective, got {type(self.objective)}"
+            )
+        if self.objective.mode not in MEGATRON_MODES:
+            raise ValueError(
+                f"objective mode {self.objective.mode!r}: rl-megatron trains "
+                f"{' and '.join(MEGATRON_MODES)} objectives; run it on the fsdp backend"
             )
         if self.ref_path is None and self.objective.needs_reference and not self.critic:
             self.ref_path = self.hf_path

@@ -64,9 +64,18 @@ def plan_hf_to_megatron(hf_dir, output, *, tp=1, pp=1, ep=1, dtype="auto", overw
     _check_output(Path(output), overwrite)
     family = _check_layout(config, tp, pp, ep)
     dtype = _dtype_name(config, dtype)
-    return Plan(direction="hf-to-megatron", source=str(hf_dir), output=str(output),
-                config_dir=str(hf_dir), tp=tp, pp=pp, ep=ep, dtype=dtype,
-                output_dtype=dtype, family=family)  # fmt: skip
+    return Plan(
+        direction="hf-to-megatron",
+        source=str(hf_dir),
+        output=str(output),
+        config_dir=str(hf_dir),
+        tp=tp,
+        pp=pp,
+        ep=ep,
+        dtype=dtype,
+        output_dtype=dtype,
+        family=family,
+    )
 
 
 def plan_megatron_to_hf(
@@ -98,9 +107,18 @@ def plan_megatron_to_hf(
             f"({saved_vocab} rows); convert with --tp {saved.get('tp')}"
         )
     stored = meta.get("dtype", "float32")  # training checkpoints keep fp32 weights
-    return Plan(direction="megatron-to-hf", source=str(ckpt), output=str(output),
-                config_dir=str(config_dir), tp=tp, pp=pp, ep=ep, dtype=stored,
-                output_dtype=_dtype_name(config, dtype), family=family)  # fmt: skip
+    return Plan(
+        direction="megatron-to-hf",
+        source=str(ckpt),
+        output=str(output),
+        config_dir=str(config_dir),
+        tp=tp,
+        pp=pp,
+        ep=ep,
+        dtype=stored,
+        output_dtype=_dtype_name(config, dtype),
+        family=family,
+    )
 
 
 def _hf_config(directory: Path):
@@ -179,8 +197,9 @@ def _build(plan: Plan):
     from rl_megatron.models import build_gpt_model
 
     config = _hf_config(Path(plan.config_dir))
-    model = build_gpt_model(config, tp_size=plan.tp, ep_size=plan.ep, pp_size=plan.pp,
-                            dtype=DTYPES[plan.dtype])  # fmt: skip
+    model = build_gpt_model(
+        config, tp_size=plan.tp, ep_size=plan.ep, pp_size=plan.pp, dtype=DTYPES[plan.dtype]
+    )
     return model, config
 
 
@@ -191,8 +210,12 @@ def _hf_to_megatron(plan: Plan) -> None:
     model, config = _build(plan)
     shape = model_shape(config, tp_size=plan.tp)
     load_hf_weights(model, SafetensorsReader(plan.source), shape, current_layout())
-    meta = {"kind": WEIGHTS_KIND, "mode": "weights", "dtype": plan.dtype,
-            "saved_layout": {"tp": plan.tp, "pp": plan.pp, "cp": 1, "ep": plan.ep}}  # fmt: skip
+    meta = {
+        "kind": WEIGHTS_KIND,
+        "mode": "weights",
+        "dtype": plan.dtype,
+        "saved_layout": {"tp": plan.tp, "pp": plan.pp, "cp": 1, "ep": plan.ep},
+    }
 
     def side_files(tmp: Path) -> None:
         _copy_side_files(Path(plan.source), tmp / HF_SUBDIR)
@@ -229,8 +252,11 @@ def _check_matches(sharded: dict, source: Path, config_dir: str) -> None:
     silently; megatron's own error lists every key)."""
     saved, wanted = _saved_weights(source), _model_weights(sharded)
     problems = [f"{key} is missing" for key in wanted if key not in saved]
-    problems += [f"{key} has shape {saved[key]}, not {shape}" for key, shape in wanted.items()
-                 if saved.get(key, shape) != shape]  # fmt: skip
+    problems += [
+        f"{key} has shape {saved[key]}, not {shape}"
+        for key, shape in wanted.items()
+        if saved.get(key, shape) != shape
+    ]
     problems += [f"{key} is not in that model" for key in saved if key not in wanted]
     if problems:
         raise ValueError(

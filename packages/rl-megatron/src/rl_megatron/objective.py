@@ -43,8 +43,9 @@ def actor_loss(
     old = part.old_log_probs if part.old_log_probs is not None else log_probs.detach()
     weights, is_metrics = _importance_weights(config, part, old)
     if part.old_log_probs is None and part.rollout_log_probs is not None:
-        gap = logprob_gap_share(old, part.rollout_log_probs, part.loss_mask,
-                                num_tokens=part.global_num_tokens or 1.0)  # fmt: skip
+        gap = logprob_gap_share(
+            old, part.rollout_log_probs, part.loss_mask, num_tokens=part.global_num_tokens or 1.0
+        )
         is_metrics["mismatch/logprob_abs_diff_mean"] = float(gap)
     loss, metrics = objective_loss(
         config.objective,
