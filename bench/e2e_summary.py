@@ -17,14 +17,43 @@ from pathlib import Path
 
 from rl_launcher.infra.run_log import read_metrics
 
-PARTS = ("step", "rollout", "log_probs", "train", "sync", "rollout_wait", "overhead",
-         "overhead_excl_sync", "log_probs_compute", "train_compute", "onload", "train_call",
-         "train_dispatch", "train_return", "turns", "turns/in_rollout", "turns/engine_release",
-         "turns/engine_resume", "turns/trainer_offload", "turns/trainer_onload",
-         "turns/trainer_empty_cache", "sync_call", "sync_export", "gc", "gc_max", "trainer_gc")  # fmt: skip
-PERF = ("perf/train_tokens_per_s", "perf/train_tokens_per_s_wall", "perf/mfu",
-        "time/overhead_frac", "time/overhead_excl_sync_frac", "mismatch/logprob_abs_diff_mean",
-        "sync/bytes")  # fmt: skip
+PARTS = (
+    "step",
+    "rollout",
+    "log_probs",
+    "train",
+    "sync",
+    "rollout_wait",
+    "overhead",
+    "overhead_excl_sync",
+    "log_probs_compute",
+    "train_compute",
+    "onload",
+    "train_call",
+    "train_dispatch",
+    "train_return",
+    "turns",
+    "turns/in_rollout",
+    "turns/engine_release",
+    "turns/engine_resume",
+    "turns/trainer_offload",
+    "turns/trainer_onload",
+    "turns/trainer_empty_cache",
+    "sync_call",
+    "sync_export",
+    "gc",
+    "gc_max",
+    "trainer_gc",
+)
+PERF = (
+    "perf/train_tokens_per_s",
+    "perf/train_tokens_per_s_wall",
+    "perf/mfu",
+    "time/overhead_frac",
+    "time/overhead_excl_sync_frac",
+    "mismatch/logprob_abs_diff_mean",
+    "sync/bytes",
+)
 
 
 def median_of(records: list[dict], key: str) -> float | None:
@@ -38,9 +67,13 @@ def reward_curve(records: list[dict], window: int = 5) -> dict:
     if not rewards:
         return {}
     means = [statistics.fmean(rewards[i : i + window]) for i in range(len(rewards) - window + 1)]
-    return {"first": statistics.fmean(rewards[:window]), "last": statistics.fmean(rewards[-window:]),
-            "best_moving_mean": max(means, default=rewards[-1]), "window": window,
-            "per_step": [round(x, 4) for x in rewards]}  # fmt: skip
+    return {
+        "first": statistics.fmean(rewards[:window]),
+        "last": statistics.fmean(rewards[-window:]),
+        "best_moving_mean": max(means, default=rewards[-1]),
+        "window": window,
+        "per_step": [round(x, 4) for x in rewards],
+    }
 
 
 def summarise(run_dir: Path, skip: int) -> dict:
@@ -62,10 +95,15 @@ def async_check(runs: dict, async_name: str, sync_name: str) -> dict:
     sync_t, async_t = runs[sync_name]["time_median_s"], runs[async_name]["time_median_s"]
     training = sum(sync_t[p] or 0.0 for p in ("log_probs", "train", "sync"))
     bound = max(sync_t["rollout"] or 0.0, training)
-    return {"async_step_s": async_t["step"], "sync_step_s": sync_t["step"],
-            "sync_rollout_s": sync_t["rollout"], "sync_training_s": training,
-            "async_over_max": async_t["step"] / bound, "target": 1.1,
-            "speedup": sync_t["step"] / async_t["step"]}  # fmt: skip
+    return {
+        "async_step_s": async_t["step"],
+        "sync_step_s": sync_t["step"],
+        "sync_rollout_s": sync_t["rollout"],
+        "sync_training_s": training,
+        "async_over_max": async_t["step"] / bound,
+        "target": 1.1,
+        "speedup": sync_t["step"] / async_t["step"],
+    }
 
 
 def main(argv=None) -> int:

@@ -114,8 +114,9 @@ def run_sglang(model, prompts_by_batch, new_tokens, args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
         byte_tokenizer().save_pretrained(tmp)
-        server = SGLangServer(tmp, sglang_args=SGLANG_BENCH_ARGS | {"dtype": args.dtype},
-                              ready_timeout_s=600)  # fmt: skip
+        server = SGLangServer(
+            tmp, sglang_args=SGLANG_BENCH_ARGS | {"dtype": args.dtype}, ready_timeout_s=600
+        )
         with server:
             for batch, prompts in prompts_by_batch.items():
                 params = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
@@ -135,8 +136,14 @@ def greedy_agreement(args, batch: int = 8, new_tokens: int = 32) -> dict:
     """Fraction of prompts whose greedy engine output equals ``generate``'s, in float32
     (CUDA graphs of the eager layer: a second compile would cost minutes of the run)."""
     model = make_model(args.shape, args.device, torch.float32)
-    engine = Engine(model, None, max_batch_size=batch, runner=args.runner,
-                    max_context=args.prompt_len + new_tokens + 8, compile=False)  # fmt: skip
+    engine = Engine(
+        model,
+        None,
+        max_batch_size=batch,
+        runner=args.runner,
+        max_context=args.prompt_len + new_tokens + 8,
+        compile=False,
+    )
     prompts = make_prompts(batch, args.prompt_len, model.config.vocab_size, seed=7)
     try:
         _, generate_out = run_generate(model, prompts, new_tokens, args.device)
@@ -148,8 +155,13 @@ def greedy_agreement(args, batch: int = 8, new_tokens: int = 32) -> dict:
         next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), new_tokens)
         for a, b in zip(engine_out, generate_out, strict=True)
     ]
-    return {"batch": batch, "new_tokens": new_tokens, "identical": sum(same) / batch,
-            "mean_first_divergence": sum(first_diff) / batch, "compiled": False}  # fmt: skip
+    return {
+        "batch": batch,
+        "new_tokens": new_tokens,
+        "identical": sum(same) / batch,
+        "mean_first_divergence": sum(first_diff) / batch,
+        "compiled": False,
+    }
 
 
 def multi_step_agreement(engine: Engine, prompts, args) -> float | None:
@@ -237,9 +249,15 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     max_context = args.prompt_len + args.new_tokens + 8
     start = time.perf_counter()
-    engine = Engine(model, None, max_batch_size=max(batches), runner=args.runner,
-                    max_context=max_context, compile=args.compile,
-                    multi_step=args.multi_step)  # fmt: skip
+    engine = Engine(
+        model,
+        None,
+        max_batch_size=max(batches),
+        runner=args.runner,
+        max_context=max_context,
+        compile=args.compile,
+        multi_step=args.multi_step,
+    )
     startup_s = time.perf_counter() - start
     warm = make_prompts(2, args.prompt_len, model.config.vocab_size, seed=99)
     run_generate(model, warm, 4, args.device)
@@ -254,15 +272,17 @@ def main() -> None:
         first_token_s, _ = run_engine(engine, prompts, 1, args.device)  # prefill + overheads
         tokens, steps = batch * args.new_tokens, max(1, args.new_tokens - 1)
         same = sum(a == b for a, b in zip(engine_out, generate_out, strict=True)) / batch
-        rows.append({
-            "batch": batch,
-            "engine_tokens_per_s": round(tokens / engine_s, 1),
-            "generate_tokens_per_s": round(tokens / generate_s, 1),
-            "ratio": round(generate_s / engine_s, 3),
-            "engine_first_token_ms": round(1000 * first_token_s, 1),
-            "engine_ms_per_step": round(1000 * (engine_s - first_token_s) / steps, 3),
-            "greedy_identical": same,
-        })  # fmt: skip
+        rows.append(
+            {
+                "batch": batch,
+                "engine_tokens_per_s": round(tokens / engine_s, 1),
+                "generate_tokens_per_s": round(tokens / generate_s, 1),
+                "ratio": round(generate_s / engine_s, 3),
+                "engine_first_token_ms": round(1000 * first_token_s, 1),
+                "engine_ms_per_step": round(1000 * (engine_s - first_token_s) / steps, 3),
+                "greedy_identical": same,
+            }
+        )
     step_ms = decode_step_ms(engine, batches) if args.device.startswith("cuda") else {}
     multi_same = multi_step_agreement(engine, prompts_by_batch[batches[-1]], args)
     compiled = bool(getattr(engine.scheduler.runner, "compiled", False))

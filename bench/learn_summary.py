@@ -36,18 +36,23 @@ def ours_curve(records: list[dict]) -> tuple[list[dict], list[dict]]:
     for record in records:
         if record["step"] > 0:
             wall += record["time/step"] - record.get("time/eval", 0.0)
-            steps.append({"step": record["step"], "wall_s": wall,
-                          "reward": record["rollout/reward/mean"]})  # fmt: skip
+            steps.append(
+                {"step": record["step"], "wall_s": wall, "reward": record["rollout/reward/mean"]}
+            )
         if GREEDY in record:
             evals.append({"step": record["step"], "wall_s": wall} | evaluation(record))
     return steps, evals
 
 
 def trl_curve(records: list[dict]) -> tuple[list[dict], list[dict]]:
-    steps = [{"step": r["step"], "wall_s": r["wall_s"], "reward": r["reward"]}
-             for r in records if "reward" in r]  # fmt: skip
-    evals = [{"step": r["step"], "wall_s": r["wall_s"]} | evaluation(r)
-             for r in records if GREEDY in r]  # fmt: skip
+    steps = [
+        {"step": r["step"], "wall_s": r["wall_s"], "reward": r["reward"]}
+        for r in records
+        if "reward" in r
+    ]
+    evals = [
+        {"step": r["step"], "wall_s": r["wall_s"]} | evaluation(r) for r in records if GREEDY in r
+    ]
     return steps, evals
 
 
@@ -64,9 +69,11 @@ def throughput(records: list[dict]) -> dict[str, float]:
     steps = [r for r in records if r["step"] > 1]
     rollout = sum(r["rollout/response_length/mean"] * r["rollout/num_samples"] for r in steps)
     rollout_s = sum(r["time/rollout"] for r in steps)
-    return {"step_s": statistics.median(r["time/step"] - r.get("time/eval", 0) for r in steps),
-            "rollout_tok_s": rollout / rollout_s,
-            "train_tok_s": statistics.median(r["perf/train_tokens_per_s"] for r in steps)}  # fmt: skip
+    return {
+        "step_s": statistics.median(r["time/step"] - r.get("time/eval", 0) for r in steps),
+        "rollout_tok_s": rollout / rollout_s,
+        "train_tok_s": statistics.median(r["perf/train_tokens_per_s"] for r in steps),
+    }
 
 
 def trl_throughput(records: list[dict]) -> dict[str, float]:
@@ -74,9 +81,11 @@ def trl_throughput(records: list[dict]) -> dict[str, float]:
     generate_s = sum(r["time/generate"] for r in steps)
     train_s = sum(r["time/step"] - r["time/generate"] for r in steps)
     tokens = steps[-1]["num_tokens"] - steps[0]["num_tokens"]  # prompt + completion, cumulative
-    return {"step_s": statistics.median(r["time/step"] for r in steps),
-            "rollout_tok_s": sum(r["tokens/generated"] for r in steps) / generate_s,
-            "train_tok_s": tokens / train_s}  # fmt: skip
+    return {
+        "step_s": statistics.median(r["time/step"] for r in steps),
+        "rollout_tok_s": sum(r["tokens/generated"] for r in steps) / generate_s,
+        "train_tok_s": tokens / train_s,
+    }
 
 
 def gpu_utilisation(path: Path, window: tuple[float, float] | None) -> float:
@@ -110,10 +119,16 @@ def chart(curves: dict[str, tuple[list[dict], list[dict]]], path: Path) -> None:
         smooth = [statistics.mean(rewards[max(0, i - 9) : i + 1]) for i in range(len(rewards))]
         left.plot([s["wall_s"] for s in steps], smooth, label=name)
         right.plot([e["wall_s"] for e in evals], [e[GREEDY] for e in evals], marker="o", label=name)
-    left.set(xlabel="training wall time (s, eval excluded)", ylabel="train reward (10-step mean)",
-             title="Rollout reward")  # fmt: skip
-    right.set(xlabel="training wall time (s, eval excluded)", ylabel="held-out greedy@1",
-              title="Held-out accuracy (200 problems)")  # fmt: skip
+    left.set(
+        xlabel="training wall time (s, eval excluded)",
+        ylabel="train reward (10-step mean)",
+        title="Rollout reward",
+    )
+    right.set(
+        xlabel="training wall time (s, eval excluded)",
+        ylabel="held-out greedy@1",
+        title="Held-out accuracy (200 problems)",
+    )
     for axis in (left, right):
         axis.grid(alpha=0.3)
         axis.legend()

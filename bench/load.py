@@ -34,17 +34,27 @@ async def direct_load(urls: list[str], **kwargs) -> dict:
     share = -(-kwargs.pop("num_requests") // len(urls))
     concurrency = kwargs.pop("concurrency")
     started = time.perf_counter()
-    parts = await asyncio.gather(*(
-        run_load(url, num_requests=share, concurrency=max(1, concurrency // len(urls)),
-                 seed=index + 1, **kwargs)
-        for index, url in enumerate(urls)
-    ))  # fmt: skip
+    parts = await asyncio.gather(
+        *(
+            run_load(
+                url,
+                num_requests=share,
+                concurrency=max(1, concurrency // len(urls)),
+                seed=index + 1,
+                **kwargs,
+            )
+            for index, url in enumerate(urls)
+        )
+    )
     wall = time.perf_counter() - started
     completed = sum(p["completed"] for p in parts)
-    return {"requests": sum(p["requests"] for p in parts), "completed": completed,
-            "failed": sum(p["failed"] for p in parts),
-            "requests_per_s": round(completed / wall, 2),
-            "latency_ms_p50_by_engine": [p["latency_ms"]["p50"] for p in parts]}  # fmt: skip
+    return {
+        "requests": sum(p["requests"] for p in parts),
+        "completed": completed,
+        "failed": sum(p["failed"] for p in parts),
+        "requests_per_s": round(completed / wall, 2),
+        "latency_ms_p50_by_engine": [p["latency_ms"]["p50"] for p in parts],
+    }
 
 
 def routed_load(router, engines, load: dict, kill_after_s: float | None) -> dict:
@@ -66,10 +76,19 @@ def routed_load(router, engines, load: dict, kill_after_s: float | None) -> dict
     while not (monitor.events or monitor.errors) and time.monotonic() < deadline:
         time.sleep(0.2)
     monitor.stop()
-    result["kill"] = {"after_s": kill_after_s, "errors": monitor.errors, "restarts": [
-        {"reason": e.reason, "detected_after_kill_s": round(e.detected_at - killed_at, 3),
-         "restart_s": round(e.restart_s, 2), "back_in_router_after_s": round(e.total_s, 2)}
-        for e in monitor.events]}  # fmt: skip
+    result["kill"] = {
+        "after_s": kill_after_s,
+        "errors": monitor.errors,
+        "restarts": [
+            {
+                "reason": e.reason,
+                "detected_after_kill_s": round(e.detected_at - killed_at, 3),
+                "restart_s": round(e.restart_s, 2),
+                "back_in_router_after_s": round(e.total_s, 2),
+            }
+            for e in monitor.events
+        ],
+    }
     return result
 
 
@@ -80,16 +99,24 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--max-batch-size", type=int, default=64, help="per engine")
     parser.add_argument("--no-baseline", action="store_true")
-    parser.add_argument("--kill-engine-after", type=float, default=None,
-                        help="SIGKILL engine 1 this many seconds into the load (health monitor on)")  # fmt: skip
+    parser.add_argument(
+        "--kill-engine-after",
+        type=float,
+        default=None,
+        help="SIGKILL engine 1 this many seconds into the load (health monitor on)",
+    )
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args()
-    load = {"num_requests": args.requests, "concurrency": args.concurrency,
-            "max_new_tokens": args.max_new_tokens}  # fmt: skip
+    load = {
+        "num_requests": args.requests,
+        "concurrency": args.concurrency,
+        "max_new_tokens": args.max_new_tokens,
+    }
     with tempfile.TemporaryDirectory() as tmp:
         model = save_tiny_model(Path(tmp) / "tiny", seed=0)
-        engines = [EmbeddedEngine(model, log_dir=tmp, max_batch_size=args.max_batch_size)
-                   for _ in range(2)]  # fmt: skip
+        engines = [
+            EmbeddedEngine(model, log_dir=tmp, max_batch_size=args.max_batch_size) for _ in range(2)
+        ]
         try:
             for engine in engines:
                 engine.start(wait=False)
@@ -111,9 +138,14 @@ def main() -> None:
         finally:
             for engine in engines:
                 engine.stop()
-    result |= {"hardware": {"cpu": platform.processor() or platform.machine(),
-                            "cpu_count": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]},
-               "command": " ".join(["python", *sys.argv])}  # fmt: skip
+    result |= {
+        "hardware": {
+            "cpu": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "load_avg_1m": os.getloadavg()[0],
+        },
+        "command": " ".join(["python", *sys.argv]),
+    }
     print(f"{result['completed']}/{result['requests']} completed, statuses {result['statuses']}")
     print(f"latency p50 {result['latency_ms']['p50']} ms, p99 {result['latency_ms']['p99']} ms")
     print(f"throughput {result['requests_per_s']} req/s; peak RSS MiB {result['peak_rss_mb']}")

@@ -48,8 +48,10 @@ def loop_steps(config, steps: int, warmup: int) -> list[tuple[dict, float]]:
         buffer = DataBuffer.from_config(config, num_ranks=run.num_ranks)
         feed = make_feed(run, last_step=config.num_steps)
         try:
-            pairs = [(run_step(run, buffer, step, feed), reference.step())
-                     for step in range(1, config.num_steps + 1)]  # fmt: skip
+            pairs = [
+                (run_step(run, buffer, step, feed), reference.step())
+                for step in range(1, config.num_steps + 1)
+            ]
         finally:
             feed.close()
     finally:
@@ -90,8 +92,10 @@ class Reference:
 
 def summarize(pairs: list[tuple[dict, float]], config) -> dict:
     records = [record for record, _ in pairs]
-    parts = {f"{part}_ms": statistics.median(r.get(f"time/{part}", 0.0) for r in records) * 1e3
-             for part in PARTS}  # fmt: skip
+    parts = {
+        f"{part}_ms": statistics.median(r.get(f"time/{part}", 0.0) for r in records) * 1e3
+        for part in PARTS
+    }
     return {
         "step_ms": statistics.median(r["time/step"] for r in records) * 1e3,
         "compute_ms": statistics.median(seconds for _, seconds in pairs) * 1e3,
@@ -124,8 +128,18 @@ def main() -> None:
     args = parser.parse_args()
     root, results = Path(tempfile.mkdtemp(prefix="loop_overhead_")), {}
     for loop in args.loops.split(","):
-        config, _ = load_config(["--config", str(CONFIG), "--logging.run_dir", str(root / loop),
-                                 "--logging.progress", "false", "--rollout.loop", loop])  # fmt: skip
+        config, _ = load_config(
+            [
+                "--config",
+                str(CONFIG),
+                "--logging.run_dir",
+                str(root / loop),
+                "--logging.progress",
+                "false",
+                "--rollout.loop",
+                loop,
+            ]
+        )
         results[loop] = summarize(loop_steps(config, args.steps, args.warmup), config)
         report(loop, results[loop])
     rounded = {loop: {k: round(v, 1) for k, v in s.items()} for loop, s in results.items()}

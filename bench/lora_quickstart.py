@@ -26,8 +26,15 @@ EDGE = 10  # steps averaged at each end of the reward curve
 
 
 def train(name: str, run_dir: Path, steps: int) -> None:
-    cmd = [sys.executable, "-m", "rl_launcher.cli", "--config", CONFIGS[name],
-           f"num_steps={steps}", f"logging.run_dir={run_dir}"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "rl_launcher.cli",
+        "--config",
+        CONFIGS[name],
+        f"num_steps={steps}",
+        f"logging.run_dir={run_dir}",
+    ]
     subprocess.run(cmd, cwd=ROOT, check=True)
 
 
@@ -74,8 +81,12 @@ def trainer_figures(name: str, run_dir: Path) -> dict:
     config, _ = load_config(["--config", str(ROOT / CONFIGS[name])])
     backend = FSDPBackend(fsdp_config(config, model_dir=run_dir / "initial_model"))
     tokens = torch.randint(0, 16, (24,), generator=torch.Generator().manual_seed(0))
-    batch = TrainBatch(tokens=tokens, cu_seqlens=cu_seqlens_from_lengths([12, 12]),
-                       loss_mask=torch.ones(24), advantages=torch.randn(24))  # fmt: skip
+    batch = TrainBatch(
+        tokens=tokens,
+        cu_seqlens=cu_seqlens_from_lengths([12, 12]),
+        loss_mask=torch.ones(24),
+        advantages=torch.randn(24),
+    )
     backend.train_step(batch.with_global_denominators())
     state = backend.optimizer.state.values()
     return {
@@ -102,8 +113,13 @@ def main() -> None:
     init_distributed(device="cpu")
     for name in CONFIGS:
         figures[name] |= trainer_figures(name, args.runs_dir / name)
-    ratio_keys = ("trainable_params", "optimizer_state_bytes", "sync_bytes", "step_s_median",
-                  "checkpoint_tensor_bytes")  # fmt: skip
+    ratio_keys = (
+        "trainable_params",
+        "optimizer_state_bytes",
+        "sync_bytes",
+        "step_s_median",
+        "checkpoint_tensor_bytes",
+    )
     figures["lora_over_full"] = {k: figures["lora"][k] / figures["full"][k] for k in ratio_keys}
     figures["hardware"] = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     figures["command"] = " ".join(["python bench/lora_quickstart.py", *sys.argv[1:]])

@@ -61,9 +61,14 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--workers", type=int, default=default_workers())
     args = parser.parse_args()
-    report = {"calls": args.calls, "math_calls": args.math_calls, "workers": args.workers,
-              "cpus": os.cpu_count(),
-              "python": sys.version.split()[0], "command": " ".join(sys.argv)}  # fmt: skip
+    report = {
+        "calls": args.calls,
+        "math_calls": args.math_calls,
+        "workers": args.workers,
+        "cpus": os.cpu_count(),
+        "python": sys.version.split()[0],
+        "command": " ".join(sys.argv),
+    }
     for name in SAMPLES:
         for busy in (False, True):
             key = f"{name}/{'another_thread_busy' if busy else 'alone'}"

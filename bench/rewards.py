@@ -48,9 +48,12 @@ def _fractions(rng):
     value = Fraction(rng.randint(1, 40), rng.randint(2, 13)) * rng.choice([1, -1])
     k = rng.randint(2, 4)
     scaled = Fraction(value.numerator * k, value.denominator * k)
-    right = [_frac(value), _frac(value).replace("\\frac", "\\dfrac"),
-             f"{'-' if scaled < 0 else ''}\\frac{{{abs(value.numerator) * k}}}{{{value.denominator * k}}}",
-             f"{value.numerator}/{value.denominator}"]  # fmt: skip
+    right = [
+        _frac(value),
+        _frac(value).replace("\\frac", "\\dfrac"),
+        f"{'-' if scaled < 0 else ''}\\frac{{{abs(value.numerator) * k}}}{{{value.denominator * k}}}",
+        f"{value.numerator}/{value.denominator}",
+    ]
     if value.denominator in (2, 4, 5, 8, 10):
         right.append(str(float(value)))
     return _frac(value), rng.choice(right), _frac(value + Fraction(1, value.denominator))
@@ -99,8 +102,14 @@ def _tuples(rng):
 
 def _formats(rng):
     n = rng.randint(1, 180)
-    pairs = [(f"{n}", f"{n}^\\circ"), (f"{n}", f"{n} \\text{{ cm}}"), (f"{n}", f"\\${n}"),
-             (f"{n}\\%", f"{n}\\%"), (f"{n}", f"\\text{{{n}}}"), (f"{n}", f"{n} \\text{{ degrees}}")]  # fmt: skip
+    pairs = [
+        (f"{n}", f"{n}^\\circ"),
+        (f"{n}", f"{n} \\text{{ cm}}"),
+        (f"{n}", f"\\${n}"),
+        (f"{n}\\%", f"{n}\\%"),
+        (f"{n}", f"\\text{{{n}}}"),
+        (f"{n}", f"{n} \\text{{ degrees}}"),
+    ]
     gold, pred = rng.choice(pairs)
     return gold, pred, str(n + 1)
 
@@ -110,8 +119,11 @@ TRICKY = [  # (gold, an equivalent form, a near miss)
     ("\\{1, 2\\}", "\\{2, 1\\}", "\\{1, 3\\}"),
     ("x + y = 1", "2x + 2y = 2", "x + y = 2"),
     ("\\text{Evelyn}", "Evelyn", "Eve"),
-    ("\\begin{pmatrix} 1 & 2 \\\\ 3 & 4 \\end{pmatrix}",
-     "\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}", "\\begin{pmatrix} 1 & 2 \\\\ 4 & 3 \\end{pmatrix}"),
+    (
+        "\\begin{pmatrix} 1 & 2 \\\\ 3 & 4 \\end{pmatrix}",
+        "\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}",
+        "\\begin{pmatrix} 1 & 2 \\\\ 4 & 3 \\end{pmatrix}",
+    ),
     ("2\\frac{1}{2}", "\\frac{5}{2}", "\\frac{1}{2}"),
     ("(-\\infty, 3]", "(-\\infty,3]", "(-\\infty, 3)"),
     ("x^2 - 1", "(x-1)(x+1)", "(x-1)^2"),
@@ -123,15 +135,25 @@ TRICKY = [  # (gold, an equivalent form, a near miss)
     ("\\dfrac{\\sqrt{3}}{2}", "\\frac{\\sqrt3}{2}", "\\frac{\\sqrt2}{2}"),
     ("1000000", "1,000,000", "100000"),
     ("-\\frac{7}{4}", "-1.75", "1.75"),
-]  # fmt: skip
+]
 
 
 def _tricky(rng):
     return rng.choice(TRICKY)
 
 
-GENERATORS = [_integers, _fractions, _decimals, _radicals, _pi, _polynomials, _intervals,
-              _tuples, _formats, _tricky]  # fmt: skip
+GENERATORS = [
+    _integers,
+    _fractions,
+    _decimals,
+    _radicals,
+    _pi,
+    _polynomials,
+    _intervals,
+    _tuples,
+    _formats,
+    _tricky,
+]
 
 
 def make_cases(num_cases: int, seed: int = 0) -> list[tuple[str, str]]:
@@ -181,8 +203,9 @@ def table_cases() -> list[tuple[str, str]]:
 def disagreements_of(cases, ours, theirs) -> list[dict]:
     return [
         {"gold": g, "response": r, "rl_rewards": a, "math_verify": b}
-        for (g, r), a, b in zip(cases, ours, theirs, strict=True) if a != b
-    ]  # fmt: skip
+        for (g, r), a, b in zip(cases, ours, theirs, strict=True)
+        if a != b
+    ]
 
 
 def main() -> None:
@@ -201,27 +224,32 @@ def main() -> None:
     table_ours, table_theirs = time_ours(table, 0)[0], time_math_verify(table)[0]
     table_disagreements = disagreements_of(table, table_ours, table_theirs)
     n = len(cases)
-    print(json.dumps({
-        "benchmark": "math verifier: rl-rewards vs math-verify",
-        "num_cases": n,
-        "rl_rewards_samples_per_s": round(n / ours_s, 1),
-        f"rl_rewards_{args.workers}_workers_samples_per_s": round(n / pooled_s, 1),
-        "math_verify_samples_per_s": round(n / theirs_s, 1),
-        "throughput_ratio_single_process": round(theirs_s / ours_s, 2),
-        f"throughput_ratio_{args.workers}_workers": round(theirs_s / pooled_s, 2),
-        "workers_first_call_start_s": round(cold_start_s, 2),
-        "agreement_rate": round(1 - len(disagreements) / n, 5),
-        "workers_match_single_process": pooled == ours,
-        "mean_score_rl_rewards": round(sum(ours) / n, 4),
-        "mean_score_math_verify": round(sum(theirs) / n, 4),
-        "disagreements": disagreements,
-        "table_num_cases": len(table),
-        "table_agreement_rate": round(1 - len(table_disagreements) / len(table), 4),
-        "table_disagreements": table_disagreements,
-        "hardware": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-                    f"Python {platform.python_version()}",
-        "command": "uv run --package rl-rewards --group bench python " + " ".join(sys.argv),
-    }, indent=2))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "benchmark": "math verifier: rl-rewards vs math-verify",
+                "num_cases": n,
+                "rl_rewards_samples_per_s": round(n / ours_s, 1),
+                f"rl_rewards_{args.workers}_workers_samples_per_s": round(n / pooled_s, 1),
+                "math_verify_samples_per_s": round(n / theirs_s, 1),
+                "throughput_ratio_single_process": round(theirs_s / ours_s, 2),
+                f"throughput_ratio_{args.workers}_workers": round(theirs_s / pooled_s, 2),
+                "workers_first_call_start_s": round(cold_start_s, 2),
+                "agreement_rate": round(1 - len(disagreements) / n, 5),
+                "workers_match_single_process": pooled == ours,
+                "mean_score_rl_rewards": round(sum(ours) / n, 4),
+                "mean_score_math_verify": round(sum(theirs) / n, 4),
+                "disagreements": disagreements,
+                "table_num_cases": len(table),
+                "table_agreement_rate": round(1 - len(table_disagreements) / len(table), 4),
+                "table_disagreements": table_disagreements,
+                "hardware": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+                f"Python {platform.python_version()}",
+                "command": "uv run --package rl-rewards --group bench python " + " ".join(sys.argv),
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -54,8 +54,10 @@ def hf_model_dir(gguf: str, work: Path, dtype: str) -> Path:
 def chat_prompts(tokenizer, count: int) -> list[list[int]]:
     rows = (ROOT / "examples/smollm2/data/train.jsonl").read_text().splitlines()[:count]
     messages = [json.loads(row)["prompt"] for row in rows]
-    texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False)
-             for m in messages]  # fmt: skip
+    texts = [
+        tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False)
+        for m in messages
+    ]
     return [tokenizer.encode(text, add_special_tokens=False) for text in texts]
 
 
@@ -64,17 +66,27 @@ def time_engine(model_dir: Path, prompts, args, max_context: int | None) -> dict
 
     extra = [] if max_context is None else ["--max-context", str(max_context)]
     batch = len(prompts) * args.samples
-    server = EmbeddedEngine(model_dir, device="cuda", dtype=args.dtype, max_batch_size=batch,
-                            extra_args=extra, log_dir=Path(args.work))  # fmt: skip
+    server = EmbeddedEngine(
+        model_dir,
+        device="cuda",
+        dtype=args.dtype,
+        max_batch_size=batch,
+        extra_args=extra,
+        log_dir=Path(args.work),
+    )
     started = time.perf_counter()
     server.start()
     startup_s = time.perf_counter() - started
     body = {
         "input_ids": prompts,
         "return_logprob": True,
-        "sampling_params": {"n": args.samples, "temperature": 1.0,
-                            "max_new_tokens": args.new_tokens, "ignore_eos": True},
-    }  # fmt: skip
+        "sampling_params": {
+            "n": args.samples,
+            "temperature": 1.0,
+            "max_new_tokens": args.new_tokens,
+            "ignore_eos": True,
+        },
+    }
     try:
         with httpx.Client(timeout=600) as client:
             times, tokens = [], 0
@@ -89,9 +101,15 @@ def time_engine(model_dir: Path, prompts, args, max_context: int | None) -> dict
     finally:
         server.stop()
     seconds = statistics.median(times)
-    return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
-            "startup_s": startup_s, "runner": info["runner"],
-            "context_length": info["context_length"], "times": times}  # fmt: skip
+    return {
+        "seconds": seconds,
+        "tokens": tokens,
+        "tokens_per_s": tokens / seconds,
+        "startup_s": startup_s,
+        "runner": info["runner"],
+        "context_length": info["context_length"],
+        "times": times,
+    }
 
 
 def time_generate(model_dir: Path, prompts, args) -> dict:
@@ -109,16 +127,23 @@ def time_generate(model_dir: Path, prompts, args) -> dict:
     for attempt in range(args.repeats + 1):
         torch.cuda.synchronize()
         begin = time.perf_counter()
-        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0,
-                             top_k=0, top_p=1.0, max_new_tokens=args.new_tokens,
-                             min_new_tokens=args.new_tokens, pad_token_id=pad)  # fmt: skip
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=args.new_tokens,
+            min_new_tokens=args.new_tokens,
+            pad_token_id=pad,
+        )
         torch.cuda.synchronize()
         if attempt:
             times.append(time.perf_counter() - begin)
     tokens = (out.shape[1] - width) * out.shape[0]
     seconds = statistics.median(times)
-    return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
-            "times": times}  # fmt: skip
+    return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds, "times": times}
 
 
 def main() -> None:

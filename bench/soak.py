@@ -76,17 +76,37 @@ def growth_mb(samples: list[int]) -> float | None:
 
 def soak(args) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix="soak-")) / "run"
-    command = ["uv", "run", "--package", "rl-launcher", "rl-train", "--config", args.config,
-               "--num_steps", "1000000", "--rollout.loop", args.loop,
-               "--checkpoint.interval", "0", "--logging.run_dir", str(run_dir)]  # fmt: skip
+    command = [
+        "uv",
+        "run",
+        "--package",
+        "rl-launcher",
+        "rl-train",
+        "--config",
+        args.config,
+        "--num_steps",
+        "1000000",
+        "--rollout.loop",
+        args.loop,
+        "--checkpoint.interval",
+        "0",
+        "--logging.run_dir",
+        str(run_dir),
+    ]
     with open(run_dir.parent / "stderr.log", "w") as stderr:
-        driver = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL,
-                                  stderr=stderr)  # fmt: skip
+        driver = subprocess.Popen(
+            command, start_new_session=True, stdout=subprocess.DEVNULL, stderr=stderr
+        )
         series, exit_code = _sample(driver, args, run_dir)
     steps = _count_steps(run_dir)
     report = _summarise(series, args.bound_mb)
-    report |= {"loop": args.loop, "minutes": args.minutes, "steps": steps,
-               "crashed": exit_code is not None, "run_dir": str(run_dir)}  # fmt: skip
+    report |= {
+        "loop": args.loop,
+        "minutes": args.minutes,
+        "steps": steps,
+        "crashed": exit_code is not None,
+        "run_dir": str(run_dir),
+    }
     return report
 
 
@@ -119,13 +139,21 @@ def _summarise(series: dict[str, list[int]], bound_mb: float) -> dict:
     processes = {}
     for name, samples in series.items():
         grown = growth_mb(samples)
-        processes[name] = {"samples": len(samples), "rss_first_mb": samples[0] / 2**20,
-                           "rss_peak_mb": max(samples) / 2**20, "rss_last_mb": samples[-1] / 2**20,
-                           "growth_mb": grown}  # fmt: skip
+        processes[name] = {
+            "samples": len(samples),
+            "rss_first_mb": samples[0] / 2**20,
+            "rss_peak_mb": max(samples) / 2**20,
+            "rss_last_mb": samples[-1] / 2**20,
+            "growth_mb": grown,
+        }
     judged = [p["growth_mb"] for p in processes.values() if p["growth_mb"] is not None]
     worst = max(judged, default=0.0)
-    return {"bound_mb": bound_mb, "worst_growth_mb": worst, "within_bound": worst <= bound_mb,
-            "processes": processes}  # fmt: skip
+    return {
+        "bound_mb": bound_mb,
+        "worst_growth_mb": worst,
+        "within_bound": worst <= bound_mb,
+        "processes": processes,
+    }
 
 
 def main() -> None:

@@ -86,8 +86,10 @@ class HeldOut:
 
     def __init__(self, rows: list[dict], tokenizer, max_tokens: int, batch: int = 800):
         self.labels = [row["label"] for row in rows]
-        self.prompts = [tokenizer.apply_chat_template(row["prompt"], tokenize=False,
-                                                      add_generation_prompt=True) for row in rows]  # fmt: skip
+        self.prompts = [
+            tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
+            for row in rows
+        ]
         self.tokenizer, self.max_tokens, self.batch = tokenizer, max_tokens, batch
 
     @torch.no_grad()
@@ -96,14 +98,22 @@ class HeldOut:
         tokenizer, flat = self.tokenizer, [p for p in self.prompts for _ in range(samples)]
         tokenizer.padding_side, texts = "left", []
         for start in range(0, len(flat), self.batch):
-            enc = tokenizer(flat[start : start + self.batch], return_tensors="pt", padding=True,
-                            add_special_tokens=False).to(model.device)  # fmt: skip
+            enc = tokenizer(
+                flat[start : start + self.batch],
+                return_tensors="pt",
+                padding=True,
+                add_special_tokens=False,
+            ).to(model.device)
             sampling = {"do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0}
-            out = model.generate(**enc, max_new_tokens=self.max_tokens,
-                                 pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
-                                 **(sampling if samples > 1 else {"do_sample": False}))  # fmt: skip
-            texts += tokenizer.batch_decode(out[:, enc.input_ids.shape[1] :],
-                                            skip_special_tokens=True)  # fmt: skip
+            out = model.generate(
+                **enc,
+                max_new_tokens=self.max_tokens,
+                pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+                **(sampling if samples > 1 else {"do_sample": False}),
+            )
+            texts += tokenizer.batch_decode(
+                out[:, enc.input_ids.shape[1] :], skip_special_tokens=True
+            )
         return [texts[i : i + samples] for i in range(0, len(texts), samples)]
 
     def evaluate(self, model, sampled: bool) -> dict[str, float]:
@@ -111,8 +121,9 @@ class HeldOut:
 
         was_training = model.training
         model.eval()
-        with torch.autocast(model.device.type, dtype=torch.bfloat16,
-                            enabled=model.device.type == "cuda"):  # fmt: skip
+        with torch.autocast(
+            model.device.type, dtype=torch.bfloat16, enabled=model.device.type == "cuda"
+        ):
             metrics = {"eval/test/greedy@1": self.share_correct(self.responses(model, 1))[1]}
             if sampled:
                 correct, _ = self.share_correct(self.responses(model, 8))
@@ -122,8 +133,10 @@ class HeldOut:
         return metrics
 
     def share_correct(self, groups: list[list[str]]) -> tuple[list[list[bool]], float]:
-        rewards = [math_reward(group, [label] * len(group)) for group, label
-                   in zip(groups, self.labels, strict=True)]  # fmt: skip
+        rewards = [
+            math_reward(group, [label] * len(group))
+            for group, label in zip(groups, self.labels, strict=True)
+        ]
         correct = [[r >= 1.0 for r in group] for group in rewards]
         return correct, sum(group[0] for group in correct) / len(correct)
 
@@ -150,21 +163,46 @@ def make_trainer(args, model_dir: Path, rows: list[dict], out: Path):
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     config = GRPOConfig(
-        output_dir=str(args.work / "trl"), max_steps=args.steps, learning_rate=args.lr,
-        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+        output_dir=str(args.work / "trl"),
+        max_steps=args.steps,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
         per_device_train_batch_size=args.micro_batch,
         gradient_accumulation_steps=args.prompts * args.group // args.micro_batch,
-        num_generations=args.group, max_completion_length=args.max_tokens, temperature=1.0,
-        top_p=1.0, top_k=0, beta=0.0, num_iterations=1, loss_type="dapo", scale_rewards="group",
-        bf16=not args.cpu, use_cpu=args.cpu, gradient_checkpointing=False, logging_steps=1,
-        report_to="none", save_strategy="no", seed=0, shuffle_dataset=True,
-        dataloader_num_workers=0, disable_tqdm=True,
-    )  # fmt: skip
+        num_generations=args.group,
+        max_completion_length=args.max_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        beta=0.0,
+        num_iterations=1,
+        loss_type="dapo",
+        scale_rewards="group",
+        bf16=not args.cpu,
+        use_cpu=args.cpu,
+        gradient_checkpointing=False,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        seed=0,
+        shuffle_dataset=True,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
     dataset = Dataset.from_list([{"prompt": r["prompt"], "label": r["label"]} for r in rows])
-    trainer = TimedGRPOTrainer(model=model, reward_funcs=[math_reward], args=config,
-                               train_dataset=dataset, processing_class=tokenizer)  # fmt: skip
-    held_out = HeldOut(read_rows(Path(args.data) / "test.jsonl", args.eval_limit), tokenizer,
-                       args.max_tokens)  # fmt: skip
+    trainer = TimedGRPOTrainer(
+        model=model,
+        reward_funcs=[math_reward],
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+    )
+    held_out = HeldOut(
+        read_rows(Path(args.data) / "test.jsonl", args.eval_limit), tokenizer, args.max_tokens
+    )
     recorder = Recorder(out / "metrics.jsonl", trainer, held_out, args)
 
     class Callback(TrainerCallback):
@@ -213,14 +251,22 @@ class Recorder:
             return
         now = time.perf_counter()
         trainer = self.trainer
-        record = {"step": step, "wall_s": self.wall_s(), "time/step": now - self.last_step_end,
-                  "time/generate": trainer.gen_s, "tokens/generated": trainer.gen_tokens}  # fmt: skip
+        record = {
+            "step": step,
+            "wall_s": self.wall_s(),
+            "time/step": now - self.last_step_end,
+            "time/generate": trainer.gen_s,
+            "tokens/generated": trainer.gen_tokens,
+        }
         record |= {k: v for k, v in logs.items() if isinstance(v, int | float)}
         trainer.gen_s, trainer.gen_tokens, self.last_step_end = 0.0, 0, now
         self.write(record)
-        print(f"trl step {step}: reward {logs.get('reward', float('nan')):.3f} "
-              f"len {logs.get('completions/mean_length', 0):.0f} "
-              f"{record['time/step']:.2f}s (generate {record['time/generate']:.2f})", flush=True)  # fmt: skip
+        print(
+            f"trl step {step}: reward {logs.get('reward', float('nan')):.3f} "
+            f"len {logs.get('completions/mean_length', 0):.0f} "
+            f"{record['time/step']:.2f}s (generate {record['time/generate']:.2f})",
+            flush=True,
+        )
 
     def evaluate(self, step: int, sampled: bool) -> None:
         start = time.perf_counter()

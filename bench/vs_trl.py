@@ -176,14 +176,27 @@ def ours_config(work: Path, model: Path, data: Path, seed: int, steps: int, side
         "num_steps": steps,
         "model": {"path": str(model)},
         "optimizer": {"lr": 1e-3, "schedule": "linear", "min_lr_ratio": 0.0, "grad_clip": 1.0},
-        "algorithm": {"advantage_estimator": "grpo", "num_minibatches": 1,
-                      "old_log_probs": "train_step", "loss_agg_mode": "token-mean"},
-        "rollout": {"batch_size": 8, "group_size": 8, "max_response_tokens": 3,
-                    "temperature": 1.0, "reward": "exact_match", "reward_timeout_s": None},
-        "data": {"train": [{"path": str(data)}], "apply_chat_template": False,
-                 "max_prompt_tokens": 8},
+        "algorithm": {
+            "advantage_estimator": "grpo",
+            "num_minibatches": 1,
+            "old_log_probs": "train_step",
+            "loss_agg_mode": "token-mean",
+        },
+        "rollout": {
+            "batch_size": 8,
+            "group_size": 8,
+            "max_response_tokens": 3,
+            "temperature": 1.0,
+            "reward": "exact_match",
+            "reward_timeout_s": None,
+        },
+        "data": {
+            "train": [{"path": str(data)}],
+            "apply_chat_template": False,
+            "max_prompt_tokens": 8,
+        },
         "logging": {"run_dir": str(run_dir)},
-    }  # fmt: skip
+    }
     path = work / f"{side}_seed{seed}.yaml"
     path.write_text(json.dumps(config, indent=1))
     return path
@@ -205,8 +218,19 @@ def ours_rewards(work: Path, seed: int, side: str) -> list[float]:
 def trl_command(work: Path, model: Path, data: Path, seed: int, steps: int) -> list[str]:
     out = work / f"trl_seed{seed}"
     shutil.rmtree(out, ignore_errors=True)
-    return [sys.executable, __file__, "--trl-child", "--seed", str(seed), "--steps", str(steps),
-            "--work", str(work), "--out", str(out)]  # fmt: skip
+    return [
+        sys.executable,
+        __file__,
+        "--trl-child",
+        "--seed",
+        str(seed),
+        "--steps",
+        str(steps),
+        "--work",
+        str(work),
+        "--out",
+        str(out),
+    ]
 
 
 def exact_match(completions, label, **_) -> list[float]:
@@ -226,14 +250,32 @@ def trl_child(args: argparse.Namespace) -> int:
     work, out = Path(args.work), Path(args.out)
     model_dir = work / "warm_model"
     config = GRPOConfig(
-        output_dir=str(out), max_steps=args.steps, learning_rate=1e-3,
-        lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
-        per_device_train_batch_size=64, gradient_accumulation_steps=1, num_generations=8,
-        max_completion_length=3, temperature=1.0, top_p=1.0, top_k=0, beta=0.0,
-        num_iterations=1, loss_type="dapo", scale_rewards="group", use_cpu=True,
-        logging_steps=1, report_to="none", save_strategy="no", seed=args.seed,
-        dataloader_num_workers=0, disable_tqdm=True,
-    )  # fmt: skip
+        output_dir=str(out),
+        max_steps=args.steps,
+        learning_rate=1e-3,
+        lr_scheduler_type="linear",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        per_device_train_batch_size=64,
+        gradient_accumulation_steps=1,
+        num_generations=8,
+        max_completion_length=3,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        beta=0.0,
+        num_iterations=1,
+        loss_type="dapo",
+        scale_rewards="group",
+        use_cpu=True,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        seed=args.seed,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
     rewards: list[float] = []
 
     class Rewards(TrainerCallback):
@@ -245,8 +287,9 @@ def trl_child(args: argparse.Namespace) -> int:
         def on_log(self, _args, state, _control, logs=None, **__):
             if logs and "reward" in logs:
                 rewards.append(float(logs["reward"]))
-                print(f"step {state.global_step}/{args.steps} reward {logs['reward']:.3f}",
-                      flush=True)  # fmt: skip
+                print(
+                    f"step {state.global_step}/{args.steps} reward {logs['reward']:.3f}", flush=True
+                )
 
     trainer = GRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(model_dir),
@@ -287,8 +330,9 @@ def timed(command: list[str], log: Path, env: dict[str, str]) -> dict[str, float
     line stamped with its second since spawn; a failed run raises."""
     start, marks, before = time.perf_counter(), {}, children_cpu_s()
     with log.open("w") as out:
-        child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 cwd=ROOT, env=env, text=True)  # fmt: skip
+        child = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT, env=env, text=True
+        )
         for line in child.stdout:
             now = time.perf_counter() - start
             out.write(f"[{now:7.2f}] {line}")
@@ -300,9 +344,12 @@ def timed(command: list[str], log: Path, env: dict[str, str]) -> dict[str, float
     seconds = time.perf_counter() - start
     if code != 0:
         raise RuntimeError(f"{command[0]} exited {code}; see {log}")
-    return {"wall_s": seconds, "startup_s": marks.get("startup", float("nan")),
-            "tail_s": seconds - marks.get("last_step", float("nan")),
-            "cpu_s": children_cpu_s() - before}  # fmt: skip
+    return {
+        "wall_s": seconds,
+        "startup_s": marks.get("startup", float("nan")),
+        "tail_s": seconds - marks.get("last_step", float("nan")),
+        "cpu_s": children_cpu_s() - before,
+    }
 
 
 def children_cpu_s() -> float:
@@ -337,10 +384,13 @@ def one_run(side: str, args: argparse.Namespace, seed: int) -> dict:
     assert len(rewards) == steps, f"{side} seed {seed}: {len(rewards)} steps logged"
     last = statistics.fmean(rewards[-LAST:])
     first = statistics.fmean(rewards[:LAST])
-    print(f"vs_trl: {side} seed {seed}: {times['wall_s']:.1f}s (start-up {times['startup_s']:.1f}"
-          f", after the steps {times['tail_s']:.1f}; CPU {times['cpu_s']:.1f}s), "
-          f"reward first {LAST} {first:.3f}, "
-          f"last {LAST} {last:.3f} (load {load:.1f})", flush=True)  # fmt: skip
+    print(
+        f"vs_trl: {side} seed {seed}: {times['wall_s']:.1f}s (start-up {times['startup_s']:.1f}"
+        f", after the steps {times['tail_s']:.1f}; CPU {times['cpu_s']:.1f}s), "
+        f"reward first {LAST} {first:.3f}, "
+        f"last {LAST} {last:.3f} (load {load:.1f})",
+        flush=True,
+    )
     return times | {"reward_last50": last, "reward_first50": first, "load_1min": load}
 
 

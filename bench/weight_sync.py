@@ -115,8 +115,10 @@ async def time_formats(named, repeats: int, bucket_mb: int, send, list_name: str
                     await send(part, flatten, f"{int(flatten)}-{mb}-{rep}")
                 times.append(time.perf_counter() - start)
             key = f"{'flattened' if flatten else list_name}/{'one_bucket' if mb is None else f'{mb}MB'}"
-            results[key] = {"s_per_gb": statistics.median(times[1:]) / (size / GB),
-                            "num_buckets": len(parts)}  # fmt: skip
+            results[key] = {
+                "s_per_gb": statistics.median(times[1:]) / (size / GB),
+                "num_buckets": len(parts),
+            }
     return results
 
 
@@ -180,8 +182,9 @@ def nccl_bound(size: int, repeats: int) -> float:
     peer = mp.get_context("spawn").Process(target=_nccl_peer, args=(port, size, repeats))
     peer.start()
     store = torch.distributed.TCPStore("127.0.0.1", port, 2, True)
-    torch.distributed.init_process_group("nccl", store=store, rank=0, world_size=2,
-                                         timeout=datetime.timedelta(seconds=300))  # fmt: skip
+    torch.distributed.init_process_group(
+        "nccl", store=store, rank=0, world_size=2, timeout=datetime.timedelta(seconds=300)
+    )
     buffer = torch.ones(size, dtype=torch.uint8, device="cuda:0")
     seconds = cuda_timed(lambda: torch.distributed.broadcast(buffer, src=0), repeats)
     torch.distributed.destroy_process_group()
@@ -199,10 +202,12 @@ def start_engine(kind: str, model_dir: Path, gpu: int, log_dir: Path):
     gpu = physical_gpu(gpu)
     env = {"CUDA_VISIBLE_DEVICES": str(gpu)}
     if kind == "sglang":
-        return SGLangServer(model_dir, sglang_args=SGLANG_ARGS, gpu_ids=[gpu], log_dir=log_dir,
-                            ready_timeout_s=900).start()  # fmt: skip
-    return EmbeddedEngine(model_dir, device="cuda", dtype="bfloat16", env=env, log_dir=log_dir,
-                          ready_timeout_s=600).start()  # fmt: skip
+        return SGLangServer(
+            model_dir, sglang_args=SGLANG_ARGS, gpu_ids=[gpu], log_dir=log_dir, ready_timeout_s=900
+        ).start()
+    return EmbeddedEngine(
+        model_dir, device="cuda", dtype="bfloat16", env=env, log_dir=log_dir, ready_timeout_s=600
+    ).start()
 
 
 def run(args) -> dict:
@@ -211,8 +216,14 @@ def run(args) -> dict:
     named = trainer_weights(args.shape, seed=1)
     size = nbytes(named)
     copy_s = copy_bound(named, args.repeats)
-    report = {"shape": args.shape, "gb": size / GB, "num_tensors": len(named),
-              "copy_bound_s_per_gb": copy_s / (size / GB), "colocated": {}, "disaggregated": {}}  # fmt: skip
+    report = {
+        "shape": args.shape,
+        "gb": size / GB,
+        "num_tensors": len(named),
+        "copy_bound_s_per_gb": copy_s / (size / GB),
+        "colocated": {},
+        "disaggregated": {},
+    }
     if args.disaggregated:
         report["nccl_bound_s_per_gb"] = nccl_bound(size, args.repeats) / (size / GB)
     print(json.dumps(report), flush=True)
@@ -237,8 +248,11 @@ def main() -> None:
     parser.add_argument("--shape", default="0.5b", choices=sorted(SHAPES))
     parser.add_argument("--engines", default="sglang,embedded")
     parser.add_argument("--disaggregated", action="store_true", help="also GPU 0 -> GPU 1")
-    parser.add_argument("--only-disaggregated", action="store_true",
-                        help="with --disaggregated: skip the colocated measurement")  # fmt: skip
+    parser.add_argument(
+        "--only-disaggregated",
+        action="store_true",
+        help="with --disaggregated: skip the colocated measurement",
+    )
     parser.add_argument("--bucket-mb", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path)
@@ -247,8 +261,12 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("bench/weight_sync.py needs CUDA (CUDA IPC and NCCL are what it measures)")
     report = run(args)
-    report |= {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-               "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}  # fmt: skip
+    report |= {
+        "gpu": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:

@@ -15,10 +15,20 @@ import openai
 
 from rl_sglang.rollout.multiturn import calculate
 
-TOOLS = [{"type": "function", "function": {
-    "name": "calculator", "description": "Evaluate an arithmetic expression.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
-                   "required": ["expression"]}}}]  # fmt: skip
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an arithmetic expression.",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    }
+]
 MAX_TURNS = 2
 
 
@@ -30,9 +40,11 @@ async def solve(base_url: str, session_id: str, sample) -> float:
     valid_call = False
     for _ in range(MAX_TURNS):
         reply = await client.chat.completions.create(
-            model="policy", messages=messages, tools=TOOLS,
+            model="policy",
+            messages=messages,
+            tools=TOOLS,
             extra_headers={"X-Session-Id": session_id},
-        )  # fmt: skip
+        )
         _log(session_id, reply)
         message = reply.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
@@ -55,7 +67,10 @@ def _log(session_id: str, reply) -> None:
     path = os.environ.get("AGENT_LOG")
     if path:
         extra = reply.choices[0].model_extra or {}
-        record = {"session": session_id, "token_ids": extra.get("token_ids"),
-                  "weight_version": extra.get("weight_version")}  # fmt: skip
+        record = {
+            "session": session_id,
+            "token_ids": extra.get("token_ids"),
+            "weight_version": extra.get("weight_version"),
+        }
         with open(path, "a") as f:
             f.write(json.dumps(record) + "\n")

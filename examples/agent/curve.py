@@ -15,9 +15,12 @@ from pathlib import Path
 def step_figures(path: Path) -> dict:
     rewards = [json.loads(line)["reward"] for line in path.read_text().splitlines()]
     valid = [round(r % 1, 3) == 0.2 for r in rewards]  # 0.2 or 1.2
-    return {"samples": len(rewards), "reward": sum(rewards) / len(rewards),
-            "valid_calls": sum(valid) / len(rewards),
-            "correct": sum(r >= 1 for r in rewards) / len(rewards)}  # fmt: skip
+    return {
+        "samples": len(rewards),
+        "reward": sum(rewards) / len(rewards),
+        "valid_calls": sum(valid) / len(rewards),
+        "correct": sum(r >= 1 for r in rewards) / len(rewards),
+    }
 
 
 def main() -> None:

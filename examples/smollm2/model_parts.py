@@ -43,8 +43,12 @@ def split(source: Path, target: Path, part_mib: int) -> list[Path]:
             piece = folder / f"{source.name}.{index:03d}"
             piece.write_bytes(f.read(step))
             pieces.append(piece)
-    manifest = {"name": source.name, "size": size, "sha256": sha256(source),
-                "parts": [{"file": p.name, "sha256": sha256(p)} for p in pieces]}  # fmt: skip
+    manifest = {
+        "name": source.name,
+        "size": size,
+        "sha256": sha256(source),
+        "parts": [{"file": p.name, "sha256": sha256(p)} for p in pieces],
+    }
     for piece in pieces:
         (piece.parent / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return [p.parent for p in pieces]
@@ -63,8 +67,10 @@ def join(part: Path, stash: Path, output: Path) -> int:
         return 0
     for entry in manifest["parts"]:
         if sha256(stash / entry["file"]) != entry["sha256"]:
-            print(f"{stash / entry['file']}: SHA-256 differs from the manifest; carry it again",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"{stash / entry['file']}: SHA-256 differs from the manifest; carry it again",
+                file=sys.stderr,
+            )
             return 1
     return assemble(manifest, stash, output)
 

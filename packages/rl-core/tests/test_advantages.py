@@ -129,8 +129,15 @@ def test_groups_of_different_sizes_by_hand():
     sizes = (3, 4)
     out = group_normalize(rewards, group_size=4, group_sizes=sizes)
     std3, std4 = math.sqrt(1 / 3), math.sqrt(4 / 3)  # unbiased, over each group's own samples
-    expected = [2 / 3 / std3, -1 / 3 / std3, -1 / 3 / std3, 1 / std4, 1 / std4, -1 / std4,
-                -1 / std4]  # fmt: skip
+    expected = [
+        2 / 3 / std3,
+        -1 / 3 / std3,
+        -1 / 3 / std3,
+        1 / std4,
+        1 / std4,
+        -1 / std4,
+        -1 / std4,
+    ]
     torch.testing.assert_close(out, torch.tensor(expected), rtol=1e-5, atol=1e-5)
     dr = group_normalize(rewards, group_size=4, std=False, group_sizes=sizes)
     torch.testing.assert_close(dr, torch.tensor([2 / 3, -1 / 3, -1 / 3, 1.0, 1.0, -1.0, -1.0]))
@@ -149,8 +156,9 @@ def test_equal_sizes_given_as_a_list_match_the_uniform_path():
             group_normalize(rewards, group_size=4, std=std, group_sizes=(4, 4, 4)),
             group_normalize(rewards, group_size=4, std=std),
         )
-    torch.testing.assert_close(rloo(rewards, group_size=3, group_sizes=(3,) * 4),
-                               rloo(rewards, group_size=3))  # fmt: skip
+    torch.testing.assert_close(
+        rloo(rewards, group_size=3, group_sizes=(3,) * 4), rloo(rewards, group_size=3)
+    )
 
 
 def test_ragged_groups_are_checked_and_reach_every_group_estimator():
@@ -201,14 +209,20 @@ def test_every_function_keeps_float64():
 def test_every_estimator_keeps_float64():
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.25], dtype=F64)
     mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 1], [0, 1, 1]], dtype=F64)
-    inputs = AdvantageInputs(rewards=rewards, mask=mask, group_size=2,
-                             values=torch.zeros(4, 3, dtype=F64), kl_coef=0.1)  # fmt: skip
+    inputs = AdvantageInputs(
+        rewards=rewards, mask=mask, group_size=2, values=torch.zeros(4, 3, dtype=F64), kl_coef=0.1
+    )
     for name in ADVANTAGE_ESTIMATORS:
         adv, ret = ADVANTAGE_ESTIMATORS.get(name)(inputs)
         assert (adv.dtype, ret.dtype) == (F64, F64), name
     # float32 stays float32 (kl defaults to zeros of the rewards' type)
-    inputs32 = AdvantageInputs(rewards=rewards.float(), mask=mask.bool(), group_size=2,
-                               values=torch.zeros(4, 3), kl_coef=0.1)  # fmt: skip
+    inputs32 = AdvantageInputs(
+        rewards=rewards.float(),
+        mask=mask.bool(),
+        group_size=2,
+        values=torch.zeros(4, 3),
+        kl_coef=0.1,
+    )
     for name in ADVANTAGE_ESTIMATORS:
         adv, ret = ADVANTAGE_ESTIMATORS.get(name)(inputs32)
         assert (adv.dtype, ret.dtype) == (torch.float32, torch.float32), name

@@ -146,8 +146,12 @@ def test_float64_in_float64_out_and_gradcheck(mode):
     x = torch.randn(4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0], [1, 0, 0, 0, 0]])
     assert aggregate(x, mask.bool(), mode=mode).dtype == torch.float64
-    assert aggregate(x.float(), mask, mode=mode, num_tokens=torch.tensor(9.0,
-                     dtype=torch.float64)).dtype == torch.float32  # fmt: skip
+    assert (
+        aggregate(
+            x.float(), mask, mode=mode, num_tokens=torch.tensor(9.0, dtype=torch.float64)
+        ).dtype
+        == torch.float32
+    )
     x.requires_grad_()
     assert torch.autograd.gradcheck(lambda t: aggregate(t, mask, mode=mode), (x,))
 

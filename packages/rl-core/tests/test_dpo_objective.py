@@ -19,8 +19,9 @@ REF = torch.tensor([9.0, -1.5, -2.0, 9.0, -3.0, 9.0, -1.0, -2.0, 9.0, -1.0])
 def test_sigmoid_loss_by_hand_with_the_step_wide_pair_count():
     # pair 0: policy chosen -3, rejected -4; ref -3.5, -3 -> margin (0.5) - (-1) = 1.5
     # pair 1: policy chosen -2, rejected -1; ref -3, -1 -> margin 1 - 0 = 1.0
-    loss, metrics = packed_pair_loss(log_probs=POLICY, ref_log_probs=REF, mask=MASK,
-                                     cu_seqlens=CU, num_pairs=4, beta=0.5)  # fmt: skip
+    loss, metrics = packed_pair_loss(
+        log_probs=POLICY, ref_log_probs=REF, mask=MASK, cu_seqlens=CU, num_pairs=4, beta=0.5
+    )
     per_pair = [math.log1p(math.exp(-0.5 * 1.5)), math.log1p(math.exp(-0.5 * 1.0))]
     assert float(loss) == pytest.approx(sum(per_pair) / 4)  # two of the step's four pairs
     assert metrics["pref/accuracy"] == pytest.approx(2 / 4)  # both right, half the step
@@ -30,14 +31,20 @@ def test_sigmoid_loss_by_hand_with_the_step_wide_pair_count():
 def test_micro_batches_sum_to_the_whole_batch_and_gradients_agree():
     objective = Objective(mode="dpo", dpo_beta=0.2, dpo_loss="ipo")
     policy = POLICY.clone().requires_grad_()
-    whole, _ = objective_loss(objective, log_probs=policy, mask=MASK, ref_log_probs=REF,
-                              cu_seqlens=CU, num_seqs=4)  # fmt: skip
+    whole, _ = objective_loss(
+        objective, log_probs=policy, mask=MASK, ref_log_probs=REF, cu_seqlens=CU, num_seqs=4
+    )
     (whole_grad,) = torch.autograd.grad(whole, policy)
     parts = []
     for lo, hi, cu in ((0, 5, [0, 3, 5]), (5, 10, [0, 3, 5])):
-        part, _ = objective_loss(objective, log_probs=policy[lo:hi], mask=MASK[lo:hi],
-                                 ref_log_probs=REF[lo:hi], cu_seqlens=torch.tensor(cu),
-                                 num_seqs=4)  # fmt: skip
+        part, _ = objective_loss(
+            objective,
+            log_probs=policy[lo:hi],
+            mask=MASK[lo:hi],
+            ref_log_probs=REF[lo:hi],
+            cu_seqlens=torch.tensor(cu),
+            num_seqs=4,
+        )
         parts.append(part)
     (split_grad,) = torch.autograd.grad(sum(parts), policy)
     torch.testing.assert_close(sum(parts), whole)
@@ -47,13 +54,22 @@ def test_micro_batches_sum_to_the_whole_batch_and_gradients_agree():
 
 
 def test_an_empty_micro_batch_gives_zero_and_odd_sequences_are_refused():
-    loss, metrics = packed_pair_loss(log_probs=torch.zeros(1, requires_grad=True),
-                                     ref_log_probs=torch.zeros(1), mask=torch.zeros(1),
-                                     cu_seqlens=torch.tensor([0, 1]), num_pairs=3)  # fmt: skip
+    loss, metrics = packed_pair_loss(
+        log_probs=torch.zeros(1, requires_grad=True),
+        ref_log_probs=torch.zeros(1),
+        mask=torch.zeros(1),
+        cu_seqlens=torch.tensor([0, 1]),
+        num_pairs=3,
+    )
     assert float(loss) == 0.0 and loss.requires_grad and metrics["pref/accuracy"] == 0.0
     with pytest.raises(ValueError, match="3 sequences do not make pairs"):
-        packed_pair_loss(log_probs=POLICY[:8], ref_log_probs=REF[:8], mask=MASK[:8],
-                         cu_seqlens=CU[:4], num_pairs=2)  # fmt: skip
+        packed_pair_loss(
+            log_probs=POLICY[:8],
+            ref_log_probs=REF[:8],
+            mask=MASK[:8],
+            cu_seqlens=CU[:4],
+            num_pairs=2,
+        )
 
 
 def test_objective_dpo_needs_the_reference_and_checks_its_fields():

@@ -56,8 +56,9 @@ def test_float64_in_float64_out(level):
     old = torch.tensor([[math.log(3.0), -0.1, 0.0]], dtype=torch.float64)
     rollout = torch.zeros(1, 3, dtype=torch.float64)
     mask = torch.tensor([[1.0, 1.0, 0.0]])
-    weights, metrics = rollout_importance_weights(old, rollout, mask, level=level, cap=5.0,
-                                                  tensor_metrics=True)  # fmt: skip
+    weights, metrics = rollout_importance_weights(
+        old, rollout, mask, level=level, cap=5.0, tensor_metrics=True
+    )
     assert weights.dtype == torch.float64
     assert all(value.dtype == torch.float64 for value in metrics.values())
     expected = [3.0, math.exp(-0.1)] if level == "token" else [3 * math.exp(-0.1)] * 2

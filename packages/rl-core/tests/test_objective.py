@@ -122,13 +122,22 @@ def test_clipfrac_is_the_fraction_of_valid_tokens_in_every_mode(agg_mode):
     # ratios 1.5 (clipped, A > 0), 1.0, 1.0 | 0.5 (clipped, A > 0), masked 3.0
     log_probs = torch.tensor([[1.5, 1.0, 1.0], [0.5, 3.0, 1.0]]).log()
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
-    _, metrics = policy_objective(log_probs=log_probs, old_log_probs=torch.zeros(2, 3),
-                                  advantages=torch.tensor([[1.0] * 3, [-1.0] * 3]), mask=mask,
-                                  agg_mode=agg_mode)  # fmt: skip
+    _, metrics = policy_objective(
+        log_probs=log_probs,
+        old_log_probs=torch.zeros(2, 3),
+        advantages=torch.tensor([[1.0] * 3, [-1.0] * 3]),
+        mask=mask,
+        agg_mode=agg_mode,
+    )
     assert metrics["pg/clipfrac"] == pytest.approx(2 / 4)
-    _, metrics = policy_objective(log_probs=log_probs, old_log_probs=torch.zeros(2, 3),
-                                  advantages=torch.ones(2, 3), mask=mask, agg_mode=agg_mode,
-                                  num_tokens=8.0)  # fmt: skip
+    _, metrics = policy_objective(
+        log_probs=log_probs,
+        old_log_probs=torch.zeros(2, 3),
+        advantages=torch.ones(2, 3),
+        mask=mask,
+        agg_mode=agg_mode,
+        num_tokens=8.0,
+    )
     assert metrics["pg/clipfrac"] == pytest.approx(1 / 8)  # this part's share of the step
 
 
@@ -160,16 +169,23 @@ def test_tensor_metrics_equal_the_float_metrics_and_need_no_read_back(agg_mode):
         "entropy": torch.rand(n, generator=gen),
         "ref_log_probs": torch.randn(n, generator=gen) - 1,
     }
-    common = {"kl_coef": 0.1, "entropy_coef": 0.01, "agg_mode": agg_mode, "cu_seqlens": cu,
-              "num_tokens": 9.0, "num_seqs": 3.0}  # fmt: skip
+    common = {
+        "kl_coef": 0.1,
+        "entropy_coef": 0.01,
+        "agg_mode": agg_mode,
+        "cu_seqlens": cu,
+        "num_tokens": 9.0,
+        "num_seqs": 3.0,
+    }
     _, floats = policy_objective(**inputs, **common)
     _, tensors = policy_objective(**inputs, **common, tensor_metrics=True)
     assert set(floats) == set(tensors)
     assert all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in tensors.values())
     assert {k: float(v) for k, v in tensors.items()} == floats
     on_meta = {k: v.to("meta") for k, v in inputs.items()}
-    loss, metrics = policy_objective(**on_meta, **common | {"cu_seqlens": cu.to("meta")},
-                                     tensor_metrics=True)  # fmt: skip
+    loss, metrics = policy_objective(
+        **on_meta, **common | {"cu_seqlens": cu.to("meta")}, tensor_metrics=True
+    )
     assert loss.device.type == "meta" and all(v.device.type == "meta" for v in metrics.values())
     with pytest.raises(RuntimeError, match="meta"):  # the float path does read back
         policy_objective(**on_meta, **common | {"cu_seqlens": cu.to("meta")})

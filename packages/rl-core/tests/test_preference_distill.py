@@ -65,10 +65,13 @@ def test_dpo_gradient_raises_chosen_and_lowers_rejected():
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [({"kind": "kto"}, "known sigmoid, ipo"), ({"beta": 0.0}, "beta must be > 0"),
-     ({"label_smoothing": 0.5}, r"\[0, 0.5\)"),
-     ({"kind": "ipo", "label_smoothing": 0.1}, "sigmoid loss only")],
-)  # fmt: skip
+    [
+        ({"kind": "kto"}, "known sigmoid, ipo"),
+        ({"beta": 0.0}, "beta must be > 0"),
+        ({"label_smoothing": 0.5}, r"\[0, 0.5\)"),
+        ({"kind": "ipo", "label_smoothing": 0.1}, "sigmoid loss only"),
+    ],
+)
 def test_dpo_refuses_bad_settings(kwargs, message):
     with pytest.raises(ValueError, match=message):
         dpo_loss(t(0.0), t(0.0), t(0.0), t(0.0), **kwargs)

@@ -24,8 +24,13 @@ def group():
 
 
 def start(budget: int) -> FSDPBackend:
-    config = FSDPConfig(model_config=CONFIGS["qwen2"], device="cpu", lr=1e-2,
-                        objective=OBJECTIVE, max_tokens_per_micro_batch=budget)  # fmt: skip
+    config = FSDPConfig(
+        model_config=CONFIGS["qwen2"],
+        device="cpu",
+        lr=1e-2,
+        objective=OBJECTIVE,
+        max_tokens_per_micro_batch=budget,
+    )
     return FSDPBackend.start(
         config, rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port()
     )
@@ -45,9 +50,13 @@ def test_pairs_stay_whole_and_the_loss_is_the_whole_batch_loss(group):
     plan = small.plan(batch, 30)
     assert sorted(plan) == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
     expected, metrics = packed_pair_loss(
-        log_probs=small.compute_log_probs(batch), ref_log_probs=batch.ref_log_probs,
-        mask=batch.loss_mask, cu_seqlens=batch.cu_seqlens, num_pairs=5, beta=0.5,
-    )  # fmt: skip
+        log_probs=small.compute_log_probs(batch),
+        ref_log_probs=batch.ref_log_probs,
+        mask=batch.loss_mask,
+        cu_seqlens=batch.cu_seqlens,
+        num_pairs=5,
+        beta=0.5,
+    )
     for backend in (small, large):
         step = backend.train_step(batch)
         assert step["pref/loss"] == pytest.approx(float(expected), rel=1e-5)

@@ -70,8 +70,9 @@ def test_windows_and_softcap_matter_here(family, feature):
     from transformers.masking_utils import AttentionMaskInterface
 
     def blind(module, query, key, value, attention_mask, **kwargs):
-        return packed_attention(module, query, key, value, attention_mask,
-                                **{**kwargs, feature: None})  # fmt: skip
+        return packed_attention(
+            module, query, key, value, attention_mask, **{**kwargs, feature: None}
+        )
 
     assert max(LENGTHS) > WINDOW
     model = plain_model(FAMILIES[family], attention="eager").eval()

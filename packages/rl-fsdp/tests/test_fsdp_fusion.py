@@ -137,8 +137,9 @@ def _train(world_of_one, steps: int = 2, **overrides):
     steps (bf16 unless overridden; 3 micro-batches per step)."""
     from rl_fsdp import FSDPBackend
 
-    config = FSDPConfig(**MODEL, precision="bf16", lr=1e-2, max_tokens_per_micro_batch=48,
-                        fsdp_on_one_rank=True)  # fmt: skip
+    config = FSDPConfig(
+        **MODEL, precision="bf16", lr=1e-2, max_tokens_per_micro_batch=48, fsdp_on_one_rank=True
+    )
     backend = FSDPBackend(replace(config, **overrides), dist_info=world_of_one)
     batch = tokens_batch()
     batch.advantages = torch.randn(batch.num_tokens, generator=torch.Generator().manual_seed(3))

@@ -205,8 +205,11 @@ def test_torch_varlen_logits_and_grads_equal_per_sequence_sdpa(lengths):
     batch = tokens_batch(lengths=lengths).to("cuda")
     weights = torch.randn(batch.num_tokens, 512, device="cuda")
     logits, grads = {}, {}
-    for impl, dtype in (("exact", torch.float32), ("sdpa_per_doc", torch.bfloat16),
-                        ("torch_varlen", torch.bfloat16)):  # fmt: skip
+    for impl, dtype in (
+        ("exact", torch.float32),
+        ("sdpa_per_doc", torch.bfloat16),
+        ("torch_varlen", torch.bfloat16),
+    ):
         model = plain_model(GPU_MODEL).to("cuda", dtype)
         model.config._attn_implementation = register_packed_attention()
         run = "sdpa_per_doc" if impl == "exact" else impl

@@ -64,8 +64,9 @@ def world_of_one():
 def _backend(world_of_one):
     from rl_fsdp import FSDPBackend
 
-    config = FSDPConfig(model_config=CONFIGS["qwen2"], lr=1e-2, max_tokens_per_micro_batch=48,
-                        fsdp_on_one_rank=True)  # fmt: skip
+    config = FSDPConfig(
+        model_config=CONFIGS["qwen2"], lr=1e-2, max_tokens_per_micro_batch=48, fsdp_on_one_rank=True
+    )
     torch.manual_seed(0)
     return FSDPBackend(config, dist_info=world_of_one)
 

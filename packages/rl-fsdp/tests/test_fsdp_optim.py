@@ -50,11 +50,14 @@ def test_adamw_stays_the_default():
     assert type(optimizer) is torch.optim.AdamW
 
 
-@pytest.mark.parametrize(("fields", "named"), [
-    ({"optimizer": "lion"}, "optimizer"),
-    ({"optimizer": "sgd", "momentum": 1.0}, "momentum"),
-    ({"momentum": 0.9}, "momentum"),  # AdamW has no momentum to set
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"optimizer": "lion"}, "optimizer"),
+        ({"optimizer": "sgd", "momentum": 1.0}, "momentum"),
+        ({"momentum": 0.9}, "momentum"),  # AdamW has no momentum to set
+    ],
+)
 def test_bad_optimizer_fields_are_refused(fields, named):
     with pytest.raises(ValueError, match=named):
         FSDPConfig(**MODEL, **fields)

@@ -19,16 +19,16 @@ def test_groups_hold_lengths_within_a_factor_two_of_their_longest():
 
 def per_sequence(query, key, value, lengths):
     parts = zip(*(t.split(lengths, dim=2) for t in (query, key, value)), strict=True)
-    return torch.cat([F.scaled_dot_product_attention(q, k, v, is_causal=True)
-                      for q, k, v in parts], dim=2)  # fmt: skip
+    return torch.cat(
+        [F.scaled_dot_product_attention(q, k, v, is_causal=True) for q, k, v in parts], dim=2
+    )
 
 
 @pytest.mark.parametrize("lengths", [(7,), (3, 17, 1, 9, 33, 2, 16), (64, 1, 1, 63)])
 def test_grouped_equals_one_call_per_sequence_forward_and_backward(lengths):
     torch.manual_seed(0)
     heads, dim, n = 3, 8, sum(lengths)
-    qkv = [torch.randn(1, heads, n, dim, dtype=torch.float64, requires_grad=True)
-           for _ in range(3)]  # fmt: skip
+    qkv = [torch.randn(1, heads, n, dim, dtype=torch.float64, requires_grad=True) for _ in range(3)]
     groups, restore = build_groups(lengths, "cpu")
     assert len(groups) <= len(lengths)
     got = grouped_attention(*qkv, groups, restore, scaling=None, dropout=0.0)

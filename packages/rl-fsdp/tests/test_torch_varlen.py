@@ -31,28 +31,55 @@ def _cpu_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale=None, enable
     lengths = (cu_q[1:] - cu_q[:-1]).tolist()
     assert max_q == max(lengths)
     parts = zip(*(t.transpose(0, 1).split(lengths, dim=1) for t in (q, k, v)), strict=True)
-    outs = [F.scaled_dot_product_attention(a, b, c, is_causal=causal, scale=scale,
-                                           enable_gqa=enable_gqa) for a, b, c in parts]  # fmt: skip
+    outs = [
+        F.scaled_dot_product_attention(
+            a, b, c, is_causal=causal, scale=scale, enable_gqa=enable_gqa
+        )
+        for a, b, c in parts
+    ]
     return torch.cat(outs, dim=1).transpose(0, 1)
 
 
-def varlen_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False,
-                return_aux=None):  # fmt: skip
+def varlen_2_10(
+    query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None
+):
     return _cpu_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, causal=is_causal)
 
 
-def varlen_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None,
-                scale=None, window_size=(-1, -1)):  # fmt: skip
+def varlen_2_11(
+    query,
+    key,
+    value,
+    cu_seq_q,
+    cu_seq_k,
+    max_q,
+    max_k,
+    *,
+    return_aux=None,
+    scale=None,
+    window_size=(-1, -1),
+):
     causal = list(window_size) == [-1, 0]
-    return _cpu_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, causal=causal,
-                       scale=scale)  # fmt: skip
+    return _cpu_varlen(
+        query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, causal=causal, scale=scale
+    )
 
 
 @functools.wraps(torch_varlen.varlen_function())  # the locked torch's real signature
 def varlen_locked(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, **kwargs):
     causal = list(kwargs.get("window_size", (-1, -1))) == [-1, 0]
-    return _cpu_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, causal=causal,
-                       scale=kwargs.get("scale"), enable_gqa=kwargs.get("enable_gqa", False))  # fmt: skip
+    return _cpu_varlen(
+        query,
+        key,
+        value,
+        cu_seq_q,
+        cu_seq_k,
+        max_q,
+        max_k,
+        causal=causal,
+        scale=kwargs.get("scale"),
+        enable_gqa=kwargs.get("enable_gqa", False),
+    )
 
 
 def test_plans_for_each_signature():
@@ -110,8 +137,9 @@ def test_probe_refuses_a_kernel_that_fails_or_is_wrong():
     assert torch_varlen._probe(varlen_2_11, CPU) is None  # right maths, bf16
 
     def not_causal(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, window_size=(-1, -1)):
-        return _cpu_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, causal=False,
-                           enable_gqa=True)  # fmt: skip
+        return _cpu_varlen(
+            query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, causal=False, enable_gqa=True
+        )
 
     assert "off by" in torch_varlen._probe(not_causal, CPU)
 
@@ -152,9 +180,13 @@ def test_model_scaling_reaches_the_kernel(monkeypatch):
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)
     got = torch_varlen.varlen_attention(q, k, v, cu, 7, 0.3, 0.0, fn=varlen_2_11)
     repeat = (t.repeat_interleave(2, dim=1) for t in (k, v))
-    want = torch.cat([F.scaled_dot_product_attention(a, b, c, is_causal=True, scale=0.3)
-                      for a, b, c in zip(*(t.split([5, 7], dim=2) for t in (q, *repeat)), strict=True)],
-                     dim=2).transpose(1, 2)  # fmt: skip
+    want = torch.cat(
+        [
+            F.scaled_dot_product_attention(a, b, c, is_causal=True, scale=0.3)
+            for a, b, c in zip(*(t.split([5, 7], dim=2) for t in (q, *repeat)), strict=True)
+        ],
+        dim=2,
+    ).transpose(1, 2)
     torch.testing.assert_close(got, want)
     with pytest.raises(ValueError, match="takes no scale"):
         torch_varlen.varlen_attention(q, k, v, cu, 7, 0.3, 0.0, fn=varlen_2_10)

@@ -45,8 +45,9 @@ def simulated_cluster(num_nodes: int, cpus_per_node: float = 2) -> Iterator[Clus
     try:
         _forget_default_address(cluster)
         for index in range(num_nodes):
-            cluster.add_node(num_cpus=cpus_per_node, node_ip_address=node_address(index),
-                             temp_dir=temp_dir)  # fmt: skip
+            cluster.add_node(
+                num_cpus=cpus_per_node, node_ip_address=node_address(index), temp_dir=temp_dir
+            )
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False)
         yield cluster

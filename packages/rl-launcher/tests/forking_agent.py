@@ -17,7 +17,9 @@ async def solve(base_url: str, session_id: str, sample) -> float:
     follow_ups = ["again", "differently"] if sample.index % 2 == 0 else ["again"]
     for text in follow_ups:  # the second one continues the same first turn: a fork
         await client.chat.completions.create(
-            model="policy", messages=[*first, said, {"role": "user", "content": text}],
-            max_tokens=4, extra_headers=headers,
-        )  # fmt: skip
+            model="policy",
+            messages=[*first, said, {"role": "user", "content": text}],
+            max_tokens=4,
+            extra_headers=headers,
+        )
     return float(sample.index % 2)

@@ -27,21 +27,45 @@ def random_init_config(tmp_path: Path) -> str:
 @pytest.mark.integration
 def test_two_agent_steps_train_on_the_engines_ids(tmp_path):
     log = tmp_path / "replies.jsonl"
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "examples" / "agent"),
-           "RL_SGLANG_AGENT": "calculator_agent:solve", "AGENT_LOG": str(log)}  # fmt: skip
-    args = ["--config", random_init_config(tmp_path), "--num_steps", "2",
-            "--logging.run_dir", str(tmp_path / "run"), "--rollout.dump_dir", str(tmp_path / "dumps"),
-            "--rollout.batch_size", "2", "--rollout.group_size", "2",
-            "--rollout.max_response_tokens", "48"]  # fmt: skip
-    done = subprocess.run([sys.executable, "-m", "rl_launcher.cli", *args], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=480)  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT / "examples" / "agent"),
+        "RL_SGLANG_AGENT": "calculator_agent:solve",
+        "AGENT_LOG": str(log),
+    }
+    args = [
+        "--config",
+        random_init_config(tmp_path),
+        "--num_steps",
+        "2",
+        "--logging.run_dir",
+        str(tmp_path / "run"),
+        "--rollout.dump_dir",
+        str(tmp_path / "dumps"),
+        "--rollout.batch_size",
+        "2",
+        "--rollout.group_size",
+        "2",
+        "--rollout.max_response_tokens",
+        "48",
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "rl_launcher.cli", *args],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=480,
+    )
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     replies = {}
     for line in log.read_text().splitlines():
         record = json.loads(line)
         replies.setdefault(record["session"], []).append(record)
-    steps = [[json.loads(row) for row in (tmp_path / "dumps" / name).read_text().splitlines()]
-             for name in sorted(os.listdir(tmp_path / "dumps"))]  # fmt: skip
+    steps = [
+        [json.loads(row) for row in (tmp_path / "dumps" / name).read_text().splitlines()]
+        for name in sorted(os.listdir(tmp_path / "dumps"))
+    ]
     assert len(steps) == 2 and all(len(step) >= 4 for step in steps)
     for step in steps:
         for sample in step:
@@ -59,15 +83,36 @@ def test_two_agent_steps_train_on_the_engines_ids(tmp_path):
 def test_forked_episodes_train_as_groups_of_their_leaves(tmp_path):
     """tests/forking_agent.py forks every even episode: each group of two episodes is three
     samples, and the step trains all of them as one group."""
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent),
-           "RL_SGLANG_AGENT": "forking_agent:solve"}  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(Path(__file__).parent),
+        "RL_SGLANG_AGENT": "forking_agent:solve",
+    }
     run_dir, dumps = tmp_path / "run", tmp_path / "dumps"
-    args = ["--config", random_init_config(tmp_path), "--num_steps", "1",
-            "--logging.run_dir", str(run_dir), "--rollout.dump_dir", str(dumps),
-            "--rollout.batch_size", "2", "--rollout.group_size", "2",
-            "--rollout.max_response_tokens", "4"]  # fmt: skip
-    done = subprocess.run([sys.executable, "-m", "rl_launcher.cli", *args], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=480)  # fmt: skip
+    args = [
+        "--config",
+        random_init_config(tmp_path),
+        "--num_steps",
+        "1",
+        "--logging.run_dir",
+        str(run_dir),
+        "--rollout.dump_dir",
+        str(dumps),
+        "--rollout.batch_size",
+        "2",
+        "--rollout.group_size",
+        "2",
+        "--rollout.max_response_tokens",
+        "4",
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "rl_launcher.cli", *args],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=480,
+    )
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     [metrics] = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert metrics["rollout/num_samples"] == metrics["train/num_samples"] == 6

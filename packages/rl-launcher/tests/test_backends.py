@@ -30,12 +30,25 @@ def tiny_model_dir(tmp_path: Path) -> Path:
 
 
 def test_megatron_spec_maps_the_layout_and_pass_through_options(tmp_path):
-    config, _ = load_config([
-        "--backend.name", "megatron", "--backend.tensor_parallel", "2",
-        "--cluster.devices_per_node", "4", "--algorithm.kl_coef", "0.05",
-        "--model.dtype", "bfloat16", "--optimizer.lr", "3e-6",
-        "--megatron-sequence-parallel", "--megatron-logprob-chunk-size", "256",
-    ])  # fmt: skip
+    config, _ = load_config(
+        [
+            "--backend.name",
+            "megatron",
+            "--backend.tensor_parallel",
+            "2",
+            "--cluster.devices_per_node",
+            "4",
+            "--algorithm.kl_coef",
+            "0.05",
+            "--model.dtype",
+            "bfloat16",
+            "--optimizer.lr",
+            "3e-6",
+            "--megatron-sequence-parallel",
+            "--megatron-logprob-chunk-size",
+            "256",
+        ]
+    )
     spec = backend_spec(config, model_dir=tiny_model_dir(tmp_path), num_ranks=4)
     megatron = spec.config
     assert (spec.name, spec.data_parallel) == ("megatron", 2)  # 4 ranks / tp 2
@@ -64,14 +77,32 @@ def test_a_kl_shaped_reward_alone_loads_the_reference(tmp_path):
 
 
 def test_both_backends_carry_one_objective_built_from_the_config(tmp_path):
-    config, _ = load_config([
-        "--algorithm.policy_loss", "gspo", "--algorithm.clip_high", "0.28",
-        "--algorithm.kl_coef", "0.05", "--algorithm.kl_kind", "k3",
-        "--algorithm.entropy_coef", "0.01", "--algorithm.rollout_is_level", "sequence",
-        "--algorithm.rollout_is_mode", "mask", "--algorithm.rollout_is_cap", "3",
-        "--algorithm.loss_agg_mode", "seq-mean-token-sum-norm",
-        "--rollout.max_response_tokens", "48", "--rollout.temperature", "0.7",
-    ])  # fmt: skip
+    config, _ = load_config(
+        [
+            "--algorithm.policy_loss",
+            "gspo",
+            "--algorithm.clip_high",
+            "0.28",
+            "--algorithm.kl_coef",
+            "0.05",
+            "--algorithm.kl_kind",
+            "k3",
+            "--algorithm.entropy_coef",
+            "0.01",
+            "--algorithm.rollout_is_level",
+            "sequence",
+            "--algorithm.rollout_is_mode",
+            "mask",
+            "--algorithm.rollout_is_cap",
+            "3",
+            "--algorithm.loss_agg_mode",
+            "seq-mean-token-sum-norm",
+            "--rollout.max_response_tokens",
+            "48",
+            "--rollout.temperature",
+            "0.7",
+        ]
+    )
     fsdp = backend_spec(config, model_dir=tmp_path, num_ranks=1).config.objective
     config.backend.name = "megatron"
     megatron = backend_spec(config, model_dir=tiny_model_dir(tmp_path), num_ranks=1)
@@ -131,17 +162,32 @@ def test_megatron_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="--megatron-tpp is not a MegatronConfig field"):
         megatron_overrides(["--megatron-tpp", "2"])
     assert megatron_overrides(["--megatron-pp=2", "--megatron-distributed-optimizer", "false"]) == {
-        "pp": 2, "distributed_optimizer": False}  # fmt: skip
+        "pp": 2,
+        "distributed_optimizer": False,
+    }
     with pytest.raises(ValueError, match=re.escape("optimizer.schedule=constant")):  # at load
         load_config(["--backend.name", "megatron", "--optimizer.schedule", "cosine"])
 
 
 def gpu_config(*extra: str):
-    config, _ = load_config([
-        "--cluster.device", "cuda", "--engine.kind", "sglang", "--model.dtype", "bfloat16",
-        "--engine.mem_fraction", "0.4", "--sglang-attention-backend", "triton",
-        "--sglang-skip-tokenizer-init", "--sglang-mem-fraction-static", "0.5", *extra,
-    ])  # fmt: skip
+    config, _ = load_config(
+        [
+            "--cluster.device",
+            "cuda",
+            "--engine.kind",
+            "sglang",
+            "--model.dtype",
+            "bfloat16",
+            "--engine.mem_fraction",
+            "0.4",
+            "--sglang-attention-backend",
+            "triton",
+            "--sglang-skip-tokenizer-init",
+            "--sglang-mem-fraction-static",
+            "0.5",
+            *extra,
+        ]
+    )
     return config
 
 
@@ -151,11 +197,24 @@ def test_sglang_servers_get_config_options_overridden_by_pass_through(tmp_path, 
     monkeypatch.setenv("RL_SGLANG_PYTHONPATH", str(sglang_path))
     config = gpu_config("--engine.num_engines", "2", "--cluster.devices_per_node", "2")
     args = sglang_server_args(config, memory_saver=True)
-    assert args == {"tp_size": 1, "mem_fraction_static": "0.5", "dtype": "bfloat16",
-                    "random_seed": 42, "weight_version": "0", "enable_memory_saver": True,
-                    "attention_backend": "triton", "skip_tokenizer_init": True}  # fmt: skip
-    servers = engine_processes(config, model_dir=tmp_path, log_dir=tmp_path, gpus=[[0], [1]],
-                               max_batch_size=8, memory_saver=True)  # fmt: skip
+    assert args == {
+        "tp_size": 1,
+        "mem_fraction_static": "0.5",
+        "dtype": "bfloat16",
+        "random_seed": 42,
+        "weight_version": "0",
+        "enable_memory_saver": True,
+        "attention_backend": "triton",
+        "skip_tokenizer_init": True,
+    }
+    servers = engine_processes(
+        config,
+        model_dir=tmp_path,
+        log_dir=tmp_path,
+        gpus=[[0], [1]],
+        max_batch_size=8,
+        memory_saver=True,
+    )
     argv = servers[1].command()
     assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
     flags = " ".join(argv[3:])
@@ -170,12 +229,22 @@ def test_sglang_servers_get_config_options_overridden_by_pass_through(tmp_path, 
 
 
 def test_embedded_engines_on_gpus_see_only_their_devices(tmp_path):
-    config, _ = load_config(["--cluster.device", "cuda", "--cluster.colocate", "false",
-                             "--cluster.devices_per_node", "2"])  # fmt: skip
-    (server,) = engine_processes(config, model_dir=tmp_path, log_dir=tmp_path, gpus=[[5]],
-                                 max_batch_size=8)  # fmt: skip
+    config, _ = load_config(
+        [
+            "--cluster.device",
+            "cuda",
+            "--cluster.colocate",
+            "false",
+            "--cluster.devices_per_node",
+            "2",
+        ]
+    )
+    (server,) = engine_processes(
+        config, model_dir=tmp_path, log_dir=tmp_path, gpus=[[5]], max_batch_size=8
+    )
     assert server.env == {"CUDA_VISIBLE_DEVICES": "5"} and "--device cuda" in " ".join(
-        server.command())  # fmt: skip
+        server.command()
+    )
 
     class Placed:  # an OrderedPlacement's GPU ids: slot -> physical GPU
         use_gpu, gpu_ids = True, (3, 7)
@@ -214,9 +283,13 @@ def test_turns_release_before_training_and_refuse_unsynced_generation():
     turns.training()  # already there: nothing
     turns.syncing()
     turns.generating()
-    assert calls == [("offload",), ("release_memory", ["weights", "kv_cache", "cuda_graph"]),
-                     ("onload",), ("resume_memory", ["weights", "kv_cache", "cuda_graph"]),
-                     ("offload",)]  # fmt: skip
+    assert calls == [
+        ("offload",),
+        ("release_memory", ["weights", "kv_cache", "cuda_graph"]),
+        ("onload",),
+        ("resume_memory", ["weights", "kv_cache", "cuda_graph"]),
+        ("offload",),
+    ]
     turns.training()
     with pytest.raises(RuntimeError, match=re.escape("engine.sync_every=1")):
         turns.generating()
@@ -278,8 +351,13 @@ def test_turns_time_each_transition_and_the_hand_over_before_a_rollout():
     turns.training()
     turns.syncing()
     times = turns.take_times()
-    expected = {"trainer_offload": 0.05, "engine_release": 0.03, "trainer_onload": 0.02,
-                "engine_resume": 0.04, "in_rollout": 0.05}  # fmt: skip
+    expected = {
+        "trainer_offload": 0.05,
+        "engine_release": 0.03,
+        "trainer_onload": 0.02,
+        "engine_resume": 0.04,
+        "in_rollout": 0.05,
+    }
     for name, seconds in expected.items():
         assert seconds <= times[f"time/turns/{name}"] < seconds + 0.04, name
     total = sum(times[f"time/turns/{n}"] for n in expected if n != "in_rollout")
@@ -300,8 +378,9 @@ def test_turns_are_needed_on_shared_gpus_only():
     check_turns(gpu_config("--engine.sync_every", "2", "--engine.release_when_idle", "false"))
     config = gpu_config("--backend.offload_when_idle", "false")
     assert turns_needed(config, plan_from_config(config))  # the engines still take turns
-    config = gpu_config("--backend.offload_when_idle", "false",
-                        "--engine.release_when_idle", "false")  # fmt: skip
+    config = gpu_config(
+        "--backend.offload_when_idle", "false", "--engine.release_when_idle", "false"
+    )
     assert not turns_needed(config, plan_from_config(config))
     config = gpu_config("--rollout.loop", "one_step_async")
     with pytest.raises(ValueError, match=re.escape("cluster.colocate=false or rollout.loop=sync")):
@@ -316,7 +395,8 @@ def test_gpu_example_configs_load(name):
     if name == "disaggregated":
         assert not plan.colocate and config.rollout.loop == "one_step_async"
         assert resolve_transport(config.engine.weight_sync, colocate=False, device="cuda") == (
-            "distributed")  # fmt: skip
+            "distributed"
+        )
     else:
         assert plan.colocate and turns_needed(config, plan)
         check_turns(config)

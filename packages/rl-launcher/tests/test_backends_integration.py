@@ -21,13 +21,28 @@ LOGPROB_TOL = 1e-4
 
 def shrunk(run_dir: Path, *extra: str) -> list[str]:
     return [
-        "--config", str(QUICKSTART), "--num_steps", "2", "--rollout.batch_size", "4",
-        "--rollout.group_size", "4", "--algorithm.entropy_coef", "0.1",
-        "--optimizer.lr", "0.01", "--optimizer.schedule", "constant",  # megatron: constant only
-        "--logging.run_dir", str(run_dir),
-        "--model.tokenizer_path", str(ROOT / "examples/quickstart/tokenizer"),
-        "--data.train.0.path", str(ROOT / "examples/quickstart/data/train.jsonl"), *extra,
-    ]  # fmt: skip
+        "--config",
+        str(QUICKSTART),
+        "--num_steps",
+        "2",
+        "--rollout.batch_size",
+        "4",
+        "--rollout.group_size",
+        "4",
+        "--algorithm.entropy_coef",
+        "0.1",
+        "--optimizer.lr",
+        "0.01",
+        "--optimizer.schedule",
+        "constant",  # megatron: constant only
+        "--logging.run_dir",
+        str(run_dir),
+        "--model.tokenizer_path",
+        str(ROOT / "examples/quickstart/tokenizer"),
+        "--data.train.0.path",
+        str(ROOT / "examples/quickstart/data/train.jsonl"),
+        *extra,
+    ]
 
 
 def two_steps(run) -> list[dict]:
@@ -47,10 +62,18 @@ def check_weights_reached_the_engines(run, records) -> None:
 
 
 def test_megatron_tp2_takes_turns_with_the_engine_and_syncs_weights(tmp_path):
-    config, _ = load_config(shrunk(
-        tmp_path / "run", "--backend.name", "megatron", "--backend.tensor_parallel", "2",
-        "--cluster.devices_per_node", "2", "--megatron-sequence-parallel",
-    ))  # fmt: skip
+    config, _ = load_config(
+        shrunk(
+            tmp_path / "run",
+            "--backend.name",
+            "megatron",
+            "--backend.tensor_parallel",
+            "2",
+            "--cluster.devices_per_node",
+            "2",
+            "--megatron-sequence-parallel",
+        )
+    )
     run = start_run(config)
     try:
         # two ranks, one data-parallel rank: both TP ranks train on the same batch
@@ -60,17 +83,26 @@ def test_megatron_tp2_takes_turns_with_the_engine_and_syncs_weights(tmp_path):
         check_weights_reached_the_engines(run, records)
     finally:
         run.close()
-    train_then_sync = ["release weights+kv_cache+cuda_graph", "onload trainer",
-                       "resume weights+kv_cache+cuda_graph"]  # fmt: skip
+    train_then_sync = [
+        "release weights+kv_cache+cuda_graph",
+        "onload trainer",
+        "resume weights+kv_cache+cuda_graph",
+    ]
     generate = ["offload trainer"]
     assert turns.log == ["offload trainer", *train_then_sync, *generate, *train_then_sync]
 
 
 def test_disaggregated_run_syncs_over_a_gloo_weight_update_group(tmp_path):
     # one training bundle, one engine bundle; auto picks the distributed transport
-    config, _ = load_config(shrunk(
-        tmp_path / "run", "--cluster.colocate", "false", "--cluster.devices_per_node", "2",
-    ))  # fmt: skip
+    config, _ = load_config(
+        shrunk(
+            tmp_path / "run",
+            "--cluster.colocate",
+            "false",
+            "--cluster.devices_per_node",
+            "2",
+        )
+    )
     run = start_run(config)
     try:
         assert run.sync_options["transport"] == "distributed"

@@ -13,9 +13,13 @@ A = 0.5 / (math.sqrt(0.5) + 1e-6)  # GRPO advantage of a {1, 0} pair: 0.5 / (unb
 
 def sample(group, index, tokens, response_length, reward, status="completed"):
     return Sample(
-        tokens=tokens, response_length=response_length, reward=reward,
-        group_index=group, index=index, status=SampleStatus(status),
-    )  # fmt: skip
+        tokens=tokens,
+        response_length=response_length,
+        reward=reward,
+        group_index=group,
+        index=index,
+        status=SampleStatus(status),
+    )
 
 
 def grpo_samples():
@@ -127,8 +131,14 @@ def test_a_failed_reward_skips_its_sample_not_its_group(estimator):
     """Group 0: 4 samples, one whose reward failed: it trains on the other 3, advantages
     taken over them alone. Group 1: only one scored: dropped and counted. Group 2: full."""
     buffer = DataBuffer(group_size=4, num_ranks=1, advantage_estimator=estimator)
-    buffer.add([sample(0, 0, [1, 2], 1, 1.0), reward_failure(0, 1, [1, 3]),
-                sample(0, 2, [1, 4], 1, 0.0), sample(0, 3, [1, 5], 1, 0.0)])  # fmt: skip
+    buffer.add(
+        [
+            sample(0, 0, [1, 2], 1, 1.0),
+            reward_failure(0, 1, [1, 3]),
+            sample(0, 2, [1, 4], 1, 0.0),
+            sample(0, 3, [1, 5], 1, 0.0),
+        ]
+    )
     buffer.add([reward_failure(1, i, [2, 3]) for i in range(3)] + [sample(1, 3, [2, 4], 1, 1.0)])
     buffer.add(sample(2, i, [3, 4], 1, float(i % 2)) for i in range(4))
     assert buffer.num_ready_groups == 2
@@ -164,8 +174,13 @@ def test_groups_left_with_too_few_scored_samples_are_counted_in_the_step_they_en
 
 def test_an_engine_abort_still_drops_the_whole_group():
     buffer = DataBuffer(group_size=3, num_ranks=1)
-    buffer.add([sample(0, 0, [1, 2], 1, 1.0), reward_failure(0, 1, [1, 2]),
-                sample(0, 2, [1, 2], 1, 0.0, status="aborted")])  # fmt: skip
+    buffer.add(
+        [
+            sample(0, 0, [1, 2], 1, 1.0),
+            reward_failure(0, 1, [1, 2]),
+            sample(0, 2, [1, 2], 1, 0.0, status="aborted"),
+        ]
+    )
     assert buffer.num_ready_groups == 0
     counts = buffer.take_counts()
     assert counts["buffer/groups_aborted"] == 1.0
@@ -175,8 +190,11 @@ def test_an_engine_abort_still_drops_the_whole_group():
 def test_a_forked_episode_makes_its_group_uneven_and_the_advantages_span_its_leaves():
     buffer = DataBuffer(group_size=2, num_ranks=1)
     # episode 0 forked into two leaves (same sample index), episode 1 did not
-    forked = [sample(0, 0, [1, 2, 3], 1, 1.0), sample(0, 0, [1, 2, 4], 1, 1.0),
-              sample(0, 1, [1, 2, 5], 1, 0.0)]  # fmt: skip
+    forked = [
+        sample(0, 0, [1, 2, 3], 1, 1.0),
+        sample(0, 0, [1, 2, 4], 1, 1.0),
+        sample(0, 1, [1, 2, 5], 1, 0.0),
+    ]
     buffer.add_groups([forked, [sample(1, 0, [6, 7], 1, 0.0), sample(1, 1, [6, 8], 1, 1.0)]])
     step = buffer.pop_step(2)
     assert step.group_sizes == [3, 2] and [s.tokens[-1] for s in step.samples] == [3, 4, 5, 7, 8]

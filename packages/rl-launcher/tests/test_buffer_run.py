@@ -30,13 +30,38 @@ def started():
 
 
 def start_train(started: list, tmp_path: Path, *extra: str) -> subprocess.Popen:
-    args = ["--config", str(ROOT / "examples/quickstart/config.yaml"), "--num_steps", "2",
-            "--logging.run_dir", str(tmp_path / "run"), "--rollout.dump_dir",
-            str(tmp_path / "dumps"), "--rollout.batch_size", "2", "--rollout.group_size", "2",
-            "--rollout.source", "buffer", "--rollout.buffer_timeout_s", "120",
-            "--checkpoint.interval", "2", "--logging.progress", "false", *extra]  # fmt: skip
-    started.append(subprocess.Popen([sys.executable, "-m", "rl_launcher.cli", *args], cwd=ROOT,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))  # fmt: skip
+    args = [
+        "--config",
+        str(ROOT / "examples/quickstart/config.yaml"),
+        "--num_steps",
+        "2",
+        "--logging.run_dir",
+        str(tmp_path / "run"),
+        "--rollout.dump_dir",
+        str(tmp_path / "dumps"),
+        "--rollout.batch_size",
+        "2",
+        "--rollout.group_size",
+        "2",
+        "--rollout.source",
+        "buffer",
+        "--rollout.buffer_timeout_s",
+        "120",
+        "--checkpoint.interval",
+        "2",
+        "--logging.progress",
+        "false",
+        *extra,
+    ]
+    started.append(
+        subprocess.Popen(
+            [sys.executable, "-m", "rl_launcher.cli", *args],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    )
     return started[-1]
 
 
@@ -52,8 +77,9 @@ def wait_for(condition, what: str, process: subprocess.Popen, timeout_s: float =
 
 def endpoints(run_dir: Path, process) -> dict:
     path = run_dir / "rollout_buffer_url.json"
-    return wait_for(lambda: json.loads(path.read_text()) if path.exists() else None,
-                    "buffer URL", process)  # fmt: skip
+    return wait_for(
+        lambda: json.loads(path.read_text()) if path.exists() else None, "buffer URL", process
+    )
 
 
 def worker_group(engines: str, a: int, b: int) -> dict:
@@ -61,15 +87,25 @@ def worker_group(engines: str, a: int, b: int) -> dict:
     prompt = TOKENIZER.encode(f"{a}+{b}=", add_special_tokens=False)
     samples = []
     for seed in (0, 1):
-        out = requests.post(engines + "/generate", json={
-            "input_ids": prompt, "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 1, "temperature": 1.0, "sampling_seed": seed},
-        }, timeout=60).json()  # fmt: skip
+        out = requests.post(
+            engines + "/generate",
+            json={
+                "input_ids": prompt,
+                "return_logprob": True,
+                "sampling_params": {"max_new_tokens": 1, "temperature": 1.0, "sampling_seed": seed},
+            },
+            timeout=60,
+        ).json()
         meta = out["meta_info"]
-        samples.append({"tokens": prompt + out["output_ids"], "prompt_length": len(prompt),
-                        "reward": float(TOKENIZER.decode(out["output_ids"]) == str(a + b)),
-                        "rollout_log_probs": [e[0] for e in meta["output_token_logprobs"]],
-                        "weight_versions": [str(meta["weight_version"])]})  # fmt: skip
+        samples.append(
+            {
+                "tokens": prompt + out["output_ids"],
+                "prompt_length": len(prompt),
+                "reward": float(TOKENIZER.decode(out["output_ids"]) == str(a + b)),
+                "rollout_log_probs": [e[0] for e in meta["output_token_logprobs"]],
+                "weight_versions": [str(meta["weight_version"])],
+            }
+        )
     return {"group": f"{a}+{b}", "samples": samples}
 
 
@@ -79,8 +115,10 @@ def post(buffer: str, group) -> requests.Response:
 
 def dumped(tmp_path: Path) -> dict[int, list[dict]]:
     files = sorted((tmp_path / "dumps").iterdir())
-    return {int(p.stem.split("_")[1]): [json.loads(x) for x in p.read_text().splitlines()]
-            for p in files}  # fmt: skip
+    return {
+        int(p.stem.split("_")[1]): [json.loads(x) for x in p.read_text().splitlines()]
+        for p in files
+    }
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -93,8 +131,10 @@ def test_rl_train_trains_on_what_agent_workers_write_and_resumes_from_the_buffer
     run_dir = tmp_path / "run"
     first = start_train(started, tmp_path)
     urls = endpoints(run_dir, first)
-    bad = post(urls["buffer"], {"group": "x", "samples": [{"tokens": [1], "prompt_length": 1,
-                                                          "reward": 0}]})  # fmt: skip
+    bad = post(
+        urls["buffer"],
+        {"group": "x", "samples": [{"tokens": [1], "prompt_length": 1, "reward": 0}]},
+    )
     assert bad.status_code == 400 and "prompt_length" in bad.json()["error"]
     posted = {}
     for a, b in ((1, 2), (2, 2)):  # step 1, on the starting weights (version 0)
@@ -110,10 +150,13 @@ def test_rl_train_trains_on_what_agent_workers_write_and_resumes_from_the_buffer
 
     steps = dumped(tmp_path)
     for step, names in ((1, ["1+2", "2+2"]), (2, ["3+1", "0+4"])):
-        trained = [(s["metadata"]["buffer_group"], s["tokens"], s["rollout_log_probs"])
-                   for s in steps[step]]  # fmt: skip
-        assert trained == [(n, s["tokens"], s["rollout_log_probs"])
-                           for n in names for s in posted[n]["samples"]]  # fmt: skip
+        trained = [
+            (s["metadata"]["buffer_group"], s["tokens"], s["rollout_log_probs"])
+            for s in steps[step]
+        ]
+        assert trained == [
+            (n, s["tokens"], s["rollout_log_probs"]) for n in names for s in posted[n]["samples"]
+        ]
         assert {v for s in steps[step] for v in s["weight_versions"]} == {str(step - 1)}
     first_records = records(run_dir)
     assert [r["sync/weight_version"] for r in first_records] == [1.0, 2.0]
@@ -125,8 +168,17 @@ def test_rl_train_trains_on_what_agent_workers_write_and_resumes_from_the_buffer
 
     # step 3 takes 4+4 (half a batch is enough), is not checkpointed (interval 2), and
     # step 4 finds nothing: the run stops, saying so
-    second = start_train(started, tmp_path, "--resume", "--num_steps", "4",
-                         "--rollout.buffer_min_ratio", "0.5", "--rollout.buffer_timeout_s", "3")  # fmt: skip
+    second = start_train(
+        started,
+        tmp_path,
+        "--resume",
+        "--num_steps",
+        "4",
+        "--rollout.buffer_min_ratio",
+        "0.5",
+        "--rollout.buffer_timeout_s",
+        "3",
+    )
     output, _ = second.communicate(timeout=300)
     assert second.returncode == 1, output[-3000:]
     assert "fewer than min_ratio=0.5 of 2" in output and "accepted 0, rejected 0" in output
@@ -135,8 +187,17 @@ def test_rl_train_trains_on_what_agent_workers_write_and_resumes_from_the_buffer
     assert held["pending"] == {} and [e[1] for e in held["served"]] == ["4+4"]
 
     # resumed from step 2 again: 4+4, served but never checkpointed, is trained again
-    third = start_train(started, tmp_path, "--resume", "--num_steps", "3",
-                        "--rollout.buffer_min_ratio", "0.5", "--rollout.buffer_timeout_s", "3")  # fmt: skip
+    third = start_train(
+        started,
+        tmp_path,
+        "--resume",
+        "--num_steps",
+        "3",
+        "--rollout.buffer_min_ratio",
+        "0.5",
+        "--rollout.buffer_timeout_s",
+        "3",
+    )
     output, _ = third.communicate(timeout=300)
     assert third.returncode == 0, output[-3000:]
     [step3] = records(run_dir)[2:]

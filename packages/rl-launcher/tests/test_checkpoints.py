@@ -35,8 +35,14 @@ def test_manifest_lists_every_file_with_its_size(tmp_path):
     path = saved(tmp_path, 10)
     manifest = json.loads((path / checkpoints.MANIFEST_FILE).read_text())
     state_size = (path / checkpoints.STATE_FILE).stat().st_size
-    assert manifest == {"files": {"state.json": state_size, "trainer/dcp/.metadata": 30,
-                                  SHARD: 100, TRAINER_STATE: 7}}  # fmt: skip
+    assert manifest == {
+        "files": {
+            "state.json": state_size,
+            "trainer/dcp/.metadata": 30,
+            SHARD: 100,
+            TRAINER_STATE: 7,
+        }
+    }
     assert not list(path.glob("*.tmp"))
     assert checkpoints.damage(path) is None
 
@@ -137,8 +143,9 @@ def test_resume_skips_each_newer_checkpoint_with_its_reason(tmp_path, capsys):
     (checkpoints.step_path(tmp_path, 30) / "trainer").mkdir(parents=True)  # killed mid-save
     assert choose(tmp_path)[0] == step10
     lines = capsys.readouterr().err.splitlines()
-    assert lines[0].endswith("step_000030: unfinished (no state.json: its save was "
-                             "interrupted); using step_000010")  # fmt: skip
+    assert lines[0].endswith(
+        "step_000030: unfinished (no state.json: its save was interrupted); using step_000010"
+    )
     assert lines[1].endswith("step_000020: state.json empty; using step_000010")
     assert lines[2].startswith(f"rl-train: checkpoint {step10} has no manifest.json")
     assert len(lines) == 3
@@ -149,8 +156,11 @@ def test_resume_with_nothing_loadable(tmp_path, capsys):
     (checkpoints.step_path(tmp_path, 10) / "trainer").mkdir(parents=True)
     assert choose(tmp_path) is None  # only a save that never finished: start at step 1
     _truncated_shard(saved(tmp_path, 20))
-    with pytest.raises(ValueError, match=r"no loadable checkpoint in .*step_000020: "
-                       rf"{SHARD} truncated \(40 of 100 bytes\); step_000010: unfinished"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"no loadable checkpoint in .*step_000020: "
+        rf"{SHARD} truncated \(40 of 100 bytes\); step_000010: unfinished",
+    ):
         choose(tmp_path)
 
 
@@ -160,8 +170,11 @@ def test_resume_step_or_path_picks_one_and_names_what_is_wrong(tmp_path):
     assert choose(tmp_path, 10)[0] == step10
     assert choose(tmp_path, "20")[0] == step20  # rl-train --resume 20
     assert choose(tmp_path, str(step10))[1]["step"] == 10
-    with pytest.raises(ValueError, match=r"--resume 7: no checkpoint of step 7; loadable "
-                       rf"checkpoints in {tmp_path}: step 10, 20$"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"--resume 7: no checkpoint of step 7; loadable "
+        rf"checkpoints in {tmp_path}: step 10, 20$",
+    ):
         choose(tmp_path, 7)
     with pytest.raises(ValueError, match=rf"^checkpoint {step30}: {SHARD} truncated"):
         choose(tmp_path, 30)
@@ -189,8 +202,12 @@ def test_resumed_run_moves_later_step_directories_aside(tmp_path, capsys):
     (tmp_path / "step_000040.superseded").mkdir()  # from an earlier resume
     set_aside_after(tmp_path, 10)
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == ["step_000010", "step_000020.damaged", "step_000040.superseded",
-                     "step_000040.superseded1"]  # fmt: skip
+    assert names == [
+        "step_000010",
+        "step_000020.damaged",
+        "step_000040.superseded",
+        "step_000040.superseded1",
+    ]
     assert checkpoints.complete_checkpoints(tmp_path) == [(10, tmp_path / "step_000010")]
     assert "(damaged) to step_000020.damaged; the run redoes step 20" in capsys.readouterr().err
 

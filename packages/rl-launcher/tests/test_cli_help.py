@@ -31,8 +31,13 @@ def test_rl_train_help_lists_every_group_and_option_with_its_default():
         assert f"\n{section.name}: " in text  # the group's header
         for option in dataclasses.fields(group):
             assert f" {section.name}.{option.name}=" in text, option.name
-    for shown_default in (" seed=42 ", " rollout.group_size=4 ", " rollout.reward=math ",
-                          " cluster.ray_address=null ", " optimizer.betas=[0.9, 0.999]"):  # fmt: skip
+    for shown_default in (
+        " seed=42 ",
+        " rollout.group_size=4 ",
+        " rollout.reward=math ",
+        " cluster.ray_address=null ",
+        " optimizer.betas=[0.9, 0.999]",
+    ):
         assert shown_default in text.replace("\n", " ") + " ", shown_default
 
 

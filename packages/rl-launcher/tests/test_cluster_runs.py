@@ -51,8 +51,16 @@ def cluster():
 
 def on_two_nodes(run_dir: Path, cluster, *extra: str) -> list[str]:
     """The shrunk quickstart, one training rank per worker node, attached to ``cluster``."""
-    return shrunk(run_dir, "--cluster.num_nodes", "2", "--cluster.devices_per_node", "1",
-                  "--cluster.ray_address", cluster.address, *extra)  # fmt: skip
+    return shrunk(
+        run_dir,
+        "--cluster.num_nodes",
+        "2",
+        "--cluster.devices_per_node",
+        "1",
+        "--cluster.ray_address",
+        cluster.address,
+        *extra,
+    )
 
 
 def alive_actors(class_name: str) -> list[dict]:
@@ -69,9 +77,16 @@ def node_of(actor) -> tuple[str, str]:
 
 def test_groups_meet_at_training_rank_0s_node(cluster, tmp_path):
     # PPO (a critic group beside the trainer) with the distributed weight-update group
-    config, _ = load_config(on_two_nodes(tmp_path / "run", cluster,
-                                         "--algorithm.advantage_estimator", "gae",
-                                         "--engine.weight_sync", "distributed"))  # fmt: skip
+    config, _ = load_config(
+        on_two_nodes(
+            tmp_path / "run",
+            cluster,
+            "--algorithm.advantage_estimator",
+            "gae",
+            "--engine.weight_sync",
+            "distributed",
+        )
+    )
     run = start_run(config)
     try:
         (node0, address0), (node1, address1) = map(node_of, run.trainer.workers)
@@ -113,8 +128,13 @@ def test_a_run_attaches_only_to_the_cluster_it_is_given(cluster):
         env["RAY_TMPDIR"] = str(temp_dir)
         for address, expected in ((None, ["started", "1"]), (cluster.address, ["attached", "3"])):
             run_env = env if address is None else {**env, "RAY_ADDRESS": address}
-            done = subprocess.run([sys.executable, "-c", CONNECT], env=run_env, text=True,
-                                  capture_output=True, timeout=300)  # fmt: skip
+            done = subprocess.run(
+                [sys.executable, "-c", CONNECT],
+                env=run_env,
+                text=True,
+                capture_output=True,
+                timeout=300,
+            )
             assert done.stdout.split() == expected, done.stderr[-3000:]
     finally:
         shutil.rmtree(temp_dir, ignore_errors=True)
@@ -122,12 +142,26 @@ def test_a_run_attaches_only_to_the_cluster_it_is_given(cluster):
 
 def rl_train(run_dir: Path, cluster, *extra: str) -> subprocess.Popen:
     """``rl-train`` as a Ray job runs it: attached through RAY_ADDRESS, no option."""
-    args = shrunk(run_dir, "--cluster.num_nodes", "2", "--cluster.devices_per_node", "1",
-                  "--num_steps", str(NUM_STEPS), "--logging.progress", "true", *extra)  # fmt: skip
+    args = shrunk(
+        run_dir,
+        "--cluster.num_nodes",
+        "2",
+        "--cluster.devices_per_node",
+        "1",
+        "--num_steps",
+        str(NUM_STEPS),
+        "--logging.progress",
+        "true",
+        *extra,
+    )
     env = {**os.environ, "RAY_ADDRESS": cluster.address}
     log = open(run_dir.parent / f"{run_dir.name}.log", "ab")  # noqa: SIM115 (the child holds it)
-    return subprocess.Popen([sys.executable, "-m", "rl_launcher.cli", *args], env=env,
-                            stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "rl_launcher.cli", *args],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def log_of(run_dir: Path) -> str:
@@ -150,11 +184,13 @@ def test_a_lost_node_stops_the_run_naming_it_and_resume_continues(cluster, tmp_p
     print(f"rl-train exited {time.monotonic() - removed:.0f} s after the node was removed")
     log = log_of(run_dir)
     assert code == 1, log[-3000:]
-    done = checkpoints.complete_checkpoints(checkpoints.checkpoint_dir(load_config(
-        on_two_nodes(run_dir, cluster))[0]))  # fmt: skip
+    done = checkpoints.complete_checkpoints(
+        checkpoints.checkpoint_dir(load_config(on_two_nodes(run_dir, cluster))[0])
+    )
     stopped = next(line for line in log.splitlines() if line.startswith("rl-train: stopped:"))
     assert f", on node {lost.node_ip_address} ({lost.node_id[:12]}), which Ray reports dead" in (
-        stopped), stopped  # fmt: skip
+        stopped
+    ), stopped
     assert f"last complete checkpoint: {done[-1][1]} (step {done[-1][0]})" in stopped, stopped
     cluster.add_node(num_cpus=1, node_ip_address=lost.node_ip_address)  # a healthy cluster
     cluster.wait_for_nodes()

@@ -34,9 +34,19 @@ def test_yaml_then_both_override_syntaxes(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("seed: 7\nalgorithm:\n  advantage_estimator: dr_grpo\n  kl_coef: 0.1\n")
     config, _ = load_config(
-        ["--config", str(path), "--algorithm.advantage_estimator", "rloo", "rollout.group_size=2",
-         "--optimizer.lr=1e-5", "--rollout.top_k", "-1", "--algorithm.clip-high", "0.28"]
-    )  # fmt: skip
+        [
+            "--config",
+            str(path),
+            "--algorithm.advantage_estimator",
+            "rloo",
+            "rollout.group_size=2",
+            "--optimizer.lr=1e-5",
+            "--rollout.top_k",
+            "-1",
+            "--algorithm.clip-high",
+            "0.28",
+        ]
+    )
     assert config.seed == 7 and config.algorithm.kl_coef == 0.1  # from the file
     assert config.algorithm.advantage_estimator == "rloo"  # the command line wins
     assert config.rollout.group_size == 2 and config.optimizer.lr == 1e-5
@@ -45,9 +55,13 @@ def test_yaml_then_both_override_syntaxes(tmp_path):
 
 def test_list_items_and_nested_values_override(tmp_path):
     config, _ = load_config(
-        ["data.train=[{path: a.jsonl, weight: 2}, {path: 'b.parquet@[0:10]'}]",
-         "data.train.1.prompt_key=question", "eval.pass_k=[1, 2]", "eval.samples_per_prompt=4"]
-    )  # fmt: skip
+        [
+            "data.train=[{path: a.jsonl, weight: 2}, {path: 'b.parquet@[0:10]'}]",
+            "data.train.1.prompt_key=question",
+            "eval.pass_k=[1, 2]",
+            "eval.samples_per_prompt=4",
+        ]
+    )
     assert [d.path for d in config.data.train] == ["a.jsonl", "b.parquet@[0:10]"]
     assert config.data.train[0].weight == 2.0 and config.data.train[1].prompt_key == "question"
     assert config.eval.pass_k == [1, 2]
@@ -55,14 +69,25 @@ def test_list_items_and_nested_values_override(tmp_path):
 
 def test_passthrough_options_are_kept_verbatim():
     config, command_line = load_config(
-        ["--sglang-mem-fraction-static", "0.7", "--sglang-enable-torch-compile",
-         "--algorithm.kl_coef", "0.2", "--sglang-log-level=warning", "--megatron-recompute-granularity", "full",
-         "--print-config"],
+        [
+            "--sglang-mem-fraction-static",
+            "0.7",
+            "--sglang-enable-torch-compile",
+            "--algorithm.kl_coef",
+            "0.2",
+            "--sglang-log-level=warning",
+            "--megatron-recompute-granularity",
+            "full",
+            "--print-config",
+        ],
         flags=("--print-config",),
-    )  # fmt: skip
+    )
     assert config.engine.sglang_args == [
-        "--sglang-mem-fraction-static", "0.7", "--sglang-enable-torch-compile", "--sglang-log-level=warning",
-    ]  # fmt: skip
+        "--sglang-mem-fraction-static",
+        "0.7",
+        "--sglang-enable-torch-compile",
+        "--sglang-log-level=warning",
+    ]
     assert config.backend.extra_args == ["--megatron-recompute-granularity", "full"]
     assert config.algorithm.kl_coef == 0.2 and command_line.flags == {"--print-config"}
 
@@ -70,9 +95,11 @@ def test_passthrough_options_are_kept_verbatim():
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--algorithm.advantage_estimator", "foo"],
-         "algorithm.advantage_estimator: 'foo' is not allowed; choose one of: dr_grpo, gae, grpo, "
-         "reinforce_plus_plus, reinforce_plus_plus_baseline, rloo"),
+        (
+            ["--algorithm.advantage_estimator", "foo"],
+            "algorithm.advantage_estimator: 'foo' is not allowed; choose one of: dr_grpo, gae, grpo, "
+            "reinforce_plus_plus, reinforce_plus_plus_baseline, rloo",
+        ),
         (["--algorithm.policy_loss", "ppo2"], "choose one of: cispo, gspo, ppo"),
         (["--algorithm.group_filter", "x"], "algorithm.group_filter: 'x' is not allowed"),
         (["--algorithm.kl_kind", "k4"], "choose one of: k1, k2, k3, low_var_kl"),
@@ -86,19 +113,26 @@ def test_passthrough_options_are_kept_verbatim():
         (["--data.train", "[{weight: 1}]"], "missing required option data.train[0].path"),
         (["--data.train", "[{path: a.jsonl, colum: x}]"], "unknown option 'data.train[0].colum'"),
         (["--algorithm", "3"], "algorithm: expected a mapping of options"),
-        (["--algorithm.advantage_estimator", "rloo", "--rollout.group_size", "1"], "needs rollout.group_size >= 2"),
+        (
+            ["--algorithm.advantage_estimator", "rloo", "--rollout.group_size", "1"],
+            "needs rollout.group_size >= 2",
+        ),
         (["--engine.num_engines", "2"], "cluster has 1 devices"),
         (["--engine.kind", "sglang"], "engine.kind=sglang needs cluster.device=cuda"),
         (["--eval.pass_k", "[4]"], "every k must be in 1..eval.samples_per_prompt"),
-        (["--rollout.source", "buffer", "--rollout.loop", "async"],
-         "rollout.source=buffer trains on the groups agent workers write, so rollout.loop=async"),
-        (["--rollout.source", "buffer", "--rollout.buffer_min_ratio", "0"],
-         "rollout.buffer_min_ratio: must be > 0"),
+        (
+            ["--rollout.source", "buffer", "--rollout.loop", "async"],
+            "rollout.source=buffer trains on the groups agent workers write, so rollout.loop=async",
+        ),
+        (
+            ["--rollout.source", "buffer", "--rollout.buffer_min_ratio", "0"],
+            "rollout.buffer_min_ratio: must be > 0",
+        ),
         (["--config", "/nonexistent.yaml"], "config file '/nonexistent.yaml' does not exist"),
         (["--seed"], "option --seed needs a value"),
         (["positional"], "unrecognised argument 'positional'"),
     ],
-)  # fmt: skip
+)
 def test_bad_input_names_the_field_and_the_allowed_values(argv, message):
     with pytest.raises(ValueError) as error:
         load_config(argv)
@@ -165,8 +199,11 @@ def test_console_script_prints_the_resolved_config(tmp_path):
     assert script.is_file(), "rl-train console script is not installed"
     run = subprocess.run(
         [str(script), "--print-config", "--rollout.loop", "one_step_async"],
-        capture_output=True, text=True, check=False, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr
     assert yaml.safe_load(run.stdout)["rollout"]["loop"] == "one_step_async"
     bad = subprocess.run(

@@ -120,9 +120,12 @@ def test_malformed_rows_raise_when_configured(tmp_path):
 def test_chat_template_tools_and_length_filter(tmp_path):
     rows = [
         {"prompt": "hi"},
-        {"prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}], "tools": [{"name": "calc"}]},
+        {
+            "prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}],
+            "tools": [{"name": "calc"}],
+        },
         {"prompt": "a prompt far too long for the limit"},
-    ]  # fmt: skip
+    ]
     spec = DatasetConfig(path=write_jsonl(tmp_path / "c.jsonl", rows))
     dataset = load_dataset(spec, tokenizer=CharTokenizer(), max_prompt_tokens=40)
     first, second = dataset.prompts
@@ -246,8 +249,14 @@ def tiny_hf_tokenizer():
 def test_chat_template_of_a_transformers_tokenizer(tmp_path):
     rows = [
         {"prompt": "what is 2 + 2"},
-        {"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2 + 2"}], "tools": [{"name": "calc"}]},
-    ]  # fmt: skip
+        {
+            "prompt": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": "2 + 2"},
+            ],
+            "tools": [{"name": "calc"}],
+        },
+    ]
     dataset = load_dataset(
         DatasetConfig(path=write_jsonl(tmp_path / "t.jsonl", rows)),
         tokenizer=tiny_hf_tokenizer(),

@@ -52,8 +52,14 @@ def write_config(tmp_path: Path, rows=ROWS, reward="boom_reward", **sections) ->
 
 @pytest.mark.integration
 def test_rollout_only_dumps_and_counts_skipped_rewards_and_rows(tmp_path, capsys):
-    config = write_config(tmp_path, rollout={"rollout_only": True, "on_reward_error": "skip",
-                                             "dump_dir": str(tmp_path / "dumps")})  # fmt: skip
+    config = write_config(
+        tmp_path,
+        rollout={
+            "rollout_only": True,
+            "on_reward_error": "skip",
+            "dump_dir": str(tmp_path / "dumps"),
+        },
+    )
     assert main(["--config", str(config), "--num_steps", "2"]) == 0
     assert "step 2/2 | reward" in capsys.readouterr().out
     records = read_metrics(tmp_path / "run")
@@ -73,10 +79,18 @@ def test_rollout_only_dumps_and_counts_skipped_rewards_and_rows(tmp_path, capsys
 
 @pytest.mark.integration
 def test_nan_rewards_are_counted_with_the_errors_in_the_metrics(tmp_path):
-    rows = [{"prompt": "1+1=", "label": "2"}, {"prompt": "2+2=", "label": "boom"},
-            {"prompt": "3+1=", "label": "nan"}, {"prompt": "0+0=", "label": "nan"}]  # fmt: skip
-    config = write_config(tmp_path, rows, "boom_or_nan_reward",
-                          rollout={"rollout_only": True, "on_reward_error": "skip"})  # fmt: skip
+    rows = [
+        {"prompt": "1+1=", "label": "2"},
+        {"prompt": "2+2=", "label": "boom"},
+        {"prompt": "3+1=", "label": "nan"},
+        {"prompt": "0+0=", "label": "nan"},
+    ]
+    config = write_config(
+        tmp_path,
+        rows,
+        "boom_or_nan_reward",
+        rollout={"rollout_only": True, "on_reward_error": "skip"},
+    )
     assert main(["--config", str(config), "--num_steps", "1"]) == 0
     [record] = read_metrics(tmp_path / "run")
     assert record["rollout/reward_errors"] == 6.0  # 2 samples raised, 4 returned NaN

@@ -16,27 +16,46 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def scored(group, index, tokens, reward, student, teacher, loss_mask=None):
-    return Sample(tokens=tokens, response_length=len(student), reward=reward, group_index=group,
-                  index=index, rollout_log_probs=student, loss_mask=loss_mask,
-                  metadata={TEACHER_KEY: teacher})  # fmt: skip
+    return Sample(
+        tokens=tokens,
+        response_length=len(student),
+        reward=reward,
+        group_index=group,
+        index=index,
+        rollout_log_probs=student,
+        loss_mask=loss_mask,
+        metadata={TEACHER_KEY: teacher},
+    )
 
 
 def test_advantages_lose_coef_times_student_minus_teacher_on_trained_tokens():
     buffer = DataBuffer(group_size=2, num_ranks=1, opd_coef=0.5)
-    buffer.add([
-        scored(0, 0, [1, 2, 3, 4], 1.0, [-1.0, -2.0], [-1.5, -0.5]),
-        scored(0, 1, [1, 2, 5], 0.0, [-0.25], [-0.25]),  # teacher agrees: the GRPO value alone
-        scored(1, 0, [7, 8, 9, 9], 1.0, [-3.0, -1.0, -2.0], [-1.0, -9.0, -2.5], [1, 0, 1]),
-        scored(1, 1, [7, 8, 4], 1.0, [-0.5], [-4.5]),  # equal rewards: distillation alone
-    ])  # fmt: skip
+    buffer.add(
+        [
+            scored(0, 0, [1, 2, 3, 4], 1.0, [-1.0, -2.0], [-1.5, -0.5]),
+            scored(0, 1, [1, 2, 5], 0.0, [-0.25], [-0.25]),  # teacher agrees: the GRPO value alone
+            scored(1, 0, [7, 8, 9, 9], 1.0, [-3.0, -1.0, -2.0], [-1.0, -9.0, -2.5], [1, 0, 1]),
+            scored(1, 1, [7, 8, 4], 1.0, [-0.5], [-4.5]),  # equal rewards: distillation alone
+        ]
+    )
     step = buffer.pop_step(2)
     # response token j of a sample with prompt length P is predicted at position P - 1 + j
     expected = [
-        0, A - 0.5 * 0.5, A - 0.5 * -1.5, 0,  # [1, 2 | 3, 4]
-        0, -A, 0,  # [1, 2 | 5]: the teacher agrees, the GRPO value alone
-        -0.5 * -2.0, 0, -0.5 * 0.5, 0,  # [7 | 8, 9, 9]: the tool token 9 (mask 0) gets none
-        0, -0.5 * 4.0, 0,  # [7, 8 | 4]
-    ]  # fmt: skip
+        0,
+        A - 0.5 * 0.5,
+        A - 0.5 * -1.5,
+        0,  # [1, 2 | 3, 4]
+        0,
+        -A,
+        0,  # [1, 2 | 5]: the teacher agrees, the GRPO value alone
+        -0.5 * -2.0,
+        0,
+        -0.5 * 0.5,
+        0,  # [7 | 8, 9, 9]: the tool token 9 (mask 0) gets none
+        0,
+        -0.5 * 4.0,
+        0,  # [7, 8 | 4]
+    ]
     torch.testing.assert_close(step.rank_batches[0].advantages, torch.tensor(expected))
     reverse_kl = [0.5, -1.5, 0.0, -2.0, 0.5, 4.0]  # over the 6 trained tokens
     assert step.metrics["opd/reverse_kl"] == pytest.approx(sum(reverse_kl) / 6)
@@ -55,17 +74,33 @@ def test_coef_zero_leaves_the_estimators_advantages_and_adds_no_metric():
 
 
 def test_a_sample_without_teacher_log_probs_is_refused_by_name():
-    buffer = DataBuffer(group_size=1, num_ranks=1, advantage_estimator="reinforce_plus_plus",
-                        opd_coef=1.0)  # fmt: skip
-    buffer.add([Sample(tokens=[1, 2], response_length=1, reward=1.0, group_index=3, index=0,
-                       rollout_log_probs=[-1.0])])  # fmt: skip
+    buffer = DataBuffer(
+        group_size=1, num_ranks=1, advantage_estimator="reinforce_plus_plus", opd_coef=1.0
+    )
+    buffer.add(
+        [
+            Sample(
+                tokens=[1, 2],
+                response_length=1,
+                reward=1.0,
+                group_index=3,
+                index=0,
+                rollout_log_probs=[-1.0],
+            )
+        ]
+    )
     with pytest.raises(ValueError, match=r"sample 3/0 lacks .*teacher_log_probs"):
         buffer.pop_step(1)
 
 
-QUICKSTART = ["--config", str(ROOT / "examples/quickstart/config.yaml"),
-              "--model.tokenizer_path", str(ROOT / "examples/quickstart/tokenizer"),
-              "--data.train.0.path", str(ROOT / "examples/quickstart/data/train.jsonl")]  # fmt: skip
+QUICKSTART = [
+    "--config",
+    str(ROOT / "examples/quickstart/config.yaml"),
+    "--model.tokenizer_path",
+    str(ROOT / "examples/quickstart/tokenizer"),
+    "--data.train.0.path",
+    str(ROOT / "examples/quickstart/data/train.jsonl"),
+]
 
 
 @pytest.mark.parametrize(
@@ -132,10 +167,25 @@ def test_rl_train_distils_from_an_embedded_teacher(tmp_path):
     config, _ = load_config(QUICKSTART)
     teacher_dir, _ = prepare_model(config.model, run_dir=tmp_path / "teacher", seed=7)
     run_dir = tmp_path / "run"
-    argv = [*QUICKSTART, "--num_steps", "2", "--rollout.batch_size", "4",
-            "--rollout.group_size", "4", "--logging.run_dir", str(run_dir),
-            "--rollout.dump_dir", str(tmp_path / "dumps"), "--checkpoint.interval", "0",
-            "--distill.coef", "0.5", "--distill.teacher_path", str(teacher_dir)]  # fmt: skip
+    argv = [
+        *QUICKSTART,
+        "--num_steps",
+        "2",
+        "--rollout.batch_size",
+        "4",
+        "--rollout.group_size",
+        "4",
+        "--logging.run_dir",
+        str(run_dir),
+        "--rollout.dump_dir",
+        str(tmp_path / "dumps"),
+        "--checkpoint.interval",
+        "0",
+        "--distill.coef",
+        "0.5",
+        "--distill.teacher_path",
+        str(teacher_dir),
+    ]
     assert main(argv) == 0
     teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).eval()
     records = [r for r in read_metrics(run_dir) if "opd/reverse_kl" in r]

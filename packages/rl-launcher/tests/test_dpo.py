@@ -38,8 +38,12 @@ def test_a_pair_is_two_sequences_sharing_the_prompt(tokenizer):
     # character ids: '3'=4 '+'=11 '4'=5 '='=14 '7'=8 '1'=2 '2'=3, <eos>=0
     assert chosen.tokens == [4, 11, 5, 14, 8, 0] and chosen.response_length == 2
     assert rejected.tokens == [4, 11, 5, 14, 2, 3, 0] and rejected.response_length == 3
-    for bad, why in ((pair(chosen=""), "non-empty texts"), (pair(rejected=None), "non-empty"),
-                     (pair(rejected="7"), "the same text"), ([1], "JSON object")):  # fmt: skip
+    for bad, why in (
+        (pair(chosen=""), "non-empty texts"),
+        (pair(rejected=None), "non-empty"),
+        (pair(rejected="7"), "the same text"),
+        ([1], "JSON object"),
+    ):
         with pytest.raises(MalformedRow, match=why):
             pair_sample_from_row(bad, SPEC, tokenizer=tokenizer, apply_chat_template=False)
 
@@ -56,8 +60,13 @@ def test_jsonl_and_parquet_rows_with_malformed_ones_counted_and_skipped(
     data = DataConfig(train=[], apply_chat_template=False)
     # "3+4=": rejected "12" + EOS is 3 tokens > max_response_tokens=2: too long, not malformed
     for path, counts in ((jsonl, (5, 3, 1, 1)), (parquet, (3, 1, 1, 1))):
-        dataset = load_sft_dataset(DatasetConfig(path=str(path)), data, tokenizer=tokenizer,
-                                   max_response_tokens=2, to_sample=pair_sample_from_row)  # fmt: skip
+        dataset = load_sft_dataset(
+            DatasetConfig(path=str(path)),
+            data,
+            tokenizer=tokenizer,
+            max_response_tokens=2,
+            to_sample=pair_sample_from_row,
+        )
         stats = dataset.stats
         assert (stats.rows, stats.malformed, stats.too_long, stats.kept) == counts
         assert dataset.prompts[0].metadata["rejected_ids"] == [4, 0]  # "3" + EOS, of "1+1="
@@ -66,8 +75,9 @@ def test_jsonl_and_parquet_rows_with_malformed_ones_counted_and_skipped(
 
 def test_two_ranks_get_whole_pairs_with_step_wide_denominators(tokenizer):
     rows = [pair(f"{a}+{a}=", str(2 * a), "9" * (a + 1)) for a in range(4)]
-    pairs = [pair_sample_from_row(r, SPEC, tokenizer=tokenizer, apply_chat_template=False)
-             for r in rows]  # fmt: skip
+    pairs = [
+        pair_sample_from_row(r, SPEC, tokenizer=tokenizer, apply_chat_template=False) for r in rows
+    ]
     batches = pair_rank_batches(pairs, num_ranks=2)
     sequences = [seq for p in pairs for seq in pair_sequences(p)]
     seen = []
@@ -103,11 +113,22 @@ def test_example_raises_margin_and_accuracy_and_lowers_the_loss(tmp_path):
     from rl_launcher.cli import main
     from rl_launcher.infra.run_log import read_metrics
 
-    argv = ["--config", str(EXAMPLE), "--num_steps", "12", "--logging.run_dir",
-            str(tmp_path / "run"), "--checkpoint.interval", "0",
-            "--model.tokenizer_path", str(ROOT / "examples/quickstart/tokenizer"),
-            "--data.train.0.path", str(ROOT / "examples/dpo/data/pairs.jsonl"),
-            "--eval.datasets.0.path", str(ROOT / "examples/dpo/data/pairs_eval.jsonl")]  # fmt: skip
+    argv = [
+        "--config",
+        str(EXAMPLE),
+        "--num_steps",
+        "12",
+        "--logging.run_dir",
+        str(tmp_path / "run"),
+        "--checkpoint.interval",
+        "0",
+        "--model.tokenizer_path",
+        str(ROOT / "examples/quickstart/tokenizer"),
+        "--data.train.0.path",
+        str(ROOT / "examples/dpo/data/pairs.jsonl"),
+        "--eval.datasets.0.path",
+        str(ROOT / "examples/dpo/data/pairs_eval.jsonl"),
+    ]
     assert main(argv) == 0
     records = [r for r in read_metrics(tmp_path / "run") if "pref/loss" in r]
     assert [r["step"] for r in records] == list(range(1, 13))

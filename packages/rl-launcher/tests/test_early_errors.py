@@ -51,35 +51,72 @@ def _closed_port() -> int:
 # --- 3. every bound the runtime enforces, refused while the config is read ---------------
 
 OUT_OF_RANGE = [
-    ("optimizer.lr", "0"), ("optimizer.lr", "-1e-4"), ("optimizer.lr", "nan"),
-    ("optimizer.lr", ".inf"), ("optimizer.critic_lr", "0"), ("optimizer.betas", "[0.9, 1.0]"),
-    ("optimizer.betas", "[-0.1, 0.99]"), ("optimizer.betas", "[0.9]"), ("optimizer.eps", "0"),
-    ("optimizer.weight_decay", "-0.01"), ("optimizer.grad_clip", "-1"),
-    ("optimizer.grad_clip", "nan"), ("optimizer.warmup_steps", "-1"),
-    ("optimizer.min_lr_ratio", "1.5"), ("algorithm.clip_low", "-0.1"),
-    ("algorithm.clip_high", "-0.1"), ("algorithm.dual_clip", "1.0"),
-    ("algorithm.kl_coef", "-0.1"), ("algorithm.entropy_coef", "-0.1"),
-    ("algorithm.gamma", "1.5"), ("algorithm.lam", "-0.5"), ("algorithm.rollout_is_cap", "0"),
-    ("algorithm.num_minibatches", "0"), ("algorithm.max_nonfinite_steps", "-1"),
-    ("rollout.batch_size", "0"), ("rollout.group_size", "0"),
-    ("rollout.max_response_tokens", "0"), ("rollout.temperature", "-0.5"),
-    ("rollout.temperature", "nan"), ("rollout.top_p", "0"), ("rollout.top_p", "1.01"),
-    ("rollout.top_k", "0"), ("rollout.top_k", "-2"), ("rollout.max_staleness", "-1"),
-    ("rollout.over_sampling", "0.5"), ("rollout.reward_timeout_s", "0"),
-    ("rollout.reward_timeout_s", "-5"), ("engine.num_engines", "0"),
-    ("engine.devices_per_engine", "0"), ("engine.mem_fraction", "0"),
-    ("engine.mem_fraction", "1.5"), ("engine.weight_bucket_bytes", "0"),
-    ("engine.sync_every", "0"), ("engine.health_interval_s", "-1"),
-    ("engine.health_timeout_s", "0"), ("engine.max_restarts", "-1"),
-    ("cluster.num_nodes", "0"), ("cluster.devices_per_node", "0"),
-    ("cluster.cpus_per_bundle", "0"), ("cluster.connect_timeout_s", "0"),
-    ("backend.num_ranks", "0"), ("backend.micro_batch_tokens", "0"),
-    ("backend.tensor_parallel", "0"), ("data.max_prompt_tokens", "0"),
-    ("data.read_batch_rows", "0"), ("eval.samples_per_prompt", "0"),
-    ("eval.temperature", "-1"), ("eval.max_response_tokens", "0"), ("eval.pass_k", "[0]"),
-    ("eval.interval", "-1"), ("checkpoint.interval", "-1"), ("checkpoint.keep_last", "0"),
-    ("num_steps", "0"), ("seed", "-1"), ("seed", str(2**32)),
-]  # fmt: skip
+    ("optimizer.lr", "0"),
+    ("optimizer.lr", "-1e-4"),
+    ("optimizer.lr", "nan"),
+    ("optimizer.lr", ".inf"),
+    ("optimizer.critic_lr", "0"),
+    ("optimizer.betas", "[0.9, 1.0]"),
+    ("optimizer.betas", "[-0.1, 0.99]"),
+    ("optimizer.betas", "[0.9]"),
+    ("optimizer.eps", "0"),
+    ("optimizer.weight_decay", "-0.01"),
+    ("optimizer.grad_clip", "-1"),
+    ("optimizer.grad_clip", "nan"),
+    ("optimizer.warmup_steps", "-1"),
+    ("optimizer.min_lr_ratio", "1.5"),
+    ("algorithm.clip_low", "-0.1"),
+    ("algorithm.clip_high", "-0.1"),
+    ("algorithm.dual_clip", "1.0"),
+    ("algorithm.kl_coef", "-0.1"),
+    ("algorithm.entropy_coef", "-0.1"),
+    ("algorithm.gamma", "1.5"),
+    ("algorithm.lam", "-0.5"),
+    ("algorithm.rollout_is_cap", "0"),
+    ("algorithm.num_minibatches", "0"),
+    ("algorithm.max_nonfinite_steps", "-1"),
+    ("rollout.batch_size", "0"),
+    ("rollout.group_size", "0"),
+    ("rollout.max_response_tokens", "0"),
+    ("rollout.temperature", "-0.5"),
+    ("rollout.temperature", "nan"),
+    ("rollout.top_p", "0"),
+    ("rollout.top_p", "1.01"),
+    ("rollout.top_k", "0"),
+    ("rollout.top_k", "-2"),
+    ("rollout.max_staleness", "-1"),
+    ("rollout.over_sampling", "0.5"),
+    ("rollout.reward_timeout_s", "0"),
+    ("rollout.reward_timeout_s", "-5"),
+    ("engine.num_engines", "0"),
+    ("engine.devices_per_engine", "0"),
+    ("engine.mem_fraction", "0"),
+    ("engine.mem_fraction", "1.5"),
+    ("engine.weight_bucket_bytes", "0"),
+    ("engine.sync_every", "0"),
+    ("engine.health_interval_s", "-1"),
+    ("engine.health_timeout_s", "0"),
+    ("engine.max_restarts", "-1"),
+    ("cluster.num_nodes", "0"),
+    ("cluster.devices_per_node", "0"),
+    ("cluster.cpus_per_bundle", "0"),
+    ("cluster.connect_timeout_s", "0"),
+    ("backend.num_ranks", "0"),
+    ("backend.micro_batch_tokens", "0"),
+    ("backend.tensor_parallel", "0"),
+    ("data.max_prompt_tokens", "0"),
+    ("data.read_batch_rows", "0"),
+    ("eval.samples_per_prompt", "0"),
+    ("eval.temperature", "-1"),
+    ("eval.max_response_tokens", "0"),
+    ("eval.pass_k", "[0]"),
+    ("eval.interval", "-1"),
+    ("checkpoint.interval", "-1"),
+    ("checkpoint.keep_last", "0"),
+    ("num_steps", "0"),
+    ("seed", "-1"),
+    ("seed", str(2**32)),
+]
 
 
 @pytest.mark.parametrize(("option", "value"), OUT_OF_RANGE)
@@ -92,12 +129,15 @@ def test_the_bounds_say_what_is_allowed(capsys):
     expected = {
         ("optimizer.lr", "0"): "optimizer.lr: must be > 0, got 0.0",
         ("optimizer.lr", "nan"): "optimizer.lr: must be a finite number, got nan",
-        ("optimizer.betas", "[0.9, 1.0]"): "optimizer.betas must be two numbers in [0, 1), got [0.9, 1.0]",
+        (
+            "optimizer.betas",
+            "[0.9, 1.0]",
+        ): "optimizer.betas must be two numbers in [0, 1), got [0.9, 1.0]",
         ("rollout.top_p", "1.01"): "rollout.top_p: must be <= 1, got 1.01",
         ("rollout.reward_timeout_s", "0"): "rollout.reward_timeout_s: must be > 0, got 0.0",
         ("rollout.top_k", "0"): "rollout.top_k=0 is not a way to turn top-k off here",
         ("rollout.top_k", "-2"): "rollout.top_k must be -1 (off) or a k >= 1, got -2",
-    }  # fmt: skip
+    }
     for (option, value), message in expected.items():
         with pytest.raises(ValueError) as error:
             load_config([f"--{option}", value])
@@ -108,11 +148,31 @@ def test_the_bounds_say_what_is_allowed(capsys):
 
 def test_values_on_the_bounds_are_accepted():
     config, _ = load_config(
-        ["--optimizer.betas", "[0.0, 0.5]", "--optimizer.grad_clip", "0", "--rollout.top_p", "1",
-         "--rollout.top_k", "1", "--rollout.temperature", "0", "--algorithm.gamma", "1",
-         "--optimizer.min_lr_ratio", "1", "--engine.mem_fraction", "1", "--seed", "0",
-         "--rollout.reward_timeout_s", "null", "--algorithm.dual_clip", "1.5"]
-    )  # fmt: skip
+        [
+            "--optimizer.betas",
+            "[0.0, 0.5]",
+            "--optimizer.grad_clip",
+            "0",
+            "--rollout.top_p",
+            "1",
+            "--rollout.top_k",
+            "1",
+            "--rollout.temperature",
+            "0",
+            "--algorithm.gamma",
+            "1",
+            "--optimizer.min_lr_ratio",
+            "1",
+            "--engine.mem_fraction",
+            "1",
+            "--seed",
+            "0",
+            "--rollout.reward_timeout_s",
+            "null",
+            "--algorithm.dual_clip",
+            "1.5",
+        ]
+    )
     assert config.optimizer.betas == [0.0, 0.5] and config.rollout.top_k == 1
     assert config.rollout.reward_timeout_s is None and config.algorithm.dual_clip == 1.5
 
@@ -129,8 +189,11 @@ def test_group_relative_estimator_refuses_groups_of_one(estimator, guarded, caps
 
 
 def test_groups_of_one_are_fine_where_nothing_is_group_relative():
-    for argv in (["--algorithm.advantage_estimator", "reinforce_plus_plus"],
-                 ["--rollout.rollout_only", "true"], ["--mode", "sft"]):  # fmt: skip
+    for argv in (
+        ["--algorithm.advantage_estimator", "reinforce_plus_plus"],
+        ["--rollout.rollout_only", "true"],
+        ["--mode", "sft"],
+    ):
         config, _ = load_config([*argv, "--rollout.group_size", "1"])
         assert config.rollout.group_size == 1
 
@@ -203,8 +266,14 @@ def test_cuda_without_gpus_exits_2_before_ray(tmp_path, guarded, monkeypatch, ca
 def test_cuda_with_too_few_gpus_names_the_layout(tmp_path, guarded, monkeypatch, capsys):
     _gpus(monkeypatch, 2)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    argv = ["--cluster.device", "cuda", "--cluster.devices_per_node", "4",
-            "--logging.run_dir", str(tmp_path)]  # fmt: skip
+    argv = [
+        "--cluster.device",
+        "cuda",
+        "--cluster.devices_per_node",
+        "4",
+        "--logging.run_dir",
+        str(tmp_path),
+    ]
     assert guarded(argv) == 2
     assert "needs 4 GPU(s) on this machine" in _error_line(capsys)
     _gpus(monkeypatch, 4)  # enough: the run would start (here: the guard stops it)
@@ -223,8 +292,14 @@ def test_attached_to_a_cluster_the_drivers_gpus_do_not_matter(
 ):
     _gpus(monkeypatch, 0)
     address = f"127.0.0.1:{_closed_port()}"
-    argv = ["--cluster.device", "cuda", "--cluster.ray_address", address,
-            "--logging.run_dir", str(tmp_path)]  # fmt: skip
+    argv = [
+        "--cluster.device",
+        "cuda",
+        "--cluster.ray_address",
+        address,
+        "--logging.run_dir",
+        str(tmp_path),
+    ]
     assert guarded(argv) == 2
     error = _error_line(capsys)  # the address is what fails, not the missing local GPUs
     assert f"cluster.ray_address='{address}': no Ray cluster" in error and "GPU" not in error
@@ -244,8 +319,14 @@ def test_closed_ray_port_exits_2_in_seconds_naming_the_address(tmp_path, guarded
 
 def test_unroutable_address_gives_up_after_the_timeout(tmp_path, guarded, capsys):
     address = "192.0.2.1:6379"  # TEST-NET-1: never answers (or the network is unreachable)
-    argv = ["--cluster.ray_address", address, "--cluster.connect_timeout_s", "1",
-            "--logging.run_dir", str(tmp_path)]  # fmt: skip
+    argv = [
+        "--cluster.ray_address",
+        address,
+        "--cluster.connect_timeout_s",
+        "1",
+        "--logging.run_dir",
+        str(tmp_path),
+    ]
     started = time.monotonic()
     assert guarded(argv) == 2
     assert f"cluster.ray_address='{address}': no Ray cluster" in _error_line(capsys)
@@ -277,17 +358,29 @@ def test_reachable_addresses_pass_and_malformed_ones_are_named():
 @pytest.mark.parametrize(
     ("text", "where", "problem"),
     [
-        ("rollout:\n  group_size: 4\n  top_p: [0.9\nseed: 3\n", ":4:5",
-         "expected ',' or ']', but got ':' (while parsing a flow sequence that began at "
-         "line 3, column 10)"),
-        ("seed: 1\nrollout:\n\tgroup_size: 4\n", ":3:1",
-         "found character '\\t' that cannot start any token"),
-        ("optimizer:\n  lr: 1.0e-4\n  eps: 1.0e-8\n  lr: 0.1\n", ":4:3",
-         "duplicate key 'lr' (each option may be set once)"),
-        ("rollout:\n  group_size: 8\nseed: 1\nrollout:\n  top_p: 0.9\n", ":4:1",
-         "duplicate key 'rollout'"),
+        (
+            "rollout:\n  group_size: 4\n  top_p: [0.9\nseed: 3\n",
+            ":4:5",
+            "expected ',' or ']', but got ':' (while parsing a flow sequence that began at "
+            "line 3, column 10)",
+        ),
+        (
+            "seed: 1\nrollout:\n\tgroup_size: 4\n",
+            ":3:1",
+            "found character '\\t' that cannot start any token",
+        ),
+        (
+            "optimizer:\n  lr: 1.0e-4\n  eps: 1.0e-8\n  lr: 0.1\n",
+            ":4:3",
+            "duplicate key 'lr' (each option may be set once)",
+        ),
+        (
+            "rollout:\n  group_size: 8\nseed: 1\nrollout:\n  top_p: 0.9\n",
+            ":4:1",
+            "duplicate key 'rollout'",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_yaml_is_one_line_with_file_line_and_column(
     text, where, problem, tmp_path, guarded, capsys
 ):
@@ -336,8 +429,10 @@ def test_unwritable_checkpoint_dir_exits_2(tmp_path, guarded, capsys):
 def test_prepared_dirs_leave_nothing_behind_and_still_count_as_fresh(tmp_path):
     config, _ = load_config(["--logging.run_dir", str(tmp_path / "run")])
     dirs = prepare_run_dirs(config)
-    assert dirs == {"logging.run_dir": tmp_path / "run",
-                    "checkpoint.dir": tmp_path / "run" / "checkpoints"}  # fmt: skip
+    assert dirs == {
+        "logging.run_dir": tmp_path / "run",
+        "checkpoint.dir": tmp_path / "run" / "checkpoints",
+    }
     assert list((tmp_path / "run").iterdir()) == [tmp_path / "run" / "checkpoints"]
     assert not any((tmp_path / "run" / "checkpoints").iterdir())
     check_fresh(config, tmp_path / "run")  # an empty checkpoint directory holds no run

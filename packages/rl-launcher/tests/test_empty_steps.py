@@ -18,17 +18,23 @@ from rl_launcher.loops.rl import run_step
 from rl_launcher.roles.async_rollout import ContinuousRollout
 from rl_sglang.rollout.default import RolloutResult
 
-REFUSAL = ("EngineError: http://127.0.0.1:30000 -> HTTP 400: top_k must be -1 (off) or >= 1, "
-           "got 0")  # fmt: skip
+REFUSAL = "EngineError: http://127.0.0.1:30000 -> HTTP 400: top_k must be -1 (off) or >= 1, got 0"
 REWARD = "reward 'my:score' failed on sample 4 (response '7', label '7'): KeyError: 'answer'"
 
 
 def samples(draw: int, size: int = 4, *, status="completed", reward=1.0, **metadata) -> list:
     return [
-        Sample(tokens=[1, 2, 3], response_length=1, reward=reward + i, status=status,
-               group_index=draw, index=draw * size + i, metadata=dict(metadata))
+        Sample(
+            tokens=[1, 2, 3],
+            response_length=1,
+            reward=reward + i,
+            status=status,
+            group_index=draw,
+            index=draw * size + i,
+            metadata=dict(metadata),
+        )
         for i in range(size)
-    ]  # fmt: skip
+    ]
 
 
 def test_cause_quotes_the_engine_refusal_and_counts_every_kind():
@@ -103,8 +109,16 @@ def test_the_end_of_run_rule_counts_only_this_process_steps():
 
 
 def test_progress_line_shows_samples_trained_and_the_cause_of_nothing():
-    line = format_progress(3, 20, {faults.TRAINED_KEY: 48.0, faults.BATCH_KEY: 64.0,
-                                   "rollout/reward/mean": 0.5, "time/step": 1.0})  # fmt: skip
+    line = format_progress(
+        3,
+        20,
+        {
+            faults.TRAINED_KEY: 48.0,
+            faults.BATCH_KEY: 64.0,
+            "rollout/reward/mean": 0.5,
+            "time/step": 1.0,
+        },
+    )
     assert line == "step 3/20 | reward 0.500 | trained 48/64 | 1.00s"
     empty = step(0, f"of 16 samples, 16 refused or failed by the engine (first: {REFUSAL})")
     assert format_progress(1, 2, empty | {"time/step": 0.03, "time/rollout": 0.03}) == (

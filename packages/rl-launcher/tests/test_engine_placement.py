@@ -106,18 +106,28 @@ def assert_started_by_hosts_on(layout: dict, engines: list) -> None:
 
 def test_colocated_over_three_nodes_engines_on_their_nodes(cluster, tmp_path, capsys):
     run_dir = tmp_path / "run"
-    config, _ = load_config(on_cluster(run_dir, cluster, "--cluster.num_nodes", str(NUM_NODES),
-                                       "--engine.num_engines", str(NUM_NODES),
-                                       "--engine.weight_sync", "disk"))  # fmt: skip
+    config, _ = load_config(
+        on_cluster(
+            run_dir,
+            cluster,
+            "--cluster.num_nodes",
+            str(NUM_NODES),
+            "--engine.num_engines",
+            str(NUM_NODES),
+            "--engine.weight_sync",
+            "disk",
+        )
+    )
     run = start_run(config)
     try:
         layout = printed_layout(capsys.readouterr().out)
         # one training rank and one engine per node, every node a different worker node
         assert {layout[f"T{i}"] for i in range(NUM_NODES)} == {
-            layout[f"E{i}"] for i in range(NUM_NODES)} and all(
-            layout[f"T{i}"] == layout[f"E{i}"] for i in range(NUM_NODES))  # fmt: skip
+            layout[f"E{i}"] for i in range(NUM_NODES)
+        } and all(layout[f"T{i}"] == layout[f"E{i}"] for i in range(NUM_NODES))
         assert sorted(a for _, a in layout.values()) == sorted(
-            [node_address(i) for i in range(NUM_NODES)] * 2)  # fmt: skip
+            [node_address(i) for i in range(NUM_NODES)] * 2
+        )
         assert_started_by_hosts_on(layout, run.rollout.engines)
         buffer = DataBuffer.from_config(config, num_ranks=run.num_ranks)
         records = []
@@ -143,8 +153,9 @@ def test_colocated_over_three_nodes_engines_on_their_nodes(cluster, tmp_path, ca
 def rl_train(run_dir: Path, cluster, *extra: str) -> subprocess.Popen:
     args = on_cluster(run_dir, cluster, "--logging.progress", "true", *extra)
     log = open(run_dir.parent / "rl-train.log", "ab")  # noqa: SIM115 (the child holds it)
-    return subprocess.Popen([sys.executable, "-m", "rl_launcher.cli", *args],
-                            stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "rl_launcher.cli", *args], stdout=log, stderr=subprocess.STDOUT
+    )
 
 
 def wait_for_hosts(process: subprocess.Popen, log: Path, count: int, timeout_s=300) -> list:
@@ -162,10 +173,24 @@ def wait_for_hosts(process: subprocess.Popen, log: Path, count: int, timeout_s=3
 def test_disaggregated_async_over_two_nodes_as_rl_train(cluster, tmp_path):
     run_dir = tmp_path / "run"
     log = tmp_path / "rl-train.log"
-    process = rl_train(run_dir, cluster, "--cluster.num_nodes", "2",
-                       "--cluster.devices_per_node", "2", "--cluster.colocate", "false",
-                       "--engine.num_engines", "2", "--rollout.loop", "async",
-                       "--checkpoint.interval", "0", "--num_steps", "6")  # fmt: skip
+    process = rl_train(
+        run_dir,
+        cluster,
+        "--cluster.num_nodes",
+        "2",
+        "--cluster.devices_per_node",
+        "2",
+        "--cluster.colocate",
+        "false",
+        "--engine.num_engines",
+        "2",
+        "--rollout.loop",
+        "async",
+        "--checkpoint.interval",
+        "0",
+        "--num_steps",
+        "6",
+    )
     try:
         hosts = wait_for_hosts(process, log, count=2)
         layout = printed_layout(log.read_text())
@@ -202,8 +227,7 @@ def refused(capsys, run_dir: Path, cluster, *extra: str) -> str:
     return error
 
 
-def test_clusters_that_cannot_hold_the_plan_are_refused_naming_the_nodes(cluster, tmp_path,
-                                                                          capsys):  # fmt: skip
+def test_clusters_that_cannot_hold_the_plan_are_refused_naming_the_nodes(cluster, tmp_path, capsys):
     workers = ", ".join(f"{node_address(i)} (CPU 2)" for i in range(NUM_NODES))
     head = f"{cluster.head_node.node_ip_address} (no CPU)"
     error = refused(capsys, tmp_path / "a", cluster, "--cluster.num_nodes", "4")
@@ -218,8 +242,9 @@ def test_clusters_that_cannot_hold_the_plan_are_refused_naming_the_nodes(cluster
     assert "engine.weight_sync=tensor" in error and "engines [1] are on other nodes" in error
 
 
-def test_engines_off_the_drivers_node_need_the_same_key_everywhere(cluster, tmp_path, capsys,
-                                                                   monkeypatch):  # fmt: skip
+def test_engines_off_the_drivers_node_need_the_same_key_everywhere(
+    cluster, tmp_path, capsys, monkeypatch
+):
     monkeypatch.delenv(API_KEY_ENV)  # rl-train without a key; the nodes have one
     error = refused(capsys, tmp_path / "a", cluster)
     assert f"set {API_KEY_ENV} to one secret in the environment of rl-train" in error, error

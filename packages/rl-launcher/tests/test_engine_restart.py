@@ -20,9 +20,18 @@ pytestmark = pytest.mark.integration
 
 
 def test_killed_engine_is_restarted_and_the_run_goes_on(tmp_path):
-    extra = ("--engine.num_engines", "2", "--cluster.devices_per_node", "2",
-             "--backend.num_ranks", "1", "--engine.health_interval_s", "0.5",
-             "--checkpoint.interval", "0")  # fmt: skip
+    extra = (
+        "--engine.num_engines",
+        "2",
+        "--cluster.devices_per_node",
+        "2",
+        "--backend.num_ranks",
+        "1",
+        "--engine.health_interval_s",
+        "0.5",
+        "--checkpoint.interval",
+        "0",
+    )
     config, _ = load_config(shrunk(tmp_path / "run", *extra))
     run = start_run(config)
     try:

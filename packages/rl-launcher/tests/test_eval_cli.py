@@ -26,18 +26,23 @@ EVAL_BOUND_S = 240  # engine and router start (~20 s idle) and 8 samples, on a l
 def rl_eval(*args, timeout=EVAL_BOUND_S) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": f"{TESTS}:{os.environ.get('PYTHONPATH', '')}"}
     command = [sys.executable, "-m", "rl_launcher.eval_cli", *map(str, args)]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env,
-                          cwd=ROOT)  # fmt: skip
+    return subprocess.run(
+        command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+    )
 
 
 def test_help_says_what_model_takes_and_where_output_goes():
     shown = rl_eval("--help", timeout=60)
     assert shown.returncode == 0 and shown.stderr == ""
     text = " ".join(shown.stdout.split())
-    for words in ("--model PATH what to evaluate: a run directory", "checkpoint directory",
-                  "Hugging Face model directory", "default: eval_summary.json in the run "
-                  "directory PATH belongs to", "Nothing is written into the config's "
-                  "logging.run_dir", "docs/config.md"):  # fmt: skip
+    for words in (
+        "--model PATH what to evaluate: a run directory",
+        "checkpoint directory",
+        "Hugging Face model directory",
+        "default: eval_summary.json in the run directory PATH belongs to",
+        "Nothing is written into the config's logging.run_dir",
+        "docs/config.md",
+    ):
         assert words in text, words
 
 
@@ -46,8 +51,14 @@ def evaluated_run(tmp_path_factory):
     """A run directory (metrics.jsonl) holding its starting model, built from the config."""
     run_dir = tmp_path_factory.mktemp("run")
     (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
-    config, _ = load_config(["--config", str(QUICKSTART), "--model.tokenizer_path",
-                             str(ROOT / "examples/quickstart/tokenizer")])  # fmt: skip
+    config, _ = load_config(
+        [
+            "--config",
+            str(QUICKSTART),
+            "--model.tokenizer_path",
+            str(ROOT / "examples/quickstart/tokenizer"),
+        ]
+    )
     model_dir, _ = prepare_model(config.model, run_dir=run_dir, seed=config.seed)
     return run_dir, model_dir
 
@@ -59,10 +70,26 @@ def test_eval_writes_into_the_evaluated_run_and_times_out_rewards(evaluated_run,
     data.write_text("".join(json.dumps({"prompt": p, "label": y}) + "\n" for p, y in rows))
     config_run = tmp_path / "config_run"  # the config's own run: must stay untouched
     start = time.monotonic()
-    done = rl_eval("--config", QUICKSTART, "--model", model_dir, "--dataset", data,
-                   "--logging.run_dir", config_run, "--rollout.reward", "stuck_rewards:stuck_reward",
-                   "--rollout.reward_timeout_s", "2", "--rollout.on_reward_error", "skip",
-                   "--eval.samples_per_prompt", "2", "--eval.pass_k", "[1, 2]")  # fmt: skip
+    done = rl_eval(
+        "--config",
+        QUICKSTART,
+        "--model",
+        model_dir,
+        "--dataset",
+        data,
+        "--logging.run_dir",
+        config_run,
+        "--rollout.reward",
+        "stuck_rewards:stuck_reward",
+        "--rollout.reward_timeout_s",
+        "2",
+        "--rollout.on_reward_error",
+        "skip",
+        "--eval.samples_per_prompt",
+        "2",
+        "--eval.pass_k",
+        "[1, 2]",
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert time.monotonic() - start < EVAL_BOUND_S
     summary = json.loads((run_dir / "eval_summary.json").read_text())
@@ -77,9 +104,17 @@ def test_eval_writes_into_the_evaluated_run_and_times_out_rewards(evaluated_run,
 def test_a_model_outside_any_run_needs_output(evaluated_run, tmp_path):
     _, model_dir = evaluated_run
     bare = shutil.copytree(model_dir, tmp_path / "downloaded_model")
-    refused = rl_eval("--config", QUICKSTART, "--model", bare, "--dataset",
-                      ROOT / "examples/quickstart/data/train.jsonl",
-                      "--logging.run_dir", tmp_path / "config_run", timeout=60)  # fmt: skip
+    refused = rl_eval(
+        "--config",
+        QUICKSTART,
+        "--model",
+        bare,
+        "--dataset",
+        ROOT / "examples/quickstart/data/train.jsonl",
+        "--logging.run_dir",
+        tmp_path / "config_run",
+        timeout=60,
+    )
     assert refused.returncode == 2 and refused.stdout == ""
     (line,) = refused.stderr.strip().splitlines()
     assert line.startswith("rl-eval: error: --model") and "give --output FILE" in line

@@ -25,8 +25,12 @@ def config_file(directory: Path, **sections) -> Path:
     tree["model"]["tokenizer_path"] = str(QUICKSTART / "tokenizer")
     data = str(QUICKSTART / "data/train.jsonl")
     tree["data"]["train"] = [{"path": data}]
-    tree["eval"] = {"datasets": [{"path": data, "name": "additions"}], "samples_per_prompt": 2,
-                    "pass_k": [1, 2], "temperature": 1.0}  # fmt: skip
+    tree["eval"] = {
+        "datasets": [{"path": data, "name": "additions"}],
+        "samples_per_prompt": 2,
+        "pass_k": [1, 2],
+        "temperature": 1.0,
+    }
     for name, values in sections.items():
         tree.setdefault(name, {}).update(values)
     path = directory / "config.yaml"
@@ -36,11 +40,15 @@ def config_file(directory: Path, **sections) -> Path:
 
 
 PPO = {
-    "algorithm": {"advantage_estimator": "gae", "num_minibatches": 2, "entropy_coef": 0.1,
-                  "lam": 0.95},
+    "algorithm": {
+        "advantage_estimator": "gae",
+        "num_minibatches": 2,
+        "entropy_coef": 0.1,
+        "lam": 0.95,
+    },
     "rollout": {"batch_size": 4, "group_size": 4},
     "optimizer": {"lr": 0.01, "critic_lr": 0.01},
-}  # fmt: skip
+}
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +57,26 @@ def ppo_run(ray_cluster, tmp_path_factory):
     (sampled and greedy), TensorBoard on."""
     root = tmp_path_factory.mktemp("ppo")
     config = config_file(root, **PPO)
-    args = ["--config", str(config), "--num_steps", "2", "--logging.run_dir", str(root / "run"),
-            "--rollout.dump_dir", str(root / "dumps"), "--eval.interval", "2",
-            "--eval.at_start", "true", "--eval.greedy", "true", "--logging.tensorboard", "true", "--checkpoint.save_hf", "true"]  # fmt: skip
+    args = [
+        "--config",
+        str(config),
+        "--num_steps",
+        "2",
+        "--logging.run_dir",
+        str(root / "run"),
+        "--rollout.dump_dir",
+        str(root / "dumps"),
+        "--eval.interval",
+        "2",
+        "--eval.at_start",
+        "true",
+        "--eval.greedy",
+        "true",
+        "--logging.tensorboard",
+        "true",
+        "--checkpoint.save_hf",
+        "true",
+    ]
     assert main(args) == 0
     return root
 
@@ -92,8 +117,16 @@ def test_each_rollout_is_dumped_as_jsonl(ppo_run):
 def test_replaying_the_dumps_trains_exactly_like_the_original_run(ppo_run):
     """Train-only replay: no engines; the same batches give the same losses."""
     config = config_file(ppo_run / "replay", **PPO)
-    args = ["--config", str(config), "--num_steps", "2", "--rollout.replay_dir",
-            str(ppo_run / "dumps"), "--logging.run_dir", str(ppo_run / "replay/run")]  # fmt: skip
+    args = [
+        "--config",
+        str(config),
+        "--num_steps",
+        "2",
+        "--rollout.replay_dir",
+        str(ppo_run / "dumps"),
+        "--logging.run_dir",
+        str(ppo_run / "replay/run"),
+    ]
     assert main(args) == 0
     original, replayed = read_metrics(ppo_run / "run")[1:], read_metrics(ppo_run / "replay/run")
     for a, b in zip(original, replayed, strict=True):
@@ -112,8 +145,16 @@ def test_rl_eval_evaluates_an_exported_checkpoint(ppo_run, capsys):
     config = config_file(ppo_run / "eval", **PPO)
     out = ppo_run / "eval/summary.json"
     hf = ppo_run / "run/checkpoints/step_000002/hf"
-    args = ["--config", str(config), "--model", str(hf), "--output", str(out),
-            "--logging.run_dir", str(ppo_run / "eval/run")]  # fmt: skip
+    args = [
+        "--config",
+        str(config),
+        "--model",
+        str(hf),
+        "--output",
+        str(out),
+        "--logging.run_dir",
+        str(ppo_run / "eval/run"),
+    ]
     assert eval_main(args) == 0
     summary = json.loads(out.read_text())
     assert summary == json.loads(capsys.readouterr().out)

@@ -22,19 +22,29 @@ from rl_launcher.session.start import start_run
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[3]
-SHAPE = ("{model_type: qwen2, hidden_size: 256, intermediate_size: 512, num_hidden_layers: 2,"
-         " num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 512,"
-         " max_position_embeddings: 512}")  # fmt: skip
-SGLANG = ["--sglang-attention-backend", "triton", "--sglang-sampling-backend", "pytorch",
-          "--sglang-grammar-backend", "none", "--sglang-skip-tokenizer-init",
-          "--sglang-disable-cuda-graph"]  # fmt: skip
+SHAPE = (
+    "{model_type: qwen2, hidden_size: 256, intermediate_size: 512, num_hidden_layers: 2,"
+    " num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 512,"
+    " max_position_embeddings: 512}"
+)
+SGLANG = [
+    "--sglang-attention-backend",
+    "triton",
+    "--sglang-sampling-backend",
+    "pytorch",
+    "--sglang-grammar-backend",
+    "none",
+    "--sglang-skip-tokenizer-init",
+    "--sglang-disable-cuda-graph",
+]
 MEAN_LOGPROB_GAP = 0.1  # bf16 SGLang kernels vs the bf16 trainer, same weights
 
 
 def sglang_available() -> bool:
     path = os.environ.get("RL_SGLANG_PYTHONPATH", "")
     return any((Path(p) / "sglang").is_dir() for p in path.split(os.pathsep) if p) or (
-        importlib.util.find_spec("sglang") is not None)  # fmt: skip
+        importlib.util.find_spec("sglang") is not None
+    )
 
 
 needs_sglang = pytest.mark.skipif(
@@ -44,16 +54,41 @@ needs_sglang = pytest.mark.skipif(
 
 def gpu_run_args(run_dir: Path, *extra: str) -> list[str]:
     return [
-        "--config", str(ROOT / "examples/quickstart/config.yaml"), "--num_steps", "2",
-        "--optimizer.schedule", "constant",  # the Megatron backend trains at a constant lr
-        "--cluster.device", "cuda", "--model.dtype", "bfloat16", "--model.init_config", SHAPE,
-        "--model.tokenizer_path", str(ROOT / "examples/quickstart/tokenizer"),
-        "--data.train.0.path", str(ROOT / "examples/quickstart/data/train.jsonl"),
-        "--rollout.batch_size", "8", "--rollout.group_size", "4",
-        "--rollout.max_response_tokens", "8", "--algorithm.num_minibatches", "1",
-        "--optimizer.lr", "1e-3", "--engine.kind", "sglang", "--engine.mem_fraction", "0.3",
-        "--logging.run_dir", str(run_dir), *SGLANG, *extra,
-    ]  # fmt: skip
+        "--config",
+        str(ROOT / "examples/quickstart/config.yaml"),
+        "--num_steps",
+        "2",
+        "--optimizer.schedule",
+        "constant",  # the Megatron backend trains at a constant lr
+        "--cluster.device",
+        "cuda",
+        "--model.dtype",
+        "bfloat16",
+        "--model.init_config",
+        SHAPE,
+        "--model.tokenizer_path",
+        str(ROOT / "examples/quickstart/tokenizer"),
+        "--data.train.0.path",
+        str(ROOT / "examples/quickstart/data/train.jsonl"),
+        "--rollout.batch_size",
+        "8",
+        "--rollout.group_size",
+        "4",
+        "--rollout.max_response_tokens",
+        "8",
+        "--algorithm.num_minibatches",
+        "1",
+        "--optimizer.lr",
+        "1e-3",
+        "--engine.kind",
+        "sglang",
+        "--engine.mem_fraction",
+        "0.3",
+        "--logging.run_dir",
+        str(run_dir),
+        *SGLANG,
+        *extra,
+    ]
 
 
 def two_steps_reach_the_engine(args: list[str]) -> list[dict]:
@@ -81,7 +116,14 @@ def test_one_gpu_colocated_with_sglang_takes_turns(tmp_path, backend):
 @needs_sglang
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (nvidia-h200-x2)")
 def test_two_gpus_disaggregated_sync_over_nccl(tmp_path):
-    two_steps_reach_the_engine(gpu_run_args(
-        tmp_path / "run", "--cluster.colocate", "false", "--cluster.devices_per_node", "2",
-        "--engine.mem_fraction", "0.6",
-    ))  # fmt: skip
+    two_steps_reach_the_engine(
+        gpu_run_args(
+            tmp_path / "run",
+            "--cluster.colocate",
+            "false",
+            "--cluster.devices_per_node",
+            "2",
+            "--engine.mem_fraction",
+            "0.6",
+        )
+    )

@@ -24,14 +24,34 @@ STEPS = 20
 def test_real_model_runs_twenty_steps_with_the_default_engine_options(tmp_path):
     run_dir = tmp_path / "run"
     command = [
-        sys.executable, "-m", "rl_launcher.cli", "--config",
-        str(ROOT / "examples/smollm2/config.yaml"), "--model.path", str(GGUF),
-        "--cluster.device", "cuda", "--model.dtype", "bfloat16", "--num_steps", str(STEPS),
-        "--rollout.batch_size", "8", "--rollout.group_size", "8",
-        "--rollout.max_response_tokens", "128", "--rollout.reward_timeout_s", "10",
-        "--data.train.0.path", str(ROOT / "examples/smollm2/data/train.jsonl"),
-        "--checkpoint.interval", "0", "--logging.run_dir", str(run_dir),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "rl_launcher.cli",
+        "--config",
+        str(ROOT / "examples/smollm2/config.yaml"),
+        "--model.path",
+        str(GGUF),
+        "--cluster.device",
+        "cuda",
+        "--model.dtype",
+        "bfloat16",
+        "--num_steps",
+        str(STEPS),
+        "--rollout.batch_size",
+        "8",
+        "--rollout.group_size",
+        "8",
+        "--rollout.max_response_tokens",
+        "128",
+        "--rollout.reward_timeout_s",
+        "10",
+        "--data.train.0.path",
+        str(ROOT / "examples/smollm2/data/train.jsonl"),
+        "--checkpoint.interval",
+        "0",
+        "--logging.run_dir",
+        str(run_dir),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=420, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -135,21 +135,27 @@ def write(root: Path, files: dict[str, str]) -> Path:
 
 
 def test_a_function_level_import_closes_a_cycle(tmp_path):
-    src = write(tmp_path, {
-        "pkg/__init__.py": "",
-        "pkg/a.py": "from pkg.b import f\n",
-        "pkg/b.py": "def f():\n    from pkg import a\n",
-    })  # fmt: skip
+    src = write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/a.py": "from pkg.b import f\n",
+            "pkg/b.py": "def f():\n    from pkg import a\n",
+        },
+    )
     assert cycles(import_graph([src])) == [["pkg.a", "pkg.b", "pkg.a"]]
 
 
 def test_relative_and_type_checking_imports(tmp_path):
-    src = write(tmp_path, {
-        "pkg/__init__.py": "",
-        "pkg/sub/__init__.py": "from .c import g\n",
-        "pkg/sub/c.py": "from ..d import h\n",
-        "pkg/d.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.sub\n",
-    })  # fmt: skip
+    src = write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/sub/__init__.py": "from .c import g\n",
+            "pkg/sub/c.py": "from ..d import h\n",
+            "pkg/d.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.sub\n",
+        },
+    )
     graph = import_graph([src])
     assert graph["pkg.sub"] == {"pkg.sub.c"}
     assert graph["pkg.sub.c"] == {"pkg.d"}
@@ -161,11 +167,14 @@ def test_relative_and_type_checking_imports(tmp_path):
 
 def test_from_a_package_import_a_submodule_is_an_edge_to_the_submodule(tmp_path):
     """``from pkg import b`` needs ``pkg.b``, not what ``pkg/__init__.py`` imports."""
-    src = write(tmp_path, {
-        "pkg/__init__.py": "from pkg.a import f\n",
-        "pkg/a.py": "from pkg import b\ndef f():\n    pass\n",
-        "pkg/b.py": "X = 1\n",
-    })  # fmt: skip
+    src = write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "from pkg.a import f\n",
+            "pkg/a.py": "from pkg import b\ndef f():\n    pass\n",
+            "pkg/b.py": "X = 1\n",
+        },
+    )
     graph = import_graph([src])
     assert graph["pkg.a"] == {"pkg.b"}
     assert cycles(graph) == []
@@ -176,9 +185,12 @@ def test_from_a_package_import_a_submodule_is_an_edge_to_the_submodule(tmp_path)
 @pytest.mark.parametrize("else_import", [True, False])
 def test_the_else_of_type_checking_counts(tmp_path, else_import):
     body = "    import pkg.b\n" if else_import else "    pass\n"
-    src = write(tmp_path, {
-        "pkg/__init__.py": "",
-        "pkg/a.py": "import typing\nif typing.TYPE_CHECKING:\n    pass\nelse:\n" + body,
-        "pkg/b.py": "import pkg.a\n",
-    })  # fmt: skip
+    src = write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/a.py": "import typing\nif typing.TYPE_CHECKING:\n    pass\nelse:\n" + body,
+            "pkg/b.py": "import pkg.a\n",
+        },
+    )
     assert bool(cycles(import_graph([src]))) is else_import

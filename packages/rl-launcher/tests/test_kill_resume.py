@@ -59,8 +59,16 @@ def processes_with(token: str) -> list[int]:
 
 
 def arguments(run_dir: Path, *extra: str) -> list[str]:
-    return shrunk(run_dir, "--num_steps", str(NUM_STEPS), "--rollout.loop", "one_step_async",
-                  "--logging.progress", "true", *extra)  # fmt: skip
+    return shrunk(
+        run_dir,
+        "--num_steps",
+        str(NUM_STEPS),
+        "--rollout.loop",
+        "one_step_async",
+        "--logging.progress",
+        "true",
+        *extra,
+    )
 
 
 def uninterrupted_order(argv: list[str], num_steps: int) -> list[dict]:
@@ -72,8 +80,13 @@ def uninterrupted_order(argv: list[str], num_steps: int) -> list[dict]:
     size, records = config.rollout.batch_size, []
     for step in range(1, num_steps + 1):
         prompts = [source.next_prompt() for _ in range(size)]
-        records.append({"step": step, "prompts": [data_order.prompt_id(p) for p in prompts],
-                        "draws": [p.group_index for p in prompts]})  # fmt: skip
+        records.append(
+            {
+                "step": step,
+                "prompts": [data_order.prompt_id(p) for p in prompts],
+                "draws": [p.group_index for p in prompts],
+            }
+        )
     return records
 
 
@@ -82,8 +95,13 @@ def rl_train(run_dir: Path, marker, *extra: str) -> subprocess.Popen:
     env = {**os.environ, MARKER: token, "RAY_TMPDIR": str(ray_dir)}
     args = arguments(run_dir, *extra)
     log = open(run_dir.parent / f"{run_dir.name}.log", "ab")  # noqa: SIM115 (the child holds it)
-    return subprocess.Popen([sys.executable, "-m", "rl_launcher.cli", *args], env=env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "rl_launcher.cli", *args],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def finish(process: subprocess.Popen, run_dir: Path, timeout_s: float = 300) -> None:

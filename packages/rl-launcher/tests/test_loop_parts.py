@@ -23,11 +23,19 @@ ROOT = Path(__file__).resolve().parents[3]
 def group(draw: int, version: str | list[str], *, size: int = 2, status="completed") -> list:
     versions = [version] if isinstance(version, str) else version
     return [
-        Sample(tokens=[1, 2, 3], response_length=1, reward=float(i), status=status,
-               weight_versions=list(versions), group_index=draw, index=draw * size + i,
-               rollout_log_probs=[-0.5], metadata={"draw": draw, "dataset": "d", "row": 10 + draw})
+        Sample(
+            tokens=[1, 2, 3],
+            response_length=1,
+            reward=float(i),
+            status=status,
+            weight_versions=list(versions),
+            group_index=draw,
+            index=draw * size + i,
+            rollout_log_probs=[-0.5],
+            metadata={"draw": draw, "dataset": "d", "row": 10 + draw},
+        )
         for i in range(size)
-    ]  # fmt: skip
+    ]
 
 
 class ScriptedManager:
@@ -61,8 +69,9 @@ async def produce_and_take(partial: bool, policy: str):
         RolloutResult([group(2, ["0", "2"]), group(3, "2")], [], {}),
     ]
     manager = ScriptedManager(chunks)
-    producer = ContinuousRollout(manager, batch_size=2, max_staleness=1, partial=partial,
-                                 stale_policy=policy)  # fmt: skip
+    producer = ContinuousRollout(
+        manager, batch_size=2, max_staleness=1, partial=partial, stale_policy=policy
+    )
     await producer.start()
     for _ in range(5):
         await asyncio.sleep(0)
@@ -141,8 +150,9 @@ def test_data_order_log_survives_a_torn_line_and_truncates(tmp_path):
 def test_loop_settings_that_cannot_work_together_are_refused():
     with pytest.raises(ValueError, match="max_staleness >= 1"):
         load_config(["--rollout.loop", "async", "--rollout.max_staleness", "0"])
-    config, _ = load_config(["--rollout.loop", "one_step_async",
-                             "--rollout.stale_policy", "importance"])  # fmt: skip
+    config, _ = load_config(
+        ["--rollout.loop", "one_step_async", "--rollout.stale_policy", "importance"]
+    )
     with pytest.raises(ValueError, match=r"set algorithm\.rollout_is_level=token"):
         check_loop(config)
     config.algorithm.rollout_is_level = "token"
@@ -165,9 +175,15 @@ def test_overlapping_loops_on_cpu_split_the_cores_between_trainer_and_engines(mo
 def test_old_log_probs_from_the_train_step_only_for_one_update_without_reward_kl():
     config, _ = load_config(["--algorithm.old_log_probs", "train_step"])
     check_loop(config)  # one minibatch, no KL-shaped reward: the train step gives them
-    for extra in (["--algorithm.num_minibatches", "2"],
-                  ["--algorithm.reward_kl_coef", "0.1",
-                   "--algorithm.advantage_estimator", "reinforce_plus_plus"]):  # fmt: skip
+    for extra in (
+        ["--algorithm.num_minibatches", "2"],
+        [
+            "--algorithm.reward_kl_coef",
+            "0.1",
+            "--algorithm.advantage_estimator",
+            "reinforce_plus_plus",
+        ],
+    ):
         config, _ = load_config(["--algorithm.old_log_probs", "train_step", *extra])
         with pytest.raises(ValueError, match=r"old_log_probs=train_step .* use recompute"):
             check_loop(config)

@@ -51,10 +51,18 @@ class Session:
 @pytest.fixture(scope="module")
 def session(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("loops") / "run"
-    extra = ("--num_steps", str(3 * STEPS), "--rollout.max_staleness", "1",
-             "--rollout.partial_rollout", "true",
-             "--model.init_config.max_position_embeddings", "256",
-             "--engine.max_context", "256")  # room for the 200 forced tokens below  # fmt: skip
+    extra = (
+        "--num_steps",
+        str(3 * STEPS),
+        "--rollout.max_staleness",
+        "1",
+        "--rollout.partial_rollout",
+        "true",
+        "--model.init_config.max_position_embeddings",
+        "256",
+        "--engine.max_context",
+        "256",
+    )  # room for the 200 forced tokens below
     config, _ = load_config(shrunk(run_dir, *extra))
     run = start_run(config)
     yield Session(run)
@@ -62,8 +70,10 @@ def session(tmp_path_factory):
 
 
 def versions_and_staleness(records) -> tuple[list, list]:
-    return ([r["sync/weight_version"] for r in records],
-            [r["rollout/staleness_max"] for r in records])  # fmt: skip
+    return (
+        [r["sync/weight_version"] for r in records],
+        [r["rollout/staleness_max"] for r in records],
+    )
 
 
 def test_sync_loop_trains_on_the_trainers_own_weights(session):

@@ -12,8 +12,14 @@ from rl_launcher.roles.backends import fsdp_config
 def test_lora_settings_reach_the_fsdp_config(tmp_path):
     config, _ = load_config([])
     assert fsdp_config(config, model_dir=tmp_path).lora is None  # full fine-tuning
-    config, _ = load_config(["model.lora_rank=8", "model.lora_alpha=32",
-                             "model.lora_targets=[q_proj, v_proj]", "mode=sft"])  # fmt: skip
+    config, _ = load_config(
+        [
+            "model.lora_rank=8",
+            "model.lora_alpha=32",
+            "model.lora_targets=[q_proj, v_proj]",
+            "mode=sft",
+        ]
+    )
     spec = fsdp_config(config, model_dir=tmp_path).lora
     assert spec == LoRASpec(rank=8, alpha=32.0, dropout=0.0, targets=("q_proj", "v_proj"))
     assert spec.scaling == 4.0

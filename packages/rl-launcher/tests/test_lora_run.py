@@ -28,13 +28,29 @@ NUM_ADAPTER = 2 * 8 * (2 * (64 + 64) + 2 * (64 + 32) + 3 * (64 + 128))
 def test_lora_run_syncs_merged_weights_and_checkpoints_only_adapters(tmp_path):
     run_dir = tmp_path / "run"
     args = [
-        "--config", str(LORA), "--num_steps", "3", "--rollout.batch_size", "4",
-        "--rollout.group_size", "4", "--algorithm.entropy_coef", "0.1",
-        "--algorithm.kl_coef", "0.01", "--logging.run_dir", str(run_dir),
-        "--model.tokenizer_path", str(ROOT / "examples/quickstart/tokenizer"),
-        "--data.train.0.path", str(ROOT / "examples/quickstart/data/train.jsonl"),
-        "--checkpoint.interval", "2", "--checkpoint.save_hf", "true",
-    ]  # fmt: skip
+        "--config",
+        str(LORA),
+        "--num_steps",
+        "3",
+        "--rollout.batch_size",
+        "4",
+        "--rollout.group_size",
+        "4",
+        "--algorithm.entropy_coef",
+        "0.1",
+        "--algorithm.kl_coef",
+        "0.01",
+        "--logging.run_dir",
+        str(run_dir),
+        "--model.tokenizer_path",
+        str(ROOT / "examples/quickstart/tokenizer"),
+        "--data.train.0.path",
+        str(ROOT / "examples/quickstart/data/train.jsonl"),
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.save_hf",
+        "true",
+    ]
     assert main(args) == 0
     records = read_metrics(run_dir)
     assert [r["sync/weight_version"] for r in records] == [1.0, 2.0, 3.0]

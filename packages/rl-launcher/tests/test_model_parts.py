@@ -40,5 +40,6 @@ def test_a_damaged_piece_is_refused_and_nothing_written(tmp_path):
     joined = parts("join", str(second), "--stash", str(stash), "--output", str(output))
     assert joined.returncode == 1 and "model.gguf.001: SHA-256 differs" in joined.stderr
     assert not output.exists() and not list(tmp_path.glob(".model.gguf.out.*"))
-    assert parts("join", str(tmp_path), "--stash", str(stash), "--output", str(output)
-                 ).returncode == 2  # not a part folder  # fmt: skip
+    assert (
+        parts("join", str(tmp_path), "--stash", str(stash), "--output", str(output)).returncode == 2
+    )  # not a part folder

@@ -9,8 +9,9 @@ from rl_launcher.roles.backends import fsdp_config
 
 
 def test_sgd_and_its_momentum_reach_rl_fsdp(tmp_path):
-    config, _ = load_config(shrunk(tmp_path, "--optimizer.name", "sgd",
-                                   "--optimizer.momentum", "0.9"))  # fmt: skip
+    config, _ = load_config(
+        shrunk(tmp_path, "--optimizer.name", "sgd", "--optimizer.momentum", "0.9")
+    )
     fsdp = fsdp_config(config, model_dir=tmp_path)
     assert (fsdp.optimizer, fsdp.momentum, fsdp.lr) == ("sgd", 0.9, 0.01)
 
@@ -20,14 +21,27 @@ def test_adamw_stays_the_default(tmp_path):
     assert fsdp_config(config, model_dir=tmp_path).optimizer == "adamw"
 
 
-@pytest.mark.parametrize(("extra", "named"), [
-    (["--optimizer.name", "sgd", "--backend.name", "megatron"], "backend.name=fsdp"),
-    (["--optimizer.momentum", "0.9"], "optimizer.name=sgd"),
-    (["--model.dtype", "float16"], "bfloat16"),
-    (["--backend.name", "megatron", "--optimizer.schedule", "constant",
-      "--optimizer.warmup_steps", "0", "--model.gradient_checkpointing", "true"],
-     "gradient_checkpointing=false"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        (["--optimizer.name", "sgd", "--backend.name", "megatron"], "backend.name=fsdp"),
+        (["--optimizer.momentum", "0.9"], "optimizer.name=sgd"),
+        (["--model.dtype", "float16"], "bfloat16"),
+        (
+            [
+                "--backend.name",
+                "megatron",
+                "--optimizer.schedule",
+                "constant",
+                "--optimizer.warmup_steps",
+                "0",
+                "--model.gradient_checkpointing",
+                "true",
+            ],
+            "gradient_checkpointing=false",
+        ),
+    ],
+)
 def test_what_no_backend_does_is_refused_at_load(tmp_path, extra, named):
     with pytest.raises(ValueError, match=named):
         load_config(shrunk(tmp_path, *extra))

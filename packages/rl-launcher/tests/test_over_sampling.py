@@ -57,8 +57,13 @@ class Prompts:
 
     def next_prompt(self) -> Sample:
         draw, self.draws = self.draws, self.draws + 1
-        return Sample(tokens=[draw], response_length=0, label="1", group_index=draw,
-                      metadata={"dataset": "t", "row": draw})  # fmt: skip
+        return Sample(
+            tokens=[draw],
+            response_length=0,
+            label="1",
+            group_index=draw,
+            metadata={"dataset": "t", "row": draw},
+        )
 
     def state_dict(self) -> dict:
         return {"draws": self.draws}
@@ -82,11 +87,13 @@ class Reward:
 
 
 def scripted_manager(tmp_path, labels: list[str], *extra: str):
-    config, _ = load_config(shrunk(tmp_path / "run", "--algorithm.group_filter", "nonzero_std",
-                                   *extra))  # fmt: skip
+    config, _ = load_config(
+        shrunk(tmp_path / "run", "--algorithm.group_filter", "nonzero_std", *extra)
+    )
     tokenizer = load_tokenizer(TOKENIZER)
-    manager = RolloutManager(config, model_dir=tmp_path, tokenizer=tokenizer,
-                             source=Prompts(), log_dir=tmp_path)  # fmt: skip
+    manager = RolloutManager(
+        config, model_dir=tmp_path, tokenizer=tokenizer, source=Prompts(), log_dir=tmp_path
+    )
     manager.reward_fn.close()
     manager.reward_fn = Reward(tokenizer)
     manager.engines = [SimpleNamespace(url=URL, stop=lambda: None)]
@@ -138,12 +145,24 @@ def test_without_over_sampling_the_buffer_filters_and_the_step_is_short(tmp_path
         manager.stop()
 
 
-@pytest.mark.parametrize(("extra", "named"), [
-    ([], "group_filter=keep_all"),
-    (["--algorithm.group_filter", "nonzero_std", "--rollout.loop", "async"], "loop=async"),
-    (["--algorithm.group_filter", "nonzero_std", "--rollout.loop", "one_step_async",
-      "--rollout.partial_rollout", "true"], "partial_rollout"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ([], "group_filter=keep_all"),
+        (["--algorithm.group_filter", "nonzero_std", "--rollout.loop", "async"], "loop=async"),
+        (
+            [
+                "--algorithm.group_filter",
+                "nonzero_std",
+                "--rollout.loop",
+                "one_step_async",
+                "--rollout.partial_rollout",
+                "true",
+            ],
+            "partial_rollout",
+        ),
+    ],
+)
 def test_over_sampling_is_refused_where_nothing_refills(tmp_path, extra, named):
     with pytest.raises(ValueError, match=named):
         load_config(shrunk(tmp_path, "--rollout.over_sampling", "2", *extra))

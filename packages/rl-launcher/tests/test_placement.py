@@ -44,19 +44,44 @@ def test_two_nodes_of_eight_colocated_with_node_wide_engines():
 
 def test_disaggregated_with_explicit_ranks_leaves_spare_devices_unreserved():
     plan = plan_layout(
-        num_nodes=1, devices_per_node=8, num_engines=1, devices_per_engine=2, colocate=False, num_train_ranks=4
-    )  # fmt: skip
+        num_nodes=1,
+        devices_per_node=8,
+        num_engines=1,
+        devices_per_engine=2,
+        colocate=False,
+        num_train_ranks=4,
+    )
     assert plan.num_bundles == 6 and plan.engine_bundles == ((4, 5),)
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        (dict(num_nodes=1, devices_per_node=8, num_engines=4, devices_per_engine=2, colocate=False), "split between 0 training ranks"),
-        (dict(num_nodes=1, devices_per_node=8, num_engines=5, devices_per_engine=2, colocate=True), "10 engine devices"),
-        (dict(num_nodes=2, devices_per_node=8, num_engines=2, devices_per_engine=4, colocate=False, num_train_ranks=6), "engine 0 would straddle nodes [0, 1]"),
+        (
+            dict(
+                num_nodes=1, devices_per_node=8, num_engines=4, devices_per_engine=2, colocate=False
+            ),
+            "split between 0 training ranks",
+        ),
+        (
+            dict(
+                num_nodes=1, devices_per_node=8, num_engines=5, devices_per_engine=2, colocate=True
+            ),
+            "10 engine devices",
+        ),
+        (
+            dict(
+                num_nodes=2,
+                devices_per_node=8,
+                num_engines=2,
+                devices_per_engine=4,
+                colocate=False,
+                num_train_ranks=6,
+            ),
+            "engine 0 would straddle nodes [0, 1]",
+        ),
     ],
-)  # fmt: skip
+)
 def test_impossible_layouts_say_why(kwargs, message):
     with pytest.raises(ValueError, match=r"add devices|straddle") as error:
         plan_layout(**kwargs)
@@ -66,9 +91,16 @@ def test_impossible_layouts_say_why(kwargs, message):
 def test_plan_from_config():
     assert plan_from_config(TrainConfig()).describe() == "node 0: T0+E0"
     config, _ = load_config(
-        ["cluster.num_nodes=2", "cluster.devices_per_node=8", "cluster.device=cuda", "cluster.colocate=false",
-         "engine.num_engines=4", "engine.devices_per_engine=2", "backend.tensor_parallel=2"]
-    )  # fmt: skip
+        [
+            "cluster.num_nodes=2",
+            "cluster.devices_per_node=8",
+            "cluster.device=cuda",
+            "cluster.colocate=false",
+            "engine.num_engines=4",
+            "engine.devices_per_engine=2",
+            "backend.tensor_parallel=2",
+        ]
+    )
     assert plan_from_config(config).num_train_ranks == 8
     with pytest.raises(ValueError, match="not a multiple of tensor_parallel"):
         load_config(
@@ -79,14 +111,24 @@ def test_plan_from_config():
 def test_embedded_engines_get_the_runs_context_bound_and_dtype(tmp_path):
     from rl_launcher.roles.engine_servers import engine_max_context, engine_processes
 
-    config, _ = load_config(["--data.max_prompt_tokens", "100", "--rollout.max_response_tokens",
-                             "40", "--eval.max_response_tokens", "60", "--model.dtype",
-                             "bfloat16"])  # fmt: skip
+    config, _ = load_config(
+        [
+            "--data.max_prompt_tokens",
+            "100",
+            "--rollout.max_response_tokens",
+            "40",
+            "--eval.max_response_tokens",
+            "60",
+            "--model.dtype",
+            "bfloat16",
+        ]
+    )
     assert engine_max_context(config) == 160  # the longest prompt + the longest response
     config.eval.max_response_tokens = None
     assert engine_max_context(config) == 140
-    (server,) = engine_processes(config, model_dir=tmp_path, log_dir=tmp_path, gpus=None,
-                                 max_batch_size=8)  # fmt: skip
+    (server,) = engine_processes(
+        config, model_dir=tmp_path, log_dir=tmp_path, gpus=None, max_batch_size=8
+    )
     command = server.command()
     assert command[command.index("--max-context") + 1] == "140"
     assert command[command.index("--dtype") + 1] == "bfloat16"

@@ -30,14 +30,23 @@ def listening_addresses(port: int) -> list[str]:
 def test_interfaces_named_by_the_environment():
     assert rendezvous.named_interface({}) is None
     assert rendezvous.named_interface({"GLOO_SOCKET_IFNAME": "eth1,eth2"}) == (
-        "GLOO_SOCKET_IFNAME", "eth1", False)  # fmt: skip
+        "GLOO_SOCKET_IFNAME",
+        "eth1",
+        False,
+    )
     # gloo's variable wins; NCCL reads a bare name as a prefix, "=name" as exact, "^..." excludes
     both = {"GLOO_SOCKET_IFNAME": "ib0", "NCCL_SOCKET_IFNAME": "eth"}
     assert rendezvous.named_interface(both) == ("GLOO_SOCKET_IFNAME", "ib0", False)
     assert rendezvous.named_interface({"NCCL_SOCKET_IFNAME": "eth"}) == (
-        "NCCL_SOCKET_IFNAME", "eth", True)  # fmt: skip
+        "NCCL_SOCKET_IFNAME",
+        "eth",
+        True,
+    )
     assert rendezvous.named_interface({"NCCL_SOCKET_IFNAME": "=eth0"}) == (
-        "NCCL_SOCKET_IFNAME", "eth0", False)  # fmt: skip
+        "NCCL_SOCKET_IFNAME",
+        "eth0",
+        False,
+    )
     assert rendezvous.named_interface({"NCCL_SOCKET_IFNAME": "^docker,lo"}) is None
 
 
@@ -79,10 +88,12 @@ def test_probe_on_a_node_without_the_drivers_files(tmp_path):
     assert why.startswith("No such file or directory") and "abc" in why
     (tmp_path / f"{shared_dirs.PROBE_PREFIX}abc").write_text("an older run's")
     assert shared_dirs.probe_node(str(tmp_path), "abc", "node1", None) == (
-        "the driver's probe file holds something else")  # fmt: skip
+        "the driver's probe file holds something else"
+    )
     (tmp_path / "config.json").write_text("{}")
     assert shared_dirs.probe_node(str(tmp_path), "0" * 64, "n", "config.json") == (
-        "its config.json differs from the driver's")  # fmt: skip
+        "its config.json differs from the driver's"
+    )
 
 
 @pytest.mark.integration

@@ -73,14 +73,16 @@ def by_sample(step, rank_batches, name: str) -> torch.Tensor:
 
 
 def test_reinforce_pp_advantages_carry_the_kl_penalty():
-    buffer = DataBuffer(group_size=2, num_ranks=2, advantage_estimator="reinforce_plus_plus",
-                        reward_kl_coef=COEF)  # fmt: skip
+    buffer = DataBuffer(
+        group_size=2, num_ranks=2, advantage_estimator="reinforce_plus_plus", reward_kl_coef=COEF
+    )
     step, rank_batches = filled(buffer)
     assert step.partitions == [[1, 2], [0, 3]]  # 3 + 3 and 4 + 2 tokens: both ranks mapped
     got = by_sample(step, rank_batches, "advantages")
     torch.testing.assert_close(got, whiten(RETURNS, MASK))  # hand returns, whitened
-    inputs = AdvantageInputs(rewards=torch.tensor([1.0, 0.0, 0.0, 1.0]), mask=MASK, kl=KL,
-                             kl_coef=COEF, group_size=2)  # fmt: skip
+    inputs = AdvantageInputs(
+        rewards=torch.tensor([1.0, 0.0, 0.0, 1.0]), mask=MASK, kl=KL, kl_coef=COEF, group_size=2
+    )
     expected, _ = ADVANTAGE_ESTIMATORS.get("reinforce_plus_plus")(inputs)
     torch.testing.assert_close(got, expected)
     for batch in rank_batches:  # nothing outside the response tokens
@@ -97,8 +99,12 @@ def test_reinforce_pp_advantages_carry_the_kl_penalty():
 
 
 def test_reinforce_pp_baseline_subtracts_the_kl_per_token():
-    buffer = DataBuffer(group_size=2, num_ranks=1,
-                        advantage_estimator="reinforce_plus_plus_baseline", reward_kl_coef=COEF)  # fmt: skip
+    buffer = DataBuffer(
+        group_size=2,
+        num_ranks=1,
+        advantage_estimator="reinforce_plus_plus_baseline",
+        reward_kl_coef=COEF,
+    )
     step, rank_batches = filled(buffer)
     centred = torch.tensor([[0.5, 0.5], [-0.5, 0], [-0.5, -0.5], [0.5, 0]])  # r - group mean
     got = by_sample(step, rank_batches, "advantages")
@@ -107,8 +113,14 @@ def test_reinforce_pp_baseline_subtracts_the_kl_per_token():
 
 def test_gae_gets_the_kl_and_the_critic_its_targets():
     values = torch.tensor([[0.2, 0.4], [0.1, 0.0], [0.3, -0.1], [0.5, 0.0]])
-    buffer = GaeBuffer(value_fn=lambda samples: values, group_size=2, num_ranks=2,
-                       advantage_estimator="gae", reward_kl_coef=COEF, lam=1.0)  # fmt: skip
+    buffer = GaeBuffer(
+        value_fn=lambda samples: values,
+        group_size=2,
+        num_ranks=2,
+        advantage_estimator="gae",
+        reward_kl_coef=COEF,
+        lam=1.0,
+    )
     step, rank_batches = filled(buffer)
     # gamma = lam = 1: the return of a token is the sum of the token rewards from it on
     torch.testing.assert_close(by_sample(step, rank_batches, "returns"), RETURNS * MASK)
@@ -127,8 +139,10 @@ def test_no_reference_call_without_a_kl_and_one_with_it():
 
     def run(kl_coef, reward_kl_coef):
         algorithm = SimpleNamespace(kl_coef=kl_coef, reward_kl_coef=reward_kl_coef)
-        return SimpleNamespace(config=SimpleNamespace(algorithm=algorithm),
-                               trainer=SimpleNamespace(log_probs=trainer_log_probs))  # fmt: skip
+        return SimpleNamespace(
+            config=SimpleNamespace(algorithm=algorithm),
+            trainer=SimpleNamespace(log_probs=trainer_log_probs),
+        )
 
     plain = DataBuffer(group_size=2, num_ranks=1, advantage_estimator="reinforce_plus_plus")
     plain.add(samples())
@@ -138,8 +152,9 @@ def test_no_reference_call_without_a_kl_and_one_with_it():
     assert calls == []
     in_loss = with_reference(run(0.01, 0.0), plain, step, step.rank_batches)
     assert calls == ["ref"] and in_loss[0].ref_log_probs is not None
-    shaped = DataBuffer(group_size=2, num_ranks=1, advantage_estimator="reinforce_plus_plus",
-                        reward_kl_coef=COEF)  # fmt: skip
+    shaped = DataBuffer(
+        group_size=2, num_ranks=1, advantage_estimator="reinforce_plus_plus", reward_kl_coef=COEF
+    )
     shaped.add(samples())
     step = shaped.pop_step(2)
     batches = with_old_log_probs(step.rank_batches, [torch.zeros(step.rank_batches[0].num_tokens)])

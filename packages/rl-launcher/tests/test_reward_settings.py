@@ -37,23 +37,33 @@ def samples(labels: list[str], response: str = "7") -> list[Sample]:
     tokenizer = load_tokenizer(TOKENIZER)
     prompt = tokenizer.encode("3+4=", add_special_tokens=False)
     ids = tokenizer.encode(response, add_special_tokens=False)
-    return [Sample(tokens=prompt + ids, response_length=len(ids), label=label, index=i)
-            for i, label in enumerate(labels)]  # fmt: skip
+    return [
+        Sample(tokens=prompt + ids, response_length=len(ids), label=label, index=i)
+        for i, label in enumerate(labels)
+    ]
 
 
 async def score(reward, batch: list[Sample]) -> list:
     return await asyncio.gather(*(reward.rollout_fn(s) for s in batch))
 
 
-@pytest.mark.parametrize(("extra", "on_error", "timeout"),
-                         [([], "raise", 60.0),
-                          (["--rollout.on_reward_error", "skip",
-                            "--rollout.reward_timeout_s", "2.5"], "skip", 2.5),
-                          (["--rollout.reward_timeout_s", "null"], "raise", None)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("extra", "on_error", "timeout"),
+    [
+        ([], "raise", 60.0),
+        (["--rollout.on_reward_error", "skip", "--rollout.reward_timeout_s", "2.5"], "skip", 2.5),
+        (["--rollout.reward_timeout_s", "null"], "raise", None),
+    ],
+)
 def test_reward_options_reach_the_runs_reward_not_the_guard(tmp_path, extra, on_error, timeout):
     config, _ = load_config(shrunk(tmp_path / "run", *extra))
-    manager = RolloutManager(config, model_dir=tmp_path, tokenizer=load_tokenizer(TOKENIZER),
-                             source=None, log_dir=tmp_path)  # fmt: skip
+    manager = RolloutManager(
+        config,
+        model_dir=tmp_path,
+        tokenizer=load_tokenizer(TOKENIZER),
+        source=None,
+        log_dir=tmp_path,
+    )
     reward = manager.reward_fn
     try:
         settings = manager.rollout_settings(num_groups=4)
@@ -72,8 +82,7 @@ def test_reward_options_reach_the_runs_reward_not_the_guard(tmp_path, extra, on_
 
 @pytest.mark.integration
 def test_spinning_and_sleeping_rewards_cost_one_time_limit_and_are_counted():
-    reward = load_reward(STUCK, load_tokenizer(TOKENIZER),
-                         on_error="skip", timeout_s=1.0)  # fmt: skip
+    reward = load_reward(STUCK, load_tokenizer(TOKENIZER), on_error="skip", timeout_s=1.0)
     try:
         asyncio.run(score(reward, samples(["7"])))  # the worker processes have loaded it
         batch = samples(["spin", "sleep", "7", "7", "3", "7"])
@@ -94,16 +103,20 @@ def test_spinning_and_sleeping_rewards_cost_one_time_limit_and_are_counted():
 def test_a_hung_reward_stops_the_run_naming_the_reward_and_the_option():
     reward = load_reward(STUCK, load_tokenizer(TOKENIZER), timeout_s=1.0)
     try:
-        with pytest.raises(RewardError, match=r"stuck_rewards:stuck_reward' took longer than "
-                           r"rollout.reward_timeout_s=1 s on sample 0 \(response '7'"):  # fmt: skip
+        with pytest.raises(
+            RewardError,
+            match=r"stuck_rewards:stuck_reward' took longer than "
+            r"rollout.reward_timeout_s=1 s on sample 0 \(response '7'",
+        ):
             asyncio.run(score(reward, samples(["spin"])))
     finally:
         reward.close()
 
 
 def test_a_coroutine_reward_stays_on_the_event_loop_under_the_time_limit():
-    reward = load_reward(f"{__name__}:async_reward", load_tokenizer(TOKENIZER),
-                         on_error="skip", timeout_s=0.5)  # fmt: skip
+    reward = load_reward(
+        f"{__name__}:async_reward", load_tokenizer(TOKENIZER), on_error="skip", timeout_s=0.5
+    )
     assert reward.pool is None
     start = time.monotonic()
     assert asyncio.run(score(reward, samples(["spin", "7"]))) == [0.0, 1.0]
@@ -114,8 +127,11 @@ def test_a_coroutine_reward_stays_on_the_event_loop_under_the_time_limit():
 def test_mapping_and_non_finite_rewards_name_the_option_that_governs_them():
     tokenizer = load_tokenizer(TOKENIZER)
     unkeyed = load_reward(f"{__name__}:mapping_reward", tokenizer, on_error="skip")
-    with pytest.raises(ValueError, match=r"mapping with keys \['acc', 'nan'\]; set "
-                       "algorithm.reward_key"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"mapping with keys \['acc', 'nan'\]; set "
+        "algorithm.reward_key",
+    ):
         unkeyed(samples(["7"])[0])  # a setting to fix, not a sample to skip
     keyed = load_reward(f"{__name__}:mapping_reward", tokenizer, reward_key="acc")
     assert keyed(samples(["7"])[0]) == {"acc": 1.0, "nan": 0.0}
@@ -140,13 +156,30 @@ def test_rl_train_with_a_reward_that_hangs_on_some_samples_finishes_and_counts_t
     """The user's case: a custom reward looping for good on some samples, a 1 s limit and
     on_reward_error=skip; two steps of the quickstart with real Ray, engine and trainer."""
     data = tmp_path / "data.jsonl"
-    data.write_text("".join(f'{{"prompt": "{p}", "label": "{label}"}}\n' for p, label in
-                            [("1+1=", "2"), ("2+2=", "4"), ("3+4=", "spin"), ("0+0=", "0")]))  # fmt: skip
+    data.write_text(
+        "".join(
+            f'{{"prompt": "{p}", "label": "{label}"}}\n'
+            for p, label in [("1+1=", "2"), ("2+2=", "4"), ("3+4=", "spin"), ("0+0=", "0")]
+        )
+    )
     run_dir = tmp_path / "run"
-    args = shrunk(run_dir, "--num_steps", "2", "--rollout.group_size", "2",
-                  "--data.train.0.path", str(data), "--checkpoint.interval", "0",
-                  "--rollout.reward", STUCK,
-                  "--rollout.reward_timeout_s", "1", "--rollout.on_reward_error", "skip")  # fmt: skip
+    args = shrunk(
+        run_dir,
+        "--num_steps",
+        "2",
+        "--rollout.group_size",
+        "2",
+        "--data.train.0.path",
+        str(data),
+        "--checkpoint.interval",
+        "0",
+        "--rollout.reward",
+        STUCK,
+        "--rollout.reward_timeout_s",
+        "1",
+        "--rollout.on_reward_error",
+        "skip",
+    )
     start = time.monotonic()
     assert main(args) == 0
     records = read_metrics(run_dir)

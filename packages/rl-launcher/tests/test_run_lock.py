@@ -26,8 +26,9 @@ time.sleep(120)
 @pytest.fixture
 def holder(tmp_path):
     """A process holding tmp_path's lock, with a child of its own (as engines are)."""
-    process = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)],
-                               stdout=subprocess.PIPE, text=True)  # fmt: skip
+    process = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
     child = int(process.stdout.readline())
     yield process, child
     for pid in (process.pid, child):
@@ -43,8 +44,10 @@ def test_a_second_run_is_refused_naming_the_holder(tmp_path, holder):
         lock_run_dir(tmp_path)
     assert time.monotonic() - start < 1  # at once, never waiting for the holder
     message = str(busy.value)
-    assert message.startswith(f"logging.run_dir={str(tmp_path)!r} is in use by another run "
-                              f"(pid {process.pid} on host {socket.gethostname()}, started ")  # fmt: skip
+    assert message.startswith(
+        f"logging.run_dir={str(tmp_path)!r} is in use by another run "
+        f"(pid {process.pid} on host {socket.gethostname()}, started "
+    )
     assert message.endswith("set logging.run_dir to another directory")
     assert isinstance(busy.value, ValueError)  # rl-train: exit 2
 

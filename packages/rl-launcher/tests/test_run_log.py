@@ -20,9 +20,17 @@ def step_metrics(step):
         "rollout/response_length/mean": 20.0 - step,
         "train/kl": 0.001 * step,
         "train/entropy": 2.0 - 0.1 * step,
-        "time/step": 1.5, "time/rollout": 1.0, "time/log_probs": 0.1, "time/train": 0.3, "time/sync": 0.05,
-        **({"eval/arith/pass@1": 0.1 * step, "eval/arith/pass@4": 0.2 * step} if step % 2 == 0 else {}),
-    }  # fmt: skip
+        "time/step": 1.5,
+        "time/rollout": 1.0,
+        "time/log_probs": 0.1,
+        "time/train": 0.3,
+        "time/sync": 0.05,
+        **(
+            {"eval/arith/pass@1": 0.1 * step, "eval/arith/pass@4": 0.2 * step}
+            if step % 2 == 0
+            else {}
+        ),
+    }
 
 
 def test_one_record_per_step_with_nonfinite_as_null(tmp_path):
@@ -107,15 +115,28 @@ def test_rl_plot_only_draws_what_exists_and_refuses_empty_runs(tmp_path, capsys)
 
 
 def test_time_split_sums_to_the_step():
-    colocated = {"time/step": 3.0, "time/rollout": 1.6, "time/turns/in_rollout": 0.1,
-                 "time/log_probs": 0.5, "time/log_probs_compute": 0.2, "time/train": 0.6,
-                 "time/train_compute": 0.5, "time/sync": 0.2}  # fmt: skip
+    colocated = {
+        "time/step": 3.0,
+        "time/rollout": 1.6,
+        "time/turns/in_rollout": 0.1,
+        "time/log_probs": 0.5,
+        "time/log_probs_compute": 0.2,
+        "time/train": 0.6,
+        "time/train_compute": 0.5,
+        "time/sync": 0.2,
+    }
     split = time_split(colocated)
     expected = {"rollout": 1.5, "log-probs": 0.2, "train": 0.5, "sync": 0.2, "eval": 0.0}
     assert split == pytest.approx(expected | {"other": 0.6})
     assert sum(split.values()) == pytest.approx(3.0)
-    overlapped = {"time/step": 2.0, "time/rollout": 0.01, "time/rollout_wait": 0.8,
-                  "time/log_probs": 0.3, "time/train": 0.8, "time/sync": 0.09}  # fmt: skip
+    overlapped = {
+        "time/step": 2.0,
+        "time/rollout": 0.01,
+        "time/rollout_wait": 0.8,
+        "time/log_probs": 0.3,
+        "time/train": 0.8,
+        "time/sync": 0.09,
+    }
     split = time_split(overlapped)  # no worker compute recorded: the phases' wall time
     assert split["rollout"] == pytest.approx(0.81) and split["log-probs"] == 0.3
     assert split["other"] == pytest.approx(0.0) and time_split({"step": 1}) is None

@@ -101,9 +101,19 @@ def test_starting_model_is_seeded_and_checks_the_vocabulary(tmp_path):
 
 def test_fsdp_config_carries_the_algorithm_and_optimizer(tmp_path):
     config, _ = load_config(
-        ["--algorithm.kl_coef", "0.01", "--optimizer.grad_clip", "0", "--num_steps", "7",
-         "--optimizer.schedule", "cosine", "--rollout.temperature", "0.7"]
-    )  # fmt: skip
+        [
+            "--algorithm.kl_coef",
+            "0.01",
+            "--optimizer.grad_clip",
+            "0",
+            "--num_steps",
+            "7",
+            "--optimizer.schedule",
+            "cosine",
+            "--rollout.temperature",
+            "0.7",
+        ]
+    )
     fsdp = fsdp_config(config, model_dir=tmp_path)
     assert fsdp.loads_reference and fsdp.objective.kl_coef == 0.01 and fsdp.max_grad_norm is None
     assert (fsdp.lr_decay, fsdp.total_steps, fsdp.objective.temperature) == ("cosine", 7, 0.7)
@@ -116,8 +126,14 @@ def test_sum_norm_aggregation_divides_by_the_response_limit_in_both_backends(tmp
     the launcher hands both backends the response limit."""
     from rl_launcher.roles.backends import megatron_config
 
-    config, _ = load_config(["--algorithm.loss_agg_mode", "seq-mean-token-sum-norm",
-                             "--rollout.max_response_tokens", "48"])  # fmt: skip
+    config, _ = load_config(
+        [
+            "--algorithm.loss_agg_mode",
+            "seq-mean-token-sum-norm",
+            "--rollout.max_response_tokens",
+            "48",
+        ]
+    )
     (tmp_path / "config.json").write_text("{}")  # rl-megatron checks that it is an HF dir
     assert fsdp_config(config, model_dir=tmp_path).objective.norm_length == 48.0
     assert megatron_config(config, model_dir=tmp_path).objective.norm_length == 48.0
@@ -149,11 +165,14 @@ def test_no_engine_restarts_while_engines_take_turns_or_share_a_weight_group(cap
     from rl_launcher.roles.engine_health import watch_engines
 
     engine = SimpleNamespace(health_interval_s=5.0)
-    for sync, turns, why in (("distributed", None, "weight-update group"),
-                             ("tensor", object(), "take turns")):  # fmt: skip
+    for sync, turns, why in (
+        ("distributed", None, "weight-update group"),
+        ("tensor", object(), "take turns"),
+    ):
         rollout = SimpleNamespace(engines=["an engine"], turns=turns)
-        run = SimpleNamespace(config=SimpleNamespace(engine=engine), rollout=rollout,
-                              sync_options={"transport": sync})  # fmt: skip
+        run = SimpleNamespace(
+            config=SimpleNamespace(engine=engine), rollout=rollout, sync_options={"transport": sync}
+        )
         watch_engines(run)
         assert not hasattr(rollout, "monitor")
         assert why in capsys.readouterr().err

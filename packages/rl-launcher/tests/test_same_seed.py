@@ -21,10 +21,21 @@ TIMES = ("time/", "perf/", "engine/", "gpu/")
 
 def one_step(root: Path, name: str) -> tuple[dict, list[list]]:
     """Step 1's metrics record and rollout dump of a fresh run ``name``."""
-    args = shrunk(root / name, "--num_steps", "1", "--checkpoint.interval", "0",
-                  "--rollout.reward", "failing_rewards:fails_on_low_digits",
-                  "--rollout.on_reward_error", "skip", "--rollout.dump_dir", str(root / f"{name}_dumps"),
-                  "--checkpoint.dir", str(root / f"{name}_ckpt"))  # fmt: skip
+    args = shrunk(
+        root / name,
+        "--num_steps",
+        "1",
+        "--checkpoint.interval",
+        "0",
+        "--rollout.reward",
+        "failing_rewards:fails_on_low_digits",
+        "--rollout.on_reward_error",
+        "skip",
+        "--rollout.dump_dir",
+        str(root / f"{name}_dumps"),
+        "--checkpoint.dir",
+        str(root / f"{name}_ckpt"),
+    )
     assert main(args) == 0
     (record,) = read_metrics(root / name)
     (dump,) = dump_files(root / f"{name}_dumps")

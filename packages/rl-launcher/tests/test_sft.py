@@ -41,8 +41,9 @@ def additions() -> list[dict]:
 
 
 def test_a_sample_is_prompt_then_response_and_eos_with_loss_on_the_response(tokenizer):
-    sample = sft_sample_from_row({"prompt": "3+4=", "response": "7"}, SPEC, tokenizer=tokenizer,
-                                 apply_chat_template=False)  # fmt: skip
+    sample = sft_sample_from_row(
+        {"prompt": "3+4=", "response": "7"}, SPEC, tokenizer=tokenizer, apply_chat_template=False
+    )
     # character ids: '3'=4 '+'=11 '4'=5 '='=14 '7'=8, <eos>=0
     assert sample.tokens == [4, 11, 5, 14, 8, 0]
     assert sample.response_length == 2 and sample.prompt_length == 4
@@ -59,8 +60,10 @@ def test_chat_messages_end_in_the_assistant_turn_that_is_the_response():
 
 
 def test_malformed_rows_are_counted_with_their_line_or_raised(tmp_path, tokenizer):
-    path = write_rows(tmp_path / "sft.jsonl", [additions()[0], "{not json", {"prompt": "1+1="},
-                                               {"prompt": "4+4=", "response": "8"}])  # fmt: skip
+    path = write_rows(
+        tmp_path / "sft.jsonl",
+        [additions()[0], "{not json", {"prompt": "1+1="}, {"prompt": "4+4=", "response": "8"}],
+    )
     spec = DatasetConfig(path=str(path))
     data = DataConfig(train=[spec], apply_chat_template=False)
     dataset = load_sft_dataset(spec, data, tokenizer=tokenizer, max_response_tokens=2)
@@ -80,14 +83,34 @@ def sft_args(run_dir: Path, data: Path, *extra: str) -> list[str]:
     config = run_dir.parent / "sft.yaml"
     config.write_text(yaml.safe_dump(tree))
     return [
-        "--config", str(config), "--mode", "sft", "--num_steps", "4", "--seed", "3", "--rollout.batch_size", "10",
-        "--rollout.max_response_tokens", "2", "--optimizer.lr", "0.01",
-        "--optimizer.schedule", "constant",
-        "--model.tokenizer_path", str(TOKENIZER),
-        "--data.apply_chat_template", "false",
-        "--logging.run_dir", str(run_dir), "--checkpoint.interval", "2",
-        "--checkpoint.save_hf", "true", *extra,
-    ]  # fmt: skip
+        "--config",
+        str(config),
+        "--mode",
+        "sft",
+        "--num_steps",
+        "4",
+        "--seed",
+        "3",
+        "--rollout.batch_size",
+        "10",
+        "--rollout.max_response_tokens",
+        "2",
+        "--optimizer.lr",
+        "0.01",
+        "--optimizer.schedule",
+        "constant",
+        "--model.tokenizer_path",
+        str(TOKENIZER),
+        "--data.apply_chat_template",
+        "false",
+        "--logging.run_dir",
+        str(run_dir),
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.save_hf",
+        "true",
+        *extra,
+    ]
 
 
 def answer_log_prob(model_dir: Path, tokenizer) -> float:
@@ -132,8 +155,10 @@ def test_sft_learns_checkpoints_exports_and_resumes(ray_cluster, tmp_path, capsy
     shutil.move(hf, reference)
     config, _ = load_config(sft_args(run_dir, data))
     assert resolve_model_dir(run_dir, config) == hf
-    exported, expected = load_file(next(hf.glob("*.safetensors"))), load_file(
-        next(reference.glob("*.safetensors")))  # fmt: skip
+    exported, expected = (
+        load_file(next(hf.glob("*.safetensors"))),
+        load_file(next(reference.glob("*.safetensors"))),
+    )
     assert exported.keys() == expected.keys()
     for name, tensor in expected.items():
         torch.testing.assert_close(exported[name], tensor, atol=0, rtol=0)

@@ -11,8 +11,14 @@ from rl_launcher.loops.step_metrics import split_step
 
 
 def test_overhead_is_the_step_outside_rollout_and_trainer_compute():
-    times = {"time/rollout": 1.5, "time/log_probs": 0.7, "time/train": 3.0,
-             "time/rollout_wait": 0.5, "time/sync": 0.3, "time/step": 6.0}  # fmt: skip
+    times = {
+        "time/rollout": 1.5,
+        "time/log_probs": 0.7,
+        "time/train": 3.0,
+        "time/rollout_wait": 0.5,
+        "time/sync": 0.3,
+        "time/step": 6.0,
+    }
     worker = {"time/log_probs_compute": 0.5, "time/train_compute": 2.5}
     out = split_step(times, worker, tokens=10_000)
     assert out["time/overhead"] == pytest.approx(6.0 - 2.0 - 0.5 - 2.5)
@@ -23,10 +29,18 @@ def test_overhead_is_the_step_outside_rollout_and_trainer_compute():
 
 
 def test_colocated_hand_over_before_a_rollout_is_overhead_and_sync_is_split_out():
-    times = {"time/rollout": 2.0, "time/log_probs": 1.0, "time/train": 2.0, "time/sync": 0.5,
-             "time/step": 5.5}  # fmt: skip
-    worker = {"time/log_probs_compute": 0.5, "time/train_compute": 1.5,
-              "time/turns/in_rollout": 0.4}  # fmt: skip
+    times = {
+        "time/rollout": 2.0,
+        "time/log_probs": 1.0,
+        "time/train": 2.0,
+        "time/sync": 0.5,
+        "time/step": 5.5,
+    }
+    worker = {
+        "time/log_probs_compute": 0.5,
+        "time/train_compute": 1.5,
+        "time/turns/in_rollout": 0.4,
+    }
     out = split_step(times, worker, tokens=100)
     assert out["time/overhead"] == pytest.approx(5.5 - 1.6 - 2.0)
     assert out["time/overhead_excl_sync"] == pytest.approx(5.5 - 1.6 - 2.0 - 0.5)
@@ -64,8 +78,12 @@ def test_monitor_summarises_the_samples_of_each_interval():
         while len(monitor._samples) < 4 and time.monotonic() < deadline:
             time.sleep(0.05)
         first = monitor.take()
-        assert first == {"gpu/util/0": 20.0, "gpu/util/1": 80.0,
-                         "gpu/mem_gb/0": 2.0, "gpu/mem_gb/1": 1.0}  # fmt: skip
+        assert first == {
+            "gpu/util/0": 20.0,
+            "gpu/util/1": 80.0,
+            "gpu/mem_gb/0": 2.0,
+            "gpu/mem_gb/1": 1.0,
+        }
         assert monitor.take() == {}  # nothing new since
     finally:
         monitor.close()

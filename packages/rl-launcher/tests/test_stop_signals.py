@@ -51,22 +51,39 @@ GONE_BOUND_S = 30  # until no process of the run is left
 
 
 def arguments(run_dir: Path, *extra: str) -> list[str]:
-    return shrunk(run_dir, "--num_steps", str(NUM_STEPS), "--checkpoint.interval", "0",
-                  "--rollout.reward_timeout_s", "null", "--rollout.on_reward_error", "skip",
-                  "--logging.progress", "true", *extra)  # fmt: skip
+    return shrunk(
+        run_dir,
+        "--num_steps",
+        str(NUM_STEPS),
+        "--checkpoint.interval",
+        "0",
+        "--rollout.reward_timeout_s",
+        "null",
+        "--rollout.on_reward_error",
+        "skip",
+        "--logging.progress",
+        "true",
+        *extra,
+    )
 
 
 def rl_train(run_dir: Path, marker, *extra: str, fail_on="", slow_on="") -> subprocess.Popen:  # noqa: F811
     """rl-train in its own process group; the reward failing_rewards.fails_on_labels raises
     on the labels ``fail_on`` and takes a minute on ``slow_on`` (comma-separated)."""
     token, ray_dir = marker
-    env = {**os.environ, MARKER: token, "RAY_TMPDIR": str(ray_dir), "FAIL_ON_LABELS": fail_on,
-           "SLOW_ON_LABELS": slow_on,
-           "PYTHONPATH": f"{TESTS}:{os.environ.get('PYTHONPATH', '')}"}  # fmt: skip
+    env = {
+        **os.environ,
+        MARKER: token,
+        "RAY_TMPDIR": str(ray_dir),
+        "FAIL_ON_LABELS": fail_on,
+        "SLOW_ON_LABELS": slow_on,
+        "PYTHONPATH": f"{TESTS}:{os.environ.get('PYTHONPATH', '')}",
+    }
     log = open(log_path(run_dir), "ab")  # noqa: SIM115 (the child holds it)
     command = [sys.executable, "-m", "rl_launcher.cli", *arguments(run_dir, *extra)]
-    return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)  # fmt: skip
+    return subprocess.Popen(
+        command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 def log_path(run_dir: Path) -> Path:
@@ -155,8 +172,15 @@ def test_sigterm_and_ctrl_c_stop_at_a_step_boundary_and_the_run_dir_has_one_owne
     }  # step + 1 is quick when it can be
     slow = slow or {labels[p] for p in order[step + 1]["prompts"]}
     grace = ("--checkpoint.stop_grace_s", "5", "--rollout.reward_timeout_s", "300")
-    resumed = rl_train(run_dir, marker, *reward, *grace, "--resume", fail_on=fail_on,
-                       slow_on=",".join(sorted(slow)))  # fmt: skip
+    resumed = rl_train(
+        run_dir,
+        marker,
+        *reward,
+        *grace,
+        "--resume",
+        fail_on=fail_on,
+        slow_on=",".join(sorted(slow)),
+    )
     wait_for_step(run_dir, step + 1, resumed)
     start = time.monotonic()
     os.killpg(resumed.pid, signal.SIGINT)
@@ -182,25 +206,40 @@ def test_sigterm_and_ctrl_c_stop_at_a_step_boundary_and_the_run_dir_has_one_owne
 def test_a_run_that_learns_nothing_fails_naming_the_cause(tmp_path, marker):  # noqa: F811
     token, _ = marker
     run_dir = tmp_path / "run"
-    process = rl_train(run_dir, marker, "--rollout.reward", "failing_rewards:always_fails",
-                       "--algorithm.max_empty_steps", "2")  # fmt: skip
+    process = rl_train(
+        run_dir,
+        marker,
+        "--rollout.reward",
+        "failing_rewards:always_fails",
+        "--algorithm.max_empty_steps",
+        "2",
+    )
     code = process.wait(300)
     log = log_path(run_dir).read_text(errors="replace")
     assert code == 1, log[-3000:]
-    cause = ("(nothing learnt: of 16 samples, 16 whose reward failed, skipped under "
-             "rollout.on_reward_error=skip (first: reward 'failing_rewards:always_fails' "
-             "failed on sample ")  # fmt: skip
+    cause = (
+        "(nothing learnt: of 16 samples, 16 whose reward failed, skipped under "
+        "rollout.on_reward_error=skip (first: reward 'failing_rewards:always_fails' "
+        "failed on sample "
+    )
     assert f"step 1/{NUM_STEPS} | trained 0/16 {cause}" in log
     assert f"step 2/{NUM_STEPS} | trained 0/16 {cause}" in log and "step 3/" not in log
-    stop = ("rl-train: stopped: 2 steps in a row up to step 2 trained no sample "
-            "(algorithm.max_empty_steps=2); step 2: of 16 samples, 16 whose reward failed")  # fmt: skip
+    stop = (
+        "rl-train: stopped: 2 steps in a row up to step 2 trained no sample "
+        "(algorithm.max_empty_steps=2); step 2: of 16 samples, 16 whose reward failed"
+    )
     assert stop in log and "RuntimeError: no scorer for label" in log
     assert checkpoints.complete_checkpoints(run_dir / "checkpoints") == []
     # start-up said what it was doing, phase by phase, before the first step
-    phases = ["rl-train: model and prompts ready in ", "rl-train: Ray ready in ",
-              "rl-train: trainer ready (fsdp, 1 rank(s)) in ",
-              "rl-train: 1 embedded engine(s) and router ready in ",
-              "rl-train: started in ", f"s; step 1/{NUM_STEPS} running", f"step 1/{NUM_STEPS} |"]  # fmt: skip
+    phases = [
+        "rl-train: model and prompts ready in ",
+        "rl-train: Ray ready in ",
+        "rl-train: trainer ready (fsdp, 1 rank(s)) in ",
+        "rl-train: 1 embedded engine(s) and router ready in ",
+        "rl-train: started in ",
+        f"s; step 1/{NUM_STEPS} running",
+        f"step 1/{NUM_STEPS} |",
+    ]
     at = [log.index(phase) for phase in phases]
     assert at == sorted(at)
     all_gone(token)

@@ -127,8 +127,12 @@ sys.exit("not reached")
 
 
 def test_a_second_signal_exits_at_once_with_the_processes_it_started():
-    child = subprocess.Popen([sys.executable, "-c", SECOND_SIGNAL], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)  # fmt: skip
+    child = subprocess.Popen(
+        [sys.executable, "-c", SECOND_SIGNAL],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     server = int(child.stdout.readline())
     start = time.monotonic()
     child.send_signal(signal.SIGINT)

@@ -12,9 +12,16 @@ MULTITURN = ROOT / "examples" / "multiturn" / "tokenizer"
 
 
 def test_the_tokenizer_reloaded_from_the_model_directory_is_the_original(tmp_path):
-    init = {"model_type": "qwen2", "hidden_size": 16, "intermediate_size": 32,
-            "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
-            "vocab_size": 48, "max_position_embeddings": 64}  # fmt: skip
+    init = {
+        "model_type": "qwen2",
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "vocab_size": 48,
+        "max_position_embeddings": 64,
+    }
     model = ModelConfig(tokenizer_path=str(MULTITURN), init_config=init)
     model_dir, original = prepare_model(model, run_dir=tmp_path, seed=0)
     reloaded = load_tokenizer(model_dir)

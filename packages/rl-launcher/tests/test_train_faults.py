@@ -110,8 +110,10 @@ def faulty_run(ray_started, tmp_path_factory):
         "order": data_order.read(run_dir),
         "step2_dir": sorted(p.name for p in (run_dir / "checkpoints/step_000002").iterdir()),
     }
-    print(f"faulty run: {time.monotonic() - start:.0f} s, stopped {stopped_after_s:.1f} s "
-          "after the kill")  # fmt: skip
+    print(
+        f"faulty run: {time.monotonic() - start:.0f} s, stopped {stopped_after_s:.1f} s "
+        "after the kill"
+    )
     start = time.monotonic()
     with _captured() as resumed_out:
         resumed = {"status": main([*argv, "--resume"])}

@@ -24,13 +24,28 @@ LOGPROB_TOL = 1e-4  # engine (HF forward, continuous batching) vs trainer (packe
 
 def shrunk(run_dir: Path, *extra: str) -> list[str]:
     return [
-        "--config", str(QUICKSTART), "--num_steps", "3", "--rollout.batch_size", "4",
-        "--rollout.group_size", "4", "--algorithm.entropy_coef", "0.1",
-        "--optimizer.lr", "0.01", "--logging.run_dir", str(run_dir),  # entropy: never a zero gradient
-        "--model.tokenizer_path", str(ROOT / "examples/quickstart/tokenizer"),
-        "--data.train.0.path", str(ROOT / "examples/quickstart/data/train.jsonl"),
-        "--checkpoint.interval", "2", *extra,
-    ]  # fmt: skip
+        "--config",
+        str(QUICKSTART),
+        "--num_steps",
+        "3",
+        "--rollout.batch_size",
+        "4",
+        "--rollout.group_size",
+        "4",
+        "--algorithm.entropy_coef",
+        "0.1",
+        "--optimizer.lr",
+        "0.01",
+        "--logging.run_dir",
+        str(run_dir),  # entropy: never a zero gradient
+        "--model.tokenizer_path",
+        str(ROOT / "examples/quickstart/tokenizer"),
+        "--data.train.0.path",
+        str(ROOT / "examples/quickstart/data/train.jsonl"),
+        "--checkpoint.interval",
+        "2",
+        *extra,
+    ]
 
 
 def engine_response(run, prompt_ids: list[int]) -> dict:
@@ -133,8 +148,12 @@ def test_reinforce_pp_with_a_kl_shaped_reward(tmp_path):
     """rl-train with reward_kl_coef: the reference is loaded and the reward's KL is that of
     the step's old policy to it: 0 at step 1 (the policy is the reference), not at step 2."""
     run_dir = tmp_path / "run"
-    shaped = ("--algorithm.advantage_estimator", "reinforce_plus_plus",
-              "--algorithm.reward_kl_coef", "0.1")  # fmt: skip
+    shaped = (
+        "--algorithm.advantage_estimator",
+        "reinforce_plus_plus",
+        "--algorithm.reward_kl_coef",
+        "0.1",
+    )
     assert main(shrunk(run_dir, "--num_steps", "2", "--checkpoint.interval", "0", *shaped)) == 0
     first, second = read_metrics(run_dir)
     assert abs(first["algorithm/reward_kl_mean"]) < 1e-6

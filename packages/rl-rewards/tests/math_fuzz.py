@@ -43,13 +43,38 @@ def expression(rng: random.Random, depth: int) -> str:
         return atom(rng)
     a, b = expression(rng, depth - 1), expression(rng, depth - 1)
     forms = (
-        f"{a}+{b}", f"{a}-{b}", f"{a}*{b}", f"{a} \\cdot {b}", f"{a}\\times {b}", f"{a}/{b}",
-        f"{a} x {b}", f"{a}^{{{b}}}", f"{a}^{b}", f"({a})", f"\\left({a}\\right)", f"{a}{b}",
-        f"\\frac{{{a}}}{{{b}}}", f"\\dfrac{{{a}}}{{{b}}}", f"\\sqrt{{{a}}}", f"\\sqrt[{b}]{{{a}}}",
-        f"\\binom{{{a}}}{{{b}}}", f"{a}!", f"|{a}|", f"\\sin {a}", f"\\log_{{{b}}} {a}",
-        f"\\text{{{a}}}", f"{a}\\%", f"{a}^\\circ", f"{a} cm", f"\\lfloor {a} \\rfloor",
-        f"\\lceil {a} \\rceil", f"{a} \\pm {b}", f"e^{{{a}}}", f"\\ln({a})", f"{a}^{{{b}^{{{a}}}}}",
-    )  # fmt: skip
+        f"{a}+{b}",
+        f"{a}-{b}",
+        f"{a}*{b}",
+        f"{a} \\cdot {b}",
+        f"{a}\\times {b}",
+        f"{a}/{b}",
+        f"{a} x {b}",
+        f"{a}^{{{b}}}",
+        f"{a}^{b}",
+        f"({a})",
+        f"\\left({a}\\right)",
+        f"{a}{b}",
+        f"\\frac{{{a}}}{{{b}}}",
+        f"\\dfrac{{{a}}}{{{b}}}",
+        f"\\sqrt{{{a}}}",
+        f"\\sqrt[{b}]{{{a}}}",
+        f"\\binom{{{a}}}{{{b}}}",
+        f"{a}!",
+        f"|{a}|",
+        f"\\sin {a}",
+        f"\\log_{{{b}}} {a}",
+        f"\\text{{{a}}}",
+        f"{a}\\%",
+        f"{a}^\\circ",
+        f"{a} cm",
+        f"\\lfloor {a} \\rfloor",
+        f"\\lceil {a} \\rceil",
+        f"{a} \\pm {b}",
+        f"e^{{{a}}}",
+        f"\\ln({a})",
+        f"{a}^{{{b}^{{{a}}}}}",
+    )
     return rng.choice(forms)
 
 
@@ -69,9 +94,19 @@ def collection(rng: random.Random) -> str:
 
 def nested(rng: random.Random) -> str:
     opener, closer = rng.choice(
-        (("(", ")"), ("{", "}"), ("\\{", "\\}"), ("[", "]"), ("\\sqrt{", "}"), ("|", "|"),
-         ("\\frac{1}{", "}"), ("\\left(", "\\right)"), ("\\text{", "}"), ("\\boxed{", "}"))
-    )  # fmt: skip
+        (
+            ("(", ")"),
+            ("{", "}"),
+            ("\\{", "\\}"),
+            ("[", "]"),
+            ("\\sqrt{", "}"),
+            ("|", "|"),
+            ("\\frac{1}{", "}"),
+            ("\\left(", "\\right)"),
+            ("\\text{", "}"),
+            ("\\boxed{", "}"),
+        )
+    )
     count = rng.randint(5, 600)
     inner = rng.choice(("1", "x", "1,2", "a=b", "x+1"))
     return opener * count + inner + (rng.choice(("", ",1", "+1", "=2")) + closer) * count
@@ -85,14 +120,22 @@ def prose(rng: random.Random, num_words: int) -> str:
 def answer(rng: random.Random, target: int) -> str:
     """Maths only (no prose), about ``target`` characters."""
     makers = (
-        lambda: expression(rng, rng.randint(1, 6)), lambda: tower(rng), lambda: collection(rng),
-        lambda: nested(rng), lambda: number(rng),
+        lambda: expression(rng, rng.randint(1, 6)),
+        lambda: tower(rng),
+        lambda: collection(rng),
+        lambda: nested(rng),
+        lambda: number(rng),
         lambda: f"{expression(rng, 2)} = {expression(rng, 2)}",
         lambda: " \\cup ".join(f"({atom(rng)}, {atom(rng)}]" for _ in range(rng.randint(2, 40))),
-        lambda: "\\begin{pmatrix}" + "\\\\".join(
-            "&".join(atom(rng) for _ in range(rng.randint(1, 8))) for _ in range(rng.randint(1, 8))
-        ) + "\\end{pmatrix}",
-    )  # fmt: skip
+        lambda: (
+            "\\begin{pmatrix}"
+            + "\\\\".join(
+                "&".join(atom(rng) for _ in range(rng.randint(1, 8)))
+                for _ in range(rng.randint(1, 8))
+            )
+            + "\\end{pmatrix}"
+        ),
+    )
     parts = [rng.choice(makers)()]
     while sum(map(len, parts)) < target:
         parts.append(rng.choice(makers)())

@@ -32,9 +32,13 @@ def test_hung_rewards_in_workers_time_out_without_stalling_the_batch():
     start = time.monotonic()
     seen = []
     report = score_batch(
-        "reward_helpers:hang", responses, [None] * len(responses), workers=2, timeout_s=1.0,
+        "reward_helpers:hang",
+        responses,
+        [None] * len(responses),
+        workers=2,
+        timeout_s=1.0,
         on_result=lambda i, r: seen.append(i),
-    )  # fmt: skip
+    )
     assert [r.status for r in report.results] == [
         "timeout" if r == "hang" else "ok" for r in responses
     ]
@@ -105,8 +109,14 @@ def test_raising_hanging_and_nan_rewards_are_scored_as_configured(workers, on_fa
     failed = 0.0 if on_failure == "zero" else None
     for bad in ["boom", "nan", "inf", "hang" if workers else "sleep"]:
         responses = ["ok", bad, "ok", "ok"]
-        report = score_batch("reward_helpers:faulty", responses, [None] * 4, workers=workers,
-                             timeout_s=2.0 if workers else 0.5, on_failure=on_failure)  # fmt: skip
+        report = score_batch(
+            "reward_helpers:faulty",
+            responses,
+            [None] * 4,
+            workers=workers,
+            timeout_s=2.0 if workers else 0.5,
+            on_failure=on_failure,
+        )
         assert report.scores == [1.0, failed, 1.0, 1.0], bad
         assert report.results[1].status == ("timeout" if bad in ("hang", "sleep") else "error")
         assert report.num_errors + report.num_timeouts == 1

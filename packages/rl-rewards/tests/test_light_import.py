@@ -3,8 +3,18 @@
 import subprocess
 import sys
 
-FORBIDDEN = ["torch", "ray", "transformers", "rl_core", "rl_sglang", "rl_fsdp", "rl_megatron",
-             "rl_launcher", "pyarrow", "numpy"]  # fmt: skip
+FORBIDDEN = [
+    "torch",
+    "ray",
+    "transformers",
+    "rl_core",
+    "rl_sglang",
+    "rl_fsdp",
+    "rl_megatron",
+    "rl_launcher",
+    "pyarrow",
+    "numpy",
+]
 SCRIPT = f"""
 import importlib, pkgutil, sys
 import rl_rewards

@@ -6,8 +6,22 @@ import pytest
 
 from rl_rewards import get_reward, list_rewards, register_reward
 
-EXPECTED = {"math", "dapo", "deepscaler", "gpqa", "f1", "exact_match", "prefix_match", "gsm8k",
-            "ifeval", "code", "remote", "weighted_sum", "format", "overlong"}  # fmt: skip
+EXPECTED = {
+    "math",
+    "dapo",
+    "deepscaler",
+    "gpqa",
+    "f1",
+    "exact_match",
+    "prefix_match",
+    "gsm8k",
+    "ifeval",
+    "code",
+    "remote",
+    "weighted_sum",
+    "format",
+    "overlong",
+}
 
 
 def test_every_builtin_reward_is_listed_with_a_description():

@@ -116,9 +116,12 @@ def test_concurrency_cap_holds_under_many_threads(server):
 
 def test_unreachable_server_becomes_a_counted_error_in_a_batch(server):
     report = score_batch(
-        "remote", ["a", "b"], ["a", "a"],
-        options={"url": _url(server)}, workers=0,
-    )  # fmt: skip
+        "remote",
+        ["a", "b"],
+        ["a", "a"],
+        options={"url": _url(server)},
+        workers=0,
+    )
     assert report.scores == [1.0, 0.0] and report.num_errors == 0
     dead = score_batch(
         "remote", ["a"], ["a"], options={"url": "http://127.0.0.1:9/x", "retries": 0}

@@ -90,8 +90,13 @@ def fault_cluster(tiny_dir, tmp_path_factory):
             engine.start(wait=False)
         for engine in engines:
             engine.wait_ready(timeout_s=240)
-        router = Router([e.url for e in engines], log_dir=log_dir, ready_timeout_s=120,
-                        health_check_interval_s=1, extra_args=["--disable-retries"]).start()  # fmt: skip
+        router = Router(
+            [e.url for e in engines],
+            log_dir=log_dir,
+            ready_timeout_s=120,
+            health_check_interval_s=1,
+            extra_args=["--disable-retries"],
+        ).start()
         yield Cluster(engines, router)
         router.stop()
     finally:

@@ -46,9 +46,12 @@ async def two_turn_agent(base_url, session_id, sample):
     client = openai.AsyncOpenAI(base_url=base_url, api_key="unused")
     messages = [{"role": "user", "content": sample.prompt}]
     first = await client.chat.completions.create(
-        model="policy", messages=messages, tools=TOOLS, max_tokens=6,
+        model="policy",
+        messages=messages,
+        tools=TOOLS,
+        max_tokens=6,
         extra_headers={"X-Session-Id": session_id},
-    )  # fmt: skip
+    )
     messages += [first.choices[0].message.model_dump(), {"role": "user", "content": "ab12"}]
     stream = await client.chat.completions.create(
         model="policy", messages=messages, tools=TOOLS, stream=True, user=session_id
@@ -130,9 +133,16 @@ async def chat_twice(gateway, session_id, params, *, stream):
     messages, contents, num_chunks, finals = [{"role": "user", "content": "hi"}], [], [], []
     for _ in range(2):
         if stream:
-            *chunks, usage = [c async for c in await client.chat.completions.create(
-                model="policy", messages=messages, stream=True, user=session_id,
-                stream_options={"include_usage": True})]  # fmt: skip
+            *chunks, usage = [
+                c
+                async for c in await client.chat.completions.create(
+                    model="policy",
+                    messages=messages,
+                    stream=True,
+                    user=session_id,
+                    stream_options={"include_usage": True},
+                )
+            ]
             pieces = [c.choices[0].delta.content for c in chunks if c.choices[0].delta.content]
             contents.append("".join(pieces))
             num_chunks.append(len(pieces))
@@ -142,8 +152,10 @@ async def chat_twice(gateway, session_id, params, *, stream):
                 model="policy", messages=messages, user=session_id
             )
             contents.append(reply.choices[0].message.content)
-        messages += [{"role": "assistant", "content": contents[-1]},
-                     {"role": "user", "content": "ab12"}]  # fmt: skip
+        messages += [
+            {"role": "assistant", "content": contents[-1]},
+            {"role": "user", "content": "ab12"},
+        ]
     return contents, num_chunks, finals, gateway.close(session_id)
 
 
@@ -195,9 +207,13 @@ def test_tool_calls_are_parsed_and_bad_ones_counted():
 
 
 def good_group(name, reward=1.0):
-    return {"group": name, "samples": [
-        {"tokens": [1, 2, 3, 4], "prompt_length": 2, "reward": reward, "loss_mask": [1, 0]},
-        {"tokens": [1, 2, 5], "prompt_length": 2, "reward": 0.0}]}  # fmt: skip
+    return {
+        "group": name,
+        "samples": [
+            {"tokens": [1, 2, 3, 4], "prompt_length": 2, "reward": reward, "loss_mask": [1, 0]},
+            {"tokens": [1, 2, 5], "prompt_length": 2, "reward": 0.0},
+        ],
+    }
 
 
 @pytest.mark.parametrize(
@@ -205,15 +221,26 @@ def good_group(name, reward=1.0):
     [
         ("[1]", "expected a JSON object"),
         ({"group": "g", "samples": []}, "samples: expected a non-empty list"),
-        ({"group": "g", "samples": [{"tokens": [1, 2], "prompt_length": 2, "reward": 1}]},
-         "prompt_length: expected an int in 1..1"),
-        ({"group": "g", "samples": [{"tokens": [1, 2], "prompt_length": 1, "reward": "x"}]},
-         "reward: expected a finite number"),
-        ({"group": "g", "samples": [{"tokens": [1, 2, 3], "prompt_length": 1, "reward": 1,
-                                     "loss_mask": [1]}]}, "loss_mask: expected a list of 2"),
+        (
+            {"group": "g", "samples": [{"tokens": [1, 2], "prompt_length": 2, "reward": 1}]},
+            "prompt_length: expected an int in 1..1",
+        ),
+        (
+            {"group": "g", "samples": [{"tokens": [1, 2], "prompt_length": 1, "reward": "x"}]},
+            "reward: expected a finite number",
+        ),
+        (
+            {
+                "group": "g",
+                "samples": [
+                    {"tokens": [1, 2, 3], "prompt_length": 1, "reward": 1, "loss_mask": [1]}
+                ],
+            },
+            "loss_mask: expected a list of 2",
+        ),
         ("{not json", "not JSON"),
     ],
-)  # fmt: skip
+)
 def test_bad_buffer_writes_get_400_with_the_reason_and_are_counted(tmp_path, payload, reason):
     async def main():
         buffer = RolloutBuffer(tmp_path / "buffer.json")

@@ -12,9 +12,14 @@ from rl_sglang.agent.sessions import Session
 def reply(ids, *, version="1", finish="stop"):
     """An engine /generate reply for ``ids`` with log-prob -0.5 - i/10 for token i."""
     logprobs = [[-0.5 - i / 10, t, None] for i, t in enumerate(ids)]
-    return {"output_ids": list(ids), "meta_info": {
-        "output_token_logprobs": logprobs, "weight_version": version,
-        "finish_reason": {"type": finish}}}  # fmt: skip
+    return {
+        "output_ids": list(ids),
+        "meta_info": {
+            "output_token_logprobs": logprobs,
+            "weight_version": version,
+            "finish_reason": {"type": finish},
+        },
+    }
 
 
 def ids(tokenizer, text):
@@ -32,13 +37,17 @@ def test_a_turn_continues_from_the_sampled_ids_not_a_retokenisation():
     sampled = [ord("a"), ord("b"), 258]  # 'a', 'b', <|im_end|>: re-encoding "ab" gives [259]
     assert ids(tok, tok.decode(sampled[:2])) == [259]
     session.record(first, reply(sampled), {"role": "assistant", "content": "ab"})
-    second = session.prompt([USER, {"role": "assistant", "content": "ab"},
-                             {"role": "user", "content": "12"}])  # fmt: skip
+    second = session.prompt(
+        [USER, {"role": "assistant", "content": "ab"}, {"role": "user", "content": "12"}]
+    )
     glue = ids(tok, "\n<|im_start|>user\n12<|im_end|>\n<|im_start|>assistant\n")
     assert second.input_ids == first.input_ids + sampled + glue
     assert 260 in glue  # the user's "12" is tokenised (merged) once, as the template's text
-    session.record(second, reply([ord("x")], version="2", finish="length"),
-                   {"role": "assistant", "content": "x"})  # fmt: skip
+    session.record(
+        second,
+        reply([ord("x")], version="2", finish="length"),
+        {"role": "assistant", "content": "x"},
+    )
     [sample] = session.samples()
     prompt = len(first.input_ids)
     assert sample.tokens == [*second.input_ids, ord("x")]
@@ -93,14 +102,24 @@ def test_an_echoed_assistant_message_with_tool_calls_matches_its_turn():
     tok = chat_tokenizer()
     session = Session(tok)
     t1 = session.prompt([USER], tools=[{"type": "function", "function": {"name": "calc"}}])
-    call = {"id": "c1", "type": "function",
-            "function": {"name": "calc", "arguments": '{"e": "1+2"}'}}  # fmt: skip
-    session.record(t1, reply([ord("c"), 258]), {"role": "assistant", "content": None,
-                                                "tool_calls": [call]})  # fmt: skip
-    echoed = {"role": "assistant", "content": None, "refusal": None, "tool_calls": [
-        {**call, "function": {"name": "calc", "arguments": '{"e":"1+2"}'}}]}  # fmt: skip
-    t2 = session.prompt([USER, echoed, {"role": "tool", "tool_call_id": "c1", "content": "3"}],
-                        tools=[{"type": "function", "function": {"name": "calc"}}])  # fmt: skip
+    call = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "calc", "arguments": '{"e": "1+2"}'},
+    }
+    session.record(
+        t1, reply([ord("c"), 258]), {"role": "assistant", "content": None, "tool_calls": [call]}
+    )
+    echoed = {
+        "role": "assistant",
+        "content": None,
+        "refusal": None,
+        "tool_calls": [{**call, "function": {"name": "calc", "arguments": '{"e":"1+2"}'}}],
+    }
+    t2 = session.prompt(
+        [USER, echoed, {"role": "tool", "tool_call_id": "c1", "content": "3"}],
+        tools=[{"type": "function", "function": {"name": "calc"}}],
+    )
     assert t2.parent is not None
     assert t2.input_ids[len(t1.input_ids) : len(t1.input_ids) + 2] == [ord("c"), 258]
 
@@ -108,32 +127,46 @@ def test_an_echoed_assistant_message_with_tool_calls_matches_its_turn():
 TOOL_CHAT = [
     {"role": "system", "content": "s"},
     {"role": "user", "content": "q"},
-    {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}
+        ],
+    },
     {"role": "tool", "tool_call_id": "c", "content": "2"},
     {"role": "assistant", "content": "ok"},
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(
     ("family", "marked"),
     [
-        ("chatml", "<|im_start|>system\ns<|im_end|>\n<|im_start|>user\nq<|im_end|>\n"
-         "<|im_start|>assistant\n[<tool_call>{\"name\": \"f\", \"arguments\": {\"x\": 1}}"
-         "</tool_call><|im_end|>]\n<|im_start|>user\n<tool_response>2</tool_response>"
-         "<|im_end|>\n<|im_start|>assistant\n[ok<|im_end|>]\n"),
-        ("qwen3", "<|im_start|>system\ns<|im_end|>\n<|im_start|>user\nq<|im_end|>\n"
-         "<|im_start|>assistant\n<think>\n\n</think>\n\n[<tool_call>{\"name\": \"f\", "
-         "\"arguments\": {\"x\": 1}}</tool_call><|im_end|>]\n<|im_start|>user\n"
-         "<tool_response>2</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\n\n"
-         "</think>\n\n[ok<|im_end|>]\n"),
-        ("llama3", "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\ns<|eot_id|>"
-         "<|start_header_id|>user<|end_header_id|>\n\nq<|eot_id|><|start_header_id|>assistant"
-         "<|end_header_id|>\n\n[{\"name\": \"f\", \"parameters\": {\"x\": 1}}<|eot_id|>]"
-         "<|start_header_id|>ipython<|end_header_id|>\n\n2<|eot_id|><|start_header_id|>"
-         "assistant<|end_header_id|>\n\n[ok<|eot_id|>]"),
+        (
+            "chatml",
+            "<|im_start|>system\ns<|im_end|>\n<|im_start|>user\nq<|im_end|>\n"
+            '<|im_start|>assistant\n[<tool_call>{"name": "f", "arguments": {"x": 1}}'
+            "</tool_call><|im_end|>]\n<|im_start|>user\n<tool_response>2</tool_response>"
+            "<|im_end|>\n<|im_start|>assistant\n[ok<|im_end|>]\n",
+        ),
+        (
+            "qwen3",
+            "<|im_start|>system\ns<|im_end|>\n<|im_start|>user\nq<|im_end|>\n"
+            '<|im_start|>assistant\n<think>\n\n</think>\n\n[<tool_call>{"name": "f", '
+            '"arguments": {"x": 1}}</tool_call><|im_end|>]\n<|im_start|>user\n'
+            "<tool_response>2</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\n\n"
+            "</think>\n\n[ok<|im_end|>]\n",
+        ),
+        (
+            "llama3",
+            "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\ns<|eot_id|>"
+            "<|start_header_id|>user<|end_header_id|>\n\nq<|eot_id|><|start_header_id|>assistant"
+            '<|end_header_id|>\n\n[{"name": "f", "parameters": {"x": 1}}<|eot_id|>]'
+            "<|start_header_id|>ipython<|end_header_id|>\n\n2<|eot_id|><|start_header_id|>"
+            "assistant<|end_header_id|>\n\n[ok<|eot_id|>]",
+        ),
     ],
-)  # fmt: skip
+)
 def test_sft_masks_train_only_the_model_turns(family, marked):
     """``[...]`` marks, by hand, the text the model writes: its turns and their end token,
     not the generation prompt (the think block included), tool results or glue."""

@@ -25,10 +25,12 @@ def named(calls):
     [
         ('{"name": "calc", "parameters": {"e": "1+2"}}', [("calc", {"e": "1+2"})]),
         ('\n<|python_tag|>{"name": "calc", "parameters": {}}', [("calc", {})]),
-        ('{"name": "a", "parameters": {"x": 1}}; {"name": "b", "arguments": {"y": [2]}}',
-         [("a", {"x": 1}), ("b", {"y": [2]})]),
+        (
+            '{"name": "a", "parameters": {"x": 1}}; {"name": "b", "arguments": {"y": [2]}}',
+            [("a", {"x": 1}), ("b", {"y": [2]})],
+        ),
     ],
-)  # fmt: skip
+)
 def test_llama3_json_calls_become_openai_tool_calls(text, calls):
     content, parsed, invalid = LLAMA.parse(text)
     assert named(parsed) == calls and content == "" and invalid == 0
@@ -158,15 +160,24 @@ def test_streamed_llama_replies_hold_back_what_may_be_a_call(text, sent_before_e
 
 
 def chunk(ids, logprobs, completion_tokens, finish=None):
-    return {"output_ids": ids, "meta_info": {
-        "completion_tokens": completion_tokens, "finish_reason": finish, "weight_version": "2",
-        "output_token_logprobs": [[lp, t, None] for lp, t in zip(logprobs, ids, strict=True)]}}  # fmt: skip
+    return {
+        "output_ids": ids,
+        "meta_info": {
+            "completion_tokens": completion_tokens,
+            "finish_reason": finish,
+            "weight_version": "2",
+            "output_token_logprobs": [[lp, t, None] for lp, t in zip(logprobs, ids, strict=True)],
+        },
+    }
 
 
 def test_cumulative_and_incremental_streams_merge_to_the_same_output():
     done = {"type": "stop"}
-    cumulative = [chunk([7], [-0.1], 1), chunk([7, 8], [-0.1, -0.2], 2),
-                  chunk([7, 8, 9], [-0.1, -0.2, -0.3], 3, done)]  # fmt: skip
+    cumulative = [
+        chunk([7], [-0.1], 1),
+        chunk([7, 8], [-0.1, -0.2], 2),
+        chunk([7, 8, 9], [-0.1, -0.2, -0.3], 3, done),
+    ]
     incremental = [chunk([7], [-0.1], 1), chunk([8], [-0.2], 2), chunk([9], [-0.3], 3, done)]
     merged = []
     for chunks in (cumulative, incremental):

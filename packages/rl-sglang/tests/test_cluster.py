@@ -30,8 +30,11 @@ def test_concurrent_clients_through_the_router(cluster, tiny_model):
     async def one_client(index):
         async with EngineClient(cluster.router.url) as client:
             prompt = [index + 1, 7, 9]
-            out = await client.generate(input_ids=prompt, return_logprob=True,
-                                        sampling_params={"max_new_tokens": 6, "ignore_eos": True})  # fmt: skip
+            out = await client.generate(
+                input_ids=prompt,
+                return_logprob=True,
+                sampling_params={"max_new_tokens": 6, "ignore_eos": True},
+            )
             return prompt, out
 
     async def all_clients():
@@ -76,8 +79,9 @@ def test_client_prompt_logprobs_through_the_router(cluster, tiny_model):
     alone, batched = run(go())
     for row, logprobs, in_batch in zip(ids, alone, batched, strict=True):
         assert in_batch == pytest.approx(logprobs, abs=1e-5)
-        assert logprobs == pytest.approx(teacher_forced_logprobs(tiny_model, row[:1], row[1:]),
-                                         abs=1e-4)  # fmt: skip
+        assert logprobs == pytest.approx(
+            teacher_forced_logprobs(tiny_model, row[:1], row[1:]), abs=1e-4
+        )
 
 
 def test_abort_mid_generation_returns_the_partial_response(cluster, tiny_model):

@@ -15,21 +15,58 @@ from rl_sglang import protocol
 from rl_sglang.engine.core import Engine, load_model
 
 SGLANG_GENERATE_REQ = {
-    "rid", "text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
-    "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs", "stream",
-    "log_metrics", "return_hidden_states", "session_params", "lora_path", "custom_logit_processor",
-}  # fmt: skip
+    "rid",
+    "text",
+    "input_ids",
+    "sampling_params",
+    "return_logprob",
+    "logprob_start_len",
+    "top_logprobs_num",
+    "token_ids_logprob",
+    "return_text_in_logprobs",
+    "stream",
+    "log_metrics",
+    "return_hidden_states",
+    "session_params",
+    "lora_path",
+    "custom_logit_processor",
+}
 SGLANG_SAMPLING = {
-    "max_new_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k", "min_p",
-    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n",
-    "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
-    "regex", "json_schema", "ebnf", "custom_params", "stream_interval", "logit_bias",
+    "max_new_tokens",
+    "stop",
+    "stop_token_ids",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "min_new_tokens",
+    "n",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "no_stop_trim",
+    "regex",
+    "json_schema",
+    "ebnf",
+    "custom_params",
+    "stream_interval",
+    "logit_bias",
     "sampling_seed",
-}  # fmt: skip
+}
 SGLANG_META_INFO = {
-    "id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens",
-    "e2e_latency", "weight_version", "output_token_logprobs", "input_token_logprobs",
-}  # fmt: skip
+    "id",
+    "finish_reason",
+    "prompt_tokens",
+    "completion_tokens",
+    "cached_tokens",
+    "e2e_latency",
+    "weight_version",
+    "output_token_logprobs",
+    "input_token_logprobs",
+}
 SGLANG_UPDATE_DISK = {"model_path", "load_format", "abort_all_requests", "weight_version"}
 SGLANG_UPDATE_TENSOR = {
     "serialized_named_tensors",

@@ -15,8 +15,14 @@ def engine(tiny_dir, request):
     """Both runners: the left-padded dynamic cache and the static slot cache (eager here,
     CUDA graphs on GPU)."""
     model, tokenizer = load_model(str(tiny_dir))
-    engine = Engine(model, tokenizer, model_path=str(tiny_dir), max_batch_size=4,
-                    runner=request.param, max_context=2048)  # fmt: skip
+    engine = Engine(
+        model,
+        tokenizer,
+        model_path=str(tiny_dir),
+        max_batch_size=4,
+        runner=request.param,
+        max_context=2048,
+    )
     assert engine.runner_kind == request.param
     yield engine
     engine.scheduler.stop()
@@ -155,8 +161,12 @@ def test_zero_max_new_tokens_and_bad_params(engine):
 
 
 def _start_long(engine, rid, results):
-    body = {"input_ids": [1, 2, 3], "rid": rid, "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True, "temperature": 0}}  # fmt: skip
+    body = {
+        "input_ids": [1, 2, 3],
+        "rid": rid,
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True, "temperature": 0},
+    }
 
     def target():
         results[rid] = generate(engine, **body)[0]
@@ -270,8 +280,9 @@ def test_a_row_stopping_while_the_next_step_is_queued(engine):
     )
     cut = next(i for i in range(3, len(alone_a)) if alone_a[i] not in alone_a[:i])
     stop_a = {**greedy, "stop_token_ids": [alone_a[cut]]}
-    out_a, out_b = generate(engine, input_ids=[[4, 5, 6], [70, 71]],
-                            sampling_params=[stop_a, greedy])  # fmt: skip
+    out_a, out_b = generate(
+        engine, input_ids=[[4, 5, 6], [70, 71]], sampling_params=[stop_a, greedy]
+    )
     assert out_a["output_ids"] == alone_a[: cut + 1]
     assert out_a["meta_info"]["finish_reason"] == {"type": "stop", "matched": alone_a[cut]}
     assert out_b["output_ids"] == alone_b
@@ -282,12 +293,17 @@ def test_compiled_static_runner_matches_teacher_forcing(tiny_dir, tiny_model):
     """``compile=True``: one torch.compile of the decoder layer serves every layer; its
     log-probs still equal a teacher-forced forward (eager on CPU, graphs on GPU)."""
     model, tokenizer = load_model(str(tiny_dir))
-    engine = Engine(model, tokenizer, max_batch_size=4, runner="static", max_context=256,
-                    compile=True)  # fmt: skip
+    engine = Engine(
+        model, tokenizer, max_batch_size=4, runner="static", max_context=256, compile=True
+    )
     prompts = [[1, 2, 3], [9] * 11, [5]]
     try:
-        outs = generate(engine, input_ids=prompts, return_logprob=True,
-                        sampling_params={"max_new_tokens": 6, "ignore_eos": True})  # fmt: skip
+        outs = generate(
+            engine,
+            input_ids=prompts,
+            return_logprob=True,
+            sampling_params={"max_new_tokens": 6, "ignore_eos": True},
+        )
     finally:
         engine.scheduler.stop()
     assert engine.scheduler.runner.compiled
@@ -358,8 +374,11 @@ def test_a_released_static_runner_frees_its_tensors_and_resumes_with_the_same_ou
     model, tokenizer = load_model(str(tiny_dir))
     engine = Engine(model, tokenizer, max_batch_size=4, runner="static", max_context=64)
     runner = engine.scheduler.runner
-    body = {"input_ids": [[1, 2, 3], [9] * 7], "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}}  # fmt: skip
+    body = {
+        "input_ids": [[1, 2, 3], [9] * 7],
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True},
+    }
     try:
         before = generate(engine, **body)
         layer_fn = runner.layer_fn

@@ -49,9 +49,18 @@ def family_model(family: str, *, seed: int = 3, **overrides):
 
     fields = {**FAMILIES[family], **overrides}
     base = tiny_config(max_position_embeddings=256).to_dict()
-    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-            "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
-            "eos_token_id", "pad_token_id", "tie_word_embeddings")  # fmt: skip
+    keep = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "max_position_embeddings",
+        "eos_token_id",
+        "pad_token_id",
+        "tie_word_embeddings",
+    )
     config = AutoConfig.for_model(fields.pop("model_type"), **{k: base[k] for k in keep}, **fields)
     return random_model(config, seed=seed)
 

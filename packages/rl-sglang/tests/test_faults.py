@@ -40,9 +40,13 @@ async def _wait_running(url: str, timeout_s: float = 60.0) -> None:
 
 async def _rollout_killing(cluster, victim):
     """Start a rollout through the router, SIGKILL ``victim`` once it generates."""
-    config = RolloutConfig(num_groups=NUM_GROUPS, n_samples_per_prompt=GROUP_SIZE,
-                           sampling_params={"max_new_tokens": NUM_TOKENS, "ignore_eos": True},
-                           max_retries=8, retry_backoff_s=0.5)  # fmt: skip
+    config = RolloutConfig(
+        num_groups=NUM_GROUPS,
+        n_samples_per_prompt=GROUP_SIZE,
+        sampling_params={"max_new_tokens": NUM_TOKENS, "ignore_eos": True},
+        max_retries=8,
+        retry_backoff_s=0.5,
+    )
     async with EngineClient(cluster.router.url) as client:
         ctx = GenerateContext(client=client)
         task = asyncio.ensure_future(default_rollout(ctx, iter(_prompts()), _reward, config))
@@ -85,8 +89,13 @@ async def _with_clients(urls, fn):
 def test_engine_killed_mid_rollout_loses_and_duplicates_no_sample(fault_cluster, current_weights):
     model, weights = current_weights
     victim = fault_cluster.engines[1]
-    monitor = HealthMonitor(fault_cluster.engines, router=fault_cluster.router,
-                            restore=weights.restore, interval_s=0.5, timeout_s=1.0)  # fmt: skip
+    monitor = HealthMonitor(
+        fault_cluster.engines,
+        router=fault_cluster.router,
+        restore=weights.restore,
+        interval_s=0.5,
+        timeout_s=1.0,
+    )
     with monitor:
         result, killed_at = run(_rollout_killing(fault_cluster, victim))
         deadline = time.monotonic() + 120
@@ -108,9 +117,14 @@ def test_engine_killed_mid_rollout_loses_and_duplicates_no_sample(fault_cluster,
     prompt = [9, 8, 7]
 
     async def outputs(clients):
-        return [await c.generate(input_ids=prompt, return_logprob=True,
-                                 sampling_params={"max_new_tokens": 6, "ignore_eos": True})
-                for c in clients]  # fmt: skip
+        return [
+            await c.generate(
+                input_ids=prompt,
+                return_logprob=True,
+                sampling_params={"max_new_tokens": 6, "ignore_eos": True},
+            )
+            for c in clients
+        ]
 
     for out in run(_with_clients(fault_cluster.engine_urls, outputs)):
         assert out["meta_info"]["weight_version"] == "7"
@@ -128,8 +142,16 @@ class _StaticHealth(ServerProcess):
     def command(self):
         (self.log_dir / "www").mkdir(exist_ok=True)
         (self.log_dir / "www" / "health").write_text("")
-        return [sys.executable, "-m", "http.server", str(self.port), "--bind", self.host,
-                "--directory", str(self.log_dir / "www")]  # fmt: skip
+        return [
+            sys.executable,
+            "-m",
+            "http.server",
+            str(self.port),
+            "--bind",
+            self.host,
+            "--directory",
+            str(self.log_dir / "www"),
+        ]
 
 
 def test_health_monitor_restarts_a_hung_server_after_failed_checks(tmp_path):
@@ -212,8 +234,9 @@ def test_retries_exhausted_groups_come_back_as_leftovers_with_the_error():
     """No engine at all: every request fails, is retried, and its group is handed back
     (for the next rollout) with the error; none vanish, nothing hangs."""
     url = f"http://127.0.0.1:{free_port()}"
-    config = RolloutConfig(num_groups=3, n_samples_per_prompt=2, max_retries=2,
-                           retry_backoff_s=0.01)  # fmt: skip
+    config = RolloutConfig(
+        num_groups=3, n_samples_per_prompt=2, max_retries=2, retry_backoff_s=0.01
+    )
 
     async def go():
         async with EngineClient(url) as client:

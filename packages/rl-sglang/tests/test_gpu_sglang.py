@@ -64,15 +64,26 @@ def test_embedded_engine_on_cuda_matches_teacher_forcing(model_dir, runner):
     from rl_sglang.engine.core import Engine, load_model
 
     model, tokenizer = load_model(str(model_dir), device="cuda", dtype="float32")
-    engine = Engine(model, tokenizer, max_batch_size=8, runner=runner.split("-")[0],
-                    max_context=256, compile=runner.endswith("compiled"))  # fmt: skip
+    engine = Engine(
+        model,
+        tokenizer,
+        max_batch_size=8,
+        runner=runner.split("-")[0],
+        max_context=256,
+        compile=runner.endswith("compiled"),
+    )
     if runner.endswith("compiled"):  # the fallback to eager would hide a compile failure
         assert engine.scheduler.runner.compiled
     static = runner.startswith("static")
     prompts = [PROMPT, PROMPT[:2], [7] * 9, [1]]
     try:
-        groups, _ = engine.make_requests({"input_ids": prompts, "return_logprob": True,
-                                          "sampling_params": {"max_new_tokens": 16, "ignore_eos": True}})  # fmt: skip
+        groups, _ = engine.make_requests(
+            {
+                "input_ids": prompts,
+                "return_logprob": True,
+                "sampling_params": {"max_new_tokens": 16, "ignore_eos": True},
+            }
+        )
         outs = asyncio.run(_run_all(engine, groups))
         if static:  # sampling never replays (so never captures) the K-step graphs
             assert not engine.scheduler.runner.graphs.multi
@@ -193,8 +204,13 @@ def test_sglang_update_from_disk(sglang_cluster, hf_model, model_dir, tmp_path):
 
     async def go():
         async with EngineClient(server.url) as client:
-            return await transports.update_from_disk([client], list(new_model.state_dict().items()),
-                                                     tmp_path / "w", weight_version="disk-1", config_dir=model_dir)  # fmt: skip
+            return await transports.update_from_disk(
+                [client],
+                list(new_model.state_dict().items()),
+                tmp_path / "w",
+                weight_version="disk-1",
+                config_dir=model_dir,
+            )
 
     assert asyncio.run(go())[0]["success"]
     _check_new_weights(server.url, new_model, hf_model, "disk-1")

@@ -27,8 +27,16 @@ def sglang_style_engine_rank(rank: int, port: int, queue) -> None:
     store, rank, world_size = next(rendezvous(f"tcp://127.0.0.1:{port}", rank, 3, timeout=timeout))
     params = inspect.signature(_new_process_group_helper).parameters
     options = "backend_options" if "backend_options" in params else "pg_options"
-    group, _ = _new_process_group_helper(world_size, rank, [], "gloo", PrefixStore(GROUP, store),
-                                         group_name=GROUP, timeout=timeout, **{options: None})  # fmt: skip
+    group, _ = _new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        "gloo",
+        PrefixStore(GROUP, store),
+        group_name=GROUP,
+        timeout=timeout,
+        **{options: None},
+    )
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}  # as SGLang registers it
     buffers = [torch.empty(2, 3), torch.empty(1, dtype=torch.int64)]
     for buffer in buffers:

@@ -25,8 +25,11 @@ def _finished(urls) -> list[int]:
 @pytest.mark.integration
 def test_concurrent_load_through_the_router_completes_every_request(fault_cluster):
     before = _finished(fault_cluster.engine_urls)
-    report = run(run_load(fault_cluster.router.url, num_requests=NUM_REQUESTS, concurrency=64,
-                          max_new_tokens=4))  # fmt: skip
+    report = run(
+        run_load(
+            fault_cluster.router.url, num_requests=NUM_REQUESTS, concurrency=64, max_new_tokens=4
+        )
+    )
     served = [a - b for a, b in zip(_finished(fault_cluster.engine_urls), before, strict=True)]
     assert report["statuses"] == {"200": NUM_REQUESTS} and report["failed"] == 0
     assert sum(served) == NUM_REQUESTS and min(served) >= NUM_REQUESTS // 3  # both engines

@@ -62,7 +62,13 @@ def test_multi_step_responses_equal_single_step_ones(engines, monkeypatch):
     """Stops by token, string, EOS, budget and context, rows joining a full batch: the
     same responses with 5-step rounds as with single steps; rounds of 5 really ran."""
     prompts = [[1, 2, 3], [9] * 11, [5], [7, 8], [100, 101, 102, 103, 104], [42] * 40]
-    reference = run(engines[1], {"input_ids": prompts[:1], "sampling_params": {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True}})  # fmt: skip
+    reference = run(
+        engines[1],
+        {
+            "input_ids": prompts[:1],
+            "sampling_params": {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True},
+        },
+    )
     stop_token = reference[0]["output_ids"][12]
     params = [
         {"max_new_tokens": 30, "stop_token_ids": [stop_token]},
@@ -72,8 +78,11 @@ def test_multi_step_responses_equal_single_step_ones(engines, monkeypatch):
         {"max_new_tokens": 40},
         {"max_new_tokens": 40},  # 40 prompt tokens + 24 = the 64-token context
     ]
-    body = {"input_ids": prompts, "return_logprob": True,
-            "sampling_params": [{**p, "temperature": 0} for p in params]}  # fmt: skip
+    body = {
+        "input_ids": prompts,
+        "return_logprob": True,
+        "sampling_params": [{**p, "temperature": 0} for p in params],
+    }
     multi = engines[5].scheduler.runner
     rounds = []
     decode = multi.decode
@@ -106,9 +115,12 @@ def test_rounds_stay_within_each_rows_length_limit(engines):
 
     scheduler._round_steps = spy
     try:
-        body = {"input_ids": [[1, 2], [3, 4]],
-                "sampling_params": [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
-                                    for n in (7, 12)]}  # fmt: skip
+        body = {
+            "input_ids": [[1, 2], [3, 4]],
+            "sampling_params": [
+                {"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in (7, 12)
+            ],
+        }
         outs = run(engines[5], body)
     finally:
         del scheduler._round_steps

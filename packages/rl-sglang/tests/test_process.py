@@ -9,8 +9,15 @@ from rl_sglang.process import EmbeddedEngine, SGLangServer, free_port, sglang_ar
 
 
 def test_sglang_args_passthrough_strips_the_prefix():
-    argv = ["--num-engines", "2", "--sglang-mem-fraction-static", "0.7",
-            "--sglang-enable-torch-compile", "--sglang-tp=2", "--x"]  # fmt: skip
+    argv = [
+        "--num-engines",
+        "2",
+        "--sglang-mem-fraction-static",
+        "0.7",
+        "--sglang-enable-torch-compile",
+        "--sglang-tp=2",
+        "--x",
+    ]
     passthrough, rest = sglang_args_from_cli(argv)
     assert passthrough == {"mem_fraction_static": "0.7", "enable_torch_compile": True, "tp": "2"}
     assert rest == ["--num-engines", "2", "--x"]
@@ -31,8 +38,9 @@ def test_sglang_path_goes_to_the_server_only(tmp_path, monkeypatch):
     assert SGLangServer("/models/x", log_dir=tmp_path).env["PYTHONPATH"].startswith(str(tmp_path))
     assert "sglang.launch_server" in server.command()
     assert "--api-key" not in server.command()
-    exposed = SGLangServer("/m", sglang_path=str(tmp_path), host="0.0.0.0", api_key="k",
-                           log_dir=tmp_path)  # fmt: skip
+    exposed = SGLangServer(
+        "/m", sglang_path=str(tmp_path), host="0.0.0.0", api_key="k", log_dir=tmp_path
+    )
     assert exposed.command()[-2:] == ["--api-key", "k"]
     with pytest.raises(ValueError, match="API key"):
         SGLangServer("/m", sglang_path=str(tmp_path), host="0.0.0.0", log_dir=tmp_path)
@@ -49,8 +57,9 @@ def test_sglang_gets_its_own_grpc_port_even_on_a_high_http_port(tmp_path):
 
 def test_released_memory_is_never_probed_by_a_generating_health_check(tmp_path):
     (tmp_path / "sglang").mkdir()
-    server = SGLangServer("/m", sglang_path=str(tmp_path), log_dir=tmp_path,
-                          sglang_args={"enable_memory_saver": True})  # fmt: skip
+    server = SGLangServer(
+        "/m", sglang_path=str(tmp_path), log_dir=tmp_path, sglang_args={"enable_memory_saver": True}
+    )
     assert server.env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "0"
 
 

@@ -40,8 +40,12 @@ def _prompts(labels):
 
 
 def _rollout(cluster, labels, **config):
-    config = RolloutConfig(n_samples_per_prompt=2, reward_timeout_s=1.0,
-                           sampling_params={"max_new_tokens": 3, "ignore_eos": True}, **config)  # fmt: skip
+    config = RolloutConfig(
+        n_samples_per_prompt=2,
+        reward_timeout_s=1.0,
+        sampling_params={"max_new_tokens": 3, "ignore_eos": True},
+        **config,
+    )
 
     async def go():
         async with EngineClient(cluster.router.url) as client:
@@ -107,8 +111,11 @@ def test_a_mapping_reward_without_its_key_names_the_keys_and_the_option():
     sample = Sample(tokens=[1], reward={"acc": 1.0, "fmt": 0.5}, index=3)
     assert scalar_reward(sample, "acc") == 1.0
     for key in (None, "accuracy"):
-        with pytest.raises(ValueError, match=r"sample 3 is a mapping with keys \['acc', 'fmt'\]; "
-                           r"set reward_key \(RolloutConfig.reward_key"):  # fmt: skip
+        with pytest.raises(
+            ValueError,
+            match=r"sample 3 is a mapping with keys \['acc', 'fmt'\]; "
+            r"set reward_key \(RolloutConfig.reward_key",
+        ):
             scalar_reward(sample, key)
 
 

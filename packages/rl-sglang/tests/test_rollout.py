@@ -44,10 +44,21 @@ async def with_ctx(cluster, tokenizer, fn, **ctx_kwargs):
 
 
 def test_dynamic_sampling_fills_the_batch_with_informative_groups(cluster, tokenizer, tiny_model):
-    config = RolloutConfig(num_groups=3, n_samples_per_prompt=4, group_filter="nonzero_std",
-                           sampling_params={"max_new_tokens": 5, "ignore_eos": True})  # fmt: skip
-    result = run(with_ctx(cluster, tokenizer, lambda ctx, engines: default_rollout(
-        ctx, iter(prompts(40)), parity_reward, config, engines=engines)))  # fmt: skip
+    config = RolloutConfig(
+        num_groups=3,
+        n_samples_per_prompt=4,
+        group_filter="nonzero_std",
+        sampling_params={"max_new_tokens": 5, "ignore_eos": True},
+    )
+    result = run(
+        with_ctx(
+            cluster,
+            tokenizer,
+            lambda ctx, engines: default_rollout(
+                ctx, iter(prompts(40)), parity_reward, config, engines=engines
+            ),
+        )
+    )
     assert len(result.groups) == 3
     for group in result.groups:
         rewards = [s.reward for s in group]
@@ -70,9 +81,14 @@ def test_dynamic_sampling_fills_the_batch_with_informative_groups(cluster, token
 def test_leftovers_are_aborted_and_resume_as_partial_rollouts(cluster, tokenizer, tiny_model):
     # one short group fills the batch; long groups are still running and get aborted
     source = prompts(1, budget=3) + prompts(3, budget=4000)
-    config = RolloutConfig(num_groups=1, n_samples_per_prompt=2, partial_rollout=True, offpolicy_tokens="mask",
-                           generate_fn="test_rollout:budget_generate",
-                           sampling_params={"max_new_tokens": 4000, "ignore_eos": True})  # fmt: skip
+    config = RolloutConfig(
+        num_groups=1,
+        n_samples_per_prompt=2,
+        partial_rollout=True,
+        offpolicy_tokens="mask",
+        generate_fn="test_rollout:budget_generate",
+        sampling_params={"max_new_tokens": 4000, "ignore_eos": True},
+    )
 
     async def go(ctx, engines):
         first = await default_rollout(ctx, iter(source), lambda s: 1.0, config, engines=engines)
@@ -117,9 +133,20 @@ def test_custom_generate_function_by_dotted_path():
 
 def test_eval_rollout_reports_pass_at_k_per_dataset(cluster, tokenizer):
     datasets = {"odd": prompts(3), "even": prompts(2)}
-    metrics, groups = run(with_ctx(cluster, tokenizer, lambda ctx, _: eval_rollout(
-        ctx, datasets, parity_reward, n_samples_per_prompt=4, ks=(1, 2, 4),
-        sampling_params={"max_new_tokens": 2, "ignore_eos": True})))  # fmt: skip
+    metrics, groups = run(
+        with_ctx(
+            cluster,
+            tokenizer,
+            lambda ctx, _: eval_rollout(
+                ctx,
+                datasets,
+                parity_reward,
+                n_samples_per_prompt=4,
+                ks=(1, 2, 4),
+                sampling_params={"max_new_tokens": 2, "ignore_eos": True},
+            ),
+        )
+    )
     for name in datasets:
         correct = [[s.reward >= 1.0 for s in g] for g in groups[name]]
         expected = pass_at_k_groups(correct, (1, 2, 4))
@@ -188,14 +215,24 @@ def test_seeded_prompts_give_the_same_samples_however_requests_are_batched(clust
     seeds = [1234567890123, 98765, 2**62 - 1]
 
     def seeded_prompts():
-        return iter([Sample(prompt=f"question {i}:", label=i, metadata={"sampling_seed": seed})
-                     for i, seed in enumerate(seeds)])  # fmt: skip
+        return iter(
+            [
+                Sample(prompt=f"question {i}:", label=i, metadata={"sampling_seed": seed})
+                for i, seed in enumerate(seeds)
+            ]
+        )
 
     def responses(**options):
-        config = RolloutConfig(num_groups=3, n_samples_per_prompt=4, sampling_params=params,
-                               **options)  # fmt: skip
-        result = run(with_ctx(cluster, tokenizer, lambda ctx, _: default_rollout(
-            ctx, seeded_prompts(), parity_reward, config)))  # fmt: skip
+        config = RolloutConfig(
+            num_groups=3, n_samples_per_prompt=4, sampling_params=params, **options
+        )
+        result = run(
+            with_ctx(
+                cluster,
+                tokenizer,
+                lambda ctx, _: default_rollout(ctx, seeded_prompts(), parity_reward, config),
+            )
+        )
         samples = sorted((s for g in result.groups for s in g), key=lambda s: s.index)
         assert [s.metadata["sampling_seed"] for s in samples] == [
             seed + i for seed in seeds for i in range(4)
@@ -222,10 +259,13 @@ def test_fresh_groups_go_as_one_n_request_mapped_back_in_order(cluster, tokenize
 
             result = await default_rollout(ctx, iter(prompts(2)), reward, config)
             singles = [  # sample i of an n request is seeded sampling_seed + i
-                await router.generate(input_ids=tokenizer.encode("question 0:"), return_logprob=True,
-                                      sampling_params={**params, "sampling_seed": 7 + i})
+                await router.generate(
+                    input_ids=tokenizer.encode("question 0:"),
+                    return_logprob=True,
+                    sampling_params={**params, "sampling_seed": 7 + i},
+                )
                 for i in range(4)
-            ]  # fmt: skip
+            ]
             return result, router.bodies, singles
         finally:
             await router.close()
@@ -241,8 +281,9 @@ def test_fresh_groups_go_as_one_n_request_mapped_back_in_order(cluster, tokenize
         assert sample.status is SampleStatus.TRUNCATED and sample.reward == parity_reward(sample)
         assert sample.metadata["rid"] == f"{body['rid']}-{i}"
         assert sample.weight_versions == [single["meta_info"]["weight_version"]]
-        expected = teacher_forced_logprobs(tiny_model, sample.tokens[: sample.prompt_length],
-                                           single["output_ids"])  # fmt: skip
+        expected = teacher_forced_logprobs(
+            tiny_model, sample.tokens[: sample.prompt_length], single["output_ids"]
+        )
         assert sample.rollout_log_probs == pytest.approx(expected, abs=1e-4)
 
 
@@ -251,7 +292,13 @@ def test_group_copies_are_independent_and_numbered(extra):
     template = Sample(prompt="q", tokens=[1, 2], metadata={"nested": {"a": [1]}, "f": extra})
     first, second = make_groups(iter([template, template]), 3, start_index=5)
     assert [(s.group_index, s.index) for s in first + second] == [
-        (5, 15), (5, 16), (5, 17), (6, 18), (6, 19), (6, 20)]  # fmt: skip
+        (5, 15),
+        (5, 16),
+        (5, 17),
+        (6, 18),
+        (6, 19),
+        (6, 20),
+    ]
     first[0].tokens.append(3)
     first[0].metadata["nested"]["a"].append(2)
     for sample in [*first[1:], *second, template]:

@@ -78,8 +78,9 @@ def exposed(tiny_dir, tmp_path_factory):
     engine = EmbeddedEngine(tiny_dir, host="0.0.0.0", api_key=KEY, log_dir=log_dir)
     with engine:
         engine_url = f"http://127.0.0.1:{engine.port}"
-        router = Router([engine_url], host="0.0.0.0", api_key=KEY, log_dir=log_dir,
-                        ready_timeout_s=120)  # fmt: skip
+        router = Router(
+            [engine_url], host="0.0.0.0", api_key=KEY, log_dir=log_dir, ready_timeout_s=120
+        )
         with router:
             yield engine_url, f"http://127.0.0.1:{router.port}", router
 

@@ -20,9 +20,11 @@ from rl_sglang.transports import flatten_bucket, save_weights_atomic, serialize_
 
 
 def bucket():
-    return [("a", torch.arange(6, dtype=torch.float32).view(2, 3)),
-            ("b", torch.tensor([1, 2, 3], dtype=torch.int64)),
-            ("c", torch.tensor([0.5, -1.5], dtype=torch.bfloat16))]  # fmt: skip
+    return [
+        ("a", torch.arange(6, dtype=torch.float32).view(2, 3)),
+        ("b", torch.tensor([1, 2, 3], dtype=torch.int64)),
+        ("c", torch.tensor([0.5, -1.5], dtype=torch.bfloat16)),
+    ]
 
 
 def test_flatten_round_trip_keeps_names_shapes_dtypes_values():
@@ -41,8 +43,13 @@ def test_serialized_bucket_opens_in_an_unrelated_process(flatten):
         "named = f([sys.stdin.read()], sys.argv[1] or None);"
         "print(sum(float(t.double().sum()) for _, t in named), [n for n, _ in named])"
     )
-    out = subprocess.run([sys.executable, "-c", script, "flattened_bucket" if flatten else ""],
-                         input=payload, capture_output=True, text=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", script, "flattened_bucket" if flatten else ""],
+        input=payload,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[0] == str(15.0 + 6 + (0.5 - 1.5))
     del keep_alive

@@ -39,8 +39,13 @@ def check_engines_use(cluster, model, version):
     async def go(clients):
         outs = []
         for client in clients:
-            outs.append(await client.generate(input_ids=PROMPT, return_logprob=True,
-                                              sampling_params={"max_new_tokens": 8, "ignore_eos": True}))  # fmt: skip
+            outs.append(
+                await client.generate(
+                    input_ids=PROMPT,
+                    return_logprob=True,
+                    sampling_params={"max_new_tokens": 8, "ignore_eos": True},
+                )
+            )
         return outs
 
     for out in run(_with_clients(cluster, go)):

@@ -73,8 +73,9 @@ def group_normalize(
     return centred.reshape(-1)
 
 
-def _ragged_normalize(rewards: torch.Tensor, group_sizes: Sequence[int], *, std: bool,
-                      eps: float) -> torch.Tensor:  # fmt: skip
+def _ragged_normalize(
+    rewards: torch.Tensor, group_sizes: Sequence[int], *, std: bool, eps: float
+) -> torch.Tensor:
     """:func:`group_normalize` over groups of different sizes."""
     ids, sizes = _ragged(rewards, group_sizes)
     values = wide(rewards)

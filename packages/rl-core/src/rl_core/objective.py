@@ -100,8 +100,14 @@ class Objective:
 
     def _check_bounds(self) -> None:
         """Every number finite; coefficients and clips >= 0, scales > 0, dual_clip > 1."""
-        at_least_zero = ("clip_low", "clip_high", "entropy_coef", "kl_coef", "reward_kl_coef",
-                         "dpo_label_smoothing")  # fmt: skip
+        at_least_zero = (
+            "clip_low",
+            "clip_high",
+            "entropy_coef",
+            "kl_coef",
+            "reward_kl_coef",
+            "dpo_label_smoothing",
+        )
         above_zero = ("norm_length", "rollout_is_cap", "temperature", "dpo_beta")
         for name in (*at_least_zero, *above_zero, "dual_clip"):
             value = getattr(self, name)
@@ -161,9 +167,15 @@ def objective_loss(
     if objective.mode == "sft":
         return sft_objective(log_probs=log_probs, mask=mask, **aggregation)
     if objective.mode == "dpo":
-        return dpo_objective(objective, log_probs=log_probs, mask=mask,
-                             ref_log_probs=ref_log_probs, cu_seqlens=cu_seqlens,
-                             num_seqs=num_seqs, tensor_metrics=tensor_metrics)  # fmt: skip
+        return dpo_objective(
+            objective,
+            log_probs=log_probs,
+            mask=mask,
+            ref_log_probs=ref_log_probs,
+            cu_seqlens=cu_seqlens,
+            num_seqs=num_seqs,
+            tensor_metrics=tensor_metrics,
+        )
     if old_log_probs is None or advantages is None:
         raise ValueError("mode='policy' needs old_log_probs and advantages (or use mode='sft')")
     return policy_objective(
@@ -185,16 +197,30 @@ def objective_loss(
     )
 
 
-def dpo_objective(objective: Objective, *, log_probs, mask, ref_log_probs, cu_seqlens,
-                  num_seqs, tensor_metrics=False):  # fmt: skip
+def dpo_objective(
+    objective: Objective,
+    *,
+    log_probs,
+    mask,
+    ref_log_probs,
+    cu_seqlens,
+    num_seqs,
+    tensor_metrics=False,
+):
     """The "dpo" mode's loss; its inputs checked, the rest in ``packed_pair_loss``."""
     if ref_log_probs is None or cu_seqlens is None or num_seqs is None:
         raise ValueError("mode='dpo' needs ref_log_probs, cu_seqlens and num_seqs (2 x pairs)")
     loss, metrics = packed_pair_loss(
-        log_probs=log_probs, ref_log_probs=ref_log_probs, mask=mask, cu_seqlens=cu_seqlens,
-        num_pairs=float(num_seqs) / 2, beta=objective.dpo_beta, kind=objective.dpo_loss,
-        label_smoothing=objective.dpo_label_smoothing, tensor_metrics=tensor_metrics,
-    )  # fmt: skip
+        log_probs=log_probs,
+        ref_log_probs=ref_log_probs,
+        mask=mask,
+        cu_seqlens=cu_seqlens,
+        num_pairs=float(num_seqs) / 2,
+        beta=objective.dpo_beta,
+        kind=objective.dpo_loss,
+        label_smoothing=objective.dpo_label_smoothing,
+        tensor_metrics=tensor_metrics,
+    )
     return loss, metrics | {"loss/total": metrics["pref/loss"]}
 
 

@@ -100,14 +100,26 @@ def packed_pair_loss(
     if num_seqs % 2:
         if num_seqs == 1 and not bool(mask.any()):  # an empty micro-batch's one-token dummy
             zero = (wide(log_probs) * 0).sum()
-            keys = ("pref/loss", "pref/accuracy", "pref/margin", "pref/chosen_reward",
-                    "pref/rejected_reward")  # fmt: skip
+            keys = (
+                "pref/loss",
+                "pref/accuracy",
+                "pref/margin",
+                "pref/chosen_reward",
+                "pref/rejected_reward",
+            )
             return zero, {k: zero.detach() if tensor_metrics else 0.0 for k in keys}
         raise ValueError(f"{num_seqs} sequences do not make pairs (chosen, rejected, ...)")
     policy, _ = row_sums_and_counts(wide(log_probs), mask, cu_seqlens)
     ref, _ = row_sums_and_counts(wide(ref_log_probs).detach(), mask, cu_seqlens)
-    losses, metrics = dpo_loss(policy[0::2], policy[1::2], ref[0::2], ref[1::2], beta=beta,
-                               kind=kind, label_smoothing=label_smoothing)  # fmt: skip
+    losses, metrics = dpo_loss(
+        policy[0::2],
+        policy[1::2],
+        ref[0::2],
+        ref[1::2],
+        beta=beta,
+        kind=kind,
+        label_smoothing=label_smoothing,
+    )
     share = (num_seqs // 2) / max(float(num_pairs), 1.0)
     metrics = {k: v * share if tensor_metrics else float(v) * share for k, v in metrics.items()}
     return losses.sum() / max(float(num_pairs), 1.0), metrics

@@ -176,8 +176,9 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, **kw
     if layout.impl == "flash_varlen":
         return _flash_varlen(query, key, value, layout, scaling, dropout), None
     if layout.impl == "torch_varlen":
-        out = varlen_attention(query, key, value, layout.cu_seqlens, layout.max_seqlen, scaling,
-                               dropout)  # fmt: skip
+        out = varlen_attention(
+            query, key, value, layout.cu_seqlens, layout.max_seqlen, scaling, dropout
+        )
         return out, None
     if layout.impl == "flex":
         out = flex_packed_attention(query, key, value, layout.block_mask, scaling, dropout)
@@ -185,8 +186,7 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, **kw
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     if layout.impl == "sdpa_grouped":
-        out = grouped_attention(query, key, value, layout.groups, layout.restore, scaling,
-                                dropout)  # fmt: skip
+        out = grouped_attention(query, key, value, layout.groups, layout.restore, scaling, dropout)
     elif layout.impl == "sdpa_mask":
         mask = block_causal_mask(layout.cu_seqlens, query.shape[2])
         out = F.scaled_dot_product_attention(

@@ -169,8 +169,10 @@ class FSDPConfig:
         if self.log_prob_max_tokens is not None and self.log_prob_max_tokens < 1:
             raise ValueError(f"log_prob_max_tokens must be >= 1, got {self.log_prob_max_tokens}")
         if not 0.0 <= self.momentum < 1.0 or (self.momentum and self.optimizer != "sgd"):
-            raise ValueError(f"momentum must be in [0, 1) and 0 unless optimizer='sgd', got "
-                             f"{self.momentum} with optimizer={self.optimizer!r}")  # fmt: skip
+            raise ValueError(
+                f"momentum must be in [0, 1) and 0 unless optimizer='sgd', got "
+                f"{self.momentum} with optimizer={self.optimizer!r}"
+            )
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.lr_decay != "constant" and not self.total_steps:
@@ -186,8 +188,10 @@ class FSDPConfig:
         if self.lora is not None and not isinstance(self.lora, LoRASpec):
             raise ValueError(f"lora must be an rl_fsdp.lora.LoRASpec or None, got {self.lora!r}")
         if self.ref_offload and self.lora is not None:
-            raise ValueError("ref_offload=True: with lora the reference is the base model "
-                             "itself (adapters off), nothing to offload; drop ref_offload")  # fmt: skip
+            raise ValueError(
+                "ref_offload=True: with lora the reference is the base model "
+                "itself (adapters off), nothing to offload; drop ref_offload"
+            )
         if self.ref_offload and not self.loads_reference:
             raise ValueError("ref_offload=True needs a reference (reference=True, or a KL term)")
         if self.cpu_offload and self.fsdp_on_one_rank is False:

@@ -202,9 +202,13 @@ class ShardedTrainer:
         state, plus ``adapter.json`` (base model and spec) to rebuild the model from."""
         self.onload()
         checkpoint.save(
-            Path(path), self.model, self.optimizer, self.scheduler, self.step,
+            Path(path),
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.step,
             adapter=self.adapter_info(),
-        )  # fmt: skip
+        )
 
     def load_checkpoint(self, path: Path) -> None:
         self.onload()

@@ -77,8 +77,9 @@ def grouped_attention(query, key, value, groups: list[Group], restore, scaling, 
     outs = []
     for group in groups:
         q, k, v = (_padded(t, group) for t in (query, key, value))  # [n, H, L, D]
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling,
-                                             is_causal=True)  # fmt: skip
+        out = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout, scale=scaling, is_causal=True
+        )
         heads, dim = out.shape[1], out.shape[3]
         flat = out.transpose(0, 1).reshape(heads, group.num_seqs * group.length, dim)
         outs.append(flat.index_select(1, group.keep))  # [H, Σ l, D]

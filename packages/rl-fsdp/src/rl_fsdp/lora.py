@@ -58,8 +58,9 @@ def add_lora(model: nn.Module, spec: LoRASpec) -> list[str]:
         param.requires_grad_(False)
     wrapped = [name for name, mod in model.named_modules() if _targeted(name, mod, spec)]
     if not wrapped:
-        found = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                        if isinstance(m, nn.Linear)})  # fmt: skip
+        found = sorted(
+            {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+        )
         raise ValueError(
             f"lora targets {list(spec.targets)} match no nn.Linear; this model's are {found}"
         )
@@ -136,8 +137,10 @@ def load_lora_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> No
     expected = set(lora_state_dict(model))
     if set(state) != expected:
         missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
-        raise ValueError(f"LoRA state does not fit the model: missing {missing[:3]}, "
-                         f"unexpected {extra[:3]} (different targets or rank?)")  # fmt: skip
+        raise ValueError(
+            f"LoRA state does not fit the model: missing {missing[:3]}, "
+            f"unexpected {extra[:3]} (different targets or rank?)"
+        )
     model.load_state_dict(state, strict=False)
 
 

@@ -33,14 +33,20 @@ import torch
 # and casts). "optimizer" includes the grad-norm of clipping (multi-tensor kernels too).
 CATEGORIES = (
     ("attention", "flash fmha attention sdpa flex"),
-    ("nccl+copy", "nccl memcpy memset chunk_cat split_with_sizes direct_copy copy_kernel "
-     "aten::copy_"),
-    ("gemm", "gemm nvjet cutlass cublas xmma wgmma aten::mm aten::addmm aten::bmm "
-     "aten::baddbmm matmul"),
+    (
+        "nccl+copy",
+        "nccl memcpy memset chunk_cat split_with_sizes direct_copy copy_kernel aten::copy_",
+    ),
+    (
+        "gemm",
+        "gemm nvjet cutlass cublas xmma wgmma aten::mm aten::addmm aten::bmm aten::baddbmm matmul",
+    ),
     ("optimizer", "adam multi_tensor foreach"),
-    ("elementwise+norm", "elementwise triton reduce norm vectorized softmax index scatter "
-     "gather cat fill aten::"),
-)  # fmt: skip
+    (
+        "elementwise+norm",
+        "elementwise triton reduce norm vectorized softmax index scatter gather cat fill aten::",
+    ),
+)
 
 
 def category(name: str) -> str:
@@ -117,8 +123,9 @@ def idle_gaps(kernels, *, min_us: float = 50.0, top: int = 5) -> dict:
         if reach is None or end > reach:
             reach, last = end, name
     gaps.sort(key=lambda gap: -gap[0])
-    largest = [{"ms": round(us / 1e3, 3), "after": a[:80], "before": b[:80]}
-               for us, a, b in gaps[:top]]  # fmt: skip
+    largest = [
+        {"ms": round(us / 1e3, 3), "after": a[:80], "before": b[:80]} for us, a, b in gaps[:top]
+    ]
     return {"count": len(gaps), "total_ms": sum(g[0] for g in gaps) / 1e3, "largest": largest}
 
 
@@ -191,8 +198,10 @@ def where(stack: traceback.StackSummary, frames: int) -> str:
 
 def sync_report(counts: Counter, *, top: int) -> dict:
     ranked = counts.most_common(top)
-    return {"total": sum(counts.values()),
-            "top": [{"count": n, "where": place} for place, n in ranked]}  # fmt: skip
+    return {
+        "total": sum(counts.values()),
+        "top": [{"count": n, "where": place} for place, n in ranked],
+    }
 
 
 def _short(filename: str) -> str:
@@ -223,9 +232,13 @@ def host_profile(step, device: torch.device, *, top: int = 30) -> dict:
     stats = pstats.Stats(profiler).stats  # {(file, line, name): (cc, calls, own, total, _)}
     ranked = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
     functions = [
-        {"where": f"{_short(file)}:{line} {name}"[:160], "calls": calls,
-         "own_ms": round(own * 1e3, 3), "total_ms": round(total * 1e3, 3)}
+        {
+            "where": f"{_short(file)}:{line} {name}"[:160],
+            "calls": calls,
+            "own_ms": round(own * 1e3, 3),
+            "total_ms": round(total * 1e3, 3),
+        }
         for (file, line, name), (_, calls, own, total, _) in ranked
-    ]  # fmt: skip
+    ]
     profiled = sum(own for _, _, own, _, _ in stats.values()) * 1e3
     return {"step_ms": wall_ms, "profiled_ms": profiled, "functions": functions}

@@ -120,8 +120,9 @@ def _probe(fn, device: torch.device) -> str | None:
     gen = torch.Generator().manual_seed(0)
     lengths = (5, 130, 1, 64)
     shapes = ((1, 4, sum(lengths), 64), (1, 2, sum(lengths), 64), (1, 2, sum(lengths), 64))
-    qkv = [torch.randn(s, generator=gen).to(device, torch.bfloat16).requires_grad_()
-           for s in shapes]  # fmt: skip
+    qkv = [
+        torch.randn(s, generator=gen).to(device, torch.bfloat16).requires_grad_() for s in shapes
+    ]
     cu = torch.tensor((0, *_cumsum(lengths)), dtype=torch.int32, device=device)
     got = varlen_attention(*qkv, cu, max(lengths), None, 0.0, fn=fn)
     got.float().square().sum().backward()
@@ -141,8 +142,9 @@ def per_sequence_attention(query, key, value, lengths) -> torch.Tensor:
     repeat = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
     parts = zip(*(t.split(list(lengths), dim=2) for t in (query, key, value)), strict=True)
-    out = torch.cat([F.scaled_dot_product_attention(q, k, v, is_causal=True)
-                     for q, k, v in parts], dim=2)  # fmt: skip
+    out = torch.cat(
+        [F.scaled_dot_product_attention(q, k, v, is_causal=True) for q, k, v in parts], dim=2
+    )
     return out.transpose(1, 2)
 
 

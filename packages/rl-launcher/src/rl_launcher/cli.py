@@ -44,8 +44,10 @@ config classes; rl-train --print-config shows a resolved config):
 def not_wired(config) -> str | None:
     """Why this valid config cannot run in this version, or None when it can."""
     if config.rollout.loop != "sync" and config.rollout.replay_dir:
-        return (f"rollout.loop={config.rollout.loop!r} overlaps generation with training; "
-                "a replay has no generation: use rollout.loop=sync")  # fmt: skip
+        return (
+            f"rollout.loop={config.rollout.loop!r} overlaps generation with training; "
+            "a replay has no generation: use rollout.loop=sync"
+        )
     return None
 
 
@@ -101,8 +103,10 @@ def run_training(config) -> int:
         run_mode(config)(config)
     except (ValueError, RewardError) as error:
         hint = " (rollout.on_reward_error=skip counts and skips such samples)"
-        print(f"rl-train: error: {error}" + (hint if isinstance(error, RewardError) else ""),
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"rl-train: error: {error}" + (hint if isinstance(error, RewardError) else ""),
+            file=sys.stderr,
+        )
         return 2
     except (faults.RunStopped, faults.TrainActorDied) as error:  # engines etc. already stopped
         print(f"rl-train: stopped: {faults.stop_message(config, error)}", file=sys.stderr)

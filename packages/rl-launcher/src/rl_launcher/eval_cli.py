@@ -100,8 +100,13 @@ def export_checkpoint(step_dir: Path, config) -> Path:
             f"{step_dir} has no hf/ export and its starting model was not found (fsdp runs "
             "only: model.path or <run_dir>/initial_model); train with checkpoint.save_hf=true"
         )
-    trainer_config = dataclasses.replace(fsdp_config(config, model_dir=base), device="cpu",
-                                         precision="fp32", reference=False, ref_offload=False)  # fmt: skip
+    trainer_config = dataclasses.replace(
+        fsdp_config(config, model_dir=base),
+        device="cpu",
+        precision="fp32",
+        reference=False,
+        ref_offload=False,
+    )
     import torch.distributed as dist
 
     joined = not dist.is_initialized()  # leave the process as it was found
@@ -171,8 +176,15 @@ def evaluate(config, model_dir: Path, *, log_dir: Path) -> dict:
     evaluator = Evaluator(config, tokenizer)
     cleanup: list = [evaluator.close]
     try:
-        manager = start_engines(config, model_dir=model_dir, tokenizer=tokenizer, source=None,
-                                log_dir=log_dir, cleanup=cleanup, reward=evaluator.reward_fn)  # fmt: skip
+        manager = start_engines(
+            config,
+            model_dir=model_dir,
+            tokenizer=tokenizer,
+            source=None,
+            log_dir=log_dir,
+            cleanup=cleanup,
+            reward=evaluator.reward_fn,
+        )
         url = manager.router.url if manager.router else manager.engine_urls[0]
         metrics = evaluator.evaluate(url)
     finally:

@@ -23,8 +23,14 @@ from typing import Any
 from rl_rewards.registry import RewardFn
 from rl_rewards.workers import Outcome, RewardRef, Worker, call, resolve_reward, worker_context
 
-__all__ = ["BatchReport", "RewardRef", "ScoreResult", "call_reward", "resolve_reward",
-           "score_batch"]  # fmt: skip
+__all__ = [
+    "BatchReport",
+    "RewardRef",
+    "ScoreResult",
+    "call_reward",
+    "resolve_reward",
+    "score_batch",
+]
 ON_FAILURE = ("zero", "drop")
 
 

@@ -162,9 +162,14 @@ def cmd_score(args: argparse.Namespace) -> dict[str, Any]:
     labels = [row.data[args.label_key] for row in good]
     progress = ProgressBar(len(good), enabled=not args.quiet)
     report = score_batch(
-        args.reward, responses, labels, options=options, workers=args.workers,
-        timeout_s=args.timeout, on_result=progress.update,
-    )  # fmt: skip
+        args.reward,
+        responses,
+        labels,
+        options=options,
+        workers=args.workers,
+        timeout_s=args.timeout,
+        on_result=progress.update,
+    )
     out_rows = [
         {**row.data, "score": r.score, "reward_status": r.status, "reward_reason": r.reason}
         for row, r in zip(good, report.results, strict=True)
@@ -172,9 +177,12 @@ def cmd_score(args: argparse.Namespace) -> dict[str, Any]:
     write_rows_atomic(args.output, out_rows)
     groups = [json.dumps(row.data[args.group_key]) for row in good] if args.group_key else None
     summary = summarize_scores(
-        report.scores, [r.status for r in report.results], group_ids=groups, ks=ks,
+        report.scores,
+        [r.status for r in report.results],
+        group_ids=groups,
+        ks=ks,
         threshold=args.threshold,
-    )  # fmt: skip
+    )
     return {"reward": args.reward, "num_malformed": len(problems), **summary}
 
 
@@ -189,11 +197,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rl-rewards", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     score = commands.add_parser(
-        "score", help="score a JSONL or Parquet file of predictions",
+        "score",
+        help="score a JSONL or Parquet file of predictions",
         description="Score each row's response against its label; write the rows with "
         "score, reward_status and reward_reason added; print a JSON summary (mean, errors, "
         "timeouts, pass@k with --group-key). Exit status 0, or 2 on bad input.",
-    )  # fmt: skip
+    )
     score.add_argument(
         "--reward",
         required=True,
@@ -242,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     score.add_argument("--quiet", action="store_true", help="no progress bar")
     commands.add_parser("list", help="list the registered rewards")
-    return parser  # fmt: skip
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

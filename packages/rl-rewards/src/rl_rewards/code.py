@@ -129,9 +129,14 @@ def run_sandboxed(source: str, stdin: str, limits: Limits, workdir_root: str | N
         with out_path.open("wb") as out, err_path.open("wb") as err:
             process = subprocess.Popen(
                 [os.path.abspath(sys.executable), "-I", "-B", "-c", _GUARD, scratch, script],
-                cwd=scratch, stdin=subprocess.PIPE, stdout=out, stderr=err,
-                start_new_session=True, env=env, preexec_fn=setup_child,
-            )  # fmt: skip
+                cwd=scratch,
+                stdin=subprocess.PIPE,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+                env=env,
+                preexec_fn=setup_child,
+            )
             try:
                 process.communicate(stdin.encode(), timeout=limits.timeout_s)
                 code = process.returncode
@@ -199,9 +204,14 @@ def cases_from_label(label: object) -> list[str | tuple[str, str]]:
     "code", "Python in a sandboxed subprocess (timeout, memory/CPU/output caps); pass fraction"
 )
 def code_reward(
-    response: str, label: object, *, timeout_s: float = 5.0, memory_mb: int = 512,
-    max_output_bytes: int = 1_000_000, workdir_root: str | None = None,
-) -> float:  # fmt: skip
+    response: str,
+    label: object,
+    *,
+    timeout_s: float = 5.0,
+    memory_mb: int = 512,
+    max_output_bytes: int = 1_000_000,
+    workdir_root: str | None = None,
+) -> float:
     """Fraction of the label's tests that the response's code passes."""
     tests = cases_from_label(label)
     limits = Limits(timeout_s, memory_mb, max_output_bytes)

@@ -47,8 +47,14 @@ class RewardPool:
     reader thread settles the futures, so no caller and no event loop ever blocks on a
     reward. Any thread or event loop may submit."""
 
-    def __init__(self, reward: str, *, timeout_s: float, workers: int | None = None,
-                 options: dict[str, Any] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        reward: str,
+        *,
+        timeout_s: float,
+        workers: int | None = None,
+        options: dict[str, Any] | None = None,
+    ):
         if timeout_s <= 0 or (workers is not None and workers < 1):
             raise ValueError(f"need timeout_s > 0 and workers >= 1, got {timeout_s}, {workers}")
         resolve_reward(reward, options)  # an unknown name fails here, not in every process
@@ -57,8 +63,7 @@ class RewardPool:
         calls_r, self._calls = ctx.Pipe(duplex=False)
         self._results, results_w = ctx.Pipe(duplex=False)
         args = (calls_r, results_w, reward, options, self.num_workers, timeout_s)
-        self._broker = ctx.Process(target=_broker_main, args=args, daemon=True,
-                                   name="reward-pool")  # fmt: skip
+        self._broker = ctx.Process(target=_broker_main, args=args, daemon=True, name="reward-pool")
         self._broker.start()
         calls_r.close()
         results_w.close()

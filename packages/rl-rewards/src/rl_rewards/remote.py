@@ -55,9 +55,17 @@ def _is_retryable(exc: Exception) -> bool:
     "remote", "POST {response, label} to a reward server (token, retries, concurrency cap)"
 )
 def remote_reward(
-    response: str, label: object, *, url: str, token: str | None = None, timeout_s: float = 30.0,
-    retries: int = 3, backoff_s: float = 0.5, max_concurrency: int = 16, score_key: str = "score",
-) -> float:  # fmt: skip
+    response: str,
+    label: object,
+    *,
+    url: str,
+    token: str | None = None,
+    timeout_s: float = 30.0,
+    retries: int = 3,
+    backoff_s: float = 0.5,
+    max_concurrency: int = 16,
+    score_key: str = "score",
+) -> float:
     """The score the server at ``url`` returns for this sample."""
     body = {"response": response, "label": label}
     for attempt in range(retries + 1):

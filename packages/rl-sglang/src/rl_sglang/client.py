@@ -31,9 +31,14 @@ class EngineClient:
     """
 
     def __init__(
-        self, url: str, *, timeout_s: float = 600.0, retries: int = 0, backoff_s=0.5,
+        self,
+        url: str,
+        *,
+        timeout_s: float = 600.0,
+        retries: int = 0,
+        backoff_s=0.5,
         api_key: str | None = None,
-    ):  # fmt: skip
+    ):
         self.url = url.rstrip("/")
         api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -109,8 +114,12 @@ class EngineClient:
         for ids, out in zip(batch, outs, strict=True):
             entries = out["meta_info"]["input_token_logprobs"]
             if len(entries) != len(ids):
-                raise EngineError(self.url, 200, f"{len(entries)} input_token_logprobs for "
-                                  f"{len(ids)} ids; the engine ignored logprob_start_len")  # fmt: skip
+                raise EngineError(
+                    self.url,
+                    200,
+                    f"{len(entries)} input_token_logprobs for "
+                    f"{len(ids)} ids; the engine ignored logprob_start_len",
+                )
             scores.append(parse_token_logprobs(entries[1:])[0])
         return scores
 

@@ -239,8 +239,13 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
     receiver = engine.weight_receivers[group_name]
 
     def receive_and_apply():
-        named = receiver.receive(body["names"], body["dtypes"], body["shapes"], engine.device,
-                                 load_format=body.get("load_format"))  # fmt: skip
+        named = receiver.receive(
+            body["names"],
+            body["dtypes"],
+            body["shapes"],
+            engine.device,
+            load_format=body.get("load_format"),
+        )
         return engine.apply_update(named, body)
 
     return web.json_response(await engine.on_scheduler(receive_and_apply))
@@ -271,9 +276,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--runner", default="auto", help="auto, dynamic or static (CUDA graphs)")
     parser.add_argument("--max-context", type=int, default=None, help="prompt + response cap")
     parser.add_argument(
-        "--compile", action=argparse.BooleanOptionalAction, default=None,
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="torch.compile the static runner's decode step (default: on with CUDA)",
-    )  # fmt: skip
+    )
     parser.add_argument("--seed", type=int, default=0, help="init seed for a bare config")
     args = parser.parse_args(argv)
     try:
@@ -296,18 +303,30 @@ def main(argv: list[str] | None = None) -> None:
     )
     weight = next(model.parameters())
     dtype = str(weight.dtype).removeprefix("torch.")
-    print(f"embedded engine: model loaded in {time.perf_counter() - start:.1f}s "
-          f"({weight.device}, {dtype}); preparing the runner", flush=True)  # fmt: skip
+    print(
+        f"embedded engine: model loaded in {time.perf_counter() - start:.1f}s "
+        f"({weight.device}, {dtype}); preparing the runner",
+        flush=True,
+    )
     if (hint := tf32_hint(weight.device, weight.dtype)) is not None:
         print(f"embedded engine: {hint}; --dtype bfloat16 serves bfloat16 weights", flush=True)
     start = time.perf_counter()
-    engine = Engine(model, tokenizer, model_path=args.model_path,
-                    max_batch_size=args.max_batch_size, runner=args.runner,
-                    max_context=args.max_context, compile=args.compile)  # fmt: skip
+    engine = Engine(
+        model,
+        tokenizer,
+        model_path=args.model_path,
+        max_batch_size=args.max_batch_size,
+        runner=args.runner,
+        max_context=args.max_context,
+        compile=args.compile,
+    )
     engine.scheduler.weight_version = args.weight_version
-    print(f"embedded engine ready on http://{args.host}:{args.port} ({engine.runner_kind} "
-          f"runner, {dtype}, context {engine.max_context}; runner prepared in "
-          f"{time.perf_counter() - start:.1f}s)", flush=True)  # fmt: skip
+    print(
+        f"embedded engine ready on http://{args.host}:{args.port} ({engine.runner_kind} "
+        f"runner, {dtype}, context {engine.max_context}; runner prepared in "
+        f"{time.perf_counter() - start:.1f}s)",
+        flush=True,
+    )
     web.run_app(
         make_app(engine, args.api_key), host=args.host, port=args.port, print=None, access_log=None
     )

@@ -175,8 +175,16 @@ class HealthMonitor:
             self._give_up(engine, f"{reason}; restart failed: {type(error).__name__}: {error}")
             return
         self._failures[engine.url] = 0
-        self.events.append(EngineRestart(engine.url, reason, detected, started - detected,
-                                         restored - started, time.monotonic() - detected))  # fmt: skip
+        self.events.append(
+            EngineRestart(
+                engine.url,
+                reason,
+                detected,
+                started - detected,
+                restored - started,
+                time.monotonic() - detected,
+            )
+        )
 
     def _deregister(self, url: str) -> None:
         if self.router is not None and url in self.router.worker_urls():

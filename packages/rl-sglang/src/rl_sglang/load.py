@@ -43,10 +43,17 @@ def _bodies(num_requests: int, prompt_len: int, max_new_tokens: int, vocab: int,
 
 
 async def run_load(
-    url: str, *, num_requests: int, concurrency: int, max_new_tokens: int = 8,
-    prompt_len: int = 8, vocab: int = 256, timeout_s: float = 300.0, seed: int = 0,
+    url: str,
+    *,
+    num_requests: int,
+    concurrency: int,
+    max_new_tokens: int = 8,
+    prompt_len: int = 8,
+    vocab: int = 256,
+    timeout_s: float = 300.0,
+    seed: int = 0,
     api_key: str | None = None,
-) -> dict:  # fmt: skip
+) -> dict:
     """Send ``num_requests`` /generate calls, at most ``concurrency`` at a time."""
     if num_requests < 1 or concurrency < 1:
         raise ValueError("num_requests and concurrency must be >= 1")

@@ -59,9 +59,15 @@ class ServerProcess:
     name = "server"
 
     def __init__(
-        self, *, host="127.0.0.1", port=None, log_dir=None, env=None, ready_timeout_s=120.0,
+        self,
+        *,
+        host="127.0.0.1",
+        port=None,
+        log_dir=None,
+        env=None,
+        ready_timeout_s=120.0,
         api_key: str | None = None,
-    ):  # fmt: skip
+    ):
         api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
         check_exposure(host, api_key, self.name)
         self.api_key = api_key
@@ -193,12 +199,25 @@ class EmbeddedEngine(ServerProcess):
 
     def command(self) -> list[str]:
         return [
-            sys.executable, "-m", "rl_sglang.embedded",
-            "--model-path", self.model_path, "--host", self.host, "--port", str(self.port),
-            "--device", self.device, "--dtype", self.dtype,
-            "--max-batch-size", str(self.max_batch_size), "--weight-version", self.weight_version,
+            sys.executable,
+            "-m",
+            "rl_sglang.embedded",
+            "--model-path",
+            self.model_path,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--device",
+            self.device,
+            "--dtype",
+            self.dtype,
+            "--max-batch-size",
+            str(self.max_batch_size),
+            "--weight-version",
+            self.weight_version,
             *self.extra_args,
-        ]  # fmt: skip
+        ]
 
 
 class SGLangServer(ServerProcess):
@@ -242,8 +261,17 @@ class SGLangServer(ServerProcess):
             self.env.setdefault("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "0")
 
     def command(self) -> list[str]:
-        argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path,
-                "--host", self.host, "--port", str(self.port)]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            self.model_path,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+        ]
         if self.api_key:  # SGLang reads it from argv only
             argv += ["--api-key", self.api_key]
         for key, value in self.sglang_args.items():

@@ -47,22 +47,42 @@ class Router(ServerProcess):
 
     def command(self) -> list[str]:
         return [
-            sys.executable, "-m", "sglang_router.launch_router",
-            "--worker-urls", *self.initial_workers,
-            "--policy", self.policy, "--host", self.host, "--port", str(self.port),
-            "--prometheus-host", self.host, "--prometheus-port", str(self.prometheus_port),
-            "--health-check-interval-secs", str(self.health_check_interval_s),
-            "--health-failure-threshold", "1", "--log-level", "warn",
-            *self._auth_args(), *self.extra_args,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "sglang_router.launch_router",
+            "--worker-urls",
+            *self.initial_workers,
+            "--policy",
+            self.policy,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--prometheus-host",
+            self.host,
+            "--prometheus-port",
+            str(self.prometheus_port),
+            "--health-check-interval-secs",
+            str(self.health_check_interval_s),
+            "--health-failure-threshold",
+            "1",
+            "--log-level",
+            "warn",
+            *self._auth_args(),
+            *self.extra_args,
+        ]
 
     def _auth_args(self) -> list[str]:
         """One key for everything: clients' /generate, the router's calls to its workers
         (``--api-key``) and the worker admin API (an admin control-plane key)."""
         if not self.api_key:
             return []
-        return ["--api-key", self.api_key,
-                "--control-plane-api-keys", f"rl:rl-sglang:admin:{self.api_key}"]  # fmt: skip
+        return [
+            "--api-key",
+            self.api_key,
+            "--control-plane-api-keys",
+            f"rl:rl-sglang:admin:{self.api_key}",
+        ]
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
         super().wait_ready(timeout_s)
@@ -92,8 +112,11 @@ class Router(ServerProcess):
 
     def wait_for_workers(self, urls, timeout_s: float = 60.0) -> None:
         wanted = set(urls)
-        self._wait(lambda: wanted <= set(self.worker_urls(healthy_only=True)),
-                   f"workers {sorted(wanted)} healthy", timeout_s)  # fmt: skip
+        self._wait(
+            lambda: wanted <= set(self.worker_urls(healthy_only=True)),
+            f"workers {sorted(wanted)} healthy",
+            timeout_s,
+        )
 
     def metrics(self) -> str:
         """The Prometheus text exposition."""
@@ -115,8 +138,7 @@ class Router(ServerProcess):
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        request = urllib.request.Request(self.url + path, data=data, method=method,
-                                         headers=headers)  # fmt: skip
+        request = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
         with urllib.request.urlopen(request, timeout=10) as response:
             text = response.read().decode()
         return json.loads(text) if text else {}

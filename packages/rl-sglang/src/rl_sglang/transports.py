@@ -85,9 +85,16 @@ def flatten_bucket(named: NamedTensors) -> dict:
     chunks, metadata, offset = [], [], 0
     for name, tensor in named:
         raw = tensor.detach().contiguous().view(-1).view(torch.uint8)
-        metadata.append(SimpleNamespace(name=name, shape=tensor.shape, dtype=tensor.dtype,
-                                        start_idx=offset, end_idx=offset + raw.numel(),
-                                        numel=raw.numel()))  # fmt: skip
+        metadata.append(
+            SimpleNamespace(
+                name=name,
+                shape=tensor.shape,
+                dtype=tensor.dtype,
+                start_idx=offset,
+                end_idx=offset + raw.numel(),
+                numel=raw.numel(),
+            )
+        )
         chunks.append(raw)
         offset += raw.numel()
     return {"flattened_tensor": torch.cat(chunks), "metadata": metadata}
@@ -143,8 +150,16 @@ class DistributedWeightSender:
     interface), on ``master_port`` or a port free there, bound when the sender is made so
     that nothing takes it before :meth:`connect`."""
 
-    def __init__(self, clients: Sequence[EngineClient], *, master_address="127.0.0.1",
-                 master_port=None, backend="gloo", group_name=None, tp_size: int = 1):  # fmt: skip
+    def __init__(
+        self,
+        clients: Sequence[EngineClient],
+        *,
+        master_address="127.0.0.1",
+        master_port=None,
+        backend="gloo",
+        group_name=None,
+        tp_size: int = 1,
+    ):
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' (CPU) or 'nccl' (GPU), got {backend!r}")
         if backend == "nccl":
@@ -167,8 +182,13 @@ class DistributedWeightSender:
         return 1 + self.tp_size * len(self.clients)
 
     async def connect(self) -> None:
-        fields = dict(master_address=self.master_address, master_port=self.master_port,
-                      world_size=self.world_size, group_name=self.group_name, backend=self.backend)  # fmt: skip
+        fields = dict(
+            master_address=self.master_address,
+            master_port=self.master_port,
+            world_size=self.world_size,
+            group_name=self.group_name,
+            backend=self.backend,
+        )
         joins = [
             asyncio.ensure_future(
                 c.init_weights_update_group(rank_offset=1 + i * self.tp_size, **fields)
@@ -182,12 +202,24 @@ class DistributedWeightSender:
         from torch.distributed import PrefixStore, TCPStore
 
         timeout = datetime.timedelta(seconds=120)
-        store = TCPStore(self.master_address, self.master_port, self.world_size, True,
-                         timeout=timeout, master_listen_fd=self._listener.fileno())  # fmt: skip
+        store = TCPStore(
+            self.master_address,
+            self.master_port,
+            self.world_size,
+            True,
+            timeout=timeout,
+            master_listen_fd=self._listener.fileno(),
+        )
         self._listener.detach()  # the store owns the descriptor now (and closes it)
         self._store = store  # the master store must outlive the group's rendezvous
-        return make_process_group(PrefixStore(self.group_name, store), 0, self.world_size,
-                                  self.backend, timeout, self.group_name)  # fmt: skip
+        return make_process_group(
+            PrefixStore(self.group_name, store),
+            0,
+            self.world_size,
+            self.backend,
+            timeout,
+            self.group_name,
+        )
 
     async def send(self, named: NamedTensors, *, weight_version=None, flatten=False) -> list[dict]:
         """Announce the bucket to every engine, then broadcast its tensors in order (or,
@@ -195,8 +227,12 @@ class DistributedWeightSender:
         if self.group is None:
             raise RuntimeError("call await sender.connect() before send()")
         named = list(named)
-        body = {"names": [n for n, _ in named], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named],
-                "shapes": [list(t.shape) for _, t in named], "group_name": self.group_name}  # fmt: skip
+        body = {
+            "names": [n for n, _ in named],
+            "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named],
+            "shapes": [list(t.shape) for _, t in named],
+            "group_name": self.group_name,
+        }
         if weight_version is not None:
             body["weight_version"] = weight_version
         if flatten:

@@ -13,9 +13,19 @@ KL_BLIND_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
 
 
 def check_consistency(config: TrainConfig) -> None:
-    checks = (_check_algorithm, _check_optimizer, _check_rollout, _check_sampling,
-              _check_devices, _check_data, _check_eval, _check_modes, _check_distill,
-              _check_lora, _check_megatron)  # fmt: skip
+    checks = (
+        _check_algorithm,
+        _check_optimizer,
+        _check_rollout,
+        _check_sampling,
+        _check_devices,
+        _check_data,
+        _check_eval,
+        _check_modes,
+        _check_distill,
+        _check_lora,
+        _check_megatron,
+    )
     for check in checks:
         check(config)
     plan_from_config(config)  # raises when the device pool cannot hold the layout
@@ -117,13 +127,16 @@ def _check_over_sampling(config: TrainConfig) -> None:
             "rollout.over_sampling > 1 refills groups algorithm.group_filter drops, and "
             "algorithm.group_filter=keep_all drops none: set a filter or over_sampling=1"
         )
-    for name, value in (("rollout.loop=async", rollout.loop == "async"),
-                        ("rollout.source=buffer", rollout.source == "buffer"),
-                        ("rollout.replay_dir", rollout.replay_dir),
-                        (f"mode={config.mode}", config.mode != "rl"),
-                        ("rollout.loop=one_step_async with rollout.partial_rollout",
-                         rollout.loop == "one_step_async" and rollout.partial_rollout),
-                        ):  # fmt: skip
+    for name, value in (
+        ("rollout.loop=async", rollout.loop == "async"),
+        ("rollout.source=buffer", rollout.source == "buffer"),
+        ("rollout.replay_dir", rollout.replay_dir),
+        (f"mode={config.mode}", config.mode != "rl"),
+        (
+            "rollout.loop=one_step_async with rollout.partial_rollout",
+            rollout.loop == "one_step_async" and rollout.partial_rollout,
+        ),
+    ):
         if value:
             raise ValueError(
                 f"rollout.over_sampling > 1 refills filtered groups in a rollout of prompts, "
@@ -135,10 +148,12 @@ def _check_over_sampling(config: TrainConfig) -> None:
 def _check_buffer_source(config: TrainConfig) -> None:
     """rollout.source=buffer: the workers' groups arrive whole and scored, one batch a step."""
     rollout = config.rollout
-    for name, value in (("rollout.loop=async", rollout.loop == "async"),
-                        ("rollout.replay_dir", rollout.replay_dir),
-                        ("rollout.rollout_only", rollout.rollout_only),
-                        (f"mode={config.mode}", config.mode != "rl")):  # fmt: skip
+    for name, value in (
+        ("rollout.loop=async", rollout.loop == "async"),
+        ("rollout.replay_dir", rollout.replay_dir),
+        ("rollout.rollout_only", rollout.rollout_only),
+        (f"mode={config.mode}", config.mode != "rl"),
+    ):
         if value:
             raise ValueError(
                 f"rollout.source=buffer trains on the groups agent workers write, so {name} "
@@ -202,10 +217,12 @@ def _check_modes(config: TrainConfig) -> None:
     if config.mode == "dpo":
         _check_dpo(config)
     if config.mode in ("sft", "dpo"):
-        for name, value in (("rollout.dump_dir", rollout.dump_dir),
-                            ("rollout.replay_dir", rollout.replay_dir),
-                            ("rollout.rollout_only", rollout.rollout_only),
-                            ("eval.interval", config.mode == "sft" and config.eval.interval)):  # fmt: skip
+        for name, value in (
+            ("rollout.dump_dir", rollout.dump_dir),
+            ("rollout.replay_dir", rollout.replay_dir),
+            ("rollout.rollout_only", rollout.rollout_only),
+            ("eval.interval", config.mode == "sft" and config.eval.interval),
+        ):
             if value:
                 raise ValueError(
                     f"mode={config.mode} starts no engines, so {name} does not apply; unset it "
@@ -273,9 +290,9 @@ def check_loop(config) -> None:
             "algorithm.old_log_probs=train_step takes the old log-probs from the one update's "
             "own forward: it needs algorithm.num_minibatches=1 and reward_kl_coef=0 (several "
             "updates, or a KL-shaped reward, need them before training: use recompute)"
-        )  # fmt: skip
+        )
     if importance and not algorithm.rollout_is_level:
         raise ValueError(
             "rollout.stale_policy=importance corrects stale samples with rollout importance "
             "weights: set algorithm.rollout_is_level=token (or sequence)"
-        )  # fmt: skip
+        )

@@ -136,9 +136,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 continue  # unhashable: PyYAML's own error names it below
             if key in seen:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r} (each option may be set once)",
+                    None,
+                    None,
+                    f"duplicate key {key!r} (each option may be set once)",
                     key_node.start_mark,
-                )  # fmt: skip
+                )
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 

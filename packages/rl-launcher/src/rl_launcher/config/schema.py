@@ -19,8 +19,12 @@ from rl_core.losses import POLICY_LOSSES
 from rl_core.preference import PREFERENCE_LOSSES
 
 # bound -> (how a message says it, how docs/config.md says it)
-BOUNDS = {"low": (">=", "At least"), "above": (">", "Above"), "high": ("<=", "At most"),
-          "below": ("<", "Below")}  # fmt: skip
+BOUNDS = {
+    "low": (">=", "At least"),
+    "above": (">", "Above"),
+    "high": ("<=", "At most"),
+    "below": ("<", "Below"),
+}
 
 
 def meta(help: str, *, choices=None, **bounds) -> dict[str, Any]:

@@ -243,10 +243,15 @@ class DataBuffer:
         the reward pays ``reward_kl_coef`` times."""
         rewards = torch.tensor([scalar_reward(s, self.reward_key) for s in samples])
         inputs = AdvantageInputs(
-            rewards=rewards, mask=response_mask(samples), group_size=self.group_size,
-            group_sizes=self.ragged(group_sizes), gamma=self.gamma, lam=self.lam, kl=kl,
+            rewards=rewards,
+            mask=response_mask(samples),
+            group_size=self.group_size,
+            group_sizes=self.ragged(group_sizes),
+            gamma=self.gamma,
+            lam=self.lam,
+            kl=kl,
             kl_coef=self.reward_kl_coef,
-        )  # fmt: skip
+        )
         per_token, _ = self._estimator(inputs)
         return [
             row[: s.response_length] for row, s in zip(per_token.tolist(), samples, strict=True)

@@ -47,6 +47,11 @@ def pair_sequences(pair: Sample) -> list[Sample]:
     """``[chosen, rejected]``: the two sequences of a pair, sharing its prompt ids."""
     prompt = pair.tokens[: pair.prompt_length]
     rejected_ids = pair.metadata[REJECTED_IDS]
-    rejected = Sample(tokens=[*prompt, *rejected_ids], response_length=len(rejected_ids),
-                      group_index=pair.group_index, index=1, metadata=pair.metadata)  # fmt: skip
+    rejected = Sample(
+        tokens=[*prompt, *rejected_ids],
+        response_length=len(rejected_ids),
+        group_index=pair.group_index,
+        index=1,
+        metadata=pair.metadata,
+    )
     return [pair, rejected]

@@ -108,10 +108,14 @@ def build_sft_source(config, *, tokenizer: Any, to_sample=sft_sample_from_row) -
     :func:`rl_launcher.data.preference.pair_sample_from_row`): ``data.train`` mixed,
     shuffled and resumable."""
     datasets = [
-        load_sft_dataset(spec, config.data, tokenizer=tokenizer,
-                         max_response_tokens=config.rollout.max_response_tokens,
-                         to_sample=to_sample)
+        load_sft_dataset(
+            spec,
+            config.data,
+            tokenizer=tokenizer,
+            max_response_tokens=config.rollout.max_response_tokens,
+            to_sample=to_sample,
+        )
         for spec in config.data.train
-    ]  # fmt: skip
+    ]
     weights = [spec.weight for spec in config.data.train]
     return PromptSource(datasets, weights, seed=config.seed, shuffle=config.data.shuffle)

@@ -75,8 +75,13 @@ def load_dataset(
     if stats.malformed or stats.too_long:
         logger.warning(
             "dataset %s: kept %d of %d rows (%d malformed, %d longer than %s tokens)",
-            name, stats.kept, stats.rows, stats.malformed, stats.too_long, max_prompt_tokens,
-        )  # fmt: skip
+            name,
+            stats.kept,
+            stats.rows,
+            stats.malformed,
+            stats.too_long,
+            max_prompt_tokens,
+        )
     return PromptDataset(name=name, prompts=prompts, stats=stats)
 
 

@@ -29,8 +29,9 @@ ENGINE_MEMORY = ("weights", "kv_cache", "cuda_graph")  # SGLang's memory tags
 
 
 class Turns:
-    def __init__(self, trainer, rollout, *, offload_trainer: bool = True,
-                 release_engines: bool = True):  # fmt: skip
+    def __init__(
+        self, trainer, rollout, *, offload_trainer: bool = True, release_engines: bool = True
+    ):
         self.trainer, self.rollout = trainer, rollout
         self.offload_trainer, self.release_engines = offload_trainer, release_engines
         self.released: list[str] = []  # engine memory tags released now
@@ -120,8 +121,12 @@ def turns_needed(config, plan) -> bool:
 
 
 def make_turns(config, trainer, rollout) -> Turns:
-    return Turns(trainer, rollout, offload_trainer=config.backend.offload_when_idle,
-                 release_engines=config.engine.release_when_idle)  # fmt: skip
+    return Turns(
+        trainer,
+        rollout,
+        offload_trainer=config.backend.offload_when_idle,
+        release_engines=config.engine.release_when_idle,
+    )
 
 
 def check_turns(config) -> None:

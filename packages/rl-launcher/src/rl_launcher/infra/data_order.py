@@ -19,8 +19,11 @@ def prompt_id(sample) -> str:
 
 
 def append(run_dir: str | Path, step: int, groups: list[list]) -> None:
-    record = {"step": step, "prompts": [prompt_id(g[0]) for g in groups],
-              "draws": [g[0].group_index for g in groups]}  # fmt: skip
+    record = {
+        "step": step,
+        "prompts": [prompt_id(g[0]) for g in groups],
+        "draws": [g[0].group_index for g in groups],
+    }
     with open(Path(run_dir) / DATA_ORDER_FILE, "a", encoding="utf-8") as file:
         file.write(json.dumps(record) + "\n")
 

@@ -145,9 +145,13 @@ def check_step(run, step: int, metrics: dict) -> None:
     run.extras["nonfinite_in_a_row"] = in_a_row
     skipped, total = int(metrics[NONFINITE_KEY]), run.config.algorithm.num_minibatches
     loss, norm = (metrics.get(f"train/nonfinite_{k}") for k in ("loss", "grad_norm"))
-    print(f"rl-train: step {step}: {skipped} of {total} minibatch updates skipped for a "
-          f"non-finite loss ({loss}) or gradient norm ({norm}); {in_a_row} such step(s) in "
-          f"a row, the run stops at {limit or 'never'}", file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"rl-train: step {step}: {skipped} of {total} minibatch updates skipped for a "
+        f"non-finite loss ({loss}) or gradient norm ({norm}); {in_a_row} such step(s) in "
+        f"a row, the run stops at {limit or 'never'}",
+        file=sys.stderr,
+        flush=True,
+    )
     if limit and in_a_row >= limit:
         raise RunStopped(
             f"{in_a_row} non-finite steps in a row up to step {step} (NaN or inf in the loss "
@@ -171,14 +175,18 @@ def empty_cause(groups: list[list], config) -> str:
     if engine:
         parts.append(f"{len(engine)} refused or failed by the engine (first: {_first(engine)})")
     if reward:
-        parts.append(f"{len(reward)} whose reward failed, skipped under "
-                     f"rollout.on_reward_error=skip (first: {_first(reward)})")  # fmt: skip
+        parts.append(
+            f"{len(reward)} whose reward failed, skipped under "
+            f"rollout.on_reward_error=skip (first: {_first(reward)})"
+        )
     if aborted > len(engine) + len(reward):
         parts.append(f"{aborted - len(engine) - len(reward)} aborted")
     whole = [g for g in groups if reached_the_filter(g)]
     if whole:
-        parts.append(f"{len(whole)} group(s) dropped by "
-                     f"algorithm.group_filter={config.algorithm.group_filter}")  # fmt: skip
+        parts.append(
+            f"{len(whole)} group(s) dropped by "
+            f"algorithm.group_filter={config.algorithm.group_filter}"
+        )
     return f"of {len(samples)} samples, " + "; ".join(parts)
 
 
@@ -219,11 +227,14 @@ def check_trained(run, step: int, metrics: dict) -> None:
     if not config.logging.progress:  # else the progress line says it
         print(f"rl-train: step {step} trained no sample: {cause}", file=sys.stderr, flush=True)
     if limit and failed and in_a_row >= limit:
-        raise RunStopped(f"{in_a_row} steps in a row up to step {step} trained no sample "
-                         f"(algorithm.max_empty_steps={limit}); step {step}: {cause}")  # fmt: skip
+        raise RunStopped(
+            f"{in_a_row} steps in a row up to step {step} trained no sample "
+            f"(algorithm.max_empty_steps={limit}); step {step}: {cause}"
+        )
     if step == config.num_steps and not extras["trained_samples"]:
-        raise RunStopped(f"the run trained no sample in its {extras['steps_run']} step(s); "
-                         f"step {step}: {cause}")  # fmt: skip
+        raise RunStopped(
+            f"the run trained no sample in its {extras['steps_run']} step(s); step {step}: {cause}"
+        )
 
 
 def last_checkpoint(config) -> str:

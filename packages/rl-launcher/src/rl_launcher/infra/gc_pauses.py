@@ -54,8 +54,11 @@ class GcPauses:
 
     def take(self) -> dict[str, float]:
         """The pauses since the last call."""
-        out = {"time/gc": self._seconds, "time/gc_max": self._longest,
-               "gc/collections_full": float(self._full)}  # fmt: skip
+        out = {
+            "time/gc": self._seconds,
+            "time/gc_max": self._longest,
+            "gc/collections_full": float(self._full),
+        }
         self._seconds = self._longest = 0.0
         self._full = 0
         return out

@@ -38,8 +38,13 @@ class GpuMonitor:
     def __init__(self, command: list[str]):
         self._lock = threading.Lock()
         self._samples: list[tuple[int, float, float]] = []
-        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                     text=True, start_new_session=True)  # fmt: skip
+        self.proc = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
+        )
         self._reader = threading.Thread(target=self._read, name="gpu-monitor", daemon=True)
         self._reader.start()
 

@@ -50,8 +50,14 @@ class WandbSink:
     def __init__(self, run_dir: Path, *, project: str, mode: str, config: dict | None = None):
         wandb = require("wandb", "wandb")
         os.environ.setdefault("WANDB_SILENT", "true")
-        self.run = wandb.init(project=project, mode=mode, dir=str(run_dir), config=config,
-                              name=run_dir.name, reinit="create_new")  # fmt: skip
+        self.run = wandb.init(
+            project=project,
+            mode=mode,
+            dir=str(run_dir),
+            config=config,
+            name=run_dir.name,
+            reinit="create_new",
+        )
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log({k: v for k, v in metrics.items() if k != "step"}, step=step)

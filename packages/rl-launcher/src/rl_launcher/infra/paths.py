@@ -19,6 +19,9 @@ def inside(root: str | Path, paths: Iterable[Path], *, what: str) -> list[Path]:
         if contained(root, path):
             kept.append(path)
         else:
-            print(f"rl-train: ignoring {what} {path}: it resolves to {Path(path).resolve()}, "
-                  f"outside {root}", file=sys.stderr)  # fmt: skip
+            print(
+                f"rl-train: ignoring {what} {path}: it resolves to {Path(path).resolve()}, "
+                f"outside {root}",
+                file=sys.stderr,
+            )
     return kept

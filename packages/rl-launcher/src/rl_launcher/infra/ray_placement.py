@@ -42,8 +42,11 @@ class RayNode:
 
     def describe(self) -> str:
         """``127.0.0.2 (CPU 2, GPU 8)``: its address and the resources a bundle may take."""
-        held = [f"{name} {self.resources[name]:g}" for name in ("CPU", "GPU")
-                if self.resources.get(name)]  # fmt: skip
+        held = [
+            f"{name} {self.resources[name]:g}"
+            for name in ("CPU", "GPU")
+            if self.resources.get(name)
+        ]
         return f"{self.address} ({', '.join(held) or 'no CPU'})"
 
 
@@ -93,8 +96,11 @@ def create_placement(
     bundle = {"CPU": cpus_per_bundle, **({"GPU": 1} if use_gpu else {})}
     nodes = choose_nodes(plan, bundle, devices_per_node=devices_per_node)
     selectors = [{NODE_ID_LABEL: nodes[slot.node].node_id} for slot in plan.slots]
-    group = placement_group([dict(bundle) for _ in range(plan.num_bundles)], strategy="PACK",
-                            bundle_label_selector=selectors)  # fmt: skip
+    group = placement_group(
+        [dict(bundle) for _ in range(plan.num_bundles)],
+        strategy="PACK",
+        bundle_label_selector=selectors,
+    )
     ready, _ = ray.wait([group.ready()], timeout=timeout_s)
     if not ready:
         remove_placement_group(group)
@@ -136,8 +142,11 @@ def _probe_bundles(group: PlacementGroup, num_bundles: int, use_gpu: bool) -> li
 def alive_nodes() -> list[RayNode]:
     """The cluster's alive nodes, the driver's first, then by address."""
     here = ray.get_runtime_context().get_node_id()
-    nodes = [RayNode(n["NodeID"], n["NodeManagerAddress"], dict(n["Resources"]))
-             for n in ray.nodes() if n["Alive"]]  # fmt: skip
+    nodes = [
+        RayNode(n["NodeID"], n["NodeManagerAddress"], dict(n["Resources"]))
+        for n in ray.nodes()
+        if n["Alive"]
+    ]
     return sorted(nodes, key=lambda n: (n.node_id != here, _address_key(n.address), n.node_id))
 
 

@@ -94,15 +94,29 @@ def listening_store(host: str, world_size: int, timeout_s: float = TIMEOUT_S):
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.create_server((host, 0), family=family) as sock:
-        store = TCPStore(host, sock.getsockname()[1], world_size, True,
-                         timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
-                         master_listen_fd=sock.fileno())  # fmt: skip
+        store = TCPStore(
+            host,
+            sock.getsockname()[1],
+            world_size,
+            True,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+            master_listen_fd=sock.fileno(),
+        )
         sock.detach()  # the store owns the descriptor now (and closes it)
     return store
 
 
-def join_default_group(*, device: str, rank: int, world_size: int, host: str, port: int,
-                       store=None, timeout_s: float = TIMEOUT_S) -> None:  # fmt: skip
+def join_default_group(
+    *,
+    device: str,
+    rank: int,
+    world_size: int,
+    host: str,
+    port: int,
+    store=None,
+    timeout_s: float = TIMEOUT_S,
+) -> None:
     """Join the default process group (gloo on CPU; nccl and gloo on CUDA, as rl-fsdp
     asks) through the store at ``host:port``; rank 0 passes its :func:`listening_store`.
     The backends' ``init_distributed`` then finds the group and keeps it."""
@@ -113,8 +127,9 @@ def join_default_group(*, device: str, rank: int, world_size: int, host: str, po
     if store is None:
         store = TCPStore(host, port, world_size, False, timeout=timeout)
     backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
-    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
-                            timeout=timeout)  # fmt: skip
+    dist.init_process_group(
+        backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+    )
 
 
 class GroupMember:
@@ -134,8 +149,14 @@ class GroupMember:
         return host, self._store.port
 
     def join_group(self, device: str, host: str, port: int) -> None:
-        join_default_group(device=device, rank=self.rank, world_size=self.world_size,
-                           host=host, port=port, store=self._store)  # fmt: skip
+        join_default_group(
+            device=device,
+            rank=self.rank,
+            world_size=self.world_size,
+            host=host,
+            port=port,
+            store=self._store,
+        )
 
 
 def meet(workers: list, *, spans_nodes: bool, join_args: tuple = ()) -> tuple[str, int]:

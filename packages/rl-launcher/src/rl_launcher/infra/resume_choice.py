@@ -96,10 +96,14 @@ def _say_skipped(skipped: list[tuple[Path, str]], outcome: str) -> None:
 
 def _note_without_manifest(path: Path) -> None:
     if not ckpt.has_manifest(path):
-        print(f"rl-train: checkpoint {path} has no {ckpt.MANIFEST_FILE} (saved before "
-              f"manifests existed, or stopped just before writing it): its {ckpt.STATE_FILE} "
-              "parses and its trainer state is there, so it is used; file sizes cannot be "
-              "checked", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"rl-train: checkpoint {path} has no {ckpt.MANIFEST_FILE} (saved before "
+            f"manifests existed, or stopped just before writing it): its {ckpt.STATE_FILE} "
+            "parses and its trainer state is there, so it is used; file sizes cannot be "
+            "checked",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 @contextlib.contextmanager
@@ -152,8 +156,11 @@ def set_aside_after(root: Path, step: int) -> None:
         kind = "superseded" if ckpt.damage(path) is None else "damaged"
         aside = _free_name(path, kind)
         path.rename(aside)
-        print(f"rl-train: moved {path} ({kind}) to {aside.name}; the run redoes step {later}",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"rl-train: moved {path} ({kind}) to {aside.name}; the run redoes step {later}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _free_name(path: Path, kind: str) -> Path:

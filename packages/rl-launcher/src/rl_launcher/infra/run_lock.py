@@ -65,8 +65,12 @@ def lock_run_dir(run_dir: str | Path) -> RunDirLock:
 
 
 def holder_record() -> dict:
-    return {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
-            "started_at": time.strftime("%Y-%m-%d %H:%M:%S %Z")}  # fmt: skip
+    return {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": time.time(),
+        "started_at": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
 
 
 def _write_holder(fd: int) -> None:
@@ -82,5 +86,7 @@ def _read_holder(fd: int) -> str:
         record = {}
     if not record.get("pid"):
         return "its holder has not written its pid yet"
-    return (f"pid {record['pid']} on host {record.get('host', '?')}, started "
-            f"{record.get('started_at', '?')}")  # fmt: skip
+    return (
+        f"pid {record['pid']} on host {record.get('host', '?')}, started "
+        f"{record.get('started_at', '?')}"
+    )

@@ -58,8 +58,10 @@ def checks(run) -> list[tuple[str, Path, set[str], str | None]]:
 
     config = run.config
     ranks, sync_nodes, every_node = run_nodes(run)
-    found = [("logging.run_dir", Path(config.logging.run_dir), every_node, None),
-             ("checkpoint.dir", checkpoint_dir(config), ranks, None)]  # fmt: skip
+    found = [
+        ("logging.run_dir", Path(config.logging.run_dir), every_node, None),
+        ("checkpoint.dir", checkpoint_dir(config), ranks, None),
+    ]
     if run.sync_options.get("transport") == "disk":
         found.append(("engine.weight_sync_dir", Path(run.sync_options["path"]), sync_nodes, None))
     if config.model.path is not None and not str(config.model.path).endswith(".gguf"):
@@ -94,8 +96,12 @@ def check_directory(option: str, directory: Path, node_ids: list[str], compare) 
         token = uuid.uuid4().hex
         (directory / f"{PROBE_PREFIX}{token}").write_text(token)
     task = ray.remote(num_cpus=0)(probe_node)
-    refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
-            .remote(str(directory), token, node, compare) for node in node_ids]  # fmt: skip
+    refs = [
+        task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
+            str(directory), token, node, compare
+        )
+        for node in node_ids
+    ]
     try:
         found = ray.get(refs, timeout=PROBE_TIMEOUT_S)
         for node, why in zip(node_ids, found, strict=True):

@@ -171,8 +171,10 @@ def _on_signal(signum: int, frame) -> None:
         _say(f"{name}: the run is finishing (a second signal exits at once)")
         return
     grace = _state.grace_s
-    _say(f"{name}: stopping after this step; a step still generating after {grace:g} s "
-         "(checkpoint.stop_grace_s) is abandoned; a second signal exits at once")  # fmt: skip
+    _say(
+        f"{name}: stopping after this step; a step still generating after {grace:g} s "
+        "(checkpoint.stop_grace_s) is abandoned; a second signal exits at once"
+    )
     signal.setitimer(signal.ITIMER_REAL, max(grace, 1e-3))
 
 

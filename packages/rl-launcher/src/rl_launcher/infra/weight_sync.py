@@ -46,12 +46,18 @@ def sync_dir(config, run_dir: Path) -> Path:
 def sync_options(config, run_dir: Path) -> dict:
     """What every training rank needs to push weights (a plain dict: it crosses Ray)."""
     engine, device = config.engine, config.cluster.device
-    transport = resolve_transport(engine.weight_sync, colocate=config.cluster.colocate,
-                                  device=device)  # fmt: skip
-    return {"transport": transport, "bucket_bytes": engine.weight_bucket_bytes,
-            "path": str(sync_dir(config, run_dir)), "engine_kind": engine.kind,
-            "group_backend": "nccl" if device == "cuda" else "gloo",
-            "tp_size": engine.devices_per_engine, "flatten": engine.weight_flatten}  # fmt: skip
+    transport = resolve_transport(
+        engine.weight_sync, colocate=config.cluster.colocate, device=device
+    )
+    return {
+        "transport": transport,
+        "bucket_bytes": engine.weight_bucket_bytes,
+        "path": str(sync_dir(config, run_dir)),
+        "engine_kind": engine.kind,
+        "group_backend": "nccl" if device == "cuda" else "gloo",
+        "tp_size": engine.devices_per_engine,
+        "flatten": engine.weight_flatten,
+    }
 
 
 class EngineWeightSync:
@@ -91,8 +97,13 @@ class EngineWeightSync:
         from rl_sglang import transports
 
         if how["transport"] == "tensor":
-            await transports.update_from_tensor(self.clients(urls), bucket, weight_version=version,
-                                                tp_size=how["tp_size"], flatten=how["flatten"])  # fmt: skip
+            await transports.update_from_tensor(
+                self.clients(urls),
+                bucket,
+                weight_version=version,
+                tp_size=how["tp_size"],
+                flatten=how["flatten"],
+            )
             return
         sender = await self._connected_sender(urls, how)
         await sender.send(bucket, weight_version=version, flatten=how["flatten"])
@@ -122,5 +133,9 @@ def make_sender(clients: list, how: dict, master_address: str | None = None):
     from rl_sglang.transports import DistributedWeightSender
 
     tp_size = how["tp_size"] if how["engine_kind"] == "sglang" else 1
-    return DistributedWeightSender(clients, master_address=master_address or "127.0.0.1",
-                                   backend=how["group_backend"], tp_size=tp_size)  # fmt: skip
+    return DistributedWeightSender(
+        clients,
+        master_address=master_address or "127.0.0.1",
+        backend=how["group_backend"],
+        tp_size=tp_size,
+    )

@@ -72,11 +72,15 @@ def evaluate_pairs(run) -> dict[str, float]:
         ref = run.trainer.log_probs(batches, model="ref")
         for batch, actor, reference in zip(batches, policy, ref, strict=True):
             _, shares = packed_pair_loss(
-                log_probs=actor, ref_log_probs=reference, mask=batch.loss_mask,
-                cu_seqlens=batch.cu_seqlens, num_pairs=len(pairs),
-                beta=config.algorithm.dpo_beta, kind=config.algorithm.dpo_loss,
+                log_probs=actor,
+                ref_log_probs=reference,
+                mask=batch.loss_mask,
+                cu_seqlens=batch.cu_seqlens,
+                num_pairs=len(pairs),
+                beta=config.algorithm.dpo_beta,
+                kind=config.algorithm.dpo_loss,
                 label_smoothing=config.algorithm.dpo_label_smoothing,
-            )  # fmt: skip
+            )
             for key, share in shares.items():  # each rank's share of the mean over all pairs
                 name = f"eval/{dataset.name}/{key}"
                 metrics[name] = metrics.get(name, 0.0) + share
@@ -88,9 +92,13 @@ def eval_datasets(run) -> list:
     if "dpo_eval" not in run.extras:
         config = run.config
         run.extras["dpo_eval"] = [
-            load_sft_dataset(spec, config.data, tokenizer=run.extras["tokenizer"],
-                             max_response_tokens=config.rollout.max_response_tokens,
-                             to_sample=pair_sample_from_row)
+            load_sft_dataset(
+                spec,
+                config.data,
+                tokenizer=run.extras["tokenizer"],
+                max_response_tokens=config.rollout.max_response_tokens,
+                to_sample=pair_sample_from_row,
+            )
             for spec in config.eval.datasets
-        ]  # fmt: skip
+        ]
     return run.extras["dpo_eval"]

@@ -68,9 +68,12 @@ class AsyncFeed(SyncFeed):
         rollout = run.config.rollout
         self.max_staleness = rollout.max_staleness
         self.producer = ContinuousRollout(
-            run.rollout, batch_size=self.batch_size, max_staleness=rollout.max_staleness,
-            partial=rollout.partial_rollout, stale_policy=rollout.stale_policy,
-        )  # fmt: skip
+            run.rollout,
+            batch_size=self.batch_size,
+            max_staleness=rollout.max_staleness,
+            partial=rollout.partial_rollout,
+            stale_policy=rollout.stale_policy,
+        )
         run.rollout.call(self.producer.start())
 
     def groups(self, step: int) -> tuple[list, dict[str, float]]:

@@ -94,8 +94,10 @@ def _train(config) -> Path:
 def say_ready(config, first: int, seconds: float) -> None:
     """The last start-up line: the first step begins (its progress line comes when it ends)."""
     if config.logging.progress:
-        print(f"rl-train: started in {seconds:.1f}s; step {first}/{config.num_steps} running",
-              flush=True)  # fmt: skip
+        print(
+            f"rl-train: started in {seconds:.1f}s; step {first}/{config.num_steps} running",
+            flush=True,
+        )
 
 
 def freeze_engine_gc(run) -> None:

@@ -30,8 +30,12 @@ def save(run: Run, step: int) -> None:
     run.trainer.save(str(path / "trainer"))
     save_extras(run, path)  # critic, HF export
     data = data_state(run)  # prompts in flight (async loops) are drawn again on resume
-    state = {"step": step, "weight_version": step, "data": data["source"],
-             "pending_prompts": data["pending"]}  # fmt: skip
+    state = {
+        "step": step,
+        "weight_version": step,
+        "data": data["source"],
+        "pending_prompts": data["pending"],
+    }
     checkpoints.write_state(path, state)
     checkpoints.prune(root, run.config.checkpoint.keep_last)
 
@@ -54,8 +58,9 @@ def resume(run: Run, found: tuple[Path, dict] | None) -> int:
         run.trainer.load(str(path / "trainer"))
         load_extras(run, path, state)  # critic
         if hasattr(run.rollout, "load_data_state"):
-            run.rollout.load_data_state({"source": state["data"],
-                                         "pending": state.get("pending_prompts", [])})  # fmt: skip
+            run.rollout.load_data_state(
+                {"source": state["data"], "pending": state.get("pending_prompts", [])}
+            )
         else:  # a stand-in rollout (replay) is its own source
             run.source.load_state_dict(state["data"])
         version = int(state["weight_version"])
@@ -64,6 +69,9 @@ def resume(run: Run, found: tuple[Path, dict] | None) -> int:
     sync(run, version=version)
     dropped = truncate_metrics(run.config.logging.run_dir, int(state["step"]))
     data_order.truncate(run.config.logging.run_dir, int(state["step"]))
-    print(f"rl-train: resumed from {path} (step {state['step']}; {dropped} later metrics "
-          "records dropped)", flush=True)  # fmt: skip
+    print(
+        f"rl-train: resumed from {path} (step {state['step']}; {dropped} later metrics "
+        "records dropped)",
+        flush=True,
+    )
     return int(state["step"])

@@ -27,9 +27,14 @@ def start_rollout_only(config):
 
     run, model_dir, tokenizer = new_run(config, source)
     try:
-        run.rollout = start_engines(config, model_dir=model_dir, tokenizer=tokenizer,
-                                    source=run.source, log_dir=Path(config.logging.run_dir) / "logs",
-                                    cleanup=run._cleanup)  # fmt: skip
+        run.rollout = start_engines(
+            config,
+            model_dir=model_dir,
+            tokenizer=tokenizer,
+            source=run.source,
+            log_dir=Path(config.logging.run_dir) / "logs",
+            cleanup=run._cleanup,
+        )
     except BaseException:
         run.close()
         raise

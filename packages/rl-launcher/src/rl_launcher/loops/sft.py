@@ -53,8 +53,7 @@ def start_sft_run(config, *, to_sample=None):
     source = build_sft_source(
         config, tokenizer=tokenizer, to_sample=to_sample or sft_sample_from_row
     )
-    run = Run(config=config, source=source,
-              metrics_log=MetricsLog(run_dir, logging=config.logging))  # fmt: skip
+    run = Run(config=config, source=source, metrics_log=MetricsLog(run_dir, logging=config.logging))
     run._cleanup.append(run.metrics_log.close)
     run.extras["tokenizer"] = tokenizer  # DPO's held-out pairs are read with it
     try:
@@ -116,6 +115,9 @@ def resume_sft(run, found: tuple[Path, dict] | None) -> int:
     root = checkpoints.checkpoint_dir(run.config)
     resume_choice.set_aside_after(root, int(state["step"]))  # the steps after it are redone
     dropped = truncate_metrics(run.config.logging.run_dir, int(state["step"]))
-    print(f"rl-train: resumed from {path} (step {state['step']}; {dropped} later metrics "
-          "records dropped)", flush=True)  # fmt: skip
+    print(
+        f"rl-train: resumed from {path} (step {state['step']}; {dropped} later metrics "
+        "records dropped)",
+        flush=True,
+    )
     return int(state["step"])

@@ -14,8 +14,12 @@ def empty_step(groups: list, config) -> dict:
     rules) and how many of its samples failed."""
     cause = faults.empty_cause(groups, config)
     failed = sum(s.status is SampleStatus.ABORTED for group in groups for s in group)
-    return {"buffer/empty_step": 1.0, faults.TRAINED_KEY: 0.0, faults.EMPTY_CAUSE_KEY: cause,
-            faults.EMPTY_FAILED_KEY: float(failed)}  # fmt: skip
+    return {
+        "buffer/empty_step": 1.0,
+        faults.TRAINED_KEY: 0.0,
+        faults.EMPTY_CAUSE_KEY: cause,
+        faults.EMPTY_FAILED_KEY: float(failed),
+    }
 
 
 def turn_times(run: Run) -> dict[str, float]:
@@ -67,10 +71,12 @@ def staleness(batch, *, trainer_version: int) -> dict[str, float]:
     lags = [trainer_version - sample_version(s, trainer_version) for s in batch.samples]
     versions = [sample_version(s, -1) for s in batch.samples]
     resumed = sum(1 for s in batch.samples if s.metadata.get("resumed"))
-    return {"rollout/weight_version_min": float(min(versions, default=-1)),
-            "rollout/staleness_max": float(max(lags, default=0)),
-            "rollout/staleness_mean": sum(lags) / max(len(lags), 1),
-            "rollout/resumed_samples": float(resumed)}  # fmt: skip
+    return {
+        "rollout/weight_version_min": float(min(versions, default=-1)),
+        "rollout/staleness_max": float(max(lags, default=0)),
+        "rollout/staleness_mean": sum(lags) / max(len(lags), 1),
+        "rollout/resumed_samples": float(resumed),
+    }
 
 
 def fresh_only(rank_batches, batch, *, trainer_version: int) -> list:
@@ -95,5 +101,7 @@ def mismatch(rank_batches) -> dict[str, float]:
     if not diffs:
         return {}
     diff = torch.cat(diffs)
-    return {"mismatch/logprob_abs_diff_mean": float(diff.mean()),
-            "mismatch/logprob_abs_diff_max": float(diff.max())}  # fmt: skip
+    return {
+        "mismatch/logprob_abs_diff_mean": float(diff.mean()),
+        "mismatch/logprob_abs_diff_max": float(diff.max()),
+    }

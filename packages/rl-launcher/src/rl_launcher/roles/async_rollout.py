@@ -50,8 +50,15 @@ def failed(group: list[Sample]) -> bool:
 class ContinuousRollout:
     """See the module docstring; every coroutine runs on the manager's event loop."""
 
-    def __init__(self, manager, *, batch_size: int, max_staleness: int, partial: bool,
-                 stale_policy: str = "drop"):  # fmt: skip
+    def __init__(
+        self,
+        manager,
+        *,
+        batch_size: int,
+        max_staleness: int,
+        partial: bool,
+        stale_policy: str = "drop",
+    ):
         if max_staleness < 1:
             raise ValueError(
                 "rollout.loop=async needs rollout.max_staleness >= 1 (samples generated while "
@@ -106,9 +113,11 @@ class ContinuousRollout:
                 stale_kept += 1
             groups.append(group)
         self.manager.consumed(dropped)
-        metrics = {"async/stale_groups_dropped": float(len(dropped)),
-                   "async/stale_groups_kept": float(stale_kept),
-                   "async/queued_groups": float(self._queue.qsize())}  # fmt: skip
+        metrics = {
+            "async/stale_groups_dropped": float(len(dropped)),
+            "async/stale_groups_kept": float(stale_kept),
+            "async/queued_groups": float(self._queue.qsize()),
+        }
         metrics |= {f"async/{name}": float(value) for name, value in self.counts.items()}
         self.counts = dict.fromkeys(self.counts, 0)
         return sorted(groups, key=lambda g: g[0].group_index), metrics

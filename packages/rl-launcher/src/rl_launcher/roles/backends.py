@@ -104,18 +104,28 @@ def fsdp_config(config, *, model_dir: Path, objective: Objective | None = None):
     opt = config.optimizer
     precision = _precision(config, "fsdp")
     return FSDPConfig(
-        model_path=str(model_dir), seed=config.seed, device=config.cluster.device,
-        precision=precision, attention="auto",
+        model_path=str(model_dir),
+        seed=config.seed,
+        device=config.cluster.device,
+        precision=precision,
+        attention="auto",
         export_dtype=precision,  # engines serve model.dtype: bf16 runs send bf16, not fp32 masters
         activation_checkpointing=config.model.gradient_checkpointing,
         max_tokens_per_micro_batch=config.backend.micro_batch_tokens,
         objective=objective or objective_of(config),
-        optimizer=opt.name, momentum=opt.momentum,
-        lr=opt.lr, weight_decay=opt.weight_decay, betas=tuple(opt.betas), eps=opt.eps,
-        warmup_steps=opt.warmup_steps, lr_decay=opt.schedule, total_steps=config.num_steps,
-        min_lr_ratio=opt.min_lr_ratio, max_grad_norm=opt.grad_clip or None,
+        optimizer=opt.name,
+        momentum=opt.momentum,
+        lr=opt.lr,
+        weight_decay=opt.weight_decay,
+        betas=tuple(opt.betas),
+        eps=opt.eps,
+        warmup_steps=opt.warmup_steps,
+        lr_decay=opt.schedule,
+        total_steps=config.num_steps,
+        min_lr_ratio=opt.min_lr_ratio,
+        max_grad_norm=opt.grad_clip or None,
         lora=lora_spec(config),
-    )  # fmt: skip
+    )
 
 
 def megatron_config(config, *, model_dir: Path, objective: Objective | None = None):
@@ -131,13 +141,22 @@ def megatron_config(config, *, model_dir: Path, objective: Objective | None = No
             "optimizer.name=adamw, optimizer.schedule=constant and optimizer.warmup_steps=0"
         )
     fields = dict(
-        hf_path=model_dir, objective=objective or objective_of(config),
-        tp=backend.tensor_parallel, pp=backend.pipeline_parallel, cp=backend.context_parallel,
-        ep=backend.expert_parallel, device=config.cluster.device,
-        precision=_precision(config, "megatron"), seed=config.seed, lr=opt.lr,
-        weight_decay=opt.weight_decay, adam_betas=tuple(opt.betas), adam_eps=opt.eps,
-        clip_grad=opt.grad_clip, max_tokens_per_micro_batch=backend.micro_batch_tokens,
-    )  # fmt: skip
+        hf_path=model_dir,
+        objective=objective or objective_of(config),
+        tp=backend.tensor_parallel,
+        pp=backend.pipeline_parallel,
+        cp=backend.context_parallel,
+        ep=backend.expert_parallel,
+        device=config.cluster.device,
+        precision=_precision(config, "megatron"),
+        seed=config.seed,
+        lr=opt.lr,
+        weight_decay=opt.weight_decay,
+        adam_betas=tuple(opt.betas),
+        adam_eps=opt.eps,
+        clip_grad=opt.grad_clip,
+        max_tokens_per_micro_batch=backend.micro_batch_tokens,
+    )
     return MegatronConfig(**(fields | megatron_overrides(backend.extra_args)))
 
 

@@ -36,8 +36,11 @@ class BufferRollout(RolloutManager):
 
         super().__init__(config, **kwargs)
         self.run_dir = Path(run_dir)
-        self.buffer = RolloutBuffer(self.run_dir / BUFFER_FILE, until_settled=True,
-                                    api_key=os.environ.get("RL_SGLANG_API_KEY"))  # fmt: skip
+        self.buffer = RolloutBuffer(
+            self.run_dir / BUFFER_FILE,
+            until_settled=True,
+            api_key=os.environ.get("RL_SGLANG_API_KEY"),
+        )
         self.buffer_url = None
         self._trained = 0  # the highest serve number the loop is done with
         self._saved = 0  # the serve number the last checkpoint recorded
@@ -51,8 +54,11 @@ class BufferRollout(RolloutManager):
         engines = self.router.url if self.router else self.engines[0].url
         urls = {"buffer": self.buffer_url, "engines": engines}
         (self.run_dir / URL_FILE).write_text(json.dumps(urls) + "\n")
-        print(f"rl-train: rollout buffer at {self.buffer_url}/buffer/write (engines at "
-              f"{engines}; both in {self.run_dir / URL_FILE})", flush=True)  # fmt: skip
+        print(
+            f"rl-train: rollout buffer at {self.buffer_url}/buffer/write (engines at "
+            f"{engines}; both in {self.run_dir / URL_FILE})",
+            flush=True,
+        )
         return self
 
     async def _rollout(self, num_groups: int):
@@ -64,18 +70,24 @@ class BufferRollout(RolloutManager):
             self.buffer.settle(self._saved)
         rollout, started = self.config.rollout, time.monotonic()
         try:
-            groups = await self.buffer.collect(num_groups, min_ratio=rollout.buffer_min_ratio,
-                                               timeout_s=rollout.buffer_timeout_s)  # fmt: skip
+            groups = await self.buffer.collect(
+                num_groups, min_ratio=rollout.buffer_min_ratio, timeout_s=rollout.buffer_timeout_s
+            )
         except TimeoutError as error:
             counts = self.buffer.counts
-            raise RunStopped(f"{error} (accepted {counts['accepted']}, rejected "
-                             f"{counts['rejected']} so far)") from None  # fmt: skip
+            raise RunStopped(
+                f"{error} (accepted {counts['accepted']}, rejected {counts['rejected']} so far)"
+            ) from None
         for group in groups:
             self._number(group)
         counts = self.buffer.counts
-        metrics = {"wait_s": time.monotonic() - started, "groups": len(groups),
-                   "pending": len(self.buffer.pending), "requeued": requeued,
-                   **{name: counts[name] for name in ("accepted", "rejected", "duplicates")}}  # fmt: skip
+        metrics = {
+            "wait_s": time.monotonic() - started,
+            "groups": len(groups),
+            "pending": len(self.buffer.pending),
+            "requeued": requeued,
+            **{name: counts[name] for name in ("accepted", "rejected", "duplicates")},
+        }
         return groups, {f"rollout_buffer/{k}": float(v) for k, v in metrics.items()}
 
     def _number(self, group) -> None:

@@ -46,8 +46,13 @@ class CriticWorker(GroupMember):
         from rl_fsdp import FSDPCritic
 
         self.join_group("cuda" if self.config.device == "cuda" else "cpu", host, port)
-        self.critic = FSDPCritic.start(self.config, rank=self.rank, world_size=self.world_size,
-                                       master_addr=host, master_port=port)  # fmt: skip
+        self.critic = FSDPCritic.start(
+            self.config,
+            rank=self.rank,
+            world_size=self.world_size,
+            master_addr=host,
+            master_port=port,
+        )
 
     def values(self, batch: TrainBatch) -> torch.Tensor:
         return self.critic.compute_values(batch).cpu()
@@ -68,10 +73,12 @@ class CriticWorker(GroupMember):
 def critic_config(actor_config, optimizer):
     """The actor's rl-fsdp config turned into the critic's: no reference, own lr."""
     lr = optimizer.critic_lr if optimizer.critic_lr is not None else optimizer.lr
-    objective = dataclasses.replace(actor_config.objective, kl_coef=0.0, reward_kl_coef=0.0,
-                                    entropy_coef=0.0, mode="policy")  # fmt: skip
-    return dataclasses.replace(actor_config, lr=lr, reference=False, ref_offload=False,
-                               objective=objective)  # fmt: skip
+    objective = dataclasses.replace(
+        actor_config.objective, kl_coef=0.0, reward_kl_coef=0.0, entropy_coef=0.0, mode="policy"
+    )
+    return dataclasses.replace(
+        actor_config, lr=lr, reference=False, ref_offload=False, objective=objective
+    )
 
 
 class CriticGroup:
@@ -81,11 +88,11 @@ class CriticGroup:
         actor = ray.remote(CriticWorker)
         # num_cpus=0: the bundle's CPUs are the trainer's; the two take turns within a step
         self.workers = [
-            actor.options(num_cpus=0, num_gpus=num_gpus,
-                          scheduling_strategy=placement.strategy(slot)).remote(
-                rank, len(slots), config)
+            actor.options(
+                num_cpus=0, num_gpus=num_gpus, scheduling_strategy=placement.strategy(slot)
+            ).remote(rank, len(slots), config)
             for rank, slot in enumerate(slots)
-        ]  # fmt: skip
+        ]
         self.address = meet(self.workers, spans_nodes=spans_nodes(placement, slots))
 
     def call(self, method: str, *per_rank_args, **shared) -> list:
@@ -102,8 +109,10 @@ class CriticGroup:
         """Critic optimizer steps; metrics named ``critic/...`` (``loss/value`` kept)."""
         per_rank = [[part[r] for part in parts] for r in range(len(self.workers))]
         metrics = self.call("train_steps", per_rank)[0]
-        return {k if k.startswith("critic/") or k == "loss/value" else f"critic/{k}": v
-                for k, v in metrics.items()}  # fmt: skip
+        return {
+            k if k.startswith("critic/") or k == "loss/value" else f"critic/{k}": v
+            for k, v in metrics.items()
+        }
 
     def save(self, path: str) -> None:
         self.call("save", path=str(Path(path).absolute()))  # absolute: as the ranks see it
@@ -130,16 +139,20 @@ def start_critic(run, model_dir) -> None:
     # on GPU the critic shares each training rank's device (it takes a quarter of it)
     num_gpus = 0.25 if config.cluster.device == "cuda" else 0
     actor = fsdp_config(config, model_dir=model_dir)
-    run.critic = CriticGroup(critic_config(actor, config.optimizer), run.placement, slots,
-                             num_gpus=num_gpus)  # fmt: skip
+    run.critic = CriticGroup(
+        critic_config(actor, config.optimizer), run.placement, slots, num_gpus=num_gpus
+    )
     run._cleanup.append(run.critic.shutdown)
 
 
 def response_values(samples, critic, num_ranks: int) -> torch.Tensor:
     """Critic values ``[B, T]`` of each sample's response tokens (0 past its end)."""
     batch = batch_from_samples(samples)
-    parts = [list(range(len(samples)))] if num_ranks == 1 else balanced_partitions(
-        [len(s.tokens) for s in samples], num_ranks)  # fmt: skip
+    parts = (
+        [list(range(len(samples)))]
+        if num_ranks == 1
+        else balanced_partitions([len(s.tokens) for s in samples], num_ranks)
+    )
     per_rank = critic.values([batch.select(part) for part in parts])
     return response_rows(samples, parts, per_rank)
 
@@ -153,29 +166,42 @@ class GaeBuffer(DataBuffer):
         self.value_fn = value_fn  # samples -> [B, T] response values
         self._targets: tuple[list, list] = ([], [])
 
-    def advantages(self, samples: list, kl: torch.Tensor | None = None,
-                   group_sizes: list[int] | None = None) -> list[list[float]]:  # fmt: skip
+    def advantages(
+        self, samples: list, kl: torch.Tensor | None = None, group_sizes: list[int] | None = None
+    ) -> list[list[float]]:
         rewards = torch.tensor([scalar_reward(s, self.reward_key) for s in samples])
         mask = response_mask(samples)
         values = self.value_fn(samples)
-        inputs = AdvantageInputs(rewards=rewards, mask=mask, values=values * mask,
-                                 group_size=self.group_size, gamma=self.gamma, lam=self.lam,
-                                 kl=kl, kl_coef=self.reward_kl_coef,
-                                 group_sizes=self.ragged(group_sizes))  # fmt: skip
+        inputs = AdvantageInputs(
+            rewards=rewards,
+            mask=mask,
+            values=values * mask,
+            group_size=self.group_size,
+            gamma=self.gamma,
+            lam=self.lam,
+            kl=kl,
+            kl_coef=self.reward_kl_coef,
+            group_sizes=self.ragged(group_sizes),
+        )
         advantages, returns = self._estimator(inputs)
         rows = [s.response_length for s in samples]
-        self._targets = ([r[:n] for r, n in zip(returns.tolist(), rows, strict=True)],
-                         [v[:n] for v, n in zip(values.tolist(), rows, strict=True)])  # fmt: skip
+        self._targets = (
+            [r[:n] for r, n in zip(returns.tolist(), rows, strict=True)],
+            [v[:n] for v, n in zip(values.tolist(), rows, strict=True)],
+        )
         return [a[:n] for a, n in zip(advantages.tolist(), rows, strict=True)]
 
     def _with_targets(self, step: StepBatch, rank_batches: list[TrainBatch]) -> list[TrainBatch]:
         """The critic's targets of the last :meth:`advantages` call in every rank batch."""
         returns, old_values = self._targets
         rank_batches = [
-            dataclasses.replace(b, returns=packed(step.samples, returns, part),
-                                old_values=packed(step.samples, old_values, part))
+            dataclasses.replace(
+                b,
+                returns=packed(step.samples, returns, part),
+                old_values=packed(step.samples, old_values, part),
+            )
             for b, part in zip(rank_batches, step.partitions, strict=True)
-        ]  # fmt: skip
+        ]
         num_tokens = max(1, sum(len(r) for r in returns))
         step.metrics["critic/returns_mean"] = sum(sum(r) for r in returns) / num_tokens
         return rank_batches
@@ -187,9 +213,10 @@ def make_buffer(run) -> DataBuffer:
     if critic is None:
         return DataBuffer.from_config(run.config, num_ranks=run.num_ranks)
     return GaeBuffer.from_config(
-        run.config, num_ranks=run.num_ranks,
+        run.config,
+        num_ranks=run.num_ranks,
         value_fn=lambda samples: response_values(samples, critic, run.num_ranks),
-    )  # fmt: skip
+    )
 
 
 def train_critic(run, parts) -> dict[str, float]:

@@ -26,21 +26,30 @@ def watch_engines(run) -> None:
     if engine.health_interval_s <= 0 or not getattr(run.rollout, "engines", None):
         return
     if run.sync_options.get("transport") == "distributed":
-        print("rl-train: engine health checks are off with distributed weight sync (a "
-              "restarted engine cannot rejoin the weight-update group)", file=sys.stderr)  # fmt: skip
+        print(
+            "rl-train: engine health checks are off with distributed weight sync (a "
+            "restarted engine cannot rejoin the weight-update group)",
+            file=sys.stderr,
+        )
         return
     if getattr(run.rollout, "turns", None) is not None:
-        print("rl-train: engine health checks are off while engines take turns with "
-              "training on the same GPUs (a restarted engine would not know the turn)",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "rl-train: engine health checks are off while engines take turns with "
+            "training on the same GPUs (a restarted engine would not know the turn)",
+            file=sys.stderr,
+        )
         return
     from rl_sglang.health import HealthMonitor
 
     run.rollout.monitor = HealthMonitor(
-        run.rollout.engines, router=run.rollout.router, restore=lambda e: restore(run, e),
-        interval_s=engine.health_interval_s, timeout_s=engine.health_timeout_s,
-        failures_to_restart=3, max_restarts=engine.max_restarts,
-    ).start()  # fmt: skip
+        run.rollout.engines,
+        router=run.rollout.router,
+        restore=lambda e: restore(run, e),
+        interval_s=engine.health_interval_s,
+        timeout_s=engine.health_timeout_s,
+        failures_to_restart=3,
+        max_restarts=engine.max_restarts,
+    ).start()
 
 
 def restore(run, engine) -> None:
@@ -63,8 +72,11 @@ def restore(run, engine) -> None:
 
     if frozen := asyncio.run(load()):
         print(f"rl-train: engine {engine.url}: {frozen}", file=sys.stderr, flush=True)
-    print(f"rl-train: engine {engine.url} restarted with the weights of version {version}",
-          file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"rl-train: engine {engine.url} restarted with the weights of version {version}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def wait_for_restarts(run) -> None:

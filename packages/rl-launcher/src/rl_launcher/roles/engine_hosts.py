@@ -111,8 +111,9 @@ def _node_key_digest() -> tuple[str, str]:
 def check_key_on_nodes(placement, slots, api_key: str) -> None:
     """The processes in ``slots`` (training rank 0: it sends the weights) see the driver's
     key; only digests travel."""
-    probes = [_node_key_digest.options(scheduling_strategy=placement.strategy(s)).remote()
-              for s in slots]  # fmt: skip
+    probes = [
+        _node_key_digest.options(scheduling_strategy=placement.strategy(s)).remote() for s in slots
+    ]
     for address, digest in ray.get(probes):
         if digest != key_digest(api_key):
             raise ValueError(
@@ -121,19 +122,35 @@ def check_key_on_nodes(placement, slots, api_key: str) -> None:
             )
 
 
-def start_placed_engines(config, sites: EngineSites, *, model_dir, log_dir, max_batch_size: int,
-                         memory_saver: bool = False) -> list["PlacedEngine"]:  # fmt: skip
+def start_placed_engines(
+    config,
+    sites: EngineSites,
+    *,
+    model_dir,
+    log_dir,
+    max_batch_size: int,
+    memory_saver: bool = False,
+) -> list["PlacedEngine"]:
     """One :class:`EngineHost` per engine in its bundles, each server started (not yet
     ready): all load at once."""
     host_actor = ray.remote(EngineHost)
     ranks = config.cluster.devices_per_node  # training ranks beside each engine
     hosts = [
-        host_actor.options(num_cpus=0, scheduling_strategy=sites.placement.strategy(bundles[0]))
-        .remote(config, model_dir=str(model_dir), log_dir=str(log_dir),
-                gpu_ids=sites.gpu_ids(engine), host=sites.host, api_key=sites.api_key,
-                max_batch_size=max_batch_size, memory_saver=memory_saver, ranks_per_node=ranks)
+        host_actor.options(
+            num_cpus=0, scheduling_strategy=sites.placement.strategy(bundles[0])
+        ).remote(
+            config,
+            model_dir=str(model_dir),
+            log_dir=str(log_dir),
+            gpu_ids=sites.gpu_ids(engine),
+            host=sites.host,
+            api_key=sites.api_key,
+            max_batch_size=max_batch_size,
+            memory_saver=memory_saver,
+            ranks_per_node=ranks,
+        )
         for engine, bundles in enumerate(sites.plan.engine_bundles)
-    ]  # fmt: skip
+    ]
     try:
         started = ray.get([host.start.remote() for host in hosts])
     except BaseException:  # the hosts that did start are not left behind
@@ -148,9 +165,19 @@ class EngineHost:
     methods run on the actor's main thread, which lives as long as the actor: the server's
     tie to its parent (PR_SET_PDEATHSIG) holds until the actor goes."""
 
-    def __init__(self, config, *, model_dir: str, log_dir: str, gpu_ids, host: str | None,
-                 api_key: str | None, max_batch_size: int, memory_saver: bool,
-                 ranks_per_node: int):  # fmt: skip
+    def __init__(
+        self,
+        config,
+        *,
+        model_dir: str,
+        log_dir: str,
+        gpu_ids,
+        host: str | None,
+        api_key: str | None,
+        max_batch_size: int,
+        memory_saver: bool,
+        ranks_per_node: int,
+    ):
         from rl_launcher.infra.colocation import engine_threads_env
         from rl_launcher.infra.lifetime import tie_to_this_process
         from rl_launcher.roles.engine_servers import engine_process
@@ -158,9 +185,16 @@ class EngineHost:
         _drop_ray_thread_default()
         os.environ.pop(API_KEY_ENV, None)  # the server holds the driver's key, not the node's
         host = host or ray.util.get_node_ip_address()
-        server = engine_process(config, model_dir=model_dir, log_dir=log_dir, gpu_ids=gpu_ids,
-                                host=host, max_batch_size=max_batch_size,
-                                memory_saver=memory_saver, api_key=api_key or "")  # fmt: skip
+        server = engine_process(
+            config,
+            model_dir=model_dir,
+            log_dir=log_dir,
+            gpu_ids=gpu_ids,
+            host=host,
+            max_batch_size=max_batch_size,
+            memory_saver=memory_saver,
+            api_key=api_key or "",
+        )
         server.env = {**server.env, **engine_threads_env(config, ranks_per_node)}
         self.server = tie_to_this_process(server)
 
@@ -171,8 +205,12 @@ class EngineHost:
 
     def where(self) -> dict:
         context = ray.get_runtime_context()
-        return {"url": self.server.url, "node_id": context.get_node_id(),
-                "node_address": ray.util.get_node_ip_address(), "host_pid": os.getpid()}  # fmt: skip
+        return {
+            "url": self.server.url,
+            "node_id": context.get_node_id(),
+            "node_address": ray.util.get_node_ip_address(),
+            "host_pid": os.getpid(),
+        }
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
         self.server.wait_ready(timeout_s)
@@ -235,8 +273,10 @@ class PlacedEngine:
         try:
             self.call("start")
         except ray.exceptions.RayActorError as error:
-            raise RuntimeError(f"engine {self.url}: its host on node {self.node_address} "
-                               f"is gone ({type(error).__name__})") from None  # fmt: skip
+            raise RuntimeError(
+                f"engine {self.url}: its host on node {self.node_address} "
+                f"is gone ({type(error).__name__})"
+            ) from None
         if wait:
             self.wait_ready()
         return self

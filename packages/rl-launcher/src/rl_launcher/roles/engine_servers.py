@@ -37,19 +37,43 @@ def sglang_server_args(config, *, memory_saver: bool) -> dict:
     return args | passthrough
 
 
-def engine_processes(config, *, model_dir: Path, log_dir: Path, gpus: list | None,
-                     max_batch_size: int, memory_saver: bool = False) -> list:  # fmt: skip
+def engine_processes(
+    config,
+    *,
+    model_dir: Path,
+    log_dir: Path,
+    gpus: list | None,
+    max_batch_size: int,
+    memory_saver: bool = False,
+) -> list:
     """One not-yet-started server per engine (``config.engine.num_engines``), on this
     machine at ``engine.host``."""
     gpus = gpus or [None] * config.engine.num_engines
-    return [engine_process(config, model_dir=model_dir, log_dir=log_dir, gpu_ids=ids,
-                           host=config.engine.host, max_batch_size=max_batch_size,
-                           memory_saver=memory_saver)
-            for ids in gpus]  # fmt: skip
+    return [
+        engine_process(
+            config,
+            model_dir=model_dir,
+            log_dir=log_dir,
+            gpu_ids=ids,
+            host=config.engine.host,
+            max_batch_size=max_batch_size,
+            memory_saver=memory_saver,
+        )
+        for ids in gpus
+    ]
 
 
-def engine_process(config, *, model_dir: Path, log_dir: Path, gpu_ids, host: str,
-                   max_batch_size: int, memory_saver: bool = False, api_key=None):  # fmt: skip
+def engine_process(
+    config,
+    *,
+    model_dir: Path,
+    log_dir: Path,
+    gpu_ids,
+    host: str,
+    max_batch_size: int,
+    memory_saver: bool = False,
+    api_key=None,
+):
     """One not-yet-started server bound to ``host`` on a port free there; ``api_key``
     None: rl-sglang's default (``RL_SGLANG_API_KEY``)."""
     where = {"host": host, "log_dir": log_dir, "api_key": api_key}
@@ -57,16 +81,27 @@ def engine_process(config, *, model_dir: Path, log_dir: Path, gpu_ids, host: str
         from rl_sglang.process import SGLangServer
 
         args = sglang_server_args(config, memory_saver=memory_saver)
-        return SGLangServer(model_dir, sglang_args=args, gpu_ids=gpu_ids,
-                            ready_timeout_s=SGLANG_READY_TIMEOUT_S, **where)  # fmt: skip
+        return SGLangServer(
+            model_dir,
+            sglang_args=args,
+            gpu_ids=gpu_ids,
+            ready_timeout_s=SGLANG_READY_TIMEOUT_S,
+            **where,
+        )
     from rl_sglang.process import EmbeddedEngine
 
     device = "cuda" if config.cluster.device == "cuda" else "cpu"
     context = engine_max_context(config)
     extra = [] if context is None else ["--max-context", str(context)]
-    return EmbeddedEngine(model_dir, device=device, dtype=config.model.dtype,
-                          max_batch_size=max_batch_size, env=visible_devices(gpu_ids),
-                          extra_args=extra, **where)  # fmt: skip
+    return EmbeddedEngine(
+        model_dir,
+        device=device,
+        dtype=config.model.dtype,
+        max_batch_size=max_batch_size,
+        env=visible_devices(gpu_ids),
+        extra_args=extra,
+        **where,
+    )
 
 
 def engine_max_context(config) -> int | None:

@@ -31,23 +31,32 @@ class Evaluator:
         self.datasets = {}
         for spec in config.eval.datasets:
             dataset = load_dataset(
-                spec, tokenizer=tokenizer, apply_chat_template=config.data.apply_chat_template,
+                spec,
+                tokenizer=tokenizer,
+                apply_chat_template=config.data.apply_chat_template,
                 max_prompt_tokens=config.data.max_prompt_tokens,
-                on_malformed=config.data.on_malformed, batch_rows=config.data.read_batch_rows,
-            )  # fmt: skip
+                on_malformed=config.data.on_malformed,
+                batch_rows=config.data.read_batch_rows,
+            )
             if not dataset.prompts:
                 raise ValueError(f"eval dataset {dataset.name!r} has no usable prompts")
             self.datasets[dataset.name] = seeded(config, dataset.name, dataset.prompts)
         self.reward_fn = reward or load_reward(
-            config.rollout.reward, tokenizer, on_error=config.rollout.on_reward_error,
-            timeout_s=config.rollout.reward_timeout_s, reward_key=config.algorithm.reward_key,
-        )  # fmt: skip
+            config.rollout.reward,
+            tokenizer,
+            on_error=config.rollout.on_reward_error,
+            timeout_s=config.rollout.reward_timeout_s,
+            reward_key=config.algorithm.reward_key,
+        )
 
     def sampling_params(self) -> dict:
         evaluation, rollout = self.config.eval, self.config.rollout
-        params = {"max_new_tokens": evaluation.max_response_tokens or rollout.max_response_tokens,
-                  "temperature": evaluation.temperature, "top_p": rollout.top_p,
-                  "top_k": rollout.top_k}  # fmt: skip
+        params = {
+            "max_new_tokens": evaluation.max_response_tokens or rollout.max_response_tokens,
+            "temperature": evaluation.temperature,
+            "top_p": rollout.top_p,
+            "top_k": rollout.top_k,
+        }
         return params | ({"stop": list(rollout.stop)} if rollout.stop else {})
 
     def evaluate(self, url: str) -> dict[str, float]:
@@ -70,8 +79,11 @@ class Evaluator:
         correct (its other metrics are left out: they would overwrite the sampled ones)."""
         params = self.sampling_params() | {"temperature": 0.0}
         metrics, _ = asyncio.run(self.run(url, samples=1, ks=[1], params=params))
-        return {key.replace("/pass@1", "/greedy@1"): value for key, value in metrics.items()
-                if key.endswith("/pass@1")}  # fmt: skip
+        return {
+            key.replace("/pass@1", "/greedy@1"): value
+            for key, value in metrics.items()
+            if key.endswith("/pass@1")
+        }
 
     async def run(self, url: str, *, samples: int | None = None, ks=None, params=None):
         """``(metrics, groups per dataset)`` from a fresh client of ``url``; ``samples``,
@@ -86,11 +98,15 @@ class Evaluator:
         async with EngineClient(url) as client:
             ctx = GenerateContext(client=client, tokenizer=self.tokenizer)
             return await eval_rollout(
-                ctx, self.datasets, self.reward_fn.rollout_fn, n_samples_per_prompt=per_prompt,
-                ks=ks or evaluation.pass_k, sampling_params=params or self.sampling_params(),
+                ctx,
+                self.datasets,
+                self.reward_fn.rollout_fn,
+                n_samples_per_prompt=per_prompt,
+                ks=ks or evaluation.pass_k,
+                sampling_params=params or self.sampling_params(),
                 max_concurrency=max(1, min(256, total)),
                 reward_key=self.config.algorithm.reward_key,
-            )  # fmt: skip
+            )
 
 
 def seeded(config, name: str, prompts: list) -> list:
@@ -125,8 +141,11 @@ def evaluate_at_start(run, first: int) -> None:
         return
     metrics = evaluate_now(run)
     run.metrics_log.append(0, metrics)
-    shown = ", ".join(f"{key.removeprefix('eval/')} {value:.3f}" for key, value in metrics.items()
-                      if "/pass@" in key or "/greedy@" in key)  # fmt: skip
+    shown = ", ".join(
+        f"{key.removeprefix('eval/')} {value:.3f}"
+        for key, value in metrics.items()
+        if "/pass@" in key or "/greedy@" in key
+    )
     print(f"rl-train: eval before training ({metrics['time/eval']:.1f}s): {shown}", flush=True)
 
 

@@ -42,9 +42,18 @@ class Reward:
     """``reward(sample) -> float | dict`` of one reward function (see the module docstring);
     :attr:`rollout_fn` is what the rollout calls."""
 
-    def __init__(self, name: str, score, tokenizer: Any, *, on_error: str = "raise",
-                 timeout_s: float | None = None, pool=None, reward_key: str | None = None,
-                 owns_pool: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        score,
+        tokenizer: Any,
+        *,
+        on_error: str = "raise",
+        timeout_s: float | None = None,
+        pool=None,
+        reward_key: str | None = None,
+        owns_pool: bool = True,
+    ):
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error={on_error!r}; choose one of {ON_ERROR}")
         self.name, self.score, self.tokenizer, self.on_error = name, score, tokenizer, on_error
@@ -114,10 +123,20 @@ class Reward:
         problem = f"took longer than rollout.reward_timeout_s={self.timeout_s:g} s"
         return self._failed(sample, text, problem, detail, error, counter="reward_timeouts")
 
-    def _failed(self, sample: Sample, text: str, problem: str, detail: str, error=None, *,
-                counter: str = "reward_errors") -> float:  # fmt: skip
-        message = (f"reward {self.name!r} {problem} on sample {sample.index} "
-                   f"(response {text!r:.200}, label {sample.label!r:.100}){detail}")  # fmt: skip
+    def _failed(
+        self,
+        sample: Sample,
+        text: str,
+        problem: str,
+        detail: str,
+        error=None,
+        *,
+        counter: str = "reward_errors",
+    ) -> float:
+        message = (
+            f"reward {self.name!r} {problem} on sample {sample.index} "
+            f"(response {text!r:.200}, label {sample.label!r:.100}){detail}"
+        )
         if self.on_error == "raise":
             raise RewardError(message) from error
         with self._lock:
@@ -143,9 +162,16 @@ class Reward:
     def sharing(self) -> "Reward":
         """The same reward under the same settings and worker processes, counting its own
         failures (evaluation beside the rollout); its :meth:`close` leaves the processes."""
-        return Reward(self.name, self.score, self.tokenizer, on_error=self.on_error,
-                      timeout_s=self.timeout_s, pool=self.pool, reward_key=self.reward_key,
-                      owns_pool=False)  # fmt: skip
+        return Reward(
+            self.name,
+            self.score,
+            self.tokenizer,
+            on_error=self.on_error,
+            timeout_s=self.timeout_s,
+            pool=self.pool,
+            reward_key=self.reward_key,
+            owns_pool=False,
+        )
 
     def close(self) -> None:
         """Stop the worker processes, if any and if this reward started them."""
@@ -157,8 +183,14 @@ def _described(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"[:500]
 
 
-def load_reward(name: str, tokenizer: Any, *, on_error: str = "raise",
-                timeout_s: float | None = None, reward_key: str | None = None) -> Reward:  # fmt: skip
+def load_reward(
+    name: str,
+    tokenizer: Any,
+    *,
+    on_error: str = "raise",
+    timeout_s: float | None = None,
+    reward_key: str | None = None,
+) -> Reward:
     """The reward ``name`` (rl-rewards registry or ``pkg.mod:fn``) as ``fn(sample)``; with
     ``timeout_s``, a synchronous one gets its worker processes now (module docstring)."""
     from rl_rewards import get_reward
@@ -168,5 +200,12 @@ def load_reward(name: str, tokenizer: Any, *, on_error: str = "raise",
     pool = None
     if timeout_s is not None and not inspect.iscoroutinefunction(score):
         pool = RewardPool(name, timeout_s=timeout_s)
-    return Reward(name, score, tokenizer, on_error=on_error, timeout_s=timeout_s, pool=pool,
-                  reward_key=reward_key)  # fmt: skip
+    return Reward(
+        name,
+        score,
+        tokenizer,
+        on_error=on_error,
+        timeout_s=timeout_s,
+        pool=pool,
+        reward_key=reward_key,
+    )

@@ -32,8 +32,7 @@ ROUTER_NEEDED = "engine.use_router=false works with one engine; set engine.num_e
 
 
 class RolloutManager:
-    def __init__(self, config, *, model_dir: Path, tokenizer, source, log_dir: Path,
-                 reward=None):  # fmt: skip
+    def __init__(self, config, *, model_dir: Path, tokenizer, source, log_dir: Path, reward=None):
         """``reward``: the run's :class:`~rl_launcher.roles.reward.Reward` when one exists
         already (rl-eval's); :meth:`stop` closes it either way."""
         if not config.engine.use_router and config.engine.num_engines > 1:
@@ -41,12 +40,16 @@ class RolloutManager:
         self.config, self.model_dir, self.tokenizer = config, Path(model_dir), tokenizer
         self.source, self.log_dir = source, Path(log_dir)
         self.reward_fn = reward or load_reward(  # with a time limit, processes start here
-            config.rollout.reward, tokenizer, on_error=config.rollout.on_reward_error,
-            timeout_s=config.rollout.reward_timeout_s, reward_key=config.algorithm.reward_key,
-        )  # fmt: skip
+            config.rollout.reward,
+            tokenizer,
+            on_error=config.rollout.on_reward_error,
+            timeout_s=config.rollout.reward_timeout_s,
+            reward_key=config.algorithm.reward_key,
+        )
         self.engines, self.router, self._loop = [], None, asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-loop",
-                                        daemon=True)  # fmt: skip
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="rollout-loop", daemon=True
+        )
         self._thread.start()
         self._clients: dict = {}  # url -> EngineClient, one keep-alive session each
         self._drawn: dict[int, Sample] = {}  # draw number -> prompt not yet trained on
@@ -68,10 +71,14 @@ class RolloutManager:
 
         engine = self.config.engine
         self.engines = start_engines(
-            self.config, model_dir=self.model_dir, log_dir=self.log_dir, gpus=self.engine_gpus,
-            max_batch_size=self._batch_limit(), memory_saver=self._engines_release(),
+            self.config,
+            model_dir=self.model_dir,
+            log_dir=self.log_dir,
+            gpus=self.engine_gpus,
+            max_batch_size=self._batch_limit(),
+            memory_saver=self._engines_release(),
             sites=self.sites,
-        )  # fmt: skip
+        )
         for server in self.engines:
             server.wait_ready()
         if engine.use_router:
@@ -187,14 +194,17 @@ class RolloutManager:
 
         rollout, algorithm = self.config.rollout, self.config.algorithm
         return RolloutConfig(
-            num_groups=num_groups, n_samples_per_prompt=rollout.group_size,
-            sampling_params=self.sampling_params(), partial_rollout=True,
+            num_groups=num_groups,
+            n_samples_per_prompt=rollout.group_size,
+            sampling_params=self.sampling_params(),
+            partial_rollout=True,
             max_concurrency=num_groups * rollout.group_size,
             generate_fn=None if rollout.function == "default" else rollout.function,
-            reward_timeout_s=None, reward_on_error="raise",
+            reward_timeout_s=None,
+            reward_on_error="raise",
             reward_key=algorithm.reward_key,
             group_filter=algorithm.group_filter if filtered else None,
-        )  # fmt: skip
+        )
 
     def next_prompt(self) -> Sample:
         """The next prompt (requeued ones first), remembered until :meth:`consumed`."""
@@ -239,8 +249,12 @@ class RolloutManager:
 
     def sampling_params(self) -> dict:
         rollout = self.config.rollout
-        params = {"max_new_tokens": rollout.max_response_tokens, "temperature": rollout.temperature,
-                  "top_p": rollout.top_p, "top_k": rollout.top_k}  # fmt: skip
+        params = {
+            "max_new_tokens": rollout.max_response_tokens,
+            "temperature": rollout.temperature,
+            "top_p": rollout.top_p,
+            "top_k": rollout.top_k,
+        }
         return params | ({"stop": list(rollout.stop)} if rollout.stop else {})
 
     def weight_versions(self) -> list[str]:

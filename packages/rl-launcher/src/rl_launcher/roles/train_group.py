@@ -63,8 +63,13 @@ class TrainWorker(GroupMember):
         # rank 0's weight-update address first: a bad interface fails before any collective
         sync_host = rendezvous_host(self.run_spans_nodes) if self.rank == 0 else None
         self.join_group(self.spec.device, host, port)
-        self.backend = build_backend(self.spec, rank=self.rank, world_size=self.world_size,
-                                     master_addr=host, master_port=port)  # fmt: skip
+        self.backend = build_backend(
+            self.spec,
+            rank=self.rank,
+            world_size=self.world_size,
+            master_addr=host,
+            master_port=port,
+        )
         self.weights = EngineWeightSync(self.rank, master_address=sync_host)
         freeze_startup()  # a full collection mid-step would leave the GPU waiting
         self.gc_pauses = GcPauses()
@@ -118,8 +123,11 @@ class TrainWorker(GroupMember):
         self.onload()
         buckets = TimedIter(self.backend.export_weights(bucket_bytes=how["bucket_bytes"]))
         sent = self.weights.sync(buckets, engine_urls, version, how)
-        return {"sync/bytes": sent, "time/sync_call": time.perf_counter() - start,
-                "time/sync_export": buckets.seconds}  # fmt: skip
+        return {
+            "sync/bytes": sent,
+            "time/sync_call": time.perf_counter() - start,
+            "time/sync_export": buckets.seconds,
+        }
 
     def offload(self) -> None:
         """Training state to host memory (colocated engines generate meanwhile)."""
@@ -181,18 +189,29 @@ class TrainGroup:
     per-rank results come back the same way. ``address``: where the ranks met (rank 0's
     node, loopback when all ranks share it); ``node_ids[r]``: rank r's Ray node."""
 
-    def __init__(self, spec: BackendSpec, placement, slots, *, num_cpus: float,
-                 num_gpus: float = 0, ranks_per_node: int = 1):  # fmt: skip
+    def __init__(
+        self,
+        spec: BackendSpec,
+        placement,
+        slots,
+        *,
+        num_cpus: float,
+        num_gpus: float = 0,
+        ranks_per_node: int = 1,
+    ):
         actor, world = ray.remote(TrainWorker), len(slots)
         threads = os.environ.get("OMP_NUM_THREADS")  # the user's, if set
         env = cpu_threads_env(ranks_per_node, threads) if spec.device != "cuda" else {}
         run_spans_nodes = len(set(placement.node_ids)) > 1
         self.workers = [
-            actor.options(num_cpus=num_cpus, num_gpus=num_gpus, runtime_env=env,
-                          scheduling_strategy=placement.strategy(slot)).remote(
-                rank, world, spec, run_spans_nodes)
+            actor.options(
+                num_cpus=num_cpus,
+                num_gpus=num_gpus,
+                runtime_env=env,
+                scheduling_strategy=placement.strategy(slot),
+            ).remote(rank, world, spec, run_spans_nodes)
             for rank, slot in enumerate(slots)
-        ]  # fmt: skip
+        ]
         self.node_ids = [placement.node_ids[slot] for slot in slots]
         self.address = meet(self.workers, spans_nodes=spans_nodes(placement, slots))
         self.data_ranks = ray.get([w.data_rank.remote() for w in self.workers])

@@ -25,8 +25,12 @@ def precision_note(config) -> None:
 
     dtype = getattr(torch, config.model.dtype)
     if (hint := tf32_hint(config.cluster.device, dtype)) is not None:
-        print(f"rl-train: note: model.dtype={config.model.dtype}: {hint}; model.dtype: "
-              "bfloat16 trains and generates in bfloat16", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"rl-train: note: model.dtype={config.model.dtype}: {hint}; model.dtype: "
+            "bfloat16 trains and generates in bfloat16",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def load_tokenizer(path: str | Path):
@@ -122,8 +126,9 @@ def load_gguf(path: Path, *, dtype: str = "float32"):
     try:
         import gguf  # noqa: F401
     except ImportError as error:
-        raise ImportError("model.path is a .gguf file: pip install gguf (or uv sync --extra gguf)"
-                          ) from error  # fmt: skip
+        raise ImportError(
+            "model.path is a .gguf file: pip install gguf (or uv sync --extra gguf)"
+        ) from error
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     folder, name = str(path.parent), path.name

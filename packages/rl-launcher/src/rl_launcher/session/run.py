@@ -59,8 +59,11 @@ def new_run(config, source_fn):
     check_fresh(config, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     model_dir, tokenizer = prepare_model(config.model, run_dir=run_dir, seed=config.seed)
-    run = Run(config=config, source=source_fn(tokenizer),
-              metrics_log=MetricsLog(run_dir, logging=config.logging),
-              sync_options=sync_options(config, run_dir))  # fmt: skip
+    run = Run(
+        config=config,
+        source=source_fn(tokenizer),
+        metrics_log=MetricsLog(run_dir, logging=config.logging),
+        sync_options=sync_options(config, run_dir),
+    )
     run._cleanup.append(run.metrics_log.close)
     return run, model_dir, tokenizer

@@ -38,8 +38,12 @@ def start_run(config) -> Run:
         model_dir, tokenizer = prepare_model(config.model, run_dir=run_dir, seed=config.seed)
         source = build_prompt_source(config.data, seed=config.seed, tokenizer=tokenizer)
     precision_note(config)  # float32 on CUDA without TF32: one line, once
-    run = Run(config=config, source=source, metrics_log=MetricsLog(run_dir, logging=config.logging),
-              sync_options=sync_options(config, run_dir))  # fmt: skip
+    run = Run(
+        config=config,
+        source=source,
+        metrics_log=MetricsLog(run_dir, logging=config.logging),
+        sync_options=sync_options(config, run_dir),
+    )
     run._cleanup.append(run.metrics_log.close)
     _start_gpu_monitor(run)
     try:
@@ -83,15 +87,22 @@ def start_replay_run(config) -> Run:
     return run
 
 
-def start_engines(config, *, model_dir, tokenizer, source, log_dir: Path, cleanup: list,
-                  reward=None):  # fmt: skip
+def start_engines(
+    config, *, model_dir, tokenizer, source, log_dir: Path, cleanup: list, reward=None
+):
     """A rollout manager with its engines and router started, without Ray or a trainer
     (engines on the default devices); its stop is appended to ``cleanup``. ``reward``: a
     reward that exists already (see :class:`RolloutManager`)."""
     from rl_launcher.roles.rollout_manager import RolloutManager
 
-    manager = RolloutManager(config, model_dir=model_dir, tokenizer=tokenizer, source=source,
-                             log_dir=log_dir, reward=reward)  # fmt: skip
+    manager = RolloutManager(
+        config,
+        model_dir=model_dir,
+        tokenizer=tokenizer,
+        source=source,
+        log_dir=log_dir,
+        reward=reward,
+    )
     cleanup.append(manager.stop)
     return manager.start()
 
@@ -129,8 +140,12 @@ def start_trainer(run: Run, model_dir: Path, meanwhile: Callable[[], None] | Non
     with stopping.ray_starting(), startup_phase("Ray ready", show=show):  # stop signals: ours
         if connect(cluster.ray_address, num_cpus=int(cpus)) == "started":
             run._cleanup.append(ray.shutdown)
-    placement = create_placement(plan, use_gpu=use_gpu, cpus_per_bundle=cluster.cpus_per_bundle,
-                                 devices_per_node=cluster.devices_per_node)  # fmt: skip
+    placement = create_placement(
+        plan,
+        use_gpu=use_gpu,
+        cpus_per_bundle=cluster.cpus_per_bundle,
+        devices_per_node=cluster.devices_per_node,
+    )
     run._cleanup.append(placement.remove)
     run.plan, run.placement = plan, placement
     _place_engines(run)
@@ -140,8 +155,15 @@ def start_trainer(run: Run, model_dir: Path, meanwhile: Callable[[], None] | Non
     num_gpus = (0.5 if plan.colocate else 1.0) if use_gpu else 0
     # CPU threads: the node's cores are shared with engines generating beside training
     sharing = min(len(slots), cluster.devices_per_node) + engines_beside_training(config)
-    group = partial(TrainGroup, spec, placement, slots, num_cpus=cluster.cpus_per_bundle,
-                    num_gpus=num_gpus, ranks_per_node=sharing)  # fmt: skip
+    group = partial(
+        TrainGroup,
+        spec,
+        placement,
+        slots,
+        num_cpus=cluster.cpus_per_bundle,
+        num_gpus=num_gpus,
+        ranks_per_node=sharing,
+    )
     what = f"trainer ready ({config.backend.name}, {len(slots)} rank(s))"
     run.trainer = beside(group, meanwhile, what=what, show=show)
     run._cleanup.append(run.trainer.shutdown)
@@ -182,8 +204,11 @@ def _place_engines(run: Run) -> None:
     with_engines = config.mode == "rl" and not config.rollout.replay_dir
     if config.logging.progress:
         layout = describe_layout(run.plan, run.placement, engines=with_engines)
-        print("rl-train: layout (T<r> training rank r, E<e> engine e, one cell per device):\n"
-              + "\n".join(f"rl-train:   {line}" for line in layout.splitlines()), flush=True)  # fmt: skip
+        print(
+            "rl-train: layout (T<r> training rank r, E<e> engine e, one cell per device):\n"
+            + "\n".join(f"rl-train:   {line}" for line in layout.splitlines()),
+            flush=True,
+        )
     if with_engines:
         transport = run.sync_options["transport"]
         run.engine_sites = engine_sites(config, run.plan, run.placement, transport=transport)
@@ -203,8 +228,14 @@ def _start_rollout(run: Run, model_dir: Path, tokenizer, run_dir: Path) -> None:
     kind, extra = RolloutManager, {}
     if run.config.rollout.source == "buffer":  # agent workers write the groups
         kind, extra = BufferRollout, {"run_dir": run_dir}
-    run.rollout = kind(run.config, model_dir=model_dir, tokenizer=tokenizer, source=run.source,
-                       log_dir=run_dir / "logs", **extra)  # fmt: skip
+    run.rollout = kind(
+        run.config,
+        model_dir=model_dir,
+        tokenizer=tokenizer,
+        source=run.source,
+        log_dir=run_dir / "logs",
+        **extra,
+    )
     run.rollout.sites = run.engine_sites  # each engine on its node, by a Ray actor
     if turns_needed(run.config, run.plan):
         check_turns(run.config)

@@ -13,10 +13,12 @@ from collections.abc import Callable
 Checker = Callable[..., bool]
 CHECKERS: dict[str, Checker] = {}
 _RELATIONS = {
-    "at least": lambda n, k: n >= k, "at most": lambda n, k: n <= k,
-    "less than": lambda n, k: n < k, "more than": lambda n, k: n > k,
+    "at least": lambda n, k: n >= k,
+    "at most": lambda n, k: n <= k,
+    "less than": lambda n, k: n < k,
+    "more than": lambda n, k: n > k,
     "exactly": lambda n, k: n == k,
-}  # fmt: skip
+}
 _SENTENCE_END_RE = re.compile(r"[.!?]+(?:\s|$)")
 _BULLET_RE = re.compile(r"^\s*[*-]\s+\S", re.M)
 

@@ -33,13 +33,40 @@ tau upsilon phi varphi chi psi omega Gamma Delta Theta Lambda Xi Sigma Phi Psi O
 """
 _GREEK = frozenset(_GREEK_WORDS.split())
 _FUNCTIONS = {
-    "sin": sympy.sin, "cos": sympy.cos, "tan": sympy.tan, "cot": sympy.cot, "sec": sympy.sec,
-    "csc": sympy.csc, "arcsin": sympy.asin, "arccos": sympy.acos, "arctan": sympy.atan,
-    "sinh": sympy.sinh, "cosh": sympy.cosh, "tanh": sympy.tanh, "ln": sympy.log,
-    "exp": sympy.exp, "log": sympy.log,
-}  # fmt: skip
-_WORD_FUNCTIONS = ("arcsin", "arccos", "arctan", "sinh", "cosh", "tanh", "sqrt", "sin", "cos",
-                   "tan", "cot", "sec", "csc", "log", "exp", "ln")  # fmt: skip
+    "sin": sympy.sin,
+    "cos": sympy.cos,
+    "tan": sympy.tan,
+    "cot": sympy.cot,
+    "sec": sympy.sec,
+    "csc": sympy.csc,
+    "arcsin": sympy.asin,
+    "arccos": sympy.acos,
+    "arctan": sympy.atan,
+    "sinh": sympy.sinh,
+    "cosh": sympy.cosh,
+    "tanh": sympy.tanh,
+    "ln": sympy.log,
+    "exp": sympy.exp,
+    "log": sympy.log,
+}
+_WORD_FUNCTIONS = (
+    "arcsin",
+    "arccos",
+    "arctan",
+    "sinh",
+    "cosh",
+    "tanh",
+    "sqrt",
+    "sin",
+    "cos",
+    "tan",
+    "cot",
+    "sec",
+    "csc",
+    "log",
+    "exp",
+    "ln",
+)
 _MULTIPLY = {"*", "\\cdot", "\\times", "\\ast"}
 _DIVIDE = {"/", "\\div"}
 _MAX_FACTORIAL = 500

@@ -24,9 +24,23 @@ _LIMIT = _CTX.mpf(2) ** 1023  # largest magnitude kept: a double holds it
 _MAX_BINOMIAL_ARGUMENT = 10**6  # mpmath's gamma functions slow down beyond
 _FUNCTIONS = {
     name: getattr(_CTX, name)
-    for name in ("exp", "log", "sin", "cos", "tan", "cot", "sec", "csc", "asin", "acos",
-                 "atan", "sinh", "cosh", "tanh")
-}  # fmt: skip
+    for name in (
+        "exp",
+        "log",
+        "sin",
+        "cos",
+        "tan",
+        "cot",
+        "sec",
+        "csc",
+        "asin",
+        "acos",
+        "atan",
+        "sinh",
+        "cosh",
+        "tanh",
+    )
+}
 
 
 class _Unbounded(ArithmeticError):

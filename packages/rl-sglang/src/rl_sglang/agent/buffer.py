@@ -62,12 +62,16 @@ def parse_sample(data, where: str) -> Sample:
     if data.get("loss_mask") is not None and any(m not in (0, 1) for m in data["loss_mask"]):
         raise BadPayload(f"{where}.loss_mask: expected 0 or 1 per response token")
     return Sample(
-        prompt=data.get("prompt", ""), tokens=tokens, response_length=response_length,
-        loss_mask=data.get("loss_mask"), rollout_log_probs=data.get("rollout_log_probs"),
-        reward=float(reward), status=SampleStatus.COMPLETED,
+        prompt=data.get("prompt", ""),
+        tokens=tokens,
+        response_length=response_length,
+        loss_mask=data.get("loss_mask"),
+        rollout_log_probs=data.get("rollout_log_probs"),
+        reward=float(reward),
+        status=SampleStatus.COMPLETED,
         weight_versions=[str(v) for v in data.get("weight_versions", [])],
         metadata=dict(data.get("metadata") or {}),
-    )  # fmt: skip
+    )
 
 
 def parse_group(payload) -> tuple[str, list[Sample]]:
@@ -101,8 +105,9 @@ class RolloutBuffer:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(self.path.name + ".tmp")
         with open(tmp, "w") as f:
-            json.dump({"pending": self.pending, "served": self.served,
-                       "num_served": self.num_served}, f)  # fmt: skip
+            json.dump(
+                {"pending": self.pending, "served": self.served, "num_served": self.num_served}, f
+            )
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)

@@ -51,15 +51,24 @@ class Gateway:
     tokenizer's chat template writes)."""
 
     def __init__(
-        self, client, tokenizer, *, api_key: str | None = None, model: str = "policy",
+        self,
+        client,
+        tokenizer,
+        *,
+        api_key: str | None = None,
+        model: str = "policy",
         tool_parser: str | None = None,
-    ):  # fmt: skip
+    ):
         self.client, self.tokenizer, self.api_key, self.model = client, tokenizer, api_key, model
         self.parser = tools.tool_parser(tool_parser, tokenizer)
         self.sessions: dict[str, Session] = {}
         self.params: dict[str, dict] = {}
-        self.counts = {"requests": 0, "tool_calls": 0, "invalid_tool_calls": 0,
-                       "stream_text_mismatches": 0}  # fmt: skip
+        self.counts = {
+            "requests": 0,
+            "tool_calls": 0,
+            "invalid_tool_calls": 0,
+            "stream_text_mismatches": 0,
+        }
         self._runner: web.AppRunner | None = None
         self.url = ""
 
@@ -107,8 +116,14 @@ class Gateway:
         return await handler(request)
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": self.model, "object": "model", "created": 0, "owned_by": "rl-sglang"}]})  # fmt: skip
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {"id": self.model, "object": "model", "created": 0, "owned_by": "rl-sglang"}
+                ],
+            }
+        )
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -158,8 +173,12 @@ class Gateway:
         for index, call in enumerate(message.get("tool_calls", [])):
             await writer.send({"tool_calls": [{"index": index, **call}]})
         choice = _completion(self.model, message, finish, len(turn.input_ids), output)
-        await writer.send({}, finish, token_ids=choice["choices"][0]["token_ids"],
-                          weight_version=choice["choices"][0]["weight_version"])  # fmt: skip
+        await writer.send(
+            {},
+            finish,
+            token_ids=choice["choices"][0]["token_ids"],
+            weight_version=choice["choices"][0]["weight_version"],
+        )
         include_usage = (body.get("stream_options") or {}).get("include_usage")
         await writer.close(choice["usage"] if include_usage else None)
         return writer.response
@@ -214,11 +233,23 @@ def _error(message: str, status: int) -> web.Response:
 def _completion(model: str, message: dict, finish: str, prompt_tokens: int, output) -> dict:
     completion_tokens = len(output["output_ids"])
     return {
-        "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
-        "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None,
-                     "token_ids": list(output["output_ids"]),
-                     "weight_version": str(output["meta_info"].get("weight_version", ""))}],
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens},
-    }  # fmt: skip
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "finish_reason": finish,
+                "logprobs": None,
+                "token_ids": list(output["output_ids"]),
+                "weight_version": str(output["meta_info"].get("weight_version", "")),
+            }
+        ],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }

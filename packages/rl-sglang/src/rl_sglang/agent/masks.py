@@ -16,9 +16,11 @@ from rl_sglang.agent.sessions import for_template
 
 def _render(tokenizer, messages, tools, generation_prompt: bool) -> str:
     return tokenizer.apply_chat_template(
-        for_template(messages), tools=tools or None, tokenize=False,
+        for_template(messages),
+        tools=tools or None,
+        tokenize=False,
         add_generation_prompt=generation_prompt,
-    )  # fmt: skip
+    )
 
 
 def assistant_spans(tokenizer, messages: list[dict], tools=None, *, end_token: str | None = None):

@@ -21,8 +21,11 @@ from typing import Any
 from rl_core.types import Sample, SampleStatus
 from rl_sglang.protocol import parse_token_logprobs
 
-FINISH_STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED,
-                 "abort": SampleStatus.ABORTED}  # fmt: skip
+FINISH_STATUS = {
+    "stop": SampleStatus.COMPLETED,
+    "length": SampleStatus.TRUNCATED,
+    "abort": SampleStatus.ABORTED,
+}
 
 
 @dataclass
@@ -60,9 +63,13 @@ def normalise(message: Any) -> dict:
         (c["function"]["name"], _arguments(c["function"].get("arguments")), c.get("id"))
         for c in message.get("tool_calls") or []
     ]
-    return {"role": message.get("role"), "content": message.get("content") or "",
-            "tool_calls": calls, "tool_call_id": message.get("tool_call_id"),
-            "name": message.get("name")}  # fmt: skip
+    return {
+        "role": message.get("role"),
+        "content": message.get("content") or "",
+        "tool_calls": calls,
+        "tool_call_id": message.get("tool_call_id"),
+        "name": message.get("name"),
+    }
 
 
 def _arguments(arguments: Any) -> Any:
@@ -81,9 +88,15 @@ def for_template(messages: list[dict]) -> list[dict]:
         message = {k: v for k, v in dict(message).items() if v is not None}
         if message.get("tool_calls"):
             message["tool_calls"] = [
-                {**c, "function": {**c["function"], "arguments": _arguments(c["function"].get("arguments"))}}
+                {
+                    **c,
+                    "function": {
+                        **c["function"],
+                        "arguments": _arguments(c["function"].get("arguments")),
+                    },
+                }
                 for c in message["tool_calls"]
-            ]  # fmt: skip
+            ]
         out.append(message)
     return out
 
@@ -100,9 +113,11 @@ class Session:
 
     def render(self, messages: list[dict], tools, *, generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
-            for_template(messages), tools=tools or None, tokenize=False,
+            for_template(messages),
+            tools=tools or None,
+            tokenize=False,
             add_generation_prompt=generation_prompt,
-        )  # fmt: skip
+        )
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -119,8 +134,13 @@ class Session:
             if full.startswith(before):
                 suffix = self._glue(parent, tools) + full[len(before) :]
                 ids = self.encode(suffix)
-                return Turn(messages, parent.tokens + ids, parent,
-                            parent.mask + [0] * len(ids), parent.log_probs + [0.0] * len(ids))  # fmt: skip
+                return Turn(
+                    messages,
+                    parent.tokens + ids,
+                    parent,
+                    parent.mask + [0] * len(ids),
+                    parent.log_probs + [0.0] * len(ids),
+                )
             parent = None  # the template re-renders history differently: start afresh
         ids = self.encode(full)
         return Turn(messages, ids, None, [0] * len(ids), [0.0] * len(ids))
@@ -161,13 +181,15 @@ class Session:
             versions.append(version)
         prompt_length = parent.prompt_length if parent else len(turn.input_ids)
         node = Node(
-            messages=[*turn.messages, assistant], tokens=turn.input_ids + out_ids,
+            messages=[*turn.messages, assistant],
+            tokens=turn.input_ids + out_ids,
             mask=turn.mask + [1] * len(out_ids),
             log_probs=turn.log_probs + (log_probs or [0.0] * len(out_ids)),
-            versions=versions, prompt_length=prompt_length,
+            versions=versions,
+            prompt_length=prompt_length,
             status=FINISH_STATUS[meta["finish_reason"]["type"]],
             turns=parent.turns + 1 if parent else 1,
-        )  # fmt: skip
+        )
         if parent is not None:
             self.forks += parent.children > 0
             parent.children += 1

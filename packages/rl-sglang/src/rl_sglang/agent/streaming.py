@@ -31,8 +31,11 @@ def merge_chunk(output: dict | None, chunk: dict) -> dict:
         return {**chunk, "output_ids": ids, "meta_info": meta}
     before = output["meta_info"].get("output_token_logprobs") or []
     logprobs = before + (meta.get("output_token_logprobs") or [])
-    return {**chunk, "output_ids": output["output_ids"] + ids,
-            "meta_info": {**meta, "output_token_logprobs": logprobs}}  # fmt: skip
+    return {
+        **chunk,
+        "output_ids": output["output_ids"] + ids,
+        "meta_info": {**meta, "output_token_logprobs": logprobs},
+    }
 
 
 class IncrementalText:
@@ -84,8 +87,12 @@ class ChunkWriter:
 
     def __init__(self, request: web.Request, model: str):
         self.request = request
-        self.head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
-                     "created": int(time.time()), "model": model}  # fmt: skip
+        self.head = {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": model,
+        }
         self.response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )

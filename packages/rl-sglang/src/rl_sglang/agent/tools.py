@@ -22,8 +22,11 @@ PYTHON_TAG = "<|python_tag|>"
 
 def openai_call(name: str, arguments) -> dict:
     """One OpenAI ``tool_calls`` entry (arguments as a JSON string, as OpenAI sends them)."""
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": json.dumps(arguments)}}  # fmt: skip
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": json.dumps(arguments)},
+    }
 
 
 def _call(obj) -> dict | None:
@@ -83,9 +86,11 @@ class Llama3JsonParser:
         """All of it once it cannot be a call any more; nothing before."""
         head = text.lstrip()
         could_be_call = (
-            not head or head.startswith("{") or head.startswith(PYTHON_TAG)
+            not head
+            or head.startswith("{")
+            or head.startswith(PYTHON_TAG)
             or PYTHON_TAG.startswith(head)
-        )  # fmt: skip
+        )
         return "" if could_be_call else text
 
 

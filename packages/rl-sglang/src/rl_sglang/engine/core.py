@@ -56,8 +56,18 @@ class Engine:
     ``multi_step`` (static runner only): greedy decode rounds of that many steps when no
     row can finish by length and nothing waits within them (outputs are unchanged)."""
 
-    def __init__(self, model, tokenizer, *, model_path="", max_batch_size=64, runner="auto",
-                 max_context=None, compile=None, multi_step=DEFAULT_MULTI_STEP):  # fmt: skip
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        model_path="",
+        max_batch_size=64,
+        runner="auto",
+        max_context=None,
+        compile=None,
+        multi_step=DEFAULT_MULTI_STEP,
+    ):
         self.model, self.tokenizer, self.model_path = model, tokenizer, model_path
         self.device = next(model.parameters()).device
         eos = model.generation_config.eos_token_id if model.generation_config else None
@@ -89,8 +99,13 @@ class Engine:
 
             if self.max_context >= 1 << 20:
                 raise ValueError("the static runner needs a bounded context: pass max_context")
-            return StaticRunner(self.model, max_slots=max_batch_size, max_len=self.max_context,
-                                compile=self.compile, multi_step=self.multi_step)  # fmt: skip
+            return StaticRunner(
+                self.model,
+                max_slots=max_batch_size,
+                max_len=self.max_context,
+                compile=self.compile,
+                multi_step=self.multi_step,
+            )
         pad = self.model.config.pad_token_id
         return ModelRunner(self.model, pad_token_id=pad if pad is not None else 0)
 
@@ -306,8 +321,10 @@ def choose_runner(kind: str, model, max_context: int | None = None) -> str:
         if not next(model.parameters()).is_cuda:
             return "dynamic"
         if reason is not None:
-            logger.warning("decoding without CUDA graphs (the dynamic runner, several times "
-                           "slower): %s", reason)  # fmt: skip
+            logger.warning(
+                "decoding without CUDA graphs (the dynamic runner, several times slower): %s",
+                reason,
+            )
             return "dynamic"
         return "static"
     return kind

@@ -48,8 +48,20 @@ def attend(q_BQD: torch.Tensor, keys_BKTD, values_BKTD, mask_B11T) -> torch.Tens
     return out_BKGD.reshape(batch, -1)
 
 
-def decode_layer(hidden_BH, keys_SKTD, values_SKTD, rows_B, positions_B, cos, sin, mask_B11T,
-                 weights: tuple, eps: float, num_heads: int, head_dim: int):  # fmt: skip
+def decode_layer(
+    hidden_BH,
+    keys_SKTD,
+    values_SKTD,
+    rows_B,
+    positions_B,
+    cos,
+    sin,
+    mask_B11T,
+    weights: tuple,
+    eps: float,
+    num_heads: int,
+    head_dim: int,
+):
     """One decoder layer for one new token per row; writes the row's key/value at its
     position in slot ``row`` of the cache ``[S, Hkv, T, D]``. A pure function of tensors
     (``weights`` from :meth:`LayerWeights.tensors`), so one ``torch.compile`` serves every
@@ -69,8 +81,7 @@ def decode_layer(hidden_BH, keys_SKTD, values_SKTD, rows_B, positions_B, cos, si
     return hidden_BH + F.linear(F.silu(gate) * up, down_w, down_b)
 
 
-def prefill_layer(hidden_NLH, weights: tuple, cos, sin, eps: float, num_heads: int,
-                  head_dim: int):  # fmt: skip
+def prefill_layer(hidden_NLH, weights: tuple, cos, sin, eps: float, num_heads: int, head_dim: int):
     """One decoder layer over ``N`` right-padded prompts of ``L`` tokens (causal attention,
     so a real token never sees the padding after it). ``cos``/``sin`` ``[1, L, 1, D]``.
     Returns the new hidden states and the rotated keys and the values ``[N, Hkv, L, D]``."""
@@ -83,8 +94,9 @@ def prefill_layer(hidden_NLH, weights: tuple, cos, sin, eps: float, num_heads: i
     qk = rotate(qkv[..., :qk_width].view(batch, length, -1, head_dim), cos, sin).transpose(1, 2)
     values = qkv[..., qk_width:].view(batch, length, num_kv, head_dim).transpose(1, 2)
     queries, keys = qk[:, :num_heads], qk[:, num_heads:]
-    attn = F.scaled_dot_product_attention(queries, keys, values, is_causal=True,
-                                          enable_gqa=num_kv != num_heads)  # fmt: skip
+    attn = F.scaled_dot_product_attention(
+        queries, keys, values, is_causal=True, enable_gqa=num_kv != num_heads
+    )
     attn_NLQ = attn.transpose(1, 2).reshape(batch, length, -1)
     hidden_NLH = hidden_NLH + F.linear(attn_NLQ, o_w, o_b)
     x_NLH = post_norm * F.rms_norm(hidden_NLH, (hidden_NLH.shape[-1],), eps=eps)

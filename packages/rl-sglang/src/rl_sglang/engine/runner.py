@@ -64,8 +64,9 @@ class ModelRunner:
         return logits_BV, BatchState(kv=kv, mask_BT=mask_BT)
 
     @torch.inference_mode()
-    def decode(self, state: BatchState, tokens_B: torch.Tensor, *, greedy: bool = False,
-               steps: int = 1):  # fmt: skip
+    def decode(
+        self, state: BatchState, tokens_B: torch.Tensor, *, greedy: bool = False, steps: int = 1
+    ):
         """Feed one token per row; extends ``state`` in place; returns logits ``[B, V]``,
         or with ``greedy`` the argmax tokens ``[B]`` and their log-probs ``[B]``."""
         if steps != 1:

@@ -94,8 +94,16 @@ class StaticRunner:
     fails the eager functions are kept.
     """
 
-    def __init__(self, model, *, max_slots: int, max_len: int, cuda_graphs: bool | None = None,
-                 compile: bool = False, multi_step: int = 1):  # fmt: skip
+    def __init__(
+        self,
+        model,
+        *,
+        max_slots: int,
+        max_len: int,
+        cuda_graphs: bool | None = None,
+        compile: bool = False,
+        multi_step: int = 1,
+    ):
         if (reason := static_unsupported_reason(model, max_len)) is not None:
             raise ValueError(f"static decoding cannot take this model: {reason}")
         self.model, self.max_slots, self.max_len = model, max_slots, max_len
@@ -188,8 +196,9 @@ class StaticRunner:
         return StaticBatch(self.size) if rows else None
 
     @torch.inference_mode()
-    def decode(self, state: StaticBatch, tokens_B: torch.Tensor, *, greedy: bool = False,
-               steps: int = 1):  # fmt: skip
+    def decode(
+        self, state: StaticBatch, tokens_B: torch.Tensor, *, greedy: bool = False, steps: int = 1
+    ):
         """Feed one token per running row. Returns logits ``[B, V]`` (a view, valid until
         the next decode), or with ``greedy`` the argmax tokens ``[B]`` and their log-probs;
         ``steps`` = K > 1 (greedy, K = :attr:`multi_step`): K steps, each fed the previous
@@ -251,8 +260,18 @@ class StaticRunner:
         rows_B = torch.arange(tokens_B.shape[0], device=self.device)
         for index, layer in enumerate(self.layers):
             hidden_BH = self.layer_fn(
-                hidden_BH, self.keys[index], self.values[index], rows_B, positions_B, cos, sin,
-                mask_B11T, layer.tensors(), self.eps, self.num_heads, self.head_dim,
-            )  # fmt: skip
+                hidden_BH,
+                self.keys[index],
+                self.values[index],
+                rows_B,
+                positions_B,
+                cos,
+                sin,
+                mask_B11T,
+                layer.tensors(),
+                self.eps,
+                self.num_heads,
+                self.head_dim,
+            )
         logits_BV = self.model.lm_head(rms_norm(inner.norm, hidden_BH))
         return (logits_BV, *self.pick_fn(logits_BV))

@@ -194,8 +194,16 @@ def make_process_group(store, rank: int, world_size: int, backend: str, timeout,
         if "backend_options" in inspect.signature(helper).parameters
         else "pg_options"
     )
-    group, _ = helper(world_size, rank, [], backend, store, group_name=group_name,
-                      timeout=timeout, **{options_name: None})  # fmt: skip
+    group, _ = helper(
+        world_size,
+        rank,
+        [],
+        backend,
+        store,
+        group_name=group_name,
+        timeout=timeout,
+        **{options_name: None},
+    )
     return group
 
 

@@ -186,8 +186,15 @@ class _GroupRunner:
         return result
 
 
-_STATE_FIELDS = ("tokens", "response", "response_length", "loss_mask", "rollout_log_probs",
-                 "weight_versions", "status")  # fmt: skip
+_STATE_FIELDS = (
+    "tokens",
+    "response",
+    "response_length",
+    "loss_mask",
+    "rollout_log_probs",
+    "weight_versions",
+    "status",
+)
 
 
 def _snapshot(sample: Sample) -> dict:

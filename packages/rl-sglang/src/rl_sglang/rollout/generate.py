@@ -125,10 +125,12 @@ def fresh_group(group: list[Sample]) -> bool:
     yet), so one ``n = len(group)`` request can generate them all."""
     first = group[0]
     return len(group) > 1 and all(
-        s.status is SampleStatus.PENDING and not s.response_length and s.tokens == first.tokens
+        s.status is SampleStatus.PENDING
+        and not s.response_length
+        and s.tokens == first.tokens
         and s.prompt == first.prompt
         for s in group
-    )  # fmt: skip
+    )
 
 
 async def generate_group(

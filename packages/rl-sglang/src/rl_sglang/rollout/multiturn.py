@@ -15,8 +15,14 @@ import re
 from rl_core.types import Sample, SampleStatus
 from rl_sglang.rollout.generate import GenerateContext, append_response, remaining_budget
 
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-        ast.Div: operator.truediv, ast.Pow: operator.pow, ast.USub: operator.neg}  # fmt: skip
+_OPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.Pow: operator.pow,
+    ast.USub: operator.neg,
+}
 
 
 def calculate(expression: str) -> str:
@@ -61,8 +67,9 @@ class CalculatorTool:
         params = self._stop_params(sampling_params)
         for turn in range(self.max_turns):
             budget = remaining_budget(sample, params)
-            output = await ctx.client.generate(input_ids=sample.tokens, sampling_params=budget,
-                                               return_logprob=True)  # fmt: skip
+            output = await ctx.client.generate(
+                input_ids=sample.tokens, sampling_params=budget, return_logprob=True
+            )
             append_response(sample, output)
             reason = output["meta_info"]["finish_reason"]
             if reason["type"] != "stop" or reason.get("matched") != self.call_end:
