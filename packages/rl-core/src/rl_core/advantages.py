@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from rl_core._dtype import wide
-from rl_core.registry import Registry
+from rl_core.registry import CallShape, Registry
 
 
 def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -240,7 +240,10 @@ class AdvantageInputs:
 
 # fn(inputs) -> (advantages [B, T], returns [B, T])
 AdvantageFn = Callable[[AdvantageInputs], tuple[torch.Tensor, torch.Tensor]]
-ADVANTAGE_ESTIMATORS: Registry[AdvantageFn] = Registry("advantage estimator")
+ADVANTAGE_SHAPE = CallShape(
+    1, (), "fn(inputs: rl_core.advantages.AdvantageInputs) -> (advantages [B, T], returns [B, T])"
+)
+ADVANTAGE_ESTIMATORS: Registry[AdvantageFn] = Registry("advantage estimator", ADVANTAGE_SHAPE)
 
 
 def _broadcast(per_seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ gradient accumulation and parallel layout never change the result.
 import torch
 
 from rl_core._dtype import wide
+from rl_core.registry import CallShape, is_dotted, load_checked
 
 AGGREGATION_MODES = (
     "token-mean",
@@ -19,6 +20,26 @@ AGGREGATION_MODES = (
     "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
 )
+# A custom reducer (a dotted path given as ``mode``) is called as aggregate is, less ``mode``.
+REDUCER_SHAPE = CallShape(
+    2,
+    ("cu_seqlens", "num_tokens", "num_seqs", "norm_length"),
+    "fn(per_token, mask, *, cu_seqlens, num_tokens, num_seqs, norm_length) -> scalar tensor "
+    "(divide by the global num_tokens / num_seqs, so micro-batches and ranks add up)",
+)
+
+
+def load_reducer(mode: str):
+    """The built-in ``mode`` name as is, or the custom reducer at the dotted path ``mode``
+    (imported and its signature checked); ValueError naming the known modes otherwise."""
+    if is_dotted(mode):
+        return load_checked(mode, REDUCER_SHAPE, "loss aggregation")
+    if mode not in AGGREGATION_MODES:
+        raise ValueError(
+            f"unknown aggregation mode {mode!r}; choose one of: {', '.join(AGGREGATION_MODES)} "
+            "or a dotted path 'pkg.module:function'"
+        )
+    return mode
 
 
 def aggregate(
@@ -45,13 +66,22 @@ def aggregate(
     ``num_seqs`` defaults to the number of sequences with at least one valid token here;
     fully masked rows contribute nothing and are not counted.
 
+    ``mode`` may also be a dotted path ``pkg.module:function`` to a reducer called with
+    every argument but ``mode`` (:data:`REDUCER_SHAPE`).
+
     Returns:
         Scalar tensor, float32 (float64 for float64 ``per_token``), differentiable in
         ``per_token``.
     """
-    if mode not in AGGREGATION_MODES:
-        raise ValueError(
-            f"unknown aggregation mode {mode!r}; choose one of: {', '.join(AGGREGATION_MODES)}"
+    reducer = load_reducer(mode)
+    if callable(reducer):
+        return reducer(
+            per_token,
+            mask,
+            cu_seqlens=cu_seqlens,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            norm_length=norm_length,
         )
     values = wide(per_token)
     weights = mask.to(values.dtype)

@@ -8,10 +8,11 @@ Every filter takes the group's scalar rewards and returns True to keep it.
 import math
 from collections.abc import Callable, Sequence
 
-from rl_core.registry import Registry
+from rl_core.registry import CallShape, Registry
 
 GroupFilter = Callable[[Sequence[float]], bool]
-GROUP_FILTERS: Registry[GroupFilter] = Registry("group filter")
+GROUP_FILTER_SHAPE = CallShape(1, (), "fn(rewards: Sequence[float]) -> bool (True keeps the group)")
+GROUP_FILTERS: Registry[GroupFilter] = Registry("group filter", GROUP_FILTER_SHAPE)
 
 
 @GROUP_FILTERS.register("nonzero_std")

@@ -13,7 +13,7 @@ import torch
 
 from rl_core._dtype import wide
 from rl_core.aggregation import AGGREGATION_MODES, aggregate, row_sums_and_counts, segment_ids
-from rl_core.registry import Registry
+from rl_core.registry import CallShape, Registry
 
 __all__ = [
     "AGGREGATION_MODES",
@@ -169,7 +169,13 @@ def entropy_loss(entropy: torch.Tensor) -> torch.Tensor:
 # Policy losses by name, with one signature so a trainer can pick one from its config:
 # fn(log_probs, old_log_probs, advantages, mask, *, clip_low, clip_high, dual_clip, cu_seqlens)
 PolicyLossFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
+POLICY_LOSS_SHAPE = CallShape(
+    4,
+    ("clip_low", "clip_high", "dual_clip", "cu_seqlens"),
+    "fn(log_probs, old_log_probs, advantages, mask, *, clip_low, clip_high, dual_clip, "
+    "cu_seqlens) -> (per_token_loss, clipped): per-token tensors shaped like log_probs",
+)
+POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss", POLICY_LOSS_SHAPE)
 
 
 @POLICY_LOSSES.register("ppo")

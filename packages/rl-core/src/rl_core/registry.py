@@ -1,9 +1,79 @@
-"""Name -> object registries that reject unknown and duplicate names with a helpful message."""
+"""Name -> object registries that reject unknown and duplicate names with a helpful message.
 
+Wherever a registry is asked for a name, a dotted path ``pkg.module:function`` may stand
+instead: the function is imported (from ``sys.path``) and its signature checked against the
+one every entry of that registry is called with, so a user function that could not be
+called fails at load with the expected signature, not in the middle of a step.
+"""
+
+import functools
+import importlib
+import inspect
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class CallShape:
+    """How the entries of a registry are called: ``num_positional`` arguments, then the
+    keyword arguments ``keywords``; ``text`` is the signature as documentation writes it."""
+
+    num_positional: int
+    keywords: tuple[str, ...] = ()
+    text: str = ""
+
+    def refusal(self, target: Callable) -> str | None:
+        """Why ``target`` cannot be called this way, or None when it can."""
+        try:
+            signature = inspect.signature(target)
+        except (TypeError, ValueError):  # a builtin without a signature: trust it
+            return None
+        try:
+            signature.bind(*range(self.num_positional), **dict.fromkeys(self.keywords))
+        except TypeError as error:
+            return f"its signature {signature} cannot be called so ({error})"
+        return None
+
+
+def is_dotted(name: object) -> bool:
+    """Whether ``name`` is a dotted path ``pkg.module:function`` rather than a built-in name."""
+    return isinstance(name, str) and ":" in name
+
+
+@functools.cache
+def load_dotted(path: str) -> Callable:
+    """The object at ``pkg.module:name``, imported from ``sys.path``; ValueError saying why
+    it could not be loaded. Each path is imported once per process."""
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"{path!r} is not a dotted path like 'my_pkg.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(
+            f"cannot import {module_name!r} of {path!r} ({error}); put its directory in the "
+            "working directory, next to the config file or on PYTHONPATH"
+        ) from error
+    target = module
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            raise ValueError(f"cannot load {path!r}: {module_name!r} has no {attr!r}")
+        target = getattr(target, part)
+    if not callable(target):
+        raise ValueError(f"{path!r} is {type(target).__name__}, not a function or class")
+    return target
+
+
+def load_checked(path: str, shape: CallShape, kind: str) -> Callable:
+    """:func:`load_dotted`, refusing a target that cannot be called as ``shape`` says."""
+    target = load_dotted(path)
+    refusal = shape.refusal(target)
+    if refusal is not None:
+        raise ValueError(f"{kind} {path!r}: {refusal}; expected {shape.text}")
+    return target
 
 
 class Registry(Generic[T]):
@@ -15,8 +85,9 @@ class Registry(Generic[T]):
     >>> losses.get("ppo")
     """
 
-    def __init__(self, kind: str):
-        self.kind = kind
+    def __init__(self, kind: str, shape: CallShape | None = None):
+        """``shape``: how entries are called; with it, :meth:`get` also takes dotted paths."""
+        self.kind, self.shape = kind, shape
         self._entries: dict[str, T] = {}
 
     def register(self, name: str) -> Callable[[T], T]:
@@ -34,12 +105,17 @@ class Registry(Generic[T]):
         return add
 
     def get(self, name: str) -> T:
-        """The entry called ``name``; an unknown name raises ValueError listing the known ones."""
+        """The entry called ``name``, or the user function at the dotted path ``name``
+        (when the registry has a :class:`CallShape`); an unknown name raises ValueError
+        listing the known ones."""
+        if self.shape is not None and is_dotted(name):
+            return load_checked(name, self.shape, self.kind)
         try:
             return self._entries[name]
         except KeyError:
             raise ValueError(
                 f"unknown {self.kind} {name!r}; choose one of: {', '.join(self.names())}"
+                + (" or a dotted path 'pkg.module:function'" if self.shape else "")
             ) from None
 
     def names(self) -> list[str]:
