@@ -13,6 +13,10 @@ input shape, 0 on masked tokens.
 - ``mode="mask"`` (MIS): w = ratio where lower <= ratio <= cap, else 0 (token dropped).
 - ``level="sequence"``: the ratio is exp(sum of the sequence's log-ratios), shared by
   every token of that sequence.
+
+:func:`off_policy_sequence_mask` (OPSM, DeepSeek-V3.2; slime's ``--use-opsm``) drops the
+policy loss of sequences with a negative advantage whose policy drifted too far from the
+one that sampled them.
 """
 
 import torch
@@ -79,6 +83,37 @@ def rollout_importance_weights(
     if not tensor_metrics:
         metrics = {key: float(value) for key, value in metrics.items()}
     return weights, metrics
+
+
+def off_policy_sequence_mask(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    delta: float,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Off-policy sequence masking, as slime's ``compute_opsm_mask``: a sequence's drift
+    is the mean over its valid tokens of ``old_log_probs - log_probs`` (a KL estimate of
+    the old policy against the current one); a token is dropped where its advantage is
+    negative and its sequence's drift exceeds ``delta``.
+
+    Shapes: ``[B, T]`` with ``mask``, or packed ``[N]`` with ``cu_seqlens`` ``[B + 1]``.
+    Returns ``(keep, dropped)``, both detached float tensors of the input shape: ``keep``
+    multiplies the per-token policy loss (1 = kept), ``dropped`` is 1 on dropped valid
+    tokens (for the metric).
+    """
+    weights = mask.to(wide(log_probs).dtype)
+    drift = (wide(old_log_probs) - wide(log_probs)).detach() * weights
+    sums, counts = row_sums_and_counts(drift, weights, cu_seqlens)
+    seq_drift = sums / counts.clamp(min=1.0)
+    if cu_seqlens is None:
+        token_drift = seq_drift.unsqueeze(-1).expand_as(drift)
+    else:
+        token_drift = seq_drift[segment_ids(cu_seqlens, drift.shape[0])]
+    dropped = ((advantages < 0) & (token_drift > delta)).to(weights.dtype) * weights
+    return 1.0 - dropped, dropped
 
 
 def logprob_gap_share(

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from rl_core.aggregation import AGGREGATION_MODES, aggregate, load_reducer
-from rl_core.importance import IS_LEVELS, IS_MODES
-from rl_core.kl import KL_KINDS, approx_kl
+from rl_core.importance import IS_LEVELS, IS_MODES, off_policy_sequence_mask
+from rl_core.kl import KL_KINDS, approx_kl, importance_weighted_kl
 from rl_core.losses import POLICY_LOSSES, entropy_loss, sft_loss
 from rl_core.preference import PREFERENCE_LOSSES, packed_pair_loss
 from rl_core.registry import is_dotted
@@ -61,6 +61,18 @@ class Objective:
     """Weight of KL(actor || reference) in the loss; needs reference log-probs."""
     kl_kind: str = "low_var_kl"
     """KL estimator of the loss term (rl_core.kl.KL_KINDS)."""
+    unbiased_kl: bool = False
+    """The loss's KL term weighted by pi / pi_old (rl_core.kl.importance_weighted_kl):
+    unbiased when the tokens were sampled by an older policy (slime --use-unbiased-kl)."""
+    opsm: bool = False
+    """Off-policy sequence masking (rl_core.importance.off_policy_sequence_mask; slime
+    --use-opsm): sequences with a negative advantage whose old-to-current drift exceeds
+    ``opsm_delta`` leave the policy loss."""
+    opsm_delta: float = 1e-4
+    """OPSM's bound on a sequence's mean (old - current) log-prob (slime --opsm-delta)."""
+    old_from_rollout: bool = False
+    """The batch's old log-probs are the engine's sampled ones (no trainer recompute):
+    the train step then reports its own forward's gap to them as the mismatch metric."""
     reward_kl_coef: float = 0.0
     """KL-to-reference penalty folded into the rewards before the advantages (not a loss
     term); with ``kl_coef`` it decides whether a reference model is loaded."""
@@ -118,6 +130,7 @@ class Objective:
             "kl_coef",
             "reward_kl_coef",
             "dpo_label_smoothing",
+            "opsm_delta",
         )
         above_zero = ("norm_length", "rollout_is_cap", "temperature", "dpo_beta")
         for name in (*at_least_zero, *above_zero, "dual_clip"):
@@ -134,6 +147,11 @@ class Objective:
             raise ValueError(f"dpo_label_smoothing must be < 0.5, got {self.dpo_label_smoothing}")
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ValueError(f"dual_clip must be > 1 (or None to disable), got {self.dual_clip}")
+        if self.old_from_rollout and self.rollout_is_level is not None:
+            raise ValueError(
+                "old_from_rollout makes pi_old the rollout policy, so rollout importance "
+                "weights would all be 1: set rollout_is_level=None (or recompute old log-probs)"
+            )
 
     @property
     def needs_reference(self) -> bool:
@@ -203,6 +221,8 @@ def objective_loss(
         ref_log_probs=ref_log_probs,
         kl_coef=objective.kl_coef,
         kl_kind=objective.kl_kind,
+        unbiased_kl=objective.unbiased_kl,
+        opsm_delta=objective.opsm_delta if objective.opsm else None,
         importance_weights=importance_weights,
         **aggregation,
     )
@@ -250,6 +270,8 @@ def policy_objective(
     ref_log_probs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     kl_kind: str = "low_var_kl",
+    unbiased_kl: bool = False,
+    opsm_delta: float | None = None,
     importance_weights: torch.Tensor | None = None,
     agg_mode: str = "token-mean",
     num_tokens: float | None = None,
@@ -266,7 +288,11 @@ def policy_objective(
 
     Shapes: every per-token tensor ``[B, T]`` (or packed ``[N]`` with ``cu_seqlens``).
     ``importance_weights`` (e.g. from :func:`rl_core.importance.rollout_importance_weights`)
-    multiply the per-token policy loss. Returns ``(loss, metrics)``; metrics are Python
+    multiply the per-token policy loss. ``unbiased_kl`` weights the KL term by pi / pi_old
+    (:func:`rl_core.kl.importance_weighted_kl`); ``opsm_delta`` (None = off) drops the
+    policy loss of off-policy sequences with negative advantages
+    (:func:`rl_core.importance.off_policy_sequence_mask`; metric ``pg/opsm_frac``, the
+    share of valid tokens dropped). Returns ``(loss, metrics)``; metrics are Python
     floats, or detached 0-d tensors with ``tensor_metrics`` (no device read-back: a
     trainer sums them over micro-batches and reads them once per step).
     """
@@ -284,6 +310,12 @@ def policy_objective(
     )
     if importance_weights is not None:
         pg_loss = pg_loss * importance_weights
+    opsm_dropped = None
+    if opsm_delta is not None:
+        keep, opsm_dropped = off_policy_sequence_mask(
+            log_probs, old_log_probs, advantages, mask, delta=opsm_delta, cu_seqlens=cu_seqlens
+        )
+        pg_loss = pg_loss * keep
 
     def agg(per_token: torch.Tensor) -> torch.Tensor:
         return aggregate(
@@ -299,8 +331,17 @@ def policy_objective(
     loss = agg(pg_loss)
     clipped_tokens = aggregate(clipfrac, mask, cu_seqlens=cu_seqlens, num_tokens=num_tokens)
     metrics = {"loss/pg": value(loss), "pg/clipfrac": value(clipped_tokens)}
+    if opsm_dropped is not None:
+        dropped = aggregate(opsm_dropped, mask, cu_seqlens=cu_seqlens, num_tokens=num_tokens)
+        metrics["pg/opsm_frac"] = value(dropped)
     if ref_log_probs is not None and kl_coef != 0.0:
-        kl_term = agg(approx_kl(log_probs, ref_log_probs, kind=kl_kind))
+        if unbiased_kl:
+            per_token_kl = importance_weighted_kl(
+                log_probs, old_log_probs, ref_log_probs, kind=kl_kind
+            )
+        else:
+            per_token_kl = approx_kl(log_probs, ref_log_probs, kind=kl_kind)
+        kl_term = agg(per_token_kl)
         loss = loss + kl_coef * kl_term
         metrics["loss/kl"] = value(kl_term)
     if entropy is not None:
