@@ -24,6 +24,14 @@ OBJECTIVES = {
     "ppo, dual clip, k3 KL, temperature": Objective(
         dual_clip=1.2, kl_coef=0.1, kl_kind="k3", temperature=0.7
     ),
+    "unbiased k3 KL, OPSM, old log-probs from the rollout": Objective(
+        kl_coef=0.1,
+        kl_kind="k3",
+        unbiased_kl=True,
+        opsm=True,
+        opsm_delta=0.0,
+        old_from_rollout=True,
+    ),
 }
 
 
@@ -64,6 +72,8 @@ def test_a_step_computes_the_objective_of_the_config(group, name):
     assert (backend.ref_model is not None) == objective.needs_reference
     log_probs = backend.compute_log_probs(tokens_batch())
     batch = rl_batch(log_probs)
+    if objective.old_from_rollout:  # the loop's batch then: old log-probs are the engine's
+        batch.rollout_log_probs = batch.old_log_probs
     metrics = backend.train_step(batch)
     expected, _ = policy_objective(
         log_probs=log_probs,
@@ -77,6 +87,8 @@ def test_a_step_computes_the_objective_of_the_config(group, name):
         ref_log_probs=batch.ref_log_probs,
         kl_coef=objective.kl_coef,
         kl_kind=objective.kl_kind,
+        unbiased_kl=objective.unbiased_kl,
+        opsm_delta=objective.opsm_delta if objective.opsm else None,
         agg_mode=objective.loss_agg_mode,
         norm_length=objective.norm_length,
         cu_seqlens=batch.cu_seqlens,
@@ -85,6 +97,13 @@ def test_a_step_computes_the_objective_of_the_config(group, name):
     )
     assert metrics["loss/total"] == pytest.approx(float(expected), rel=1e-5, abs=1e-6)
     assert ("loss/kl" in metrics) == (objective.kl_coef > 0)
+    assert ("pg/opsm_frac" in metrics) == objective.opsm
+    if objective.old_from_rollout:  # no recompute: the step reports its own gap to them
+        gap = (log_probs - batch.rollout_log_probs).abs()[batch.loss_mask > 0].mean()
+        assert metrics["mismatch/logprob_abs_diff_mean"] == pytest.approx(float(gap), rel=1e-5)
+        assert 0 < metrics["pg/opsm_frac"] < 1
+    else:
+        assert "mismatch/logprob_abs_diff_mean" not in metrics
     assert {"train/grad_norm", "train/lr", "train/nonfinite_skipped"} <= set(metrics)
     assert backend.step == 1
 

@@ -162,14 +162,17 @@ class FSDPBackend(ShardedTrainer):
 
     def _policy_inputs(self, mb: TrainBatch, log_probs: torch.Tensor):
         """``(old log-probs, rollout IS weights or None, their metrics)``; on-policy (the
-        detached log-probs, ratio 1) when the batch has no old log-probs."""
+        detached log-probs, ratio 1) when the batch has no old log-probs. Without a
+        recompute pass (none, or old log-probs from the rollout) the gap of this forward
+        to the engine's log-probs is the mismatch metric."""
         if mb.advantages is None:
             raise ValueError("a policy objective needs batch.advantages (or use mode='sft')")
         old = mb.old_log_probs if mb.old_log_probs is not None else log_probs.detach()
         weights, metrics = self._rollout_weights(mb, old)
-        if mb.old_log_probs is None and mb.rollout_log_probs is not None:
+        own_gap = mb.old_log_probs is None or self.config.objective.old_from_rollout
+        if own_gap and mb.rollout_log_probs is not None:  # no recompute measured the gap
             metrics["mismatch/logprob_abs_diff_mean"] = logprob_gap_share(
-                old, mb.rollout_log_probs, mb.loss_mask, num_tokens=mb.global_num_tokens
+                log_probs, mb.rollout_log_probs, mb.loss_mask, num_tokens=mb.global_num_tokens
             )
         return old, weights, metrics
 

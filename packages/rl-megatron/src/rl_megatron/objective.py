@@ -42,9 +42,13 @@ def actor_loss(
         raise ValueError("policy training needs batch.advantages")
     old = part.old_log_probs if part.old_log_probs is not None else log_probs.detach()
     weights, is_metrics = _importance_weights(config, part, old)
-    if part.old_log_probs is None and part.rollout_log_probs is not None:
+    own_gap = part.old_log_probs is None or config.objective.old_from_rollout
+    if own_gap and part.rollout_log_probs is not None:  # no recompute measured the gap
         gap = logprob_gap_share(
-            old, part.rollout_log_probs, part.loss_mask, num_tokens=part.global_num_tokens or 1.0
+            log_probs,
+            part.rollout_log_probs,
+            part.loss_mask,
+            num_tokens=part.global_num_tokens or 1.0,
         )
         is_metrics["mismatch/logprob_abs_diff_mean"] = float(gap)
     loss, metrics = objective_loss(
