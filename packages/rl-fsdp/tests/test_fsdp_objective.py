@@ -116,3 +116,41 @@ def test_temperature_and_mode_are_read(group):
     sft = start(Objective(mode="sft")).train_step(batch.with_global_denominators())
     nll = -(plain * batch.loss_mask).sum() / batch.loss_mask.sum()
     assert sft["loss/sft"] == pytest.approx(float(nll), rel=1e-5)
+
+
+def test_reference_from_ref_path_then_refreshed_from_the_policy(group, tmp_path):
+    """``ref_path`` loads another model as the reference; ``update_reference`` makes it
+    the policy as trained so far (rl-train's algorithm.ref_path / ref_update_interval)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(7)
+    hf_config = AutoConfig.for_model(**CONFIGS["qwen2"])
+    AutoModelForCausalLM.from_config(hf_config).save_pretrained(tmp_path / "other")
+    batch = tokens_batch()
+    other = FSDPBackend.start(
+        FSDPConfig(model_path=str(tmp_path / "other"), device="cpu"),
+        rank=0,
+        world_size=1,
+        master_addr="127.0.0.1",
+        master_port=free_port(),
+    ).compute_log_probs(batch)
+    config = FSDPConfig(
+        model_config=CONFIGS["qwen2"],
+        device="cpu",
+        lr=1e-2,
+        objective=Objective(kl_coef=0.1),
+        ref_path=str(tmp_path / "other"),
+    )
+    backend = FSDPBackend.start(
+        config, rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port()
+    )
+    torch.testing.assert_close(backend.compute_log_probs(batch, model="ref"), other)
+    policy = backend.compute_log_probs(batch)
+    assert not torch.allclose(policy, other, atol=1e-3)
+    backend.train_step(rl_batch(policy))
+    trained = backend.compute_log_probs(batch)
+    assert not torch.allclose(trained, policy, atol=1e-4)  # the step changed the policy
+    backend.update_reference()
+    torch.testing.assert_close(backend.compute_log_probs(batch, model="ref"), trained)
+    with pytest.raises(ValueError, match="needs a separate reference"):
+        start(Objective()).update_reference()

@@ -175,6 +175,12 @@ def test_reference_log_probs_come_from_ref_weights(world1, model_dirs):
     torch.testing.assert_close(backend.compute_log_probs(batch), actor, atol=0, rtol=0)
     batch.ref_log_probs = ref
     assert "loss/kl" in backend.train_step(batch)
+    trained = backend.compute_log_probs(batch)
+    assert not torch.allclose(trained[mask], actor[mask])
+    backend.update_reference()  # rl-train's algorithm.ref_update_interval
+    torch.testing.assert_close(backend.compute_log_probs(batch, model="ref"), trained)
+    with pytest.raises(ValueError, match="needs a reference"):
+        make_backend(model_dirs, "qwen3").update_reference()
 
 
 def test_resume_equals_uninterrupted(world1, model_dirs, tmp_path):

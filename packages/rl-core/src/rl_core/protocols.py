@@ -72,6 +72,11 @@ class TrainingBackend(Protocol):
 
     def load_checkpoint(self, path: Path) -> None: ...
 
+    def update_reference(self) -> None:
+        """Make the frozen KL reference a copy of the policy's current weights (collective;
+        slime's ``--ref-update-interval``); an error when the backend holds no reference."""
+        ...
+
     def offload(self) -> None:
         """Move parameters, gradients and optimizer state off the accelerator."""
         ...

@@ -12,6 +12,7 @@ All ranks call every method together with their own part of the batch.
 """
 
 import copy
+import dataclasses
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
@@ -53,8 +54,12 @@ class FSDPBackend(ShardedTrainer):
         self.ref_model = self._build_reference() if separate_ref else None
 
     def _build_reference(self) -> torch.nn.Module:
-        """A frozen, sharded copy of the initial weights (same source and seed)."""
-        ref = freeze(shard_model(build_model(self.config), self.config, self.device))
+        """A frozen, sharded copy of the initial weights (same source and seed), or of
+        ``config.ref_path``'s."""
+        source = self.config
+        if source.ref_path is not None:
+            source = dataclasses.replace(source, model_path=source.ref_path, model_config=None)
+        ref = freeze(shard_model(build_model(source), self.config, self.device))
         if not is_fsdp(ref):  # frozen: parameters in the compute dtype, no master copy
             compute_params_only(ref, self.device, DTYPES[self.config.precision])
         if self.config.ref_offload and self.device.type != "cpu":
@@ -79,6 +84,20 @@ class FSDPBackend(ShardedTrainer):
             reshard_all(net)  # the root (and layers on one rank) stay gathered after forward
         out.index_fill_(0, batch.cu_seqlens[1:].long() - 1, 0.0)  # sequence ends
         return out
+
+    @torch.no_grad()
+    def update_reference(self) -> None:
+        """Copy the policy's current weights into the reference model (each rank its own
+        shards: both are built and sharded alike), cast to the reference's dtype."""
+        if self.ref_model is None:
+            raise ValueError(
+                "update_reference needs a separate reference model: an objective with "
+                "kl_coef or reward_kl_coef > 0, and no LoRA (whose reference is the base)"
+            )
+        self.onload()
+        ref_params = dict(self.ref_model.named_parameters())
+        for name, param in self.model.named_parameters():
+            ref_params[name].copy_(param.detach())
 
     def _pick(self, model: str) -> torch.nn.Module:
         if model == "actor":

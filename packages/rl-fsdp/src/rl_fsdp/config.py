@@ -87,6 +87,9 @@ class FSDPConfig:
     reference: bool | None = None
     """Build a frozen reference copy of the initial weights (for ``model="ref"`` log-probs).
     None = when the objective needs one (``objective.needs_reference``)."""
+    ref_path: str | None = None
+    """Hugging Face directory of the reference model (same architecture and tokenizer);
+    None = the policy's initial weights (``model_path`` / ``model_config`` and seed)."""
     ref_offload: bool = False
     """Keep the reference model's shards on CPU between uses (moved in for each call)."""
     lora: LoRASpec | None = None

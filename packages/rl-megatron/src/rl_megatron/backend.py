@@ -222,6 +222,17 @@ class MegatronBackend(WeightsAndStateMixin):
             raise ValueError("compute_values needs MegatronConfig(critic=True)")
         return self._forward_all(batch)
 
+    @torch.no_grad()
+    def update_reference(self) -> None:
+        """The reference's shards become copies of this rank's current parameters (kept
+        on the host, like the ones read from ``ref_path``)."""
+        if self.ref_shards is None:
+            raise ValueError("update_reference needs a reference: MegatronConfig.ref_path")
+        params = dict(self.model.named_parameters())
+        self.ref_shards = {
+            name: params[name].detach().to("cpu", copy=True) for name in self.ref_shards
+        }
+
     @contextlib.contextmanager
     def _swapped_weights(self, shards: dict[str, torch.Tensor]):
         params = dict(self.model.named_parameters())
