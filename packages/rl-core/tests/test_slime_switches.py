@@ -119,3 +119,55 @@ def test_objective_refuses_rollout_weights_with_rollout_old_log_probs():
         Objective(old_from_rollout=True, rollout_is_level="token")
     with pytest.raises(ValueError, match="opsm_delta must be >= 0"):
         Objective(opsm=True, opsm_delta=-1.0)
+
+
+def _advantage_inputs(**overrides):
+    from rl_core.advantages import AdvantageInputs
+
+    fields = {
+        "rewards": torch.tensor([1.0, 0.0, 0.0, 0.0]),
+        "mask": torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0], [1.0, 1.0]]),
+        "values": torch.zeros(4, 2),
+        "group_size": 4,
+    }
+    return AdvantageInputs(**(fields | overrides))
+
+
+@pytest.mark.parametrize(
+    "name, by_default",
+    [
+        ("grpo", False),
+        ("dr_grpo", False),
+        ("rloo", False),
+        ("reinforce_plus_plus", True),
+        ("reinforce_plus_plus_baseline", True),
+        ("gae", True),
+    ],
+)
+def test_whiten_overrides_each_estimators_default(name, by_default):
+    from rl_core.advantages import ADVANTAGE_ESTIMATORS, whiten
+
+    estimator = ADVANTAGE_ESTIMATORS.get(name)
+    default, _ = estimator(_advantage_inputs())
+    raw, returns = estimator(_advantage_inputs(whiten=False))
+    white, white_returns = estimator(_advantage_inputs(whiten=True))
+    mask = _advantage_inputs().mask
+    torch.testing.assert_close(white, whiten(raw, mask))
+    torch.testing.assert_close(default, white if by_default else raw)
+    torch.testing.assert_close(white_returns, returns)  # returns are never whitened
+    valid = white[mask > 0]
+    assert float(valid.mean()) == pytest.approx(0.0, abs=1e-6)
+    assert float(valid.std()) == pytest.approx(1.0, abs=1e-4)
+
+
+def test_dr_grpo_advantages_by_hand_without_and_with_whitening():
+    from rl_core.advantages import ADVANTAGE_ESTIMATORS
+
+    # rewards 1, 0, 0, 0: centred 0.75, -0.25 x 3 on each valid token (7 tokens)
+    raw, _ = ADVANTAGE_ESTIMATORS.get("dr_grpo")(_advantage_inputs(whiten=False))
+    expected = torch.tensor([[0.75, 0.75], [-0.25, 0.0], [-0.25, -0.25], [-0.25, -0.25]])
+    torch.testing.assert_close(raw, expected)
+    white, _ = ADVANTAGE_ESTIMATORS.get("dr_grpo")(_advantage_inputs(whiten=True))
+    mean = (2 * 0.75 - 5 * 0.25) / 7
+    std = math.sqrt((2 * (0.75 - mean) ** 2 + 5 * (-0.25 - mean) ** 2) / 6)
+    assert float(white[0, 0]) == pytest.approx((0.75 - mean) / std, rel=1e-5)

@@ -225,6 +225,10 @@ class AdvantageInputs:
     rewards: ``[B]`` scalar rewards, groups contiguous. mask: ``[B, T]`` response tokens.
     values: ``[B, T]`` critic values (GAE). kl: ``[B, T]`` per-token KL to the reference.
     group_sizes: the size of each group when they differ (None: all ``group_size``).
+    whiten: whiten the advantages over all valid tokens (:func:`whiten`): None = the
+    estimator's own choice (reinforce_plus_plus, reinforce_plus_plus_baseline and gae
+    whiten; grpo, dr_grpo and rloo do not), True = always (slime's
+    ``--normalize-advantages``), False = never. Returns are never whitened.
     """
 
     rewards: torch.Tensor
@@ -236,6 +240,7 @@ class AdvantageInputs:
     gamma: float = 1.0
     lam: float = 1.0
     kl_coef: float = 0.0
+    whiten: bool | None = None
 
 
 # fn(inputs) -> (advantages [B, T], returns [B, T])
@@ -250,13 +255,19 @@ def _broadcast(per_seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return per_seq.unsqueeze(-1) * mask.to(per_seq.dtype)
 
 
+def _finish(advantages: torch.Tensor, inputs: AdvantageInputs, *, by_default: bool):
+    """``advantages`` whitened when ``inputs.whiten`` says so (None: ``by_default``)."""
+    wanted = by_default if inputs.whiten is None else inputs.whiten
+    return whiten(advantages, inputs.mask) if wanted else advantages
+
+
 @ADVANTAGE_ESTIMATORS.register("grpo")
 def _grpo(inputs: AdvantageInputs):
     normalized = group_normalize(
         inputs.rewards, group_size=inputs.group_size, group_sizes=inputs.group_sizes
     )
     adv = _broadcast(normalized, inputs.mask)
-    return adv, adv
+    return _finish(adv, inputs, by_default=False), adv
 
 
 @ADVANTAGE_ESTIMATORS.register("dr_grpo")
@@ -265,14 +276,14 @@ def _dr_grpo(inputs: AdvantageInputs):
         inputs.rewards, group_size=inputs.group_size, std=False, group_sizes=inputs.group_sizes
     )
     adv = _broadcast(centred, inputs.mask)
-    return adv, adv
+    return _finish(adv, inputs, by_default=False), adv
 
 
 @ADVANTAGE_ESTIMATORS.register("rloo")
 def _rloo(inputs: AdvantageInputs):
     baseline = rloo(inputs.rewards, group_size=inputs.group_size, group_sizes=inputs.group_sizes)
     adv = _broadcast(baseline, inputs.mask)
-    return adv, adv
+    return _finish(adv, inputs, by_default=False), adv
 
 
 def _kl_or_zero(inputs: AdvantageInputs) -> torch.Tensor:
@@ -290,7 +301,7 @@ def _reinforce_pp(inputs: AdvantageInputs):
         kl_coef=inputs.kl_coef,
         gamma=inputs.gamma,
     )
-    return whiten(returns, inputs.mask), returns
+    return _finish(returns, inputs, by_default=True), returns
 
 
 @ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus_baseline")
@@ -303,7 +314,7 @@ def _reinforce_pp_baseline(inputs: AdvantageInputs):
         kl_coef=inputs.kl_coef,
         group_sizes=inputs.group_sizes,
     )
-    return whiten(adv, inputs.mask), adv
+    return _finish(adv, inputs, by_default=True), adv
 
 
 @ADVANTAGE_ESTIMATORS.register("gae")
@@ -315,4 +326,4 @@ def _gae(inputs: AdvantageInputs):
     adv, returns = gae(
         token_rewards, inputs.values, inputs.mask, gamma=inputs.gamma, lam=inputs.lam
     )
-    return whiten(adv, inputs.mask), returns
+    return _finish(adv, inputs, by_default=True), returns
