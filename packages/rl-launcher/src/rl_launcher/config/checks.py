@@ -2,6 +2,7 @@
 while it is built). Each raises ValueError naming the fields involved and a fix."""
 
 from rl_launcher.config import TrainConfig
+from rl_launcher.config.extensions import check_extensions
 from rl_launcher.infra.placement import plan_from_config
 
 # Estimators whose baseline is the other samples of the prompt: a group of one sample has
@@ -25,6 +26,9 @@ def check_consistency(config: TrainConfig) -> None:
         _check_distill,
         _check_lora,
         _check_megatron,
+        check_extensions,  # user functions by dotted path: imported, signatures checked
+        _check_rollout_function,
+        _check_group_reward,
     )
     for check in checks:
         check(config)
@@ -115,6 +119,32 @@ def _check_rollout(config: TrainConfig) -> None:
         _check_buffer_source(config)
     if rollout.over_sampling > 1:
         _check_over_sampling(config)
+
+
+def _check_rollout_function(config: TrainConfig) -> None:
+    """rollout.rollout_function replaces the prompt rollout of the step-by-step loops."""
+    rollout = config.rollout
+    if rollout.rollout_function is None:
+        return
+    if rollout.loop == "async" or rollout.source != "prompts" or rollout.over_sampling > 1:
+        raise ValueError(
+            "rollout.rollout_function replaces the rollout of loop sync or one_step_async with "
+            "rollout.source=prompts and no over_sampling; got loop="
+            f"{rollout.loop}, source={rollout.source}, over_sampling={rollout.over_sampling:g}"
+        )
+    if rollout.group_reward is not None:
+        raise ValueError(
+            "rollout.group_reward is called by the built-in rollout; a rollout.rollout_function "
+            "scores its groups itself (ctx.score_group / ctx.score)"
+        )
+
+
+def _check_group_reward(config: TrainConfig) -> None:
+    if config.rollout.group_reward is not None and config.eval.datasets:
+        raise ValueError(
+            "rollout.group_reward scores training groups; evaluation scores one sample at a "
+            "time with rollout.reward: leave eval.datasets empty, or score with rollout.reward"
+        )
 
 
 def _check_over_sampling(config: TrainConfig) -> None:

@@ -17,9 +17,10 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-from rl_core.registry import Registry
+from rl_core.registry import Registry, is_dotted
 from rl_launcher.config import BOUNDS, TrainConfig
 from rl_launcher.config.checks import check_consistency
+from rl_launcher.config.extensions import add_import_dirs, run_import_dirs
 
 PASSTHROUGH_PREFIXES = {
     "--sglang-": ("engine", "sglang_args"),
@@ -113,6 +114,7 @@ def load_config(
 ) -> tuple[TrainConfig, CommandLine]:
     """The validated config of a command line, and the parsed command line."""
     command_line = parse_command_line(list(argv or []), flags=flags, valued_flags=valued_flags)
+    add_import_dirs(*run_import_dirs(command_line.config_path))  # for pkg.module:function
     tree: dict[str, Any] = {}
     if command_line.config_path is not None:
         tree = read_yaml(command_line.config_path)
@@ -290,6 +292,12 @@ def type_name(hint: Any) -> str:
 
 def _check_rules(spec: dataclasses.Field, value: Any, where: str) -> Any:
     choices = spec.metadata.get("choices")
+    if isinstance(value, str) and is_dotted(value) and _dotted_loader(spec) is not None:
+        try:
+            _dotted_loader(spec)(value)  # imported and its signature checked
+        except ValueError as error:
+            raise ValueError(f"{where}: {error}") from None
+        return value
     if choices is not None and value is not None:
         allowed = choices.names() if isinstance(choices, Registry) else list(choices)
         if value not in allowed:
@@ -301,6 +309,14 @@ def _check_rules(spec: dataclasses.Field, value: Any, where: str) -> Any:
     if isinstance(value, int | float) and not isinstance(value, bool):
         check_bounds(value, spec.metadata, where)
     return value
+
+
+def _dotted_loader(spec: dataclasses.Field):
+    """How a dotted path in this field is loaded, or None when the field takes none."""
+    choices = spec.metadata.get("choices")
+    if isinstance(choices, Registry) and choices.shape is not None:
+        return choices.get
+    return spec.metadata.get("dotted")
 
 
 _COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}

@@ -11,7 +11,7 @@ from dataclasses import MISSING, dataclass, field
 from typing import Any
 
 from rl_core.advantages import ADVANTAGE_ESTIMATORS
-from rl_core.aggregation import AGGREGATION_MODES
+from rl_core.aggregation import AGGREGATION_MODES, load_reducer
 from rl_core.filters import GROUP_FILTERS
 from rl_core.importance import IS_LEVELS, IS_MODES
 from rl_core.kl import KL_KINDS
@@ -27,21 +27,26 @@ BOUNDS = {
 }
 
 
-def meta(help: str, *, choices=None, **bounds) -> dict[str, Any]:
+def meta(help: str, *, choices=None, dotted=None, **bounds) -> dict[str, Any]:
     """Field metadata: its documentation and validation rules.
 
     ``bounds`` may hold ``low`` (value >= low), ``above`` (> above), ``high`` (<= high)
-    and ``below`` (< below); a float must also be finite.
+    and ``below`` (< below); a float must also be finite. ``dotted``: a function that loads
+    and checks a dotted path ``pkg.module:function`` given instead of one of ``choices``
+    (an rl_core registry with a call shape takes them without it).
     """
     unknown = set(bounds) - set(BOUNDS)
     assert not unknown, f"unknown bounds {unknown}; use {list(BOUNDS)}"
-    return {"help": help, "choices": choices, **{name: bounds.get(name) for name in BOUNDS}}
+    rules = {name: bounds.get(name) for name in BOUNDS}
+    return {"help": help, "choices": choices, "dotted": dotted, **rules}
 
 
-def option(default: Any = MISSING, *, help: str, choices=None, **bounds) -> Any:
+def option(default: Any = MISSING, *, help: str, choices=None, dotted=None, **bounds) -> Any:
     """A field with an immutable default (or none: required) and its metadata."""
-    return field(default=default, metadata=meta(help, choices=choices, **bounds))
+    return field(default=default, metadata=meta(help, choices=choices, dotted=dotted, **bounds))
 
+
+DOTTED = " Or a dotted path pkg.module:function of the built-ins' signature (docs/extending.md)."
 
 # model.lora_targets by default: every attention and MLP projection of Llama-like decoders
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -199,11 +204,21 @@ class AlgorithmConfig:
     """What is optimised: advantages, policy loss, KL, entropy, filtering."""
 
     advantage_estimator: str = option(
-        "grpo", help="Advantage estimator (gae trains a critic).", choices=ADVANTAGE_ESTIMATORS
+        "grpo",
+        help="Advantage estimator (gae trains a critic)." + DOTTED,
+        choices=ADVANTAGE_ESTIMATORS,
     )
-    policy_loss: str = option("ppo", help="Policy loss.", choices=POLICY_LOSSES)
+    policy_loss: str = option(
+        "ppo",
+        help="Policy loss; a dotted path reaches both backends (through rl_core's Objective)."
+        + DOTTED,
+        choices=POLICY_LOSSES,
+    )
     loss_agg_mode: str = option(
-        "token-mean", help="How per-token losses become one number.", choices=AGGREGATION_MODES
+        "token-mean",
+        help="How per-token losses become one number." + DOTTED,
+        choices=AGGREGATION_MODES,
+        dotted=load_reducer,
     )
     clip_low: float = option(0.2, help="Lower ratio clip (1 - clip_low).", low=0)
     clip_high: float | None = option(
@@ -256,7 +271,9 @@ class AlgorithmConfig:
     gamma: float = option(1.0, help="Discount (gae, reinforce_plus_plus).", low=0, high=1)
     lam: float = option(1.0, help="GAE lambda.", low=0, high=1)
     group_filter: str = option(
-        "keep_all", help="Dynamic-sampling filter applied per prompt group.", choices=GROUP_FILTERS
+        "keep_all",
+        help="Dynamic-sampling filter applied per prompt group." + DOTTED,
+        choices=GROUP_FILTERS,
     )
     reward_key: str | None = option(
         None, help="Key of the scalar reward when a reward function returns a mapping."
@@ -348,10 +365,50 @@ class RolloutConfig:
     )
     stop: list[str] = field(default_factory=list, metadata=meta("Stop strings."))
     function: str = option(
-        "default", help="Rollout function: a name in rl-sglang or a dotted path module:function."
+        "default",
+        help="Per-sample generate function: default, or a dotted path pkg.module:function "
+        "called as async fn(ctx, sample, sampling_params); it may return a list of samples, "
+        "which all join the prompt's group (docs/extending.md).",
     )
     reward: str = option(
-        "math", help="Reward function: a name in rl-rewards or a dotted path module:function."
+        "math",
+        help="Reward function: a name in rl-rewards or a dotted path pkg.module:function, "
+        "fn(response, label, **reward_options), or fn(sample, **reward_options) when its "
+        "first parameter is named sample (the whole rl_core.Sample; the data row's other "
+        "columns in sample.metadata); async def rewards are awaited; returns a float or a "
+        "mapping (algorithm.reward_key picks).",
+    )
+    reward_options: dict[str, Any] = field(
+        default_factory=dict,
+        metadata=meta(
+            "Keyword options of the reward (e.g. the remote reward's url, token, timeout_s); "
+            "names it does not take are refused at load, listing those it does."
+        ),
+    )
+    group_reward: str | None = option(
+        None,
+        help="Dotted path of a reward of a whole group, [async] fn(samples: list[Sample]) -> "
+        "list[float], called once every sample of the prompt has finished; replaces "
+        "rollout.reward (reward_timeout_s and on_reward_error apply to the call).",
+    )
+    sample_filter: str | None = option(
+        None,
+        help="Dotted path of fn(sample) -> bool, asked of every scored sample before its "
+        "reward is used; False leaves the sample out of training (a group left empty is "
+        "dropped). Metric rollout/samples_filtered.",
+    )
+    post_process: str | None = option(
+        None,
+        help="Dotted path of fn(groups: list[list[Sample]]) -> list[list[Sample]] | None: every "
+        "group of a step, after sample_filter and before the advantages (change them in "
+        "place and return None, or return the groups to train on).",
+    )
+    rollout_function: str | None = option(
+        None,
+        help="Dotted path of async fn(ctx: RolloutContext) -> list[list[Sample]] that replaces "
+        "the whole rollout of a step (the engines' client, the prompts, the step, the sampling "
+        "parameters, the tokenizer and the reward in ctx; docs/extending.md). Loop sync or "
+        "one_step_async, rollout.source=prompts.",
     )
     loop: str = option("sync", help="Training loop.", choices=("sync", "one_step_async", "async"))
     max_staleness: int = option(
@@ -528,6 +585,12 @@ class DataConfig:
     )
     shuffle: bool = option(True, help="Shuffle each epoch (seeded by the run's seed).")
     read_batch_rows: int = option(1024, help="Rows per record batch when streaming files.", low=1)
+    source: str | None = option(
+        None,
+        help="Dotted path of a prompt source class, Source(data, *, seed, tokenizer) with "
+        "next_prompt() -> Sample, state_dict() and load_state_dict(state) (its position, saved "
+        "in checkpoints); null reads data.train (docs/extending.md).",
+    )
 
 
 @dataclass(kw_only=True)
@@ -595,6 +658,11 @@ class LoggingConfig:
     wandb_project: str = option("rl", help="wandb project.")
     wandb_mode: str = option(
         "offline", help="wandb mode.", choices=("online", "offline", "disabled")
+    )
+    rollout_log_function: str | None = option(
+        None,
+        help="Dotted path of fn(step, groups: list[list[Sample]]) -> dict[str, float]: extra "
+        "metrics of every step, from the groups it trains on.",
     )
 
 

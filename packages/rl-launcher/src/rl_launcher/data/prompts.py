@@ -3,7 +3,8 @@
 A prompt is text or a list of chat messages (``{"role": ..., "content": ...}``). With a
 tokenizer (any object with ``apply_chat_template`` and ``encode``), the prompt goes through
 the chat template (with the row's tools, when given) and is tokenized; without one, the
-prompt is kept as it is and has no token ids yet.
+prompt is kept as it is and has no token ids yet. The row's other columns go into the
+sample's ``metadata`` (:func:`other_fields`).
 """
 
 from typing import Any
@@ -34,7 +35,7 @@ def sample_from_row(
         isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
     ):
         raise MalformedRow(f"{spec.tools_key!r} must be a list of tool schemas (mappings)")
-    metadata = dict(metadata)
+    metadata = {**other_fields(row, spec), **metadata}
     if tools:
         metadata["tools"] = tools
     if isinstance(prompt, list):
@@ -45,6 +46,14 @@ def sample_from_row(
     return Sample(
         prompt=text, tokens=token_ids or [], label=_field(row, spec.label_key), metadata=metadata
     )
+
+
+def other_fields(row: dict, spec: DatasetConfig) -> dict[str, Any]:
+    """The row's columns other than its prompt, label, metadata and tools: a reward taking
+    the whole Sample (or a custom rollout) reads them from ``sample.metadata``; the
+    metadata column's own keys win a clash."""
+    used = {spec.prompt_key, spec.label_key, spec.metadata_key, spec.tools_key}
+    return {key: value for key, value in row.items() if key not in used}
 
 
 def _field(row: dict, key: str | None, *, required: bool = False) -> Any:

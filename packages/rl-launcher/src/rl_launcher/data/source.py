@@ -196,8 +196,53 @@ def _empty_message(dataset: PromptDataset) -> str:
     )
 
 
+class CustomSource:
+    """``data.source``: the user's class behind the built-in source's interface. It yields
+    prompts (``next_prompt() -> Sample``) and saves / restores its position
+    (``state_dict()`` JSON, ``load_state_dict(state)``); this wrapper numbers the draws
+    (``group_index``), which the run's groups, checkpoints and seeds key on."""
+
+    def __init__(self, inner: Any, path: str):
+        self.inner, self.path, self._num_drawn = inner, path, 0
+
+    def next_prompt(self) -> Sample:
+        sample = self.inner.next_prompt()
+        if not isinstance(sample, Sample):
+            raise ValueError(
+                f"data.source {self.path!r}: next_prompt() returned {type(sample).__name__}, "
+                "not an rl_core.Sample"
+            )
+        sample.group_index, self._num_drawn = self._num_drawn, self._num_drawn + 1
+        return sample
+
+    def next_batch(self, num_prompts: int) -> list[Sample]:
+        return [self.next_prompt() for _ in range(num_prompts)]
+
+    @property
+    def stats(self) -> dict[str, DatasetStats]:
+        return dict(getattr(self.inner, "stats", {}) or {})
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"source": self.path, "num_drawn": self._num_drawn, "inner": self.inner.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("source") != self.path:
+            raise ValueError(
+                f"data state was saved by source {state.get('source')!r}, this run reads "
+                f"data.source={self.path!r}; resume with the same source"
+            )
+        self._num_drawn = int(state["num_drawn"])
+        self.inner.load_state_dict(state["inner"])
+
+
 def build_prompt_source(data: DataConfig, *, seed: int, tokenizer: Any = None) -> PromptSource:
-    """The training prompt source of a run's ``data`` config."""
+    """The training prompt source of a run's ``data`` config (``data.source``'s class when
+    set: :class:`CustomSource`)."""
+    if data.source is not None:
+        from rl_core.registry import load_dotted
+
+        inner = load_dotted(data.source)(data, seed=seed, tokenizer=tokenizer)
+        return CustomSource(inner, data.source)
     datasets = [
         load_dataset(
             spec,

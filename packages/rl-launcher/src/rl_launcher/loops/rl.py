@@ -43,6 +43,7 @@ from rl_launcher.loops.step_metrics import (
 from rl_launcher.roles.critic import make_buffer, train_critic
 from rl_launcher.roles.evaluation import evaluate_at_start
 from rl_launcher.roles.reference import with_reference
+from rl_launcher.roles.step_hooks import apply_step_hooks
 from rl_launcher.roles.teacher import score_groups
 from rl_launcher.roles.train_group import with_old_log_probs
 from rl_launcher.session.run import Run
@@ -114,6 +115,7 @@ def run_step(run: Run, buffer: DataBuffer, step: int, feed=None) -> dict[str, fl
     config, clock, feed = run.config, Clock(), feed or SyncFeed(run)
     with stopping.generating(step):  # a stop signal may abandon the step here (only)
         groups, metrics = feed.groups(step)
+    groups, metrics = apply_step_hooks(run, step, groups, metrics)  # sample_filter, post_process
     buffer.add_groups(groups)  # whole: a forked agent episode gives its group more samples
     clock.lap("rollout")
     if score_groups(run, groups):  # distill.*: the teacher's log-prob of every response token

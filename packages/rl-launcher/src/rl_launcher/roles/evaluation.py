@@ -47,6 +47,7 @@ class Evaluator:
             on_error=config.rollout.on_reward_error,
             timeout_s=config.rollout.reward_timeout_s,
             reward_key=config.algorithm.reward_key,
+            options=config.rollout.reward_options,
         )
 
     def sampling_params(self) -> dict:

@@ -17,16 +17,24 @@ is left out of training (its group trains on the samples that scored:
 :mod:`rl_launcher.data.buffer`), and counts it (:meth:`Reward.take_counts`:
 ``rollout/reward_errors``, ``rollout/reward_timeouts``); never a silent 0. A mapping reward
 needs ``algorithm.reward_key`` to name one of its keys.
+
+A reward whose first parameter is named ``sample`` gets the whole Sample (its worker
+processes get it pickled); ``rollout.reward_options`` are bound as keyword options either
+way. A group reward (``rollout.group_reward``, :class:`GroupReward`) scores a prompt's
+whole group in one call, under the same time limit and error handling.
 """
 
 import asyncio
+import functools
 import inspect
 import logging
 import threading
 from typing import Any
 
+from rl_core.registry import load_dotted
 from rl_core.types import Sample, SampleStatus
-from rl_sglang.rollout.rewards import bad_reward
+from rl_launcher.config.extensions import takes_sample
+from rl_sglang.rollout.rewards import GroupScore, bad_reward
 
 logger = logging.getLogger(__name__)
 ON_ERROR = ("raise", "skip")
@@ -61,6 +69,11 @@ class Reward:
         self.owns_pool = owns_pool
         self.counts, self.num_skipped = dict.fromkeys(COUNTS, 0), 0
         self._lock = threading.Lock()  # counted on the rollout's event loop, taken by the driver
+        self.takes_sample = takes_sample(score)
+
+    def _arguments(self, sample: Sample, text: str) -> tuple:
+        """What the reward function is called with: the sample, or (response, label)."""
+        return (sample,) if self.takes_sample else (text, sample.label)
 
     @property
     def rollout_fn(self):
@@ -74,7 +87,7 @@ class Reward:
         """Score ``sample`` in this process."""
         text = self.decode(sample)
         try:
-            value = self.score(text, sample.label)
+            value = self.score(*self._arguments(sample, text))
         except Exception as error:  # re-raised with context or counted, never swallowed
             return self._failed(sample, text, "failed", f": {_described(error)}", error)
         return self._checked(sample, text, value)
@@ -84,7 +97,7 @@ class Reward:
         ``timeout_s``."""
         text = self.decode(sample)
         if self.pool is not None:
-            outcome = await self.pool.score(text, sample.label)
+            outcome = await self.pool.score(*self._pool_arguments(sample, text))
             if outcome.status == "timeout":
                 return self._timed_out(
                     sample, text, f"; its worker process was killed ({outcome.reason})"
@@ -94,12 +107,17 @@ class Reward:
             return self._checked(sample, text, outcome.value)
         try:
             async with asyncio.timeout(self.timeout_s) as limit:
-                value = await self.score(text, sample.label)
+                value = await self.score(*self._arguments(sample, text))
         except Exception as error:  # a timeout, or the reward's own error
             if limit.expired():
                 return self._timed_out(sample, text, "; it was cancelled", error)
             return self._failed(sample, text, "failed", f": {_described(error)}", error)
         return self._checked(sample, text, value)
+
+    def _pool_arguments(self, sample: Sample, text: str) -> tuple:
+        """A worker calls ``fn(response, label)``: a sample reward's worker function
+        (:func:`score_sample`) takes the sample in the response's place."""
+        return (sample, None) if self.takes_sample else (text, sample.label)
 
     def decode(self, sample: Sample) -> str:
         response_ids = sample.tokens[sample.prompt_length :]
@@ -183,6 +201,13 @@ def _described(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"[:500]
 
 
+def score_sample(name: str, options: dict, sample: Sample, _label: Any = None):
+    """A worker process's call of a sample reward: ``fn(sample, **options)``."""
+    from rl_rewards import get_reward
+
+    return get_reward(name, **options)(sample)
+
+
 def load_reward(
     name: str,
     tokenizer: Any,
@@ -190,16 +215,23 @@ def load_reward(
     on_error: str = "raise",
     timeout_s: float | None = None,
     reward_key: str | None = None,
+    options: dict | None = None,
 ) -> Reward:
-    """The reward ``name`` (rl-rewards registry or ``pkg.mod:fn``) as ``fn(sample)``; with
-    ``timeout_s``, a synchronous one gets its worker processes now (module docstring)."""
+    """The reward ``name`` (rl-rewards registry or ``pkg.mod:fn``) with ``options`` bound,
+    as ``fn(sample)``; with ``timeout_s``, a synchronous one gets its worker processes now
+    (module docstring)."""
     from rl_rewards import get_reward
     from rl_rewards.pool import RewardPool
 
-    score = get_reward(name)
+    options = dict(options or {})
+    score = get_reward(name, **options)
     pool = None
     if timeout_s is not None and not inspect.iscoroutinefunction(score):
-        pool = RewardPool(name, timeout_s=timeout_s)
+        if takes_sample(score):
+            worker_fn = functools.partial(score_sample, name, options)
+            pool = RewardPool(worker_fn, timeout_s=timeout_s)
+        else:
+            pool = RewardPool(name, timeout_s=timeout_s, options=options or None)
     return Reward(
         name,
         score,
@@ -209,3 +241,64 @@ def load_reward(
         pool=pool,
         reward_key=reward_key,
     )
+
+
+class GroupReward(Reward):
+    """``rollout.group_reward``: ``fn(samples) -> list[float]`` over a prompt's finished,
+    unaborted samples, awaited (a coroutine function) or run in a thread, within
+    ``timeout_s``; failures handled per ``on_error`` for every sample of the call."""
+
+    def __init__(self, name: str, tokenizer: Any, **settings):
+        super().__init__(name, load_dotted(name), tokenizer, **settings)
+
+    @property
+    def rollout_fn(self) -> GroupScore:
+        return GroupScore(self.score_group)
+
+    async def score_group(self, samples: list[Sample]) -> None:
+        live = [s for s in samples if s.status is not SampleStatus.ABORTED]
+        if not live:
+            return
+        texts = [self.decode(s) for s in live]
+        try:
+            async with asyncio.timeout(self.timeout_s) as limit:
+                values = await self._call(live)
+        except Exception as error:  # a timeout, or the reward's own error
+            if limit.expired():
+                for sample, text in zip(live, texts, strict=True):
+                    self._timed_out(sample, text, "; it was cancelled", error)
+                return
+            for sample, text in zip(live, texts, strict=True):
+                self._failed(sample, text, "failed", f": {_described(error)}", error)
+            return
+        if not isinstance(values, list | tuple) or len(values) != len(live):
+            problem = f"returned {values!r:.200} for {len(live)} samples"
+            for sample, text in zip(live, texts, strict=True):
+                self._failed(sample, text, problem, ", not one number per sample")
+            return
+        for sample, text, value in zip(live, texts, values, strict=True):
+            checked = self._checked(sample, text, value)
+            if sample.status is not SampleStatus.ABORTED:
+                sample.reward = checked
+
+    async def _call(self, samples: list[Sample]):
+        if inspect.iscoroutinefunction(self.score):
+            return await self.score(samples)
+        return await asyncio.to_thread(self.score, samples)
+
+    def sharing(self) -> "GroupReward":
+        raise NotImplementedError("evaluation scores samples one by one: use rollout.reward")
+
+
+def load_run_reward(config, tokenizer) -> Reward:
+    """The run's reward: ``rollout.group_reward`` when set, else ``rollout.reward`` with
+    ``rollout.reward_options``; both under the run's time limit and error handling."""
+    rollout = config.rollout
+    settings = {
+        "on_error": rollout.on_reward_error,
+        "timeout_s": rollout.reward_timeout_s,
+        "reward_key": config.algorithm.reward_key,
+    }
+    if rollout.group_reward is not None:
+        return GroupReward(rollout.group_reward, tokenizer, **settings)
+    return load_reward(rollout.reward, tokenizer, options=rollout.reward_options, **settings)

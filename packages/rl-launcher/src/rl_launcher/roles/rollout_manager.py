@@ -26,7 +26,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from rl_core.types import Sample
-from rl_launcher.roles.reward import COUNTS, load_reward
+from rl_launcher.roles.reward import COUNTS, load_run_reward
 
 ROUTER_NEEDED = "engine.use_router=false works with one engine; set engine.num_engines=1"
 
@@ -39,13 +39,8 @@ class RolloutManager:
             raise ValueError(ROUTER_NEEDED)
         self.config, self.model_dir, self.tokenizer = config, Path(model_dir), tokenizer
         self.source, self.log_dir = source, Path(log_dir)
-        self.reward_fn = reward or load_reward(  # with a time limit, processes start here
-            config.rollout.reward,
-            tokenizer,
-            on_error=config.rollout.on_reward_error,
-            timeout_s=config.rollout.reward_timeout_s,
-            reward_key=config.algorithm.reward_key,
-        )
+        # with a time limit, reward processes start here
+        self.reward_fn = reward or load_run_reward(config, tokenizer)
         self.engines, self.router, self._loop = [], None, asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="rollout-loop", daemon=True

@@ -182,6 +182,17 @@ def cpu_threads_env(ranks_per_node: int, threads: str | None = None) -> dict:
     return {"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}}
 
 
+def with_import_path(env: dict) -> dict:
+    """``env`` with the run's PYTHONPATH (config/extensions.py: the working directory and the
+    config's directory first), so a rank imports the dotted paths the driver checked."""
+    from rl_launcher.config.extensions import import_path_env
+
+    extra = import_path_env()
+    if not extra:
+        return env
+    return {**env, "env_vars": {**env.get("env_vars", {}), **extra}}
+
+
 class TrainGroup:
     """``num_ranks`` :class:`TrainWorker` actors, rank r in placement slot ``slots[r]``.
 
@@ -202,6 +213,7 @@ class TrainGroup:
         actor, world = ray.remote(TrainWorker), len(slots)
         threads = os.environ.get("OMP_NUM_THREADS")  # the user's, if set
         env = cpu_threads_env(ranks_per_node, threads) if spec.device != "cuda" else {}
+        env = with_import_path(env)  # user losses by dotted path import in the ranks too
         run_spans_nodes = len(set(placement.node_ids)) > 1
         self.workers = [
             actor.options(

@@ -27,7 +27,7 @@ from rl_sglang.rollout.generate import (
     generate_sample,
     load_function,
 )
-from rl_sglang.rollout.rewards import REWARD_ON_ERROR, RewardGuard
+from rl_sglang.rollout.rewards import REWARD_ON_ERROR, GroupScore, RewardGuard
 
 RewardFn = Callable[[Sample], "float | dict | asyncio.Future"]
 
@@ -109,14 +109,22 @@ class _GroupRunner:
         self.generate = load_function(config.generate_fn) if config.generate_fn else generate_sample
         self.semaphore = asyncio.Semaphore(config.max_concurrency)
         self.counts = {"generate_retries": 0}
-        self.guard = RewardGuard(reward_fn, config.reward_timeout_s, config.reward_on_error)
+        self.group_score = reward_fn if isinstance(reward_fn, GroupScore) else None
+        per_sample = None if self.group_score else reward_fn
+        self.guard = RewardGuard(per_sample, config.reward_timeout_s, config.reward_on_error)
         self._acquiring = asyncio.Lock()  # one group takes its n semaphore slots at a time
 
     async def run(self, group: list[Sample]) -> list[Sample]:
+        """The group generated and scored; a generate function that returns several
+        samples for one (fan-out) adds them all to the group."""
         if self._one_request(group):
-            return await self._group(group)
-        outputs = await asyncio.gather(*(self._one(s) for s in group))
-        return [s for out in outputs for s in (out if isinstance(out, list) else [out])]
+            samples = await self._group(group)
+        else:
+            outputs = await asyncio.gather(*(self._one(s) for s in group))
+            samples = [s for out in outputs for s in (out if isinstance(out, list) else [out])]
+        if self.group_score is not None:  # rl-sglang's guard never saw these samples
+            await self.group_score.score(samples)
+        return samples
 
     def _one_request(self, group: list[Sample]) -> bool:
         """The default generate function on a fresh group: one request with n samples."""
@@ -166,7 +174,10 @@ class _GroupRunner:
         return None
 
     async def _score(self, samples: list[Sample]) -> None:
-        """Rewards of the samples that were not aborted, concurrently; see RolloutConfig."""
+        """Rewards of the samples that were not aborted, concurrently; see RolloutConfig.
+        A group reward scores the whole group in :meth:`run` instead."""
+        if self.group_score is not None:
+            return
         scored = [s for s in samples if s.status is not SampleStatus.ABORTED]
         await asyncio.gather(*(self.guard.score(s) for s in scored))
 

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rl_core.registry import is_dotted, load_dotted
 from rl_core.types import Sample, SampleStatus
 from rl_sglang.client import EngineClient
 from rl_sglang.protocol import parse_token_logprobs
@@ -55,7 +56,10 @@ GenerateFn = Callable[[GenerateContext, Sample, dict], Awaitable["Sample | list[
 
 
 def load_function(path: str) -> Callable:
-    """``"package.module:name"`` or ``"package.module.name"`` -> the object."""
+    """``"package.module:name"`` (rl_core's one loader, as every dotted option of a run
+    uses) or ``"package.module.name"`` -> the object."""
+    if is_dotted(path):
+        return load_dotted(path)
     module_name, sep, attr = path.partition(":")
     if not sep:
         module_name, _, attr = path.rpartition(".")

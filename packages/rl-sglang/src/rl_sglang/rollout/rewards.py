@@ -28,11 +28,21 @@ import inspect
 import math
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from rl_core.types import Sample
 
 REWARD_ON_ERROR = ("raise", "zero", "drop")
+
+
+@dataclass(frozen=True)
+class GroupScore:
+    """A reward of whole groups: ``await score(samples)`` sets the ``reward`` of every
+    unaborted sample of a prompt's group once all of them have finished (handling its own
+    failures). Passed as the rollout's ``reward_fn``, it replaces per-sample scoring."""
+
+    score: Callable[[list[Sample]], Awaitable[None]]
 
 
 class RewardFailed(ValueError):
