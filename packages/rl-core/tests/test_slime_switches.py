@@ -171,3 +171,34 @@ def test_dr_grpo_advantages_by_hand_without_and_with_whitening():
     mean = (2 * 0.75 - 5 * 0.25) / 7
     std = math.sqrt((2 * (0.75 - mean) ** 2 + 5 * (-0.25 - mean) ** 2) / 6)
     assert float(white[0, 0]) == pytest.approx((0.75 - mean) / std, rel=1e-5)
+
+
+NAMES = [
+    "model.embed_tokens.weight",
+    "model.layers.0.self_attn.q_proj.weight",
+    "model.layers.0.mlp.up_proj.weight",
+    "model.layers.1.mlp.up_proj.weight",
+    "lm_head.weight",
+]
+
+
+def test_train_only_then_freeze_by_regex_search():
+    from rl_core.freezing import is_trained
+
+    trained = [n for n in NAMES if is_trained(n, train_only=["mlp", "lm_head"], freeze=[r"1\."])]
+    assert trained == ["model.layers.0.mlp.up_proj.weight", "lm_head.weight"]
+    assert [is_trained(n) for n in NAMES] == [True] * 5  # no patterns: everything trains
+    assert [n for n in NAMES if not is_trained(n, freeze=["embed"])] == NAMES[:1]
+
+
+def test_patterns_that_match_nothing_or_everything_are_refused():
+    from rl_core.freezing import check_patterns, unmatched_patterns
+
+    assert unmatched_patterns(NAMES, ["mlp", "o_proj"]) == ["o_proj"]
+    check_patterns(NAMES, train_only=["mlp"], freeze=["layers.1"])
+    with pytest.raises(ValueError, match=r"model.freeze: \['o_proj'\] match no parameter"):
+        check_patterns(NAMES, freeze=["o_proj"])
+    with pytest.raises(ValueError, match=r"model\.train_only: '\(' is not a Python regular"):
+        check_patterns(NAMES, train_only=["("])
+    with pytest.raises(ValueError, match="leaves no parameter to train"):
+        check_patterns(NAMES, train_only=["mlp"], freeze=["up_proj"])

@@ -154,3 +154,31 @@ def test_reference_from_ref_path_then_refreshed_from_the_policy(group, tmp_path)
     torch.testing.assert_close(backend.compute_log_probs(batch, model="ref"), trained)
     with pytest.raises(ValueError, match="needs a separate reference"):
         start(Objective()).update_reference()
+
+
+def test_only_the_parameters_the_patterns_train_change(group):
+    """``train_only`` / ``freeze`` (rl-train's model.train_only / model.freeze): the
+    optimizer holds only the trained parameters, and a step changes only them."""
+    config = FSDPConfig(
+        model_config=CONFIGS["qwen2"],
+        device="cpu",
+        lr=1e-2,
+        train_only=("mlp", "norm"),
+        freeze=(r"layers\.1\.",),
+    )
+    backend = FSDPBackend.start(
+        config, rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port()
+    )
+    before = {n: p.detach().clone() for n, p in backend.model.named_parameters()}
+    backend.train_step(rl_batch(backend.compute_log_probs(tokens_batch())))
+    trained = {"mlp", "norm"}
+    changed = {n for n, p in backend.model.named_parameters() if not torch.equal(p, before[n])}
+    expected = {n for n in before if any(t in n for t in trained) and "layers.1." not in n}
+    assert changed == expected and "model.layers.0.mlp.up_proj.weight" in changed
+    held = {id(p) for group in backend.optimizer.param_groups for p in group["params"]}
+    params = dict(backend.model.named_parameters())
+    assert held == {id(params[n]) for n in expected}
+    with pytest.raises(ValueError, match=r"FSDPConfig.freeze: \['o_porj'\] match no"):
+        FSDPBackend(
+            FSDPConfig(model_config=CONFIGS["qwen2"], device="cpu", freeze=("o_porj",)),
+        )

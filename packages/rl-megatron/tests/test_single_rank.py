@@ -218,3 +218,25 @@ def test_offload_onload_keeps_state(world1, model_dirs):
     assert backend.train_step(batch)["loss/total"] == pytest.approx(
         backend.forward_backward(batch)["loss/total"], abs=1.0
     )
+
+
+def test_only_the_parameters_the_patterns_train_change(world1, model_dirs):
+    """train_only / freeze by HF names (rl-train's model.train_only / model.freeze): the
+    optimizer holds only the trained parameters and a step changes only them; a fused
+    parameter whose sources the patterns split is refused."""
+    from rl_core.freezing import is_trained
+    from rl_megatron.weights import hf_sources
+
+    patterns = {"train_only": ("mlp", "embed"), "freeze": (r"layers\.1\.",)}
+    backend = make_backend(model_dirs, "qwen3", lr=1e-2, **patterns)
+    sources = hf_sources(backend.model, backend.shape, backend.layout)
+    expected = {n for n, hf in sources.items() if all(is_trained(h, **patterns) for h in hf)}
+    assert "decoder.layers.0.mlp.linear_fc1.weight" in expected
+    assert not any(".layers.1." in n for n in expected)
+    before = {n: p.detach().clone() for n, p in backend.model.named_parameters()}
+    backend.train_step(tiny.random_batch(LENGTHS, seed=3))
+    changed = {n for n, p in backend.model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed == expected
+    assert len(backend.params) == len(expected)
+    with pytest.raises(ValueError, match=r"linear_qkv\.weight fuses"):
+        make_backend(model_dirs, "qwen3", train_only=("q_proj",))

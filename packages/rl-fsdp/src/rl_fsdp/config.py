@@ -98,6 +98,13 @@ class FSDPConfig:
     the adapters off (no second copy), and exported weights are merged (HF names, for any
     transport). Without FSDP the frozen base is kept in the compute dtype, the adapters in
     float32. The critic (:class:`rl_fsdp.FSDPCritic`) ignores it and trains in full."""
+    train_only: tuple[str, ...] = ()
+    """Train only parameters whose Hugging Face name matches one of these regular
+    expressions (re.search; rl_core.freezing, as slime's --only-train-params-name-list);
+    the rest are frozen and left out of the optimizer. Empty = all."""
+    freeze: tuple[str, ...] = ()
+    """Freeze parameters whose Hugging Face name matches one of these regular expressions
+    (after ``train_only``; slime's --freeze-params-name-list)."""
     # --- batching ----------------------------------------------------------------------
     max_tokens_per_micro_batch: int = 8192
     """Token budget of one packed micro-batch (rl_core.packing.first_fit_pack)."""

@@ -31,6 +31,7 @@ from rl_fsdp.metrics import train_flops
 from rl_fsdp.modeling import (
     DTYPES,
     build_model,
+    freeze_by_name,
     gathered_through,
     is_fsdp,
     place_adapted,
@@ -68,6 +69,7 @@ class ShardedTrainer:
         self.attention = resolve_attention(config.attention, self.device, config.precision)
         model = build_model(config, head=self.head)
         self.model_config = model.config
+        freeze_by_name(model, config.train_only, config.freeze)  # before sharding and optimizer
         self.lora = config.lora if self.takes_lora else None
         if self.lora is not None:
             add_lora(model, self.lora)  # before sharding: FSDP2 shards adapters with their layer

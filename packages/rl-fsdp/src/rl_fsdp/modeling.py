@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from rl_core.freezing import check_patterns, is_trained
 from rl_fsdp.attention import register_packed_attention
 from rl_fsdp.config import FSDPConfig
 from rl_fsdp.fusion import compile_blocks
@@ -211,6 +212,19 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def freeze_by_name(model: nn.Module, train_only=(), freeze=()) -> None:
+    """Turn off ``requires_grad`` of the parameters the patterns do not train
+    (rl_core.freezing; names as Hugging Face writes them). A pattern matching no
+    parameter raises ValueError."""
+    if not train_only and not freeze:
+        return
+    names = [name for name, _ in model.named_parameters()]
+    check_patterns(names, train_only=train_only, freeze=freeze, prefix="FSDPConfig.")
+    for name, param in model.named_parameters():
+        if not is_trained(name, train_only, freeze):
+            param.requires_grad_(False)
 
 
 def freeze(model: nn.Module) -> nn.Module:

@@ -33,7 +33,13 @@ from rl_megatron.parallel import current_layout, initialize_parallel
 from rl_megatron.precision import DTYPES, finish_accumulation
 from rl_megatron.shape import model_shape
 from rl_megatron.state import WeightsAndStateMixin
-from rl_megatron.weights import SafetensorsReader, hf_config_of, load_hf_weights, read_shards
+from rl_megatron.weights import (
+    SafetensorsReader,
+    freeze_by_hf_name,
+    hf_config_of,
+    load_hf_weights,
+    read_shards,
+)
 
 
 class MegatronBackend(WeightsAndStateMixin):
@@ -90,6 +96,7 @@ class MegatronBackend(WeightsAndStateMixin):
         if self.shape.num_experts and config.tp > 1 and not config.sequence_parallel:
             raise ValueError("megatron needs sequence_parallel=True for MoE models with tp > 1")
         self.model = self._build_model()
+        freeze_by_hf_name(self.model, self.shape, self.layout, config.train_only, config.freeze)
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
         self.expert_params = [p for n, p in named if ".mlp.experts." in n]

@@ -29,6 +29,14 @@ class MegatronConfig:
     objective: Objective = field(default_factory=Objective)
     """The loss (policy or SFT, clipping, KL, entropy, rollout correction, aggregation,
     temperature): rl_core.objective.Objective, shared with every backend."""
+    train_only: tuple[str, ...] = ()
+    """Train only parameters whose Hugging Face source names match one of these regular
+    expressions (re.search; rl_core.freezing, as slime's --only-train-params-name-list);
+    the rest are frozen and left out of the optimizer. A fused Megatron parameter (q/k/v,
+    gate/up) trains when all its sources do; sources that disagree are refused. Empty = all."""
+    freeze: tuple[str, ...] = ()
+    """Freeze parameters whose Hugging Face source names match one of these regular
+    expressions (after ``train_only``; slime's --freeze-params-name-list)."""
     critic: bool = False
     """Build a value head trained with the clipped value loss instead of the objective's
     policy (only the objective's aggregation applies)."""

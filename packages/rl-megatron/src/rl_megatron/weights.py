@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from rl_core.freezing import compile_patterns, is_trained
 from rl_megatron.layout import param_layout, qkv_rows, shard_range
 from rl_megatron.models import ValueHead
 from rl_megatron.parallel import ParallelLayout
@@ -142,3 +143,43 @@ def _qkv_shard(reader, names, shape: ModelShape, tp_size: int, tp_rank: int):
         pieces += [reader.read(names[0], q_rows), reader.read(names[1], kv_rows)]
         pieces.append(reader.read(names[2], kv_rows))
     return torch.cat(pieces)
+
+
+def hf_sources(model, shape: ModelShape, parallel: ParallelLayout) -> dict[str, tuple[str, ...]]:
+    """``{megatron_name: the HF names it is made of}`` for this rank's parameters (a
+    critic's value head has none)."""
+    offset = layer_offset(model)
+    expert_offset = parallel.ep_rank * shape.num_experts // parallel.ep_size
+    return {
+        name: param_layout(name, layer_offset=offset, expert_offset=expert_offset).hf_names
+        for name, _ in model.named_parameters()
+        if not _is_value_head(model, name)
+    }
+
+
+def freeze_by_hf_name(model, shape: ModelShape, parallel, train_only=(), freeze=()) -> None:
+    """Turn off ``requires_grad`` of the parameters whose HF sources the patterns do not
+    train (rl_core.freezing). Patterns are checked against this rank's HF names (a
+    pipeline stage sees only its layers: the launcher checks the whole model first)."""
+    if not train_only and not freeze:
+        return
+    sources = hf_sources(model, shape, parallel)
+    names = [hf for hf_names in sources.values() for hf in hf_names]
+    compile_patterns(train_only, field="MegatronConfig.train_only")
+    compile_patterns(freeze, field="MegatronConfig.freeze")
+    params = dict(model.named_parameters())
+    for name, hf_names in sources.items():
+        trained = {is_trained(hf, train_only, freeze) for hf in hf_names}
+        if len(trained) > 1:
+            raise ValueError(
+                f"megatron parameter {name} fuses {list(hf_names)}, which the train_only / "
+                "freeze patterns split; Megatron trains or freezes them together: match all "
+                "of them or none"
+            )
+        if trained == {False}:
+            params[name].requires_grad_(False)
+    if not any(p.requires_grad for p in params.values()) and names:
+        raise ValueError(
+            "train_only / freeze leave no parameter of this rank to train (with pp > 1: of "
+            "this pipeline stage); every stage needs a trained parameter"
+        )
