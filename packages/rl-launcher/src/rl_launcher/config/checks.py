@@ -132,11 +132,6 @@ def _check_rollout_function(config: TrainConfig) -> None:
             "rollout.source=prompts and no over_sampling; got loop="
             f"{rollout.loop}, source={rollout.source}, over_sampling={rollout.over_sampling:g}"
         )
-    if rollout.group_reward is not None:
-        raise ValueError(
-            "rollout.group_reward is called by the built-in rollout; a rollout.rollout_function "
-            "scores its groups itself (ctx.score_group / ctx.score)"
-        )
 
 
 def _check_group_reward(config: TrainConfig) -> None:
