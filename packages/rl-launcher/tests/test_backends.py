@@ -135,7 +135,7 @@ def test_every_objective_field_comes_from_the_config_by_name_or_one_mapping():
     by_name = names & {field.name for field in dataclasses.fields(AlgorithmConfig)}
     assert names == by_name | set(OBJECTIVE_SOURCES)
     assert not by_name & set(OBJECTIVE_SOURCES)
-    assert set(OBJECTIVE_SOURCES) == {"mode", "norm_length", "temperature"}
+    assert set(OBJECTIVE_SOURCES) == {"mode", "norm_length", "temperature", "old_from_rollout"}
 
 
 def test_a_new_objective_option_reaches_both_backends_with_no_other_edit(tmp_path, monkeypatch):

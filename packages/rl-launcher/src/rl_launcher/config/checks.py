@@ -3,6 +3,7 @@ while it is built). Each raises ValueError naming the fields involved and a fix.
 
 from rl_launcher.config import TrainConfig
 from rl_launcher.config.extensions import check_extensions
+from rl_launcher.config.switch_checks import check_switches
 from rl_launcher.infra.placement import plan_from_config
 
 # Estimators whose baseline is the other samples of the prompt: a group of one sample has
@@ -29,6 +30,7 @@ def check_consistency(config: TrainConfig) -> None:
         check_extensions,  # user functions by dotted path: imported, signatures checked
         _check_rollout_function,
         _check_group_reward,
+        check_switches,  # issue 31's algorithm switches (config/switch_checks.py)
     )
     for check in checks:
         check(config)

@@ -141,6 +141,26 @@ class ModelConfig:
             "Mistral, Gemma: the attention and MLP projections)."
         ),
     )
+    train_only: list[str] = field(
+        default_factory=list,
+        metadata=meta(
+            "Train only the parameters whose Hugging Face name matches one of these Python "
+            "regular expressions (re.search, as slime's --only-train-params-name-list), "
+            "e.g. ['mlp', 'layers\\.1\\.']; the rest are frozen and the optimizer holds only "
+            "the trained ones. Empty = all. A pattern that matches no parameter is refused "
+            "before anything starts. Both backends; a fused Megatron parameter (q/k/v, "
+            "gate/up) trains when all its sources match, and patterns that split one are "
+            "refused."
+        ),
+    )
+    freeze: list[str] = field(
+        default_factory=list,
+        metadata=meta(
+            "Freeze the parameters whose Hugging Face name matches one of these Python "
+            "regular expressions (re.search, as slime's --freeze-params-name-list), after "
+            "train_only; e.g. ['embed_tokens', 'lm_head']. A pattern matching nothing is refused."
+        ),
+    )
 
 
 @dataclass(kw_only=True)
@@ -234,6 +254,24 @@ class AlgorithmConfig:
         low=0,
     )
     kl_kind: str = option("low_var_kl", help="KL estimator of the loss.", choices=KL_KINDS)
+    unbiased_kl: bool = option(
+        False,
+        help="Weight the loss's KL term by the ratio pi / pi_old (its gradient kept), which "
+        "makes the estimate unbiased for tokens sampled by the old policy (DeepSeek-V3.2; "
+        "slime's --use-unbiased-kl). Needs kl_coef > 0.",
+    )
+    ref_path: str | None = option(
+        None,
+        help="Hugging Face directory of a separate KL reference (slime's --ref-load; same "
+        "architecture and tokenizer as the policy); null = the policy's initial weights.",
+    )
+    ref_update_interval: int = option(
+        0,
+        help="Copy the policy's weights into the KL reference after every N-th step "
+        "(slime's --ref-update-interval); 0 = the reference never changes. Needs kl_coef or "
+        "reward_kl_coef > 0.",
+        low=0,
+    )
     reward_kl_coef: float = option(
         0.0,
         help="KL-to-reference penalty in the reward: each response token's reward loses this "
@@ -268,6 +306,25 @@ class AlgorithmConfig:
         low=0,
         below=0.5,
     )
+    normalize_advantages: bool | None = option(
+        None,
+        help="Whiten the advantages over the step's response tokens (mean 0, std 1; slime's "
+        "--normalize-advantages). null = each estimator's own choice (reinforce_plus_plus, "
+        "reinforce_plus_plus_baseline and gae whiten; grpo, dr_grpo and rloo do not); true "
+        "= every estimator; false = none.",
+    )
+    critic_warmup_steps: int = option(
+        0,
+        help="gae: the first N steps train only the critic; the policy's weights (and the "
+        "engines') stay as they are (slime's --num-critic-only-steps).",
+        low=0,
+    )
+    value_clip: float | None = option(
+        0.2,
+        help="gae: the critic's new values are clipped to old value +- value_clip in its "
+        "loss (PPO value clipping, slime's --value-clip); null = no clipping.",
+        above=0,
+    )
     gamma: float = option(1.0, help="Discount (gae, reinforce_plus_plus).", low=0, high=1)
     lam: float = option(1.0, help="GAE lambda.", low=0, high=1)
     group_filter: str = option(
@@ -284,9 +341,29 @@ class AlgorithmConfig:
         help="Where the PPO ratio's old log-probs come from. recompute: a forward pass of "
         "the whole batch before training (as slime and verl do). train_step: the train "
         "step's own forward, detached (ratio 1, as TRL with num_iterations 1), saving that "
-        "pass; needs num_minibatches 1 and reward_kl_coef 0, and the engine-vs-trainer gap "
-        "is then reported as its mean only.",
-        choices=("recompute", "train_step"),
+        "pass; needs num_minibatches 1 and reward_kl_coef 0. rollout: the engine's sampled "
+        "log-probs, no trainer pass (slime's --use-rollout-logprobs); refused with "
+        "rollout_is_level, whose weights would all be 1. With train_step and rollout the "
+        "engine-vs-trainer gap is reported as its mean only, from the (last) train step's "
+        "forward.",
+        choices=("recompute", "train_step", "rollout"),
+    )
+    opsm: bool = option(
+        False,
+        help="Off-policy sequence masking (DeepSeek-V3.2; slime's --use-opsm): a sequence "
+        "whose mean (old - current) log-prob over its tokens exceeds opsm_delta and whose "
+        "advantage is negative leaves the policy loss (metric pg/opsm_frac: the share of "
+        "response tokens dropped).",
+    )
+    opsm_delta: float = option(
+        1e-4, help="OPSM's bound on a sequence's drift (slime's --opsm-delta).", low=0
+    )
+    max_logprob_gap: float | None = option(
+        None,
+        help="Stop the run (exit 1) after a step whose mean |trainer - engine| log-prob gap "
+        "(mismatch/logprob_abs_diff_mean) exceeds this: a correctness gate for weight sync "
+        "and kernels (slime's --ci-train-rollout-logprob-abs-diff-threshold); null = no gate.",
+        above=0,
     )
     rollout_is_level: str | None = option(
         None,
@@ -431,6 +508,13 @@ class RolloutConfig:
     )
     dump_dir: str | None = option(None, help="Write every rollout's samples here.")
     replay_dir: str | None = option(None, help="Train only, replaying rollouts dumped earlier.")
+    replay_fraction: float = option(
+        1.0,
+        help="replay_dir: train each replayed rollout on this fraction of its groups (at "
+        "least one), drawn with the run's seed (slime's --load-debug-rollout-data-subsample).",
+        above=0,
+        high=1,
+    )
     source: str = option(
         "prompts",
         help="Where a step's groups come from: prompts (engines generate from data.train) or "
@@ -658,6 +742,13 @@ class LoggingConfig:
     wandb_project: str = option("rl", help="wandb project.")
     wandb_mode: str = option(
         "offline", help="wandb mode.", choices=("online", "offline", "disabled")
+    )
+    dump_train_batch: bool = option(
+        False,
+        help="RL: write each step's train batches as trained (per data-parallel rank: tokens, "
+        "cu_seqlens, loss mask, advantages, old / reference / rollout log-probs, returns) "
+        "to <run_dir>/train_batches/step_NNNNNN.pt, for torch.load (slime's "
+        "--save-debug-train-data).",
     )
     rollout_log_function: str | None = option(
         None,

@@ -85,6 +85,7 @@ class DataBuffer:
         reward_kl_coef: float = 0.0,
         reward_kl_kind: str = "k1",
         opd_coef: float = 0.0,
+        whiten: bool | None = None,
     ):
         self._estimator = ADVANTAGE_ESTIMATORS.get(advantage_estimator)
         self._filter = GROUP_FILTERS.get(group_filter)
@@ -92,6 +93,7 @@ class DataBuffer:
         self.gamma, self.lam = gamma, lam
         self.reward_kl_coef, self.reward_kl_kind = reward_kl_coef, reward_kl_kind
         self.opd_coef = opd_coef
+        self.whiten = whiten  # algorithm.normalize_advantages (None: the estimator's choice)
         self._pending: dict[int, list[Sample]] = {}
         self._ready: list[list[Sample]] = []
         self._counts = {"groups_filtered": 0, "groups_aborted": 0, "groups_dropped_reward_error": 0}
@@ -112,6 +114,7 @@ class DataBuffer:
             reward_kl_coef=algorithm.reward_kl_coef,
             reward_kl_kind=algorithm.reward_kl_kind,
             opd_coef=config.distill.coef,
+            whiten=algorithm.normalize_advantages,
             **extra,
         )
 
@@ -251,6 +254,7 @@ class DataBuffer:
             lam=self.lam,
             kl=kl,
             kl_coef=self.reward_kl_coef,
+            whiten=self.whiten,
         )
         per_token, _ = self._estimator(inputs)
         return [

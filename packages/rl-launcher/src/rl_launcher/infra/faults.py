@@ -20,7 +20,12 @@ complete checkpoint to continue from (``rl-train ... --resume``):
   :class:`RunStopped` naming the cause, instead of ending with status 0 having learnt
   nothing.
 
-The loops call :func:`check_step` and :func:`check_trained` after recording a step; the
+- a trainer that disagrees with its engines: with ``algorithm.max_logprob_gap`` set, a step
+  whose mean log-prob gap (:data:`GAP_KEY`) exceeds it stops the run
+  (:func:`check_logprob_gap`), a correctness gate for weight sync and kernels.
+
+The loops call :func:`check_step`, :func:`check_trained` and :func:`check_logprob_gap`
+after recording a step; the
 actor group gathers its ranks' results with :func:`gather`; ``rl-train`` prints
 :func:`stop_message`.
 """
@@ -33,6 +38,7 @@ from pathlib import Path
 NONFINITE_KEY = "train/nonfinite_skipped"
 TRAINED_KEY = "train/num_samples"  # samples the step trained on
 BATCH_KEY = "rollout/num_samples"  # samples the step's rollout produced
+GAP_KEY = "mismatch/logprob_abs_diff_mean"  # mean |trainer - engine| log-prob of a step
 EMPTY_CAUSE_KEY = "buffer/empty_cause"  # why a step trained nothing (a string)
 # samples of an empty step that failed (aborted: engine refusal, reward failure, ...); an
 # empty step without any only had its groups filtered, which is no fault of the run
@@ -260,3 +266,17 @@ def stop_message(config, error: BaseException) -> str:
         recorded = last_recorded_step(config.logging.run_dir)
         return f"{error} (after step {recorded} was recorded); {last_checkpoint(config)}"
     return f"{error}; {last_checkpoint(config)}"
+
+
+def check_logprob_gap(config, step: int, metrics: dict) -> None:
+    """Raise :class:`RunStopped` when the step's mean trainer-vs-engine log-prob gap
+    exceeds ``algorithm.max_logprob_gap``."""
+    bound, gap = config.algorithm.max_logprob_gap, metrics.get(GAP_KEY)
+    if bound is None or gap is None or gap <= bound:
+        return
+    raise RunStopped(
+        f"step {step}: the trainer's and the engines' log-probs of the same tokens differ by "
+        f"{gap:.4g} on average ({GAP_KEY}), above algorithm.max_logprob_gap={bound}: weight "
+        "sync, sampling temperature or kernels disagree. Check them, or raise (or unset) "
+        "algorithm.max_logprob_gap"
+    )

@@ -51,6 +51,7 @@ def finish_step(run, step: int, metrics: dict[str, float], save_fn) -> None:
         print(format_progress(step, config.num_steps, metrics), flush=True)
     faults.check_step(run, step, metrics)  # too many non-finite steps stop the run
     faults.check_trained(run, step, metrics)  # so do steps that train nothing
+    faults.check_logprob_gap(config, step, metrics)  # algorithm.max_logprob_gap
     interval = config.checkpoint.interval
     saved = bool(interval and step % interval == 0) or step == config.num_steps
     if saved:

@@ -44,6 +44,7 @@ OBJECTIVE_SOURCES = {
     # verl's default, the padded width, is that limit when responses are padded to it)
     "norm_length": lambda config: float(config.rollout.max_response_tokens),
     "temperature": lambda config: config.rollout.temperature or 1.0,  # 0 (greedy) samples at 1
+    "old_from_rollout": lambda config: config.algorithm.old_log_probs == "rollout",
 }
 
 
@@ -125,6 +126,10 @@ def fsdp_config(config, *, model_dir: Path, objective: Objective | None = None):
         min_lr_ratio=opt.min_lr_ratio,
         max_grad_norm=opt.grad_clip or None,
         lora=lora_spec(config),
+        ref_path=config.algorithm.ref_path,
+        value_clip=config.algorithm.value_clip,  # the critic's (rl_launcher.roles.critic)
+        train_only=tuple(config.model.train_only),
+        freeze=tuple(config.model.freeze),
     )
 
 
@@ -156,7 +161,11 @@ def megatron_config(config, *, model_dir: Path, objective: Objective | None = No
         adam_eps=opt.eps,
         clip_grad=opt.grad_clip,
         max_tokens_per_micro_batch=backend.micro_batch_tokens,
+        train_only=tuple(config.model.train_only),
+        freeze=tuple(config.model.freeze),
     )
+    if config.algorithm.ref_path is not None:  # else the starting model, when one is needed
+        fields["ref_path"] = Path(config.algorithm.ref_path)
     return MegatronConfig(**(fields | megatron_overrides(backend.extra_args)))
 
 

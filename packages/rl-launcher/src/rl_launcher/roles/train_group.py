@@ -90,6 +90,11 @@ class TrainWorker(GroupMember):
         self.busy_s["log_probs_compute"] += time.perf_counter() - start
         return log_probs
 
+    def update_reference(self) -> None:
+        """The KL reference becomes the policy as it is now (algorithm.ref_update_interval)."""
+        self.onload()
+        self.backend.update_reference()
+
     def train_steps(self, batches: list[TrainBatch]) -> dict[str, float]:
         """One optimizer step per minibatch, in order; later minibatches' metrics win.
         Also ``time/<part>``: this rank's seconds inside the backend since the last call
@@ -272,6 +277,10 @@ class TrainGroup:
         sent = time.time()
         metrics = self.call("train_steps", per_rank)[0]
         return metrics | call_latency(metrics, sent=sent, received=time.time())
+
+    def update_reference(self) -> None:
+        self._turn("training")
+        self.call("update_reference")
 
     def sync_weights(self, engine_urls: list[str], version: str, **how) -> dict:
         self._turn("syncing")

@@ -75,7 +75,12 @@ def start_replay_run(config) -> Run:
     from rl_launcher.infra.dumps import ReplayRollout
     from rl_launcher.roles.critic import start_critic
 
-    replay = ReplayRollout(config.rollout.replay_dir, group_size=config.rollout.group_size)
+    replay = ReplayRollout(
+        config.rollout.replay_dir,
+        group_size=config.rollout.group_size,
+        fraction=config.rollout.replay_fraction,
+        seed=config.seed,
+    )
     run, model_dir, _ = new_run(config, lambda tokenizer: replay)
     run.rollout = replay
     try:

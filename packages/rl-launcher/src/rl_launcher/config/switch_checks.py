@@ -1,0 +1,122 @@
+"""Checks of slime's algorithm switches (issue 31), before anything starts: each raises
+ValueError naming the fields involved and the way out. Called by
+:func:`rl_launcher.config.checks.check_consistency`."""
+
+from pathlib import Path
+
+from rl_launcher.config import TrainConfig
+
+
+def check_switches(config: TrainConfig) -> None:
+    for check in (_check_old_log_probs, _check_reference, _check_critic, _check_debug):
+        check(config)
+    check_freezing(config)
+
+
+def _check_old_log_probs(config: TrainConfig) -> None:
+    algorithm = config.algorithm
+    if algorithm.old_log_probs == "rollout" and algorithm.rollout_is_level is not None:
+        raise ValueError(
+            "algorithm.old_log_probs=rollout makes the rollout policy pi_old, so the rollout "
+            "importance weights pi_old / pi_rollout would all be 1: unset "
+            "algorithm.rollout_is_level, or use algorithm.old_log_probs=recompute"
+        )
+    if algorithm.opsm and algorithm.old_log_probs == "train_step":
+        raise ValueError(
+            "algorithm.opsm measures how far the policy moved from pi_old, and with "
+            "algorithm.old_log_probs=train_step pi_old is the policy itself (nothing is ever "
+            "masked): use old_log_probs=recompute or rollout, or opsm=false"
+        )
+    if algorithm.unbiased_kl and algorithm.kl_coef == 0:
+        raise ValueError(
+            "algorithm.unbiased_kl weights the loss's KL term, which is off "
+            "(algorithm.kl_coef=0): set kl_coef > 0 or unbiased_kl=false"
+        )
+
+
+def _check_reference(config: TrainConfig) -> None:
+    algorithm, lora = config.algorithm, config.model.lora_rank
+    kl_on = algorithm.kl_coef > 0 or algorithm.reward_kl_coef > 0 or config.mode == "dpo"
+    settings = {
+        "ref_path": algorithm.ref_path,
+        "ref_update_interval": algorithm.ref_update_interval or None,  # 0: never
+    }
+    for field, value in settings.items():
+        if value is None:
+            continue
+        if not kl_on:
+            raise ValueError(
+                f"algorithm.{field}={value!r} sets up the KL reference, and no KL is on: set "
+                f"algorithm.kl_coef or reward_kl_coef > 0, or unset algorithm.{field}"
+            )
+        if lora:
+            raise ValueError(
+                f"algorithm.{field}: with model.lora_rank > 0 the reference is the base "
+                f"model with the adapters off; unset algorithm.{field} or train without LoRA"
+            )
+    path = algorithm.ref_path
+    if path is not None and not (Path(path) / "config.json").is_file():
+        raise ValueError(
+            f"algorithm.ref_path={path!r} is not a Hugging Face model directory (no "
+            "config.json); give one with the policy's architecture and tokenizer, or null "
+            "for the policy's initial weights"
+        )
+
+
+def _check_critic(config: TrainConfig) -> None:
+    algorithm = config.algorithm
+    if algorithm.critic_warmup_steps and algorithm.advantage_estimator != "gae":
+        raise ValueError(
+            f"algorithm.critic_warmup_steps={algorithm.critic_warmup_steps} warms up PPO's "
+            f"critic, and advantage_estimator={algorithm.advantage_estimator} has none: set "
+            "advantage_estimator=gae or critic_warmup_steps=0"
+        )
+
+
+def _check_debug(config: TrainConfig) -> None:
+    if config.logging.dump_train_batch and (config.mode != "rl" or config.rollout.rollout_only):
+        raise ValueError(
+            "logging.dump_train_batch writes the RL loop's train batches; with mode="
+            f"{config.mode} or rollout.rollout_only there are none: set it false"
+        )
+    if config.rollout.replay_fraction < 1 and config.rollout.replay_dir is None:
+        raise ValueError(
+            f"rollout.replay_fraction={config.rollout.replay_fraction} subsamples replayed "
+            "rollouts; set rollout.replay_dir (dumps of rollout.dump_dir) or replay_fraction=1"
+        )
+
+
+def check_freezing(config: TrainConfig) -> None:
+    """model.train_only / model.freeze: valid regular expressions, each matching some
+    parameter of the model (names as Hugging Face writes them), not with LoRA."""
+    from rl_core.freezing import check_patterns
+
+    model = config.model
+    if not model.train_only and not model.freeze:
+        return
+    if model.lora_rank:
+        raise ValueError(
+            "model.train_only / model.freeze pick full parameters to train, and LoRA "
+            "(model.lora_rank > 0) trains only its adapters: use one or the other"
+        )
+    names = hf_parameter_names(config)
+    if names is not None:  # a .gguf model is checked by the backends when they load it
+        check_patterns(names, train_only=model.train_only, freeze=model.freeze)
+
+
+def hf_parameter_names(config: TrainConfig) -> list[str] | None:
+    """The policy's parameter names, from a skeleton on the meta device (no weights read);
+    None for a .gguf file."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = config.model.path
+    if path is not None and str(path).endswith(".gguf"):
+        return None
+    if path is None:
+        hf_config = AutoConfig.for_model(**config.model.init_config)
+    else:
+        hf_config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    return [name for name, _ in model.named_parameters()]

@@ -1,0 +1,173 @@
+"""slime's algorithm switches (issue 31) in the launcher: each bad combination refused
+before Ray with a message naming the field and the way out, the options reaching the
+Objective and the backend configs, and the driver-side pieces (old log-probs from the
+rollout, the log-prob gap gate, train-batch dumps, replay subsampling) on real batches.
+The end-to-end run is in test_slime_switches_run.py."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from rl_core.batch import TrainBatch
+from rl_launcher.config.loader import load_config
+from rl_launcher.infra.dumps import subsample
+from rl_launcher.infra.faults import RunStopped, check_logprob_gap
+from rl_launcher.roles.backends import fsdp_config, megatron_config, objective_of
+
+KL = ["--algorithm.kl_coef", "0.1"]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--algorithm.old_log_probs", "rollout", "--algorithm.rollout_is_level", "token"],
+            "unset algorithm.rollout_is_level, or use algorithm.old_log_probs=recompute",
+        ),
+        (
+            ["--algorithm.opsm", "true", "--algorithm.old_log_probs", "train_step"],
+            "use old_log_probs=recompute or rollout, or opsm=false",
+        ),
+        (["--algorithm.unbiased_kl", "true"], "set kl_coef > 0 or unbiased_kl=false"),
+        (
+            ["--algorithm.ref_update_interval", "2"],
+            "set algorithm.kl_coef or reward_kl_coef > 0, or unset algorithm.ref_update_interval",
+        ),
+        ([*KL, "--algorithm.ref_path", "/nonexistent"], "is not a Hugging Face model directory"),
+        (
+            [*KL, "--algorithm.ref_update_interval", "2", "--model.lora_rank", "4"],
+            "unset algorithm.ref_update_interval or train without LoRA",
+        ),
+        (
+            ["--algorithm.critic_warmup_steps", "2"],
+            "set advantage_estimator=gae or critic_warmup_steps=0",
+        ),
+        (["--algorithm.value_clip", "0"], "algorithm.value_clip: must be > 0"),
+        (["--algorithm.max_logprob_gap", "0"], "algorithm.max_logprob_gap: must be > 0"),
+        (["--algorithm.opsm_delta", "-1"], "algorithm.opsm_delta: must be >= 0"),
+        (["--algorithm.ref_update_interval", "-1"], "must be >= 0"),
+        (
+            ["--rollout.replay_fraction", "0.5"],
+            "set rollout.replay_dir (dumps of rollout.dump_dir) or replay_fraction=1",
+        ),
+        (["--rollout.replay_fraction", "0"], "rollout.replay_fraction: must be > 0"),
+        (
+            ["--logging.dump_train_batch", "true", "--rollout.rollout_only", "true"],
+            "logging.dump_train_batch writes the RL loop's train batches",
+        ),
+        (["--model.freeze", "[o_porj]"], "model.freeze: ['o_porj'] match no parameter name"),
+        (["--model.train_only", "['(']"], "model.train_only: '(' is not a Python regular"),
+        (
+            ["--model.train_only", "[mlp]", "--model.freeze", "[proj]"],
+            "leaves no parameter to train",
+        ),
+        (
+            ["--model.freeze", "[embed]", "--model.lora_rank", "4"],
+            "LoRA (model.lora_rank > 0) trains only its adapters",
+        ),
+    ],
+)
+def test_bad_switches_are_refused_naming_the_field(argv, message):
+    with pytest.raises(ValueError) as error:
+        load_config(argv)
+    assert message in str(error.value)
+
+
+def test_switches_reach_the_objective_and_both_backend_configs(tmp_path):
+    argv = [
+        *KL,
+        "--algorithm.old_log_probs",
+        "rollout",
+        "--algorithm.unbiased_kl",
+        "true",
+        "--algorithm.opsm",
+        "true",
+        "--algorithm.opsm_delta",
+        "0.01",
+        "--model.train_only",
+        "[mlp, norm]",
+        "--model.freeze",
+        "['layers\\.1\\.']",
+        "--algorithm.value_clip",
+        "0.5",
+    ]
+    config, _ = load_config(argv)
+    objective = objective_of(config)
+    assert objective.old_from_rollout and objective.unbiased_kl and objective.opsm
+    assert objective.opsm_delta == 0.01
+    fsdp = fsdp_config(config, model_dir=tmp_path)
+    assert fsdp.train_only == ("mlp", "norm") and fsdp.freeze == ("layers\\.1\\.",)
+    assert fsdp.value_clip == 0.5 and fsdp.ref_path is None
+    config.algorithm.ref_path = str(tmp_path / "ref")
+    AutoConfig.for_model(**config.model.init_config).save_pretrained(tmp_path)  # Megatron reads it
+    megatron = megatron_config(config, model_dir=tmp_path)
+    assert megatron.ref_path == tmp_path / "ref" and megatron.train_only == ("mlp", "norm")
+    assert fsdp_config(config, model_dir=tmp_path).ref_path == str(tmp_path / "ref")
+
+
+def _batch(old, rollout):
+    return TrainBatch(
+        tokens=torch.arange(3),
+        cu_seqlens=torch.tensor([0, 3], dtype=torch.int32),
+        loss_mask=torch.tensor([1.0, 1.0, 0.0]),
+        old_log_probs=old,
+        rollout_log_probs=rollout,
+    )
+
+
+class _Run:
+    """What the train-phase helpers read of a run: its config and a trainer that must not
+    be asked for log-probs when they come from the rollout."""
+
+    def __init__(self, config):
+        self.config, self.trainer = config, self
+
+    def log_probs(self, batches):
+        raise AssertionError("old_log_probs=rollout must not recompute")
+
+
+def test_rollout_old_log_probs_are_the_engines_and_refused_when_missing():
+    from rl_launcher.loops.train_phase import with_old_policy
+
+    config, _ = load_config(["--algorithm.old_log_probs", "rollout"])
+    rollout = torch.tensor([-0.5, -0.25, 0.0])
+    (batch,) = with_old_policy(_Run(config), [_batch(None, rollout)])
+    assert torch.equal(batch.old_log_probs, rollout)
+    with pytest.raises(ValueError, match=r"use algorithm\.old_log_probs=recompute"):
+        with_old_policy(_Run(config), [_batch(None, None)])
+
+
+def test_the_gap_gate_stops_above_the_bound_only():
+    config, _ = load_config(["--algorithm.max_logprob_gap", "0.1"])
+    check_logprob_gap(config, 3, {"mismatch/logprob_abs_diff_mean": 0.1})
+    check_logprob_gap(config, 3, {})  # a step without the metric (nothing trained)
+    with pytest.raises(RunStopped, match=r"step 3: .* differ by 0.25 .*max_logprob_gap=0.1"):
+        check_logprob_gap(config, 3, {"mismatch/logprob_abs_diff_mean": 0.25})
+    unset, _ = load_config([])
+    check_logprob_gap(unset, 3, {"mismatch/logprob_abs_diff_mean": 9.0})
+
+
+def test_train_batches_are_dumped_per_rank(tmp_path):
+    from rl_launcher.loops.train_phase import dump_train_batches
+
+    config, _ = load_config(
+        ["--logging.dump_train_batch", "true", "--logging.run_dir", str(tmp_path)]
+    )
+    batches = [_batch(torch.zeros(3), torch.ones(3)), _batch(None, torch.ones(3))]
+    dump_train_batches(_Run(config), 7, batches)
+    saved = torch.load(Path(tmp_path) / "train_batches/step_000007.pt")
+    assert saved["step"] == 7 and len(saved["rank_batches"]) == 2
+    first, second = saved["rank_batches"]
+    assert torch.equal(first["old_log_probs"], torch.zeros(3)) and second["old_log_probs"] is None
+    assert torch.equal(first["tokens"], torch.arange(3))
+
+
+def test_replay_subsample_keeps_a_seeded_ordered_fraction():
+    groups = [[i] for i in range(10)]
+    half = subsample(groups, 0.5, seed=3)
+    assert len(half) == 5 and half == sorted(half) and half == subsample(groups, 0.5, seed=3)
+    assert half != subsample(groups, 0.5, seed=4)
+    assert subsample(groups, 1.0, seed=3) == groups
+    assert len(subsample(groups, 0.01, seed=3)) == 1  # at least one group
