@@ -138,7 +138,8 @@ class Feed:
 def test_a_step_whose_samples_all_failed_records_zero_trained_and_why(tmp_path):
     config = TrainConfig()
     config.logging.run_dir = str(tmp_path)
-    run = SimpleNamespace(config=config, rollout=None, trainer=None, extras={})  # never trains
+    rollout = SimpleNamespace(consumed=lambda groups: None)  # draws nothing, never trains
+    run = SimpleNamespace(config=config, rollout=rollout, trainer=None, extras={})
     buffer = DataBuffer(group_size=4, num_ranks=1)
     failed = [samples(d, status="aborted", reward_error=REWARD) for d in range(3)]
     metrics = run_step(run, buffer, 1, Feed(failed))

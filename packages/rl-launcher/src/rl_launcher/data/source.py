@@ -33,6 +33,15 @@ class DatasetStats:
     too_long: int = 0
     malformed_examples: list[str] = field(default_factory=list)
 
+    def counts(self) -> dict[str, int]:
+        """The numbers a run's first record shows (``data/<dataset>/<name>``)."""
+        return {
+            "rows": self.rows,
+            "kept": self.kept,
+            "malformed": self.malformed,
+            "too_long": self.too_long,
+        }
+
 
 @dataclass
 class PromptDataset:

@@ -10,7 +10,6 @@
 """
 
 import os
-import random
 import re
 from pathlib import Path
 
@@ -66,14 +65,13 @@ def dump_files(directory: str | Path) -> list[Path]:
 
 class ReplayRollout:
     """Stands in for both the rollout manager and the prompt source of a train-only run:
-    each ``rollout()`` returns the groups of the next dump file."""
+    each ``rollout()`` returns the groups of the next dump file. As a
+    :class:`~rl_launcher.roles.rollout_role.RolloutRole` it has no engines (nothing to
+    sync), no reward and no prompts in flight."""
 
-    router = None  # no engines: nothing to generate with, nothing to sync
+    reward_fn = turns = monitor = None
 
-    def __init__(
-        self, replay_dir: str | Path, *, group_size: int, fraction: float = 1.0, seed: int = 0
-    ):
-        self.fraction, self.seed = fraction, seed  # rollout.replay_fraction, the run's seed
+    def __init__(self, replay_dir: str | Path, *, group_size: int):
         self.files, self.group_size, self.position = dump_files(replay_dir), group_size, 0
         if not self.files:
             raise ValueError(
@@ -96,18 +94,41 @@ class ReplayRollout:
                     f"rollout.group_size={self.group_size}; replay with the dump's group size"
                 )
         self.position += 1
-        groups = subsample(groups, self.fraction, seed=self.seed + self.position)
         return groups, {"replay/rollout_index": float(self.position)}
+
+    @property
+    def stats(self) -> dict:
+        """As a source: no dataset was loaded, nothing kept or dropped."""
+        return {}
+
+    def consumed(self, groups: list[list[Sample]]) -> None:
+        """Nothing was drawn: the position moved when the file was read."""
+
+    def data_state(self) -> dict:
+        return {"source": self.state_dict(), "pending": []}
+
+    def load_data_state(self, state: dict) -> None:
+        self.load_state_dict(state["source"])
+
+    @property
+    def engines(self) -> list:
+        return []
 
     @property
     def engine_urls(self) -> list[str]:
         return []
 
+    def engine_nodes(self) -> list[str | None]:
+        return []
+
     def weight_versions(self) -> list[str]:
         return []
 
+    def freeze_gc(self) -> list[str]:
+        return []
+
     def stop(self) -> None:
-        pass
+        """Nothing runs."""
 
     def state_dict(self) -> dict:
         return {"replay_position": self.position, "replay_files": len(self.files)}
@@ -116,13 +137,3 @@ class ReplayRollout:
         if "replay_position" not in state:
             raise ValueError("this checkpoint was not written by a replay run; resume it as such")
         self.position = int(state["replay_position"])
-
-
-def subsample(groups: list, fraction: float, *, seed: int) -> list:
-    """``fraction`` of ``groups`` (at least one; all of them at 1), drawn with ``seed``
-    and kept in their order (slime's ``--load-debug-rollout-data-subsample``)."""
-    if fraction >= 1.0 or not groups:
-        return groups
-    keep = max(1, round(fraction * len(groups)))
-    picked = sorted(random.Random(seed).sample(range(len(groups)), keep))
-    return [groups[i] for i in picked]

@@ -37,10 +37,10 @@ def reward_counts(run) -> dict[str, float]:
     failures the run's reward skipped plus those rl-sglang's rollout counted itself, which
     the rollout manager adds to the reward's counts (``take_rollout_counts``), so neither
     hides the other, in every loop."""
-    reward_fn = getattr(run.rollout, "reward_fn", None)
-    if reward_fn is None or not hasattr(reward_fn, "take_counts"):
+    if run.rollout.reward_fn is None:  # a replay scores nothing
         return {}
-    return {f"rollout/{name}": float(count) for name, count in reward_fn.take_counts().items()}
+    counts = run.rollout.reward_fn.take_counts()
+    return {f"rollout/{name}": float(count) for name, count in counts.items()}
 
 
 def data_stats(run) -> dict[str, float]:
@@ -49,9 +49,8 @@ def data_stats(run) -> dict[str, float]:
         return {}
     run.extras["data_stats_logged"] = True
     metrics = {}
-    for name, stats in getattr(run.source, "stats", {}).items():
-        for field in ("rows", "kept", "malformed", "too_long"):
-            metrics[f"data/{name}/{field}"] = float(getattr(stats, field))
+    for name, stats in run.source.stats.items():
+        metrics |= {f"data/{name}/{field}": float(n) for field, n in stats.counts().items()}
     return metrics
 
 
@@ -64,16 +63,17 @@ def engine_nodes(run) -> dict[str, str]:
         return {}
     run.extras["engine_nodes_logged"] = True
     metrics = {}
-    for index, engine in enumerate(getattr(run.rollout, "engines", None) or []):
-        if getattr(engine, "node_id", None) is not None:
-            metrics[f"engine/{index}/node"] = engine.node_id
-            metrics[f"engine/{index}/url"] = engine.url
+    nodes = run.rollout.engine_nodes()
+    for index, (node, url) in enumerate(zip(nodes, run.rollout.engine_urls, strict=True)):
+        if node is not None:
+            metrics[f"engine/{index}/node"] = node
+            metrics[f"engine/{index}/url"] = url
     return metrics
 
 
 def save_extras(run, path: Path) -> None:
     """The critic's state (``critic/``) and the HF export (``hf/``) beside the trainer's."""
-    if getattr(run, "critic", None) is not None:
+    if run.critic is not None:
         run.critic.save(str(path / "critic"))
     if run.config.checkpoint.save_hf:
         run.trainer.export_hf(str(path / "hf"))
@@ -81,7 +81,7 @@ def save_extras(run, path: Path) -> None:
 
 def load_extras(run, path: Path, state: dict) -> None:
     """Undo :func:`save_extras` on resume."""
-    if getattr(run, "critic", None) is not None:
+    if run.critic is not None:
         if not (path / "critic").is_dir():
             raise ValueError(f"{path} has no critic/ state; it was saved by a run without a critic")
         run.critic.load(str(path / "critic"))

@@ -40,17 +40,12 @@ from rl_launcher.loops.step_metrics import (
     trained_tokens,
     turn_times,
 )
-from rl_launcher.loops.train_phase import (
-    dump_train_batches,
-    refresh_reference,
-    train_policy,
-    with_old_policy,
-)
 from rl_launcher.roles.critic import make_buffer, train_critic
 from rl_launcher.roles.evaluation import evaluate_at_start
 from rl_launcher.roles.reference import with_reference
 from rl_launcher.roles.step_hooks import apply_step_hooks
 from rl_launcher.roles.teacher import score_groups
+from rl_launcher.roles.train_group import with_old_log_probs
 from rl_launcher.session.run import Run
 from rl_launcher.session.start import start_run
 
@@ -110,7 +105,7 @@ def freeze_engine_gc(run) -> None:
     """``engine.freeze_gc``: every engine's processes move what they hold after the first
     step into Python's permanent generation, so their later full collections (pauses in
     the middle of a rollout) walk only what the steps leave."""
-    if not run.config.engine.freeze_gc or not hasattr(run.rollout, "freeze_gc"):
+    if not run.config.engine.freeze_gc:
         return
     for url, answer in zip(run.rollout.engine_urls, run.rollout.freeze_gc(), strict=True):
         print(f"rl-train: engine {url}: {answer}", file=sys.stderr, flush=True)
@@ -127,24 +122,22 @@ def run_step(run: Run, buffer: DataBuffer, step: int, feed=None) -> dict[str, fl
         clock.lap("teacher")
     data_order.append(config.logging.run_dir, step, groups)
     dump_step(run, step, groups)  # rollout.dump_dir
-    if hasattr(run.rollout, "consumed"):  # stand-ins (replay) draw no prompts
-        run.rollout.consumed(groups)
+    run.rollout.consumed(groups)
     metrics[faults.BATCH_KEY] = float(sum(len(group) for group in groups))
     if buffer.num_ready_groups == 0:  # every group aborted or filtered: nothing to learn from
         return metrics | empty_step(groups, config) | buffer.take_counts() | clock.times()
     batch = buffer.pop_step(buffer.num_ready_groups)
     metrics[faults.TRAINED_KEY] = float(len(batch.samples))
-    rank_batches = with_old_policy(run, batch.rank_batches)  # recompute, rollout, train_step
+    rank_batches = batch.rank_batches
+    if config.algorithm.old_log_probs == "recompute":  # else the train step's forward gives them
+        rank_batches = with_old_log_probs(rank_batches, run.trainer.log_probs(rank_batches))
     rank_batches = with_reference(run, buffer, batch, rank_batches)  # KL in loss and/or reward
     clock.lap("log_probs")
     metrics |= batch.metrics | staleness(batch, trainer_version=step - 1)
-    if config.algorithm.old_log_probs == "recompute":  # else the train step measures the gap
-        metrics |= mismatch(fresh_only(rank_batches, batch, trainer_version=step - 1))
-    dump_train_batches(run, step, rank_batches)  # logging.dump_train_batch
+    metrics |= mismatch(fresh_only(rank_batches, batch, trainer_version=step - 1))
     parts = minibatches(rank_batches, config.algorithm.num_minibatches)
-    metrics |= train_policy(run, step, parts)  # the last minibatch's train metrics are kept
+    metrics |= run.trainer.train_steps(parts)  # the last minibatch's train metrics are kept
     metrics |= train_critic(run, parts)  # PPO's critic, when there is one
-    metrics |= refresh_reference(run, step)  # algorithm.ref_update_interval
     clock.lap("train")
     if step % config.engine.sync_every == 0 or step == config.num_steps:
         feed.before_sync()  # one-step async: the overlapping rollout ends; async: engines pause

@@ -29,7 +29,7 @@ def save(run: Run, step: int) -> None:
     path.mkdir(parents=True, exist_ok=True)
     run.trainer.save(str(path / "trainer"))
     save_extras(run, path)  # critic, HF export
-    data = data_state(run)  # prompts in flight (async loops) are drawn again on resume
+    data = run.rollout.data_state()  # prompts in flight (async loops) are drawn again on resume
     state = {
         "step": step,
         "weight_version": step,
@@ -38,13 +38,6 @@ def save(run: Run, step: int) -> None:
     }
     checkpoints.write_state(path, state)
     checkpoints.prune(root, run.config.checkpoint.keep_last)
-
-
-def data_state(run: Run) -> dict:
-    """The data position to checkpoint: the source's and the prompts drawn, not trained."""
-    if hasattr(run.rollout, "data_state"):
-        return run.rollout.data_state()
-    return {"source": run.source.state_dict(), "pending": []}  # a stand-in (replay)
 
 
 def resume(run: Run, found: tuple[Path, dict] | None) -> int:
@@ -57,12 +50,8 @@ def resume(run: Run, found: tuple[Path, dict] | None) -> int:
     with resume_choice.loading(path):  # every error names the checkpoint
         run.trainer.load(str(path / "trainer"))
         load_extras(run, path, state)  # critic
-        if hasattr(run.rollout, "load_data_state"):
-            run.rollout.load_data_state(
-                {"source": state["data"], "pending": state.get("pending_prompts", [])}
-            )
-        else:  # a stand-in rollout (replay) is its own source
-            run.source.load_state_dict(state["data"])
+        pending = state.get("pending_prompts", [])
+        run.rollout.load_data_state({"source": state["data"], "pending": pending})
         version = int(state["weight_version"])
     root = checkpoints.checkpoint_dir(run.config)
     resume_choice.set_aside_after(root, int(state["step"]))  # the steps after it are redone

@@ -25,7 +25,7 @@ def empty_step(groups: list, config) -> dict:
 def turn_times(run: Run) -> dict[str, float]:
     """Colocated GPUs: the step's engine release/resume and trainer offload/onload times
     (:meth:`rl_launcher.infra.colocation.Turns.take_times`); nothing otherwise."""
-    turns = getattr(run.trainer, "turns", None)
+    turns = run.trainer.turns
     return turns.take_times() if turns is not None else {}
 
 

@@ -77,13 +77,7 @@ def critic_config(actor_config, optimizer):
         actor_config.objective, kl_coef=0.0, reward_kl_coef=0.0, entropy_coef=0.0, mode="policy"
     )
     return dataclasses.replace(
-        actor_config,
-        lr=lr,
-        reference=False,
-        ref_offload=False,
-        objective=objective,
-        train_only=(),  # model.train_only / freeze name the policy's parameters
-        freeze=(),
+        actor_config, lr=lr, reference=False, ref_offload=False, objective=objective
     )
 
 
@@ -188,7 +182,6 @@ class GaeBuffer(DataBuffer):
             kl=kl,
             kl_coef=self.reward_kl_coef,
             group_sizes=self.ragged(group_sizes),
-            whiten=self.whiten,
         )
         advantages, returns = self._estimator(inputs)
         rows = [s.response_length for s in samples]
@@ -216,7 +209,7 @@ class GaeBuffer(DataBuffer):
 
 def make_buffer(run) -> DataBuffer:
     """The run's data buffer: with critic values when the run has a critic."""
-    critic = getattr(run, "critic", None)
+    critic = run.critic
     if critic is None:
         return DataBuffer.from_config(run.config, num_ranks=run.num_ranks)
     return GaeBuffer.from_config(
@@ -228,5 +221,4 @@ def make_buffer(run) -> DataBuffer:
 
 def train_critic(run, parts) -> dict[str, float]:
     """One critic update on the step's minibatches (nothing without a critic)."""
-    critic = getattr(run, "critic", None)
-    return {} if critic is None else critic.train_steps(parts)
+    return {} if run.critic is None else run.critic.train_steps(parts)

@@ -23,7 +23,7 @@ RESTART_WAIT_S = 600.0
 def watch_engines(run) -> None:
     """Start the health monitor of ``run``'s engines (when configured and possible)."""
     engine = run.config.engine
-    if engine.health_interval_s <= 0 or not getattr(run.rollout, "engines", None):
+    if engine.health_interval_s <= 0:
         return
     if run.sync_options.get("transport") == "distributed":
         print(
@@ -32,7 +32,7 @@ def watch_engines(run) -> None:
             file=sys.stderr,
         )
         return
-    if getattr(run.rollout, "turns", None) is not None:
+    if run.rollout.turns is not None:
         print(
             "rl-train: engine health checks are off while engines take turns with "
             "training on the same GPUs (a restarted engine would not know the turn)",
@@ -84,8 +84,8 @@ def wait_for_restarts(run) -> None:
     (the monitor sees it at its next round) is waited for, then any restart in progress."""
     import time
 
-    monitor = getattr(run.rollout, "monitor", None)
-    if monitor is None:
+    monitor = run.rollout.monitor
+    if monitor is None:  # no engines (a replay), or health checks off
         return
     deadline = time.monotonic() + RESTART_WAIT_S
     while any(not engine.alive() for engine in monitor.engines) or not monitor.wait_idle(0.2):

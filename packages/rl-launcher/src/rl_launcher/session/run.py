@@ -2,32 +2,44 @@
 roles started for it (trainer, rollout, critic), its placement, metrics log and the
 cleanups that stop them; and the checks and first steps every kind of run shares."""
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rl_launcher.infra.checkpoints import checkpoint_dir
 from rl_launcher.infra.run_log import METRICS_FILE, MetricsLog
 from rl_launcher.infra.weight_sync import sync_options
 from rl_launcher.session.model import prepare_model
 
+if TYPE_CHECKING:  # the roles import Ray and the backends; a Run only holds them
+    from rl_launcher.config.schema import TrainConfig
+    from rl_launcher.data.source import PromptSource
+    from rl_launcher.infra.dumps import ReplayRollout
+    from rl_launcher.infra.placement import PlacementPlan
+    from rl_launcher.infra.ray_placement import OrderedPlacement
+    from rl_launcher.roles.critic import CriticGroup
+    from rl_launcher.roles.engine_hosts import EngineSites
+    from rl_launcher.roles.rollout_role import RolloutRole
+    from rl_launcher.roles.train_group import TrainGroup
+
 
 @dataclass(kw_only=True)
 class Run:
-    config: Any
-    source: Any
-    trainer: Any = None
-    rollout: Any = None
+    config: "TrainConfig"
+    source: "PromptSource | ReplayRollout"  # a replay is its own source
+    trainer: "TrainGroup | None" = None  # None in rollout-only runs
+    rollout: "RolloutRole | None" = None  # None in SFT and DPO runs
     metrics_log: MetricsLog
-    sync_options: dict = field(default_factory=dict)
+    sync_options: dict[str, Any] = field(default_factory=dict)
     num_ranks: int = 1  # data-parallel ranks: the step is split into this many batches
-    plan: Any = None  # placement.PlacementPlan
-    placement: Any = None  # ray_placement.OrderedPlacement
-    engine_sites: Any = None  # engine_hosts.EngineSites: where the engines start (RL runs)
+    plan: "PlacementPlan | None" = None  # under Ray
+    placement: "OrderedPlacement | None" = None  # under Ray
+    engine_sites: "EngineSites | None" = None  # where the engines start (RL runs under Ray)
     weight_version: int = 0  # the version the engines were last synced to
-    critic: Any = None  # PPO's critic group (rl_launcher.roles.critic), when the algorithm has one
-    extras: dict = field(default_factory=dict)  # state of optional features (e.g. the evaluator)
-    _cleanup: list = field(default_factory=list)
+    critic: "CriticGroup | None" = None  # PPO's critic, when the algorithm has one
+    extras: dict[str, Any] = field(default_factory=dict)  # optional features (the evaluator)
+    _cleanup: list[Callable[[], None]] = field(default_factory=list)
 
     def close(self) -> None:
         """Stop what was started, newest first; every part is stopped even if one fails."""
