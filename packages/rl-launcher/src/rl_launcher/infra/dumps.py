@@ -10,6 +10,7 @@
 """
 
 import os
+import random
 import re
 from pathlib import Path
 
@@ -71,7 +72,10 @@ class ReplayRollout:
 
     reward_fn = turns = monitor = None
 
-    def __init__(self, replay_dir: str | Path, *, group_size: int):
+    def __init__(
+        self, replay_dir: str | Path, *, group_size: int, fraction: float = 1.0, seed: int = 0
+    ):
+        self.fraction, self.seed = fraction, seed  # rollout.replay_fraction, the run's seed
         self.files, self.group_size, self.position = dump_files(replay_dir), group_size, 0
         if not self.files:
             raise ValueError(
@@ -94,6 +98,7 @@ class ReplayRollout:
                     f"rollout.group_size={self.group_size}; replay with the dump's group size"
                 )
         self.position += 1
+        groups = subsample(groups, self.fraction, seed=self.seed + self.position)
         return groups, {"replay/rollout_index": float(self.position)}
 
     @property
@@ -137,3 +142,13 @@ class ReplayRollout:
         if "replay_position" not in state:
             raise ValueError("this checkpoint was not written by a replay run; resume it as such")
         self.position = int(state["replay_position"])
+
+
+def subsample(groups: list, fraction: float, *, seed: int) -> list:
+    """``fraction`` of ``groups`` (at least one; all of them at 1), drawn with ``seed``
+    and kept in their order (slime's ``--load-debug-rollout-data-subsample``)."""
+    if fraction >= 1.0 or not groups:
+        return groups
+    keep = max(1, round(fraction * len(groups)))
+    picked = sorted(random.Random(seed).sample(range(len(groups)), keep))
+    return [groups[i] for i in picked]

@@ -40,12 +40,17 @@ from rl_launcher.loops.step_metrics import (
     trained_tokens,
     turn_times,
 )
+from rl_launcher.loops.train_phase import (
+    dump_train_batches,
+    refresh_reference,
+    train_policy,
+    with_old_policy,
+)
 from rl_launcher.roles.critic import make_buffer, train_critic
 from rl_launcher.roles.evaluation import evaluate_at_start
 from rl_launcher.roles.reference import with_reference
 from rl_launcher.roles.step_hooks import apply_step_hooks
 from rl_launcher.roles.teacher import score_groups
-from rl_launcher.roles.train_group import with_old_log_probs
 from rl_launcher.session.run import Run
 from rl_launcher.session.start import start_run
 
@@ -128,16 +133,17 @@ def run_step(run: Run, buffer: DataBuffer, step: int, feed=None) -> dict[str, fl
         return metrics | empty_step(groups, config) | buffer.take_counts() | clock.times()
     batch = buffer.pop_step(buffer.num_ready_groups)
     metrics[faults.TRAINED_KEY] = float(len(batch.samples))
-    rank_batches = batch.rank_batches
-    if config.algorithm.old_log_probs == "recompute":  # else the train step's forward gives them
-        rank_batches = with_old_log_probs(rank_batches, run.trainer.log_probs(rank_batches))
+    rank_batches = with_old_policy(run, batch.rank_batches)  # recompute, rollout, train_step
     rank_batches = with_reference(run, buffer, batch, rank_batches)  # KL in loss and/or reward
     clock.lap("log_probs")
     metrics |= batch.metrics | staleness(batch, trainer_version=step - 1)
-    metrics |= mismatch(fresh_only(rank_batches, batch, trainer_version=step - 1))
+    if config.algorithm.old_log_probs == "recompute":  # else the train step measures the gap
+        metrics |= mismatch(fresh_only(rank_batches, batch, trainer_version=step - 1))
+    dump_train_batches(run, step, rank_batches)  # logging.dump_train_batch
     parts = minibatches(rank_batches, config.algorithm.num_minibatches)
-    metrics |= run.trainer.train_steps(parts)  # the last minibatch's train metrics are kept
+    metrics |= train_policy(run, step, parts)  # the last minibatch's train metrics are kept
     metrics |= train_critic(run, parts)  # PPO's critic, when there is one
+    metrics |= refresh_reference(run, step)  # algorithm.ref_update_interval
     clock.lap("train")
     if step % config.engine.sync_every == 0 or step == config.num_steps:
         feed.before_sync()  # one-step async: the overlapping rollout ends; async: engines pause

@@ -77,7 +77,13 @@ def critic_config(actor_config, optimizer):
         actor_config.objective, kl_coef=0.0, reward_kl_coef=0.0, entropy_coef=0.0, mode="policy"
     )
     return dataclasses.replace(
-        actor_config, lr=lr, reference=False, ref_offload=False, objective=objective
+        actor_config,
+        lr=lr,
+        reference=False,
+        ref_offload=False,
+        objective=objective,
+        train_only=(),  # model.train_only / freeze name the policy's parameters
+        freeze=(),
     )
 
 
@@ -182,6 +188,7 @@ class GaeBuffer(DataBuffer):
             kl=kl,
             kl_coef=self.reward_kl_coef,
             group_sizes=self.ragged(group_sizes),
+            whiten=self.whiten,
         )
         advantages, returns = self._estimator(inputs)
         rows = [s.response_length for s in samples]

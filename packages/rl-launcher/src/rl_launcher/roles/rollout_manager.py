@@ -27,6 +27,7 @@ from pathlib import Path
 
 from rl_core.types import Sample
 from rl_launcher.roles.reward import COUNTS, load_run_reward
+from rl_launcher.roles.rollout_context import context_of, custom_rollout
 
 ROUTER_NEEDED = "engine.use_router=false works with one engine; set engine.num_engines=1"
 
@@ -125,6 +126,8 @@ class RolloutManager:
         return asyncio.run_coroutine_threadsafe(self._rollout(num_groups), self._loop)
 
     async def _rollout(self, num_groups: int):
+        if self.config.rollout.rollout_function is not None:  # replaces all of the below
+            return await custom_rollout(self, context_of(self, num_groups))
         if refills(self.config):
             return await self._refill(num_groups)
         result = await self.generate(num_groups, num_groups)
@@ -168,16 +171,17 @@ class RolloutManager:
         the others dropped, the rest aborted) or nothing is left; groups are relabelled by
         draw number and sorted by it."""
         from rl_sglang.rollout.default import default_rollout
-        from rl_sglang.rollout.generate import GenerateContext
 
-        url = self.router.url if self.router else self.engines[0].url
         settings = self.rollout_settings(num_groups, filtered=filtered)
-        prompts = (self.next_prompt() for _ in range(num_prompts))
-        ctx = GenerateContext(client=self.client(url), tokenizer=self.tokenizer)
-        reward_fn = self.reward_fn.rollout_fn
-        engines = [self.client(u) for u in self.engine_urls] if filtered else ()
+        ctx = context_of(self, num_groups)  # what a rollout.rollout_function is given
+        engines = ctx.engines if filtered else ()
         result = await default_rollout(
-            ctx, prompts, reward_fn, settings, resume=resume, engines=engines
+            ctx.generate_context(),
+            ctx.prompts(num_prompts),
+            ctx.reward_fn,
+            settings,
+            resume=resume,
+            engines=engines,
         )
         take_rollout_counts(self.reward_fn, result.metrics)
         for group in [*result.groups, *result.leftovers]:
