@@ -3,6 +3,7 @@ aborted leftovers, partial-rollout resume, a custom generate function by dotted 
 evaluation pass@k and the multi-turn calculator's token bookkeeping."""
 
 import asyncio
+import copy
 
 import pytest
 
@@ -14,6 +15,7 @@ from rl_sglang.rollout.default import RolloutConfig, default_rollout, make_group
 from rl_sglang.rollout.eval import eval_rollout
 from rl_sglang.rollout.generate import GenerateContext, generate_sample, load_function
 from rl_sglang.rollout.multiturn import CalculatorTool, calculate
+from rl_sglang.rollout.rewards import GroupScore
 from rl_sglang.transports import update_from_tensor
 
 pytestmark = pytest.mark.integration
@@ -23,6 +25,14 @@ async def budget_generate(ctx, sample, sampling_params):
     """A custom generate function: the sample's metadata sets its token budget."""
     budget = sample.metadata.get("budget", sampling_params["max_new_tokens"])
     return await generate_sample(ctx, sample, {**sampling_params, "max_new_tokens": budget})
+
+
+async def two_answers(ctx, sample, sampling_params):
+    """A generate function that fans out: two responses for one sample."""
+    twin = copy.deepcopy(sample)
+    twin.metadata["rid"] = f"{sample.metadata['rid']}-twin"
+    first = await generate_sample(ctx, sample, sampling_params)
+    return [first, await generate_sample(ctx, twin, sampling_params)]
 
 
 def parity_reward(sample: Sample) -> float:
@@ -129,6 +139,36 @@ def test_custom_generate_function_by_dotted_path():
         load_function("rl_sglang.rollout.nothing:here")
     with pytest.raises(ValueError, match="unknown group filter"):
         RolloutConfig(num_groups=1, group_filter="bogus")
+
+
+def test_a_group_reward_scores_each_fanned_out_group_once_whole(cluster, tokenizer):
+    calls = []
+
+    async def rank_in_group(samples: list[Sample]) -> None:
+        calls.append(len(samples))
+        for i, sample in enumerate(samples):
+            sample.reward = float(i)
+
+    config = RolloutConfig(
+        num_groups=2,
+        n_samples_per_prompt=3,
+        generate_fn="test_rollout:two_answers",
+        sampling_params={"max_new_tokens": 2, "ignore_eos": True},
+    )
+    result = run(
+        with_ctx(
+            cluster,
+            tokenizer,
+            lambda ctx, engines: default_rollout(
+                ctx, iter(prompts(2)), GroupScore(rank_in_group), config, engines=engines
+            ),
+        )
+    )
+    assert calls == [6, 6]  # once per group, after all six samples finished
+    for group in result.groups:
+        assert [s.reward for s in group] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+        assert all(s.response_length == 2 for s in group)
+        assert len({s.group_index for s in group}) == 1
 
 
 def test_eval_rollout_reports_pass_at_k_per_dataset(cluster, tokenizer):

@@ -54,7 +54,7 @@ def load_dotted(path: str) -> Callable:
         module = importlib.import_module(module_name)
     except ImportError as error:
         raise ValueError(
-            f"cannot import {module_name!r} of {path!r} ({error}); put its directory in the "
+            f"cannot load {path!r}: cannot import {module_name!r} ({error}); put it in the "
             "working directory, next to the config file or on PYTHONPATH"
         ) from error
     target = module
