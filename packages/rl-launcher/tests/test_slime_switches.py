@@ -171,3 +171,31 @@ def test_replay_subsample_keeps_a_seeded_ordered_fraction():
     assert half != subsample(groups, 0.5, seed=4)
     assert subsample(groups, 1.0, seed=3) == groups
     assert len(subsample(groups, 0.01, seed=3)) == 1  # at least one group
+
+
+class _Trainer:
+    """Records the calls the train phase makes (the real group runs in the run test)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def train_steps(self, parts):
+        self.calls.append("train_steps")
+        return {"loss/pg": 1.0}
+
+    def update_reference(self):
+        self.calls.append("update_reference")
+
+
+def test_critic_warmup_skips_the_policy_update_and_the_reference_refreshes_every_n():
+    from rl_launcher.loops.train_phase import refresh_reference, train_policy
+
+    gae = ["--algorithm.advantage_estimator", "gae", "--algorithm.critic_warmup_steps", "2"]
+    config, _ = load_config([*gae, *KL, "--algorithm.ref_update_interval", "3"])
+    run = _Run(config)
+    run.trainer = _Trainer()
+    warm = [train_policy(run, step, parts=[]) for step in (1, 2, 3)]
+    assert warm[:2] == [{"actor/frozen_for_critic_warmup": 1.0}] * 2 and warm[2] == {"loss/pg": 1.0}
+    refreshed = [refresh_reference(run, step) for step in range(1, 7)]
+    assert [bool(r) for r in refreshed] == [False, False, True, False, False, True]
+    assert run.trainer.calls == ["train_steps", "update_reference", "update_reference"]
