@@ -1,0 +1,108 @@
+"""One rl-train run of examples/extend/pool.yaml (a rollout function: a pool of groups that
+aborts the stragglers) scored by rl-rewards' remote reward against a real HTTP scoring
+server started here, configured through rollout.reward_options (url, token, timeout_s)."""
+
+import json
+import threading
+import urllib.error
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+from test_train_loop import ROOT
+
+from rl_core.types import Sample
+from rl_launcher.cli import main
+from rl_launcher.infra.run_log import read_metrics
+from rl_rewards import get_reward
+
+pytestmark = pytest.mark.integration
+TOKEN = "s3cret"
+WRONG = 0.25  # what the server pays a wrong answer: no built-in reward gives it
+
+
+class ScoringServer(BaseHTTPRequestHandler):
+    """POST {response, label} with the bearer token -> {"score": 1 or WRONG}; else 401."""
+
+    requests: ClassVar[list[dict]] = []
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.headers.get("Authorization") != f"Bearer {TOKEN}":
+            self.send_error(401)
+            return
+        self.requests.append(body)
+        score = 1.0 if body["response"].strip() == body["label"] else WRONG
+        reply = json.dumps({"score": score}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+    def log_message(self, *args):
+        """Quiet."""
+
+
+@pytest.fixture(scope="module")
+def server():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), ScoringServer)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}/score"
+    httpd.shutdown()
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, ray_cluster, server):
+    run_dir = tmp_path_factory.mktemp("remote") / "run"
+    options = json.dumps({"url": server, "token": TOKEN, "timeout_s": 10})
+    mp = pytest.MonkeyPatch()
+    mp.chdir(ROOT)  # the config's relative tokenizer and data paths
+    try:
+        args = [
+            "--config",
+            str(ROOT / "examples/extend/pool.yaml"),
+            "--num_steps=2",
+            f"--logging.run_dir={run_dir}",
+            f"--rollout.dump_dir={run_dir / 'dumps'}",
+            "--rollout.reward=remote",
+            f"--rollout.reward_options={options}",
+        ]
+        assert main(args) == 0
+    finally:
+        mp.undo()
+    return run_dir
+
+
+def dumped(run_dir: Path, step: int) -> list[Sample]:
+    path = run_dir / "dumps" / f"rollout_{step:06d}.jsonl"
+    return [Sample.from_json(line) for line in path.read_text().splitlines()]
+
+
+def test_the_remote_server_scored_every_trained_sample_with_the_token(run_dir):
+    trained = [s for step in (1, 2) for s in dumped(run_dir, step)]
+    assert len(trained) == 2 * 8 * 8  # two steps of batch_size groups of group_size
+    for sample in trained:
+        correct = sample.response.strip() == sample.label
+        assert sample.reward == (1.0 if correct else WRONG)
+    # every trained sample was asked about (stragglers the pool aborted may add requests)
+    assert len(ScoringServer.requests) >= len(trained)
+
+
+def test_the_rollout_function_made_each_step(run_dir):
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        groups = {s.group_index for s in dumped(run_dir, record["step"])}
+        assert len(groups) == 8
+        # the pool drew up to two spare prompts and dropped what it did not return
+        assert 0 <= record["rollout/prompts_dropped"] <= 2
+        assert record["rollout/reward/min"] >= WRONG
+
+
+def test_a_wrong_token_is_refused_by_the_server_not_retried(server):
+    reward = get_reward("remote", url=server, token="wrong", retries=3, backoff_s=5.0)
+    with pytest.raises(urllib.error.HTTPError, match="401"):
+        reward("7", "7")  # a 4xx fails at once: retried, it would take 35 s
