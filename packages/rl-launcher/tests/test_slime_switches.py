@@ -220,3 +220,17 @@ def test_every_done_row_of_the_slime_table_names_a_test_that_exists():
         for package, file, name in refs:
             source = (root / "packages" / package / "tests" / file).read_text()
             assert not name or f"def {name}(" in source, f"{flags}: {file}::{name} not found"
+
+
+def test_a_resumed_run_makes_the_refreshed_reference_the_resumed_policy(capsys):
+    from rl_launcher.loops.train_phase import restore_reference
+
+    config, _ = load_config([*KL, "--algorithm.ref_update_interval", "4"])
+    run = _Run(config)
+    run.trainer = _Trainer()
+    restore_reference(run, 3)  # before the first refresh: the starting reference stays
+    assert run.trainer.calls == []
+    restore_reference(run, 8)  # a checkpoint at a refresh step: exact
+    assert run.trainer.calls == ["update_reference"] and capsys.readouterr().err == ""
+    restore_reference(run, 10)
+    assert "the KL reference is the policy of step 10, not of step 8" in capsys.readouterr().err

@@ -43,6 +43,7 @@ from rl_launcher.loops.step_metrics import (
 from rl_launcher.loops.train_phase import (
     dump_train_batches,
     refresh_reference,
+    restore_reference,
     train_policy,
     with_old_policy,
 )
@@ -77,6 +78,7 @@ def _train(config) -> Path:
     started = time.perf_counter()
     with contextlib.closing(start_run(config)) as run:
         first = resume(run, chosen) + 1 if config.checkpoint.resume else 1
+        restore_reference(run, first - 1)  # algorithm.ref_update_interval: not checkpointed
         buffer = make_buffer(run)  # a GaeBuffer (critic values) for advantage_estimator=gae
         freeze_startup()  # full collections walk only what the steps leave
         pauses = GcPauses()

@@ -7,7 +7,8 @@ shape it (each a one-line call in :func:`rl_launcher.loops.rl.run_step`):
 - :func:`train_policy`: the policy's update, skipped for ``algorithm.critic_warmup_steps``
   (slime's ``--num-critic-only-steps``: only the critic learns then);
 - :func:`refresh_reference`: the KL reference becomes the policy every
-  ``algorithm.ref_update_interval`` steps (slime's ``--ref-update-interval``);
+  ``algorithm.ref_update_interval`` steps (slime's ``--ref-update-interval``), and
+  :func:`restore_reference` makes it so again after ``--resume``;
 - :func:`dump_train_batches`: ``logging.dump_train_batch`` writes what each rank trained on
   (slime's ``--save-debug-train-data``).
 
@@ -15,6 +16,7 @@ shape it (each a one-line call in :func:`rl_launcher.loops.rl.run_step`):
 """
 
 import dataclasses
+import sys
 from pathlib import Path
 
 import torch
@@ -57,6 +59,25 @@ def refresh_reference(run, step: int) -> dict[str, float]:
         return {}
     run.trainer.update_reference()
     return {"actor/ref_updated": 1.0}
+
+
+def restore_reference(run, step: int) -> None:
+    """After ``--resume`` at ``step``: a reference refreshed during the run is not in the
+    checkpoint, so it becomes the resumed policy again, which is the uninterrupted run's
+    reference when ``step`` is a multiple of ``algorithm.ref_update_interval`` (periodic
+    checkpoints at multiples of it resume exactly); otherwise a warning says it is not."""
+    interval = run.config.algorithm.ref_update_interval
+    if not interval or step < interval:
+        return  # the reference is still the starting one (or ref_path)
+    run.trainer.update_reference()
+    if step % interval:
+        print(
+            f"rl-train: warning: resumed at step {step}, not a multiple of "
+            f"algorithm.ref_update_interval={interval}: the KL reference is the policy of step "
+            f"{step}, not of step {step - step % interval} as without the interruption",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def dump_train_batches(run, step: int, rank_batches: list) -> None:
