@@ -234,3 +234,14 @@ def test_a_resumed_run_makes_the_refreshed_reference_the_resumed_policy(capsys):
     assert run.trainer.calls == ["update_reference"] and capsys.readouterr().err == ""
     restore_reference(run, 10)
     assert "the KL reference is the policy of step 10, not of step 8" in capsys.readouterr().err
+
+
+def test_the_gap_of_a_step_is_its_first_minibatchs():
+    """With old log-probs from the rollout (or the train step) each minibatch measures the
+    gap in its own forward; only the first runs on the weights the engines sampled with."""
+    from rl_launcher.infra.faults import merge_minibatch_metrics
+
+    first = {"mismatch/logprob_abs_diff_mean": 0.01, "loss/pg": 1.0}
+    later = {"mismatch/logprob_abs_diff_mean": 0.3, "loss/pg": 2.0}
+    merged = merge_minibatch_metrics(merge_minibatch_metrics({}, first), later)
+    assert merged == {"mismatch/logprob_abs_diff_mean": 0.01, "loss/pg": 2.0}

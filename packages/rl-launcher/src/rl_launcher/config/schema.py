@@ -346,7 +346,7 @@ class AlgorithmConfig:
         "pass; needs num_minibatches 1 and reward_kl_coef 0. rollout: the engine's sampled "
         "log-probs, no trainer pass (slime's --use-rollout-logprobs); refused with "
         "rollout_is_level, whose weights would all be 1. With train_step and rollout the "
-        "engine-vs-trainer gap is reported as its mean only, from the (last) train step's "
+        "engine-vs-trainer gap is reported as its mean only, from the first minibatch's "
         "forward.",
         choices=("recompute", "train_step", "rollout"),
     )

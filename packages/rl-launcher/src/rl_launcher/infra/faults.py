@@ -128,10 +128,13 @@ def describe_node(node_id: str, error: BaseException | None = None) -> str:
 
 def merge_minibatch_metrics(metrics: dict, new: dict) -> dict:
     """A step's metrics over its minibatches: the later minibatch's values win, except
+    :data:`GAP_KEY` (the first minibatch's, the only one on the engines' weights),
     :data:`NONFINITE_KEY`, which counts the skipped minibatches, and the loss and gradient
     norm of the last skipped one, kept as ``train/nonfinite_loss`` and
     ``train/nonfinite_grad_norm`` (NaN or inf: null in metrics.jsonl, shown in the warning)."""
     merged = metrics | new
+    if GAP_KEY in metrics:  # measured before any update: later ones add the policy's drift
+        merged[GAP_KEY] = metrics[GAP_KEY]
     if new.get(NONFINITE_KEY):
         merged["train/nonfinite_loss"] = new.get("loss/total", math.nan)
         merged["train/nonfinite_grad_norm"] = new.get("train/grad_norm", math.nan)
