@@ -1,0 +1,124 @@
+"""Cost model of the control plane fitted to bench/scale_sim.py's measurements (issue 33).
+
+    python bench/scale_fit.py runs/scale_sim.json [more.json ...]
+
+Each component's per-step cost (median over the steps after the first) is fitted as
+``a + b x`` by least squares against what it should grow with (``x``: samples per step,
+engines, training ranks or nodes), over every size of one layout and loop; printed with
+the largest relative error of the fit at a measured point, as JSON (one line per
+component, layout and loop) for docs/scale.md.
+"""
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+# component -> (how it is read from a step, what it grows with)
+COMPONENTS = {
+    "driver CPU, rollout (dispatch, gather, rewards)": ("driver_cpu/rollout", "samples"),
+    "driver CPU, buffer + old log-probs": ("driver_cpu/log_probs", "samples"),
+    "buffer pop_step (advantages, per-rank batches)": ("buffer/pop_step", "samples"),
+    "driver CPU, train dispatch": ("driver_cpu/train", "samples"),
+    "train dispatch latency": ("time/train_dispatch", "ranks"),
+    "Ray bytes (per-rank batches)": ("ray/batch_bytes", "samples"),
+    "driver CPU, whole step": ("driver_cpu/step", "samples"),
+    "weight sync orchestration (sync minus modeled)": ("sync_overhead", "engines"),
+    "checkpoint coordination (minus modeled)": ("checkpoint_overhead", "nodes"),
+    "router added latency": ("router/added_latency_s", "engines"),
+    "driver RSS": ("driver/rss_bytes", "samples"),
+}
+STARTUP = {
+    "placement": ("time/placement", "nodes"),
+    "engines and router": ("time/engines_and_router", "engines"),
+    "start_run": ("time/start_run", "nodes"),
+}
+
+
+def modeled_sync_s(model: dict) -> float:
+    """What the stand-ins spend in a sync by design: the gather and one bucket's
+    broadcast time per bucket (buckets go to all engines at once)."""
+    gather = model["weight_bytes"] / (model["gather_gb_per_s"] * 1e9)
+    return gather + model["weight_bytes"] / (model["weight_gb_per_s"] * 1e9)
+
+
+def step_value(step: dict, key: str, model: dict) -> float | None:
+    if key == "sync_overhead":
+        return step["time/sync"] - modeled_sync_s(model) if "time/sync" in step else None
+    if key == "checkpoint_overhead":
+        return (
+            step["time/checkpoint"] - model["checkpoint_s"] if "time/checkpoint" in step else None
+        )
+    return step.get(key)
+
+
+def growth(result: dict, what: str) -> float:
+    return {
+        "samples": result["samples_per_step"],
+        "engines": result["num_engines"],
+        "ranks": result["num_train_ranks"],
+        "nodes": result["gpus"] / 8,
+    }[what]
+
+
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
+    """``(a, b, max relative error)`` of ``y = a + b x`` by least squares."""
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mean_x) ** 2 for x in xs)
+    b = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
+    a = mean_y - b * mean_x
+    errors = [abs(a + b * x - y) / abs(y) for x, y in zip(xs, ys, strict=True) if y]
+    return a, b, max(errors, default=0.0)
+
+
+def medians(result: dict, key: str) -> float | None:
+    steps = result["steps"][1:] or result["steps"]
+    values = [v for s in steps if (v := step_value(s, key, result["model"])) is not None]
+    return statistics.median(values) if values else None
+
+
+def fits(results: list[dict]) -> list[dict]:
+    rows = []
+    runs = [r for r in results if "error" not in r]
+    for layout, loop in sorted({(r["layout"], r["loop"]) for r in runs}):
+        group = sorted(
+            (r for r in runs if (r["layout"], r["loop"]) == (layout, loop)), key=lambda r: r["gpus"]
+        )
+        for name, (key, what) in COMPONENTS.items():
+            points = [
+                (growth(r, what), m, r["gpus"]) for r in group if (m := medians(r, key)) is not None
+            ]
+            rows.append(row(name, layout, loop, what, points))
+        for name, (key, what) in STARTUP.items():
+            points = [
+                (growth(r, what), r["startup"][key], r["gpus"])
+                for r in group
+                if key in r["startup"]
+            ]
+            rows.append(row("start-up: " + name, layout, loop, what, points))
+    return rows
+
+
+def row(name: str, layout: str, loop: str, what: str, points: list) -> dict:
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    a, b, error = fit_line(xs, ys) if len(points) >= 2 else (float("nan"),) * 3
+    return {
+        "component": name,
+        "layout": layout,
+        "loop": loop,
+        "grows_with": what,
+        "a": a,
+        "b": b,
+        "max_rel_error": error,
+        "points": {int(g): y for _, y, g in points},
+    }
+
+
+def main(paths: list[str]) -> None:
+    results = [r for path in paths for r in json.loads(Path(path).read_text())]
+    for line in fits(results):
+        print(json.dumps(line))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

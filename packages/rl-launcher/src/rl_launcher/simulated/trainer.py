@@ -1,0 +1,223 @@
+"""Stand-in training ranks: the driver-facing API of
+:class:`~rl_launcher.roles.train_group.TrainGroup` over one light Ray actor per simulated
+node, which hosts that node's ranks (no torch in it: 128 rank actors importing torch would
+need ~40 GB here).
+
+The driver side is the real one's: per-rank batches cross Ray to each node actor (as
+pickled bytes, so the node actor never unpickles torch tensors; the same bytes as the
+real call), one call per node per method, results back in rank order. What a rank does is
+modeled by :class:`~rl_launcher.simulated.engine.SimModel` (a train step, a log-prob pass
+and a checkpoint shard take set times; a weight sync gathers for ``weight_bytes /
+gather_gb_per_s``), except the weight-update requests: rank 0's node sends each bucket's
+``/update_weights_from_distributed`` to every engine over HTTP, as
+:class:`~rl_launcher.infra.weight_sync.EngineWeightSync` does, and the engines model the
+broadcast. :attr:`SimTrainGroup.sent_bytes` counts what went through Ray.
+"""
+
+import asyncio
+import math
+import pickle
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import ray
+
+from rl_launcher.simulated.engine import SimModel, rss_bytes
+
+
+class SimNode:
+    """One simulated node's training ranks (a Ray actor)."""
+
+    def __init__(self, ranks: list[int], model: SimModel):
+        self.ranks, self.model = ranks, model
+
+    def rss_bytes(self) -> int:
+        return rss_bytes()
+
+    def train_steps(self, payloads: list[list[bytes]]) -> dict:
+        entered = time.time()
+        time.sleep(self.model.train_s * len(payloads[0]))  # one optimizer step per minibatch
+        left = time.time()
+        return {
+            "loss": 0.0,
+            "time/train_entered_at": entered,
+            "time/train_left_at": left,
+            "time/train_compute": left - entered,
+        }
+
+    def log_probs(self, num_tokens: list[int]) -> list[bytes]:
+        time.sleep(self.model.log_probs_s)
+        return [bytes(4 * n) for n in num_tokens]  # float32 zeros: what comes back from a rank
+
+    def sync_weights(self, engine_urls: list[str], version: str, how: dict) -> dict:
+        start = time.perf_counter()
+        time.sleep(self.model.weight_bytes / (self.model.gather_gb_per_s * 1e9))
+        exported = time.perf_counter() - start
+        sent = 0
+        if 0 in self.ranks:
+            # Ray runs this method beside an event loop of its own: send from another thread
+            with ThreadPoolExecutor(1) as pool:
+                sent = pool.submit(asyncio.run, self._send(engine_urls, version, how)).result()
+        return {
+            "sync/bytes": float(sent),
+            "time/sync_call": time.perf_counter() - start,
+            "time/sync_export": exported,
+        }
+
+    async def _send(self, urls: list[str], version: str, how: dict) -> int:
+        """Every bucket to every engine at once (one broadcast per bucket); the last
+        bucket carries the version."""
+        import os
+
+        import aiohttp
+
+        key = os.environ.get("RL_SGLANG_API_KEY", "")
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        num_buckets = max(1, math.ceil(self.model.weight_bytes / how["bucket_bytes"]))
+        bucket_elems = self.model.weight_bytes // num_buckets // 2  # bf16
+        async with aiohttp.ClientSession(headers=headers) as session:
+
+            async def post(url, path, body):
+                async with session.post(url + path, json=body) as response:
+                    response.raise_for_status()
+
+            if how["transport"] == "distributed":
+                body = {
+                    "master_address": "127.0.0.1",
+                    "master_port": 0,
+                    "rank_offset": 1,
+                    "world_size": len(urls) + 1,
+                    "group_name": "weights",
+                    "backend": "gloo",
+                }
+                await asyncio.gather(*(post(u, "/init_weights_update_group", body) for u in urls))
+            for bucket in range(num_buckets):
+                body = {
+                    "names": [f"bucket.{bucket}"],
+                    "dtypes": ["bfloat16"],
+                    "shapes": [[bucket_elems]],
+                    "group_name": "weights",
+                }
+                if bucket == num_buckets - 1:
+                    body["weight_version"] = version
+                await asyncio.gather(
+                    *(post(u, "/update_weights_from_distributed", body) for u in urls)
+                )
+        return bucket_elems * 2 * num_buckets * len(urls)
+
+    def save(self, path: str) -> None:
+        directory = Path(path)
+        directory.mkdir(parents=True, exist_ok=True)
+        time.sleep(self.model.checkpoint_s)
+        for rank in self.ranks:
+            (directory / f"rank_{rank:05d}.bin").write_bytes(b"simulated shard")
+
+    def noop(self, *args, **kwargs) -> None:
+        """offload, onload, empty_cache, update_reference, export_hf: nothing to model."""
+
+    def load(self, path: str) -> int:
+        return 0
+
+
+class SimTrainGroup:
+    """``TrainGroup(spec, placement, slots, ...)``'s stand-in (see the module docstring):
+    every rank a data-parallel rank, ranks grouped by the node of their slot."""
+
+    model = SimModel()  # set by rl_launcher.simulated.simulated_roles
+
+    def __init__(self, spec, placement, slots, *, num_cpus, num_gpus=0, ranks_per_node=1):
+        by_node: dict[str, list[int]] = defaultdict(list)
+        for rank, slot in enumerate(slots):
+            by_node[placement.node_ids[slot]].append(rank)
+        actor = ray.remote(SimNode)
+        self.node_ranks = list(by_node.values())
+        self.workers = [
+            actor.options(
+                num_cpus=0, scheduling_strategy=placement.strategy(slots[ranks[0]])
+            ).remote(ranks, self.model)
+            for ranks in self.node_ranks
+        ]
+        self.node_ids = [placement.node_ids[slot] for slot in slots]
+        self.num_data_ranks = len(slots)
+        self.data_ranks = list(range(len(slots)))
+        self.turns = None
+        self.sent_bytes = 0  # pickled batches handed to Ray since the last take_sent_bytes
+        ray.get([w.rss_bytes.remote() for w in self.workers])  # every node's actor is up
+
+    def _per_node(self, per_rank: list) -> list[list]:
+        return [[per_rank[r] for r in ranks] for ranks in self.node_ranks]
+
+    def _gather(self, method: str, per_node: list | None = None, **kwargs) -> list:
+        """``method`` on every node actor (node n gets ``per_node[n]`` first); results in
+        node order."""
+        if per_node is None:
+            refs = [getattr(w, method).remote(**kwargs) for w in self.workers]
+        else:
+            refs = [
+                getattr(w, method).remote(args, **kwargs)
+                for w, args in zip(self.workers, per_node, strict=True)
+            ]
+        return ray.get(refs)
+
+    def log_probs(self, batches: list, model: str = "actor") -> list:
+        import torch
+
+        counts = [int(b.tokens.shape[0]) for b in batches]
+        self.sent_bytes += sum(len(pickle.dumps(b)) for b in batches)
+        per_node = self._gather("log_probs", self._per_node(counts))
+        flat = [blob for node in per_node for blob in node]
+        return [torch.frombuffer(bytearray(blob), dtype=torch.float32) for blob in flat]
+
+    def train_step(self, batches: list) -> dict:
+        return self.train_steps([batches])
+
+    def train_steps(self, parts: list[list]) -> dict:
+        per_rank = [[pickle.dumps(part[d]) for part in parts] for d in range(self.num_data_ranks)]
+        self.sent_bytes += sum(len(p) for rank in per_rank for p in rank)
+        sent = time.time()
+        metrics = self._gather("train_steps", self._per_node(per_rank))[0]
+        entered, left = metrics.pop("time/train_entered_at"), metrics.pop("time/train_left_at")
+        received = time.time()
+        return metrics | {
+            "time/train_dispatch": entered - sent,
+            "time/train_return": received - left,
+            "time/train_call": left - entered,
+        }
+
+    def take_sent_bytes(self) -> int:
+        sent, self.sent_bytes = self.sent_bytes, 0
+        return sent
+
+    def sync_weights(self, engine_urls: list[str], version: str, **how) -> dict:
+        results = self._gather("sync_weights", engine_urls=engine_urls, version=version, how=how)
+        return next(r for r, ranks in zip(results, self.node_ranks, strict=True) if 0 in ranks)
+
+    def save(self, path: str) -> None:
+        self._gather("save", path=str(Path(path).absolute()))
+
+    def load(self, path: str) -> int:
+        return self._gather("load", path=str(Path(path).absolute()))[0]
+
+    def update_reference(self) -> None:
+        self._gather("noop")
+
+    def offload(self) -> None:
+        self._gather("noop")
+
+    def onload(self) -> None:
+        self._gather("noop")
+
+    def empty_cache(self) -> None:
+        self._gather("noop")
+
+    def export_hf(self, path: str) -> None:
+        self._gather("noop")
+
+    def rss_bytes(self) -> list[int]:
+        return self._gather("rss_bytes")
+
+    def shutdown(self) -> None:
+        for worker in self.workers:
+            ray.kill(worker)
