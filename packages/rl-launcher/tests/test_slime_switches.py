@@ -245,3 +245,22 @@ def test_the_gap_of_a_step_is_its_first_minibatchs():
     later = {"mismatch/logprob_abs_diff_mean": 0.3, "loss/pg": 2.0}
     merged = merge_minibatch_metrics(merge_minibatch_metrics({}, first), later)
     assert merged == {"mismatch/logprob_abs_diff_mean": 0.01, "loss/pg": 2.0}
+
+
+def test_a_finished_step_past_the_gap_bound_is_recorded_then_stops_the_run():
+    """The loops' finish_step records the step first, then the gate stops the run."""
+    from types import SimpleNamespace
+
+    from rl_launcher.loops.step import finish_step
+
+    config, _ = load_config(["--algorithm.max_logprob_gap", "0.1", "--logging.progress", "false"])
+    recorded = []
+    run = SimpleNamespace(
+        config=config,
+        extras={},
+        metrics_log=SimpleNamespace(append=lambda step, m: recorded.append(step)),
+    )
+    metrics = {"mismatch/logprob_abs_diff_mean": 0.2, "train/num_samples": 8.0}
+    with pytest.raises(RunStopped, match=r"algorithm\.max_logprob_gap=0\.1"):
+        finish_step(run, 1, metrics, save_fn=None)
+    assert recorded == [1]
