@@ -32,6 +32,10 @@ OBJECTIVES = {
         opsm_delta=0.0,
         old_from_rollout=True,
     ),
+    "a user loss and reducer by dotted path": Objective(
+        policy_loss="fsdp_user_loss:ratio_pg_loss",
+        loss_agg_mode="fsdp_user_loss:token_sum_over_global",
+    ),
 }
 
 
