@@ -317,10 +317,10 @@ def test_turns_with_a_resident_trainer_or_resident_engines():
 def test_sglang_memory_saver_only_when_the_engines_release_their_memory():
     from types import SimpleNamespace
 
-    from rl_launcher.roles.rollout_manager import RolloutManager
+    from rl_launcher.roles.engine_pool import EnginePool
 
     def saver(turns) -> bool:
-        return RolloutManager._engines_release(SimpleNamespace(turns=turns))
+        return EnginePool._memory_saver(SimpleNamespace(turns=turns))
 
     assert not saver(None)
     assert saver(Turns(Recorder([]), Recorder([])))

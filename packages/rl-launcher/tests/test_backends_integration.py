@@ -51,7 +51,7 @@ def two_steps(run) -> list[dict]:
 
 
 def check_weights_reached_the_engines(run, records) -> None:
-    assert run.rollout.weight_versions() == ["2"]
+    assert run.rollout.engines.weight_versions() == ["2"]
     assert [r["sync/weight_version"] for r in records] == [1.0, 2.0]
     # step 2 sampled with step 1's weights, and its engine log-probs match the trainer's
     assert [r["rollout/weight_version_min"] for r in records] == [0.0, 1.0]
@@ -78,7 +78,8 @@ def test_megatron_tp2_takes_turns_with_the_engine_and_syncs_weights(tmp_path):
     try:
         # two ranks, one data-parallel rank: both TP ranks train on the same batch
         assert run.trainer.data_ranks == [0, 0] and run.num_ranks == 1
-        turns = run.rollout.turns = run.trainer.turns = Turns(run.trainer, run.rollout)
+        engines = run.rollout.engines
+        turns = engines.turns = run.trainer.turns = Turns(run.trainer, engines)
         records = two_steps(run)
         check_weights_reached_the_engines(run, records)
     finally:

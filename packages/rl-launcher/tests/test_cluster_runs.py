@@ -102,11 +102,11 @@ def test_groups_meet_at_training_rank_0s_node(cluster, tmp_path):
         sync(run, version=1)  # the weight-update group: rank 0 with the engine
         host, port = ray.get(run.trainer.workers[0].weight_sync_address.remote())
         assert host == address0 and listening_addresses(port) == [address0]
-        assert run.rollout.weight_versions() == ["1"]
+        assert run.rollout.engines.weight_versions() == ["1"]
         buffer = make_buffer(run)  # with the critic's values
         metrics = run_step(run, buffer, step=2)  # both ranks and both critics train
         assert metrics["train/num_samples"] == 16 and "loss/value" in metrics
-        assert run.rollout.weight_versions() == ["2"]
+        assert run.rollout.engines.weight_versions() == ["2"]
     finally:
         run.close()
 

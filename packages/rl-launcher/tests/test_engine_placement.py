@@ -128,14 +128,14 @@ def test_colocated_over_three_nodes_engines_on_their_nodes(cluster, tmp_path, ca
         assert sorted(a for _, a in layout.values()) == sorted(
             [node_address(i) for i in range(NUM_NODES)] * 2
         )
-        assert_started_by_hosts_on(layout, run.rollout.engines)
+        assert_started_by_hosts_on(layout, run.rollout.engines.servers)
         buffer = DataBuffer.from_config(config, num_ranks=run.num_ranks)
         records = []
         for step in (1, 2):
             metrics = run_step(run, buffer, step) | after_step(run, step)
             finish_step(run, step, metrics, save)
             records.append(metrics)
-            assert run.rollout.weight_versions() == [str(step)] * NUM_NODES  # all three
+            assert run.rollout.engines.weight_versions() == [str(step)] * NUM_NODES  # all three
     finally:
         run.close()
     assert records[1]["mismatch/logprob_abs_diff_max"] < LOGPROB_TOL  # samples of version 1

@@ -37,14 +37,14 @@ def test_killed_engine_is_restarted_and_the_run_goes_on(tmp_path):
     try:
         buffer = DataBuffer.from_config(config, num_ranks=run.num_ranks)
         run_step(run, buffer, 1, SyncFeed(run))
-        frozen = run.rollout.freeze_gc()  # what the loop does after its first step
+        frozen = run.rollout.engines.freeze_gc()  # what the loop does after its first step
         assert len(frozen) == 2 and all(a.startswith("Garbage collection frozen") for a in frozen)
-        victim = run.rollout.engines[1]
+        victim = run.rollout.engines.servers[1]
         os.kill(victim.process.pid, signal.SIGKILL)
         metrics = run_step(run, buffer, 2, SyncFeed(run))
-        monitor = run.rollout.monitor
+        monitor = run.rollout.engines.monitor
         assert [event.url for event in monitor.events] == [victim.url], monitor.errors
-        assert run.rollout.weight_versions() == ["2", "2"]  # the sync reached both
+        assert run.rollout.engines.weight_versions() == ["2", "2"]  # the sync reached both
         assert metrics["sync/weight_version"] == 2.0
         step_2 = [r for r in data_order.read(config.logging.run_dir) if r["step"] == 2]
         assert len(step_2[0]["prompts"]) == config.rollout.batch_size  # no group lost

@@ -97,7 +97,7 @@ def two_steps_reach_the_engine(args: list[str]) -> list[dict]:
     try:
         buffer = DataBuffer.from_config(config, num_ranks=run.num_ranks)
         records = [run_step(run, buffer, step) for step in (1, 2)]
-        assert run.rollout.weight_versions() == ["2"]
+        assert run.rollout.engines.weight_versions() == ["2"]
     finally:
         run.close()
     assert [r["sync/weight_version"] for r in records] == [1.0, 2.0]

@@ -40,7 +40,7 @@ class Session:
             feed.close()
 
     def check_engines_hold_the_trainers_weights(self) -> None:
-        assert self.run.rollout.weight_versions() == [str(self.step)]
+        assert self.run.rollout.engines.weight_versions() == [str(self.step)]
         prompt_ids = self.run.source.datasets[0].prompts[0].tokens
         output = engine_response(self.run, prompt_ids)
         engine = torch.tensor([lp for lp, *_ in output["meta_info"]["output_token_logprobs"]])
@@ -117,7 +117,8 @@ def test_partial_rollout_keeps_its_tokens_across_a_weight_update(session):
     (version +1), then resumed by rl-sglang's default rollout from its leftovers."""
     manager, num_tokens, version = session.run.rollout, 200, str(session.step)
     manager.sampling_params = lambda: {"max_new_tokens": num_tokens, "ignore_eos": True}
-    engine = manager.client(manager.engine_urls[0])
+    engines = manager.engines
+    engine = engines.client(engines.urls[0])
     model_dir = f"{session.run.config.logging.run_dir}/initial_model"
     new_version = str(session.step + 1)
 
@@ -126,15 +127,15 @@ def test_partial_rollout_keeps_its_tokens_across_a_weight_update(session):
         while (await engine.server_info())["internal_states"][0]["num_running"] == 0:
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.1)  # some tokens, far from all of them
-        await manager.pause_generation()
+        await engines.pause_generation()
         first = await task
         cut = copy.deepcopy(first.leftovers[0][0])
         await engine.update_weights_from_disk(model_dir, weight_version=new_version)
-        await manager.continue_generation()
+        await engines.continue_generation()
         second = await manager.generate(1, 0, resume=first.leftovers)
         return cut, second.groups[0][0]
 
-    cut, resumed = manager.call(cut_and_resume())
+    cut, resumed = engines.call(cut_and_resume())
     assert 0 < cut.response_length < num_tokens and cut.weight_versions == [version]
     assert resumed.weight_versions == [version, new_version] and resumed.metadata["resumed"] == 1
     assert resumed.response_length == num_tokens == len(resumed.rollout_log_probs)

@@ -96,8 +96,8 @@ def scripted_manager(tmp_path, labels: list[str], *extra: str):
     )
     manager.reward_fn.close()
     manager.reward_fn = Reward(tokenizer)
-    manager.engines = [SimpleNamespace(url=URL, stop=lambda: None)]
-    manager._clients[URL] = ScriptedEngine(tokenizer, labels)
+    manager.engines.servers = [SimpleNamespace(url=URL, stop=lambda: None)]
+    manager.engines._clients[URL] = ScriptedEngine(tokenizer, labels)
     return config, manager
 
 

@@ -162,28 +162,25 @@ def test_cpu_ranks_share_the_nodes_cores(monkeypatch):
 def test_no_engine_restarts_while_engines_take_turns_or_share_a_weight_group(capsys):
     from types import SimpleNamespace
 
-    from rl_launcher.roles.engine_health import watch_engines
+    from rl_launcher.roles.engine_pool import EnginePool
 
     engine = SimpleNamespace(health_interval_s=5.0)
     for sync, turns, why in (
         ("distributed", None, "weight-update group"),
         ("tensor", object(), "take turns"),
     ):
-        rollout = SimpleNamespace(engines=["an engine"], turns=turns)
-        run = SimpleNamespace(
-            config=SimpleNamespace(engine=engine), rollout=rollout, sync_options={"transport": sync}
-        )
-        watch_engines(run)
-        assert not hasattr(rollout, "monitor")
+        pool = SimpleNamespace(config=SimpleNamespace(engine=engine), turns=turns, monitor=None)
+        EnginePool.watch(pool, export=lambda path: True, transport=sync)
+        assert pool.monitor is None
         assert why in capsys.readouterr().err
 
 
 def test_an_engine_that_cannot_freeze_its_gc_is_reported_not_fatal():
-    """rollout_manager.freeze_gc, used after step 1 and after an engine restart: an engine
+    """engine_pool.freeze_gc, used after step 1 and after an engine restart: an engine
     without /freeze_gc (an older SGLang answers 404) gives a reason, not an exception."""
     import asyncio
 
-    from rl_launcher.roles.rollout_manager import freeze_gc
+    from rl_launcher.roles.engine_pool import freeze_gc
     from rl_sglang.client import EngineError
 
     class Engine:

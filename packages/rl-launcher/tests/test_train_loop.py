@@ -53,7 +53,7 @@ def engine_response(run, prompt_ids: list[int]) -> dict:
     from rl_sglang.client import EngineClient
 
     async def ask():
-        async with EngineClient(run.rollout.engine_urls[0]) as client:
+        async with EngineClient(run.rollout.engines.urls[0]) as client:
             params = {"max_new_tokens": 3, "temperature": 1.0, "ignore_eos": True}
             return await client.generate(
                 input_ids=prompt_ids, sampling_params=params, return_logprob=True
@@ -91,10 +91,10 @@ def test_two_ranks_sync_weights_and_engine_log_probs_match_the_trainer(tmp_path)
     config, _ = load_config(shrunk(tmp_path / "run", "--cluster.devices_per_node", "2"))
     run = start_run(config)
     try:
-        assert run.num_ranks == 2 and len(run.rollout.engine_urls) == 1
+        assert run.num_ranks == 2 and len(run.rollout.engines.urls) == 1
         buffer = DataBuffer.from_config(config, num_ranks=run.num_ranks)
         records = [run_step(run, buffer, step) for step in (1, 2)]
-        assert run.rollout.weight_versions() == ["2"]
+        assert run.rollout.engines.weight_versions() == ["2"]
         prompt_ids = run.source.datasets[0].prompts[0].tokens
         output = engine_response(run, prompt_ids)
         engine = torch.tensor([lp for lp, _, *_ in output["meta_info"]["output_token_logprobs"]])

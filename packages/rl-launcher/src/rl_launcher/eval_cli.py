@@ -185,7 +185,7 @@ def evaluate(config, model_dir: Path, *, log_dir: Path) -> dict:
             cleanup=cleanup,
             reward=evaluator.reward_fn,
         )
-        url = manager.router.url if manager.router else manager.engine_urls[0]
+        url = manager.engines.url
         metrics = evaluator.evaluate(url)
     finally:
         for stop in reversed(cleanup):

@@ -13,7 +13,8 @@ fits beside the engine's memory, keeping it resident saves moving it twice a ste
 A real SGLang engine's released weights come back uninitialised, so generation right after
 training, without a weight sync in between, is refused (``engine.sync_every`` must be 1).
 The trainer group calls :meth:`Turns.training` / :meth:`Turns.syncing` and the rollout
-manager :meth:`Turns.generating` before their work; each is a no-op when already there.
+manager :meth:`Turns.generating` before their work (``rollout`` here is the run's
+:class:`~rl_launcher.roles.engine_pool.EnginePool`); each is a no-op when already there.
 
 On CPU, engines that generate while training runs (the overlapping loops) share the
 node's cores with the training ranks (:func:`engines_beside_training`,

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from rl_core.types import Sample
 from rl_launcher.infra.paths import inside
+from rl_launcher.roles.engine_pool import NoEngines
 
 _DUMP_FILE = re.compile(r"^rollout_(\d+)\.jsonl$")
 
@@ -70,12 +71,13 @@ class ReplayRollout:
     :class:`~rl_launcher.roles.rollout_role.RolloutRole` it has no engines (nothing to
     sync), no reward and no prompts in flight."""
 
-    reward_fn = turns = monitor = None
+    reward_fn = None
 
     def __init__(
         self, replay_dir: str | Path, *, group_size: int, fraction: float = 1.0, seed: int = 0
     ):
         self.fraction, self.seed = fraction, seed  # rollout.replay_fraction, the run's seed
+        self.engines = NoEngines()
         self.files, self.group_size, self.position = dump_files(replay_dir), group_size, 0
         if not self.files:
             raise ValueError(
@@ -114,23 +116,6 @@ class ReplayRollout:
 
     def load_data_state(self, state: dict) -> None:
         self.load_state_dict(state["source"])
-
-    @property
-    def engines(self) -> list:
-        return []
-
-    @property
-    def engine_urls(self) -> list[str]:
-        return []
-
-    def engine_nodes(self) -> list[str | None]:
-        return []
-
-    def weight_versions(self) -> list[str]:
-        return []
-
-    def freeze_gc(self) -> list[str]:
-        return []
 
     def stop(self) -> None:
         """Nothing runs."""

@@ -63,8 +63,8 @@ def engine_nodes(run) -> dict[str, str]:
         return {}
     run.extras["engine_nodes_logged"] = True
     metrics = {}
-    nodes = run.rollout.engine_nodes()
-    for index, (node, url) in enumerate(zip(nodes, run.rollout.engine_urls, strict=True)):
+    engines = run.rollout.engines
+    for index, (node, url) in enumerate(zip(engines.nodes(), engines.urls, strict=True)):
         if node is not None:
             metrics[f"engine/{index}/node"] = node
             metrics[f"engine/{index}/url"] = url

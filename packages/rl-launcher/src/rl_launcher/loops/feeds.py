@@ -74,22 +74,25 @@ class AsyncFeed(SyncFeed):
             partial=rollout.partial_rollout,
             stale_policy=rollout.stale_policy,
         )
-        run.rollout.call(self.producer.start())
+        run.rollout.engines.call(self.producer.start())
 
     def groups(self, step: int) -> tuple[list, dict[str, float]]:
         """The trainer holds version ``step - 1``; older than that by more than
         ``max_staleness`` versions is stale."""
         oldest = step - 1 - self.max_staleness
-        return self.run.rollout.call(self.producer.take(self.batch_size, min_version=oldest))
+        take = self.producer.take(self.batch_size, min_version=oldest)
+        return self.run.rollout.engines.call(take)
 
     def before_sync(self) -> None:
-        self.run.rollout.call(self.run.rollout.pause_generation())
+        engines = self.run.rollout.engines
+        engines.call(engines.pause_generation())
 
     def after_sync(self) -> None:
-        self.run.rollout.call(self.run.rollout.continue_generation())
+        engines = self.run.rollout.engines
+        engines.call(engines.continue_generation())
 
     def close(self) -> None:
-        self.run.rollout.call(self.producer.stop())
+        self.run.rollout.engines.call(self.producer.stop())
 
 
 def make_feed(run, last_step: int) -> SyncFeed:

@@ -114,7 +114,8 @@ def freeze_engine_gc(run) -> None:
     the middle of a rollout) walk only what the steps leave."""
     if not run.config.engine.freeze_gc:
         return
-    for url, answer in zip(run.rollout.engine_urls, run.rollout.freeze_gc(), strict=True):
+    engines = run.rollout.engines
+    for url, answer in zip(engines.urls, engines.freeze_gc(), strict=True):
         print(f"rl-train: engine {url}: {answer}", file=sys.stderr, flush=True)
 
 

@@ -8,18 +8,15 @@ from pathlib import Path
 from rl_launcher.infra import checkpoints, data_order, resume_choice
 from rl_launcher.infra.run_log import truncate_metrics
 from rl_launcher.loops.extras import load_extras, save_extras
-from rl_launcher.roles.engine_health import wait_for_restarts
 from rl_launcher.session.run import Run
 
 
 def sync(run: Run, *, version: int) -> dict[str, float]:
     """Trainer weights into every engine; the engines then report ``version``."""
-    wait_for_restarts(run)
-    synced = run.trainer.sync_weights(run.rollout.engine_urls, str(version), **run.sync_options)
-    engine_versions = run.rollout.weight_versions()
-    if any(v != str(version) for v in engine_versions):
-        raise RuntimeError(f"weight sync to version {version} left engines at {engine_versions}")
-    run.weight_version = version  # what a restarted engine is given (roles.engine_health)
+    engines = run.rollout.engines
+    engines.wait_for_restarts()  # a dead engine is back first
+    synced = run.trainer.sync_weights(engines.urls, str(version), **run.sync_options)
+    engines.confirm_version(version)  # every engine reports it; a restarted one is given it
     return synced | {"sync/weight_version": float(version)}
 
 

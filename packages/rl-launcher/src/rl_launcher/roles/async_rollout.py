@@ -1,11 +1,11 @@
 """Generation that never waits for the trainer: the producer of the fully asynchronous loop.
 
     producer = ContinuousRollout(manager, batch_size=8, max_staleness=2, partial=True)
-    manager.call(producer.start())
-    groups, metrics = manager.call(producer.take(8, min_version=step - 1 - 2))
-    manager.call(producer.stop())
+    manager.engines.call(producer.start())
+    groups, metrics = manager.engines.call(producer.take(8, min_version=step - 1 - 2))
+    manager.engines.call(producer.stop())
 
-A task on the rollout manager's event loop calls rl-sglang's default rollout chunk after
+A task on the event loop of the manager's engines calls rl-sglang's default rollout chunk after
 chunk (``batch_size`` groups each) and puts every finished group into a queue of at most
 ``batch_size * max_staleness`` groups (generation pauses while it is full, which keeps the
 samples' age bounded). Groups aborted by a weight update (engines paused) come back as
@@ -48,7 +48,7 @@ def failed(group: list[Sample]) -> bool:
 
 
 class ContinuousRollout:
-    """See the module docstring; every coroutine runs on the manager's event loop."""
+    """See the module docstring; every coroutine runs on the engines' event loop."""
 
     def __init__(
         self,

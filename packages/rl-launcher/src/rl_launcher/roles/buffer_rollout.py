@@ -50,8 +50,8 @@ class BufferRollout(RolloutManager):
     def start(self) -> "BufferRollout":
         super().start()
         host, port = self.config.engine.host, self.config.rollout.buffer_port
-        self.buffer_url = self.call(self.buffer.start(host=host, port=port))
-        engines = self.router.url if self.router else self.engines[0].url
+        self.buffer_url = self.engines.call(self.buffer.start(host=host, port=port))
+        engines = self.engines.url
         urls = {"buffer": self.buffer_url, "engines": engines}
         (self.run_dir / URL_FILE).write_text(json.dumps(urls) + "\n")
         print(
@@ -118,5 +118,5 @@ class BufferRollout(RolloutManager):
 
     def stop(self) -> None:
         if self.buffer_url is not None:
-            self.call(self.buffer.stop())
+            self.engines.call(self.buffer.stop())
         super().stop()

@@ -1,5 +1,5 @@
 """What an engine server of a run is: an embedded engine or a real SGLang server, not yet
-started (:mod:`rl_launcher.roles.engines` starts them, here or on their nodes).
+started (:mod:`rl_launcher.roles.engine_pool` starts them, here or on their nodes).
 
 :func:`engine_process` builds the server: ``gpu_ids`` are the physical GPU ids of the
 engine's bundles, handed to it as CUDA_VISIBLE_DEVICES (None on CPU). SGLang servers get their options from the config

@@ -157,6 +157,4 @@ def evaluate_now(run) -> dict[str, float]:
         reward = run.rollout.reward_fn.sharing()
         evaluator = Evaluator(run.config, run.rollout.tokenizer, reward=reward)
         run.extras["evaluator"] = evaluator
-    rollout = run.rollout
-    url = rollout.router.url if rollout.router else rollout.engine_urls[0]
-    return evaluator.evaluate(url)
+    return evaluator.evaluate(run.rollout.engines.url)

@@ -132,7 +132,7 @@ def checked_groups(groups, path: str) -> list[list[Sample]]:
 def context_of(manager, num_groups: int) -> RolloutContext:
     """The context of the manager's next rollout (the built-in's or a custom one's)."""
     client, engines = _engine_clients(manager)
-    rollout_id = getattr(manager, "_rollouts_started", 0)
+    rollout_id = manager._rollouts_started
     manager._rollouts_started = rollout_id + 1
     return RolloutContext(
         rollout_id=rollout_id,
@@ -149,10 +149,6 @@ def context_of(manager, num_groups: int) -> RolloutContext:
 
 
 def _engine_clients(manager) -> tuple[Any, list]:
-    """(the generating client, each engine's client) of the manager's engines: an engine
-    pool (``manager.engines.client``) or the engines and router it holds itself."""
+    """(the generating client, each engine's client) of the manager's engine pool."""
     pool = manager.engines
-    if hasattr(pool, "client"):
-        return pool.client(pool.url), [pool.client(url) for url in pool.urls]
-    url = manager.router.url if manager.router else manager.engine_urls[0]
-    return manager.client(url), [manager.client(u) for u in manager.engine_urls]
+    return pool.client(pool.url), [pool.client(url) for url in pool.urls]

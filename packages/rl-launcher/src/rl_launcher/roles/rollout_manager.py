@@ -1,15 +1,15 @@
-"""The rollout manager: engines behind the router, the prompt source and the reward.
+"""The rollout manager: the run's engines (an :class:`~rl_launcher.roles.engine_pool.EnginePool`),
+the prompt source and the reward.
 
     manager = RolloutManager(config, model_dir=..., tokenizer=tok, source=prompts).start()
     groups, metrics = manager.rollout(num_groups=8)   # lists of group_size scored Samples
     future = manager.submit(num_groups=8)               # the same, in the background
-    manager.weight_versions()                           # one per engine
+    manager.engines.weight_versions()                   # one per engine
     manager.stop()
 
 Generation goes through the real sglang-router (or one engine directly when
-``engine.use_router`` is false); aborts, pauses and weight updates go to every engine. One
-event loop runs in a background thread as long as the manager lives, so HTTP sessions are
-reused between steps and generation can overlap training (:mod:`rl_launcher.loops.feeds`).
+``engine.use_router`` is false), on the pool's event loop; aborts, pauses and weight
+updates go to every engine through the pool.
 Every prompt drawn is remembered until the loop trains on it (or drops it), so a
 checkpoint can store the prompts in flight and a resumed run draws them again first.
 With embedded engines each prompt's requests are seeded from the run's seed and the
@@ -21,98 +21,37 @@ docs/config.md, ``seed``).
 import asyncio
 import hashlib
 import math
-import threading
 from concurrent.futures import Future
 from pathlib import Path
 
 from rl_core.types import Sample
+from rl_launcher.roles.engine_pool import EnginePool
 from rl_launcher.roles.reward import COUNTS, load_run_reward
 from rl_launcher.roles.rollout_context import context_of, custom_rollout
-
-ROUTER_NEEDED = "engine.use_router=false works with one engine; set engine.num_engines=1"
 
 
 class RolloutManager:
     def __init__(self, config, *, model_dir: Path, tokenizer, source, log_dir: Path, reward=None):
         """``reward``: the run's :class:`~rl_launcher.roles.reward.Reward` when one exists
         already (rl-eval's); :meth:`stop` closes it either way."""
-        if not config.engine.use_router and config.engine.num_engines > 1:
-            raise ValueError(ROUTER_NEEDED)
+        self.engines = EnginePool(config, model_dir=model_dir, log_dir=log_dir)
         self.config, self.model_dir, self.tokenizer = config, Path(model_dir), tokenizer
         self.source, self.log_dir = source, Path(log_dir)
         # with a time limit, reward processes start here
         self.reward_fn = reward or load_run_reward(config, tokenizer)
-        self.engines, self.router, self._loop = [], None, asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="rollout-loop", daemon=True
-        )
-        self._thread.start()
-        self._clients: dict = {}  # url -> EngineClient, one keep-alive session each
         self._drawn: dict[int, Sample] = {}  # draw number -> prompt not yet trained on
         self._requeued: list[Sample] = []  # drawn before a resume: handed out first
         self._leftovers: list[list[Sample]] = []  # refill: groups aborted, resumed next step
-        self.engine_gpus, self.turns = None, None  # set by session.start (GPU ids, colocation)
-        self.sites = (
-            None  # engine_hosts.EngineSites under Ray (set by session.start): placed engines
-        )
-        self.monitor = None  # rl_sglang.health.HealthMonitor, set by roles.engine_health
+        self._rollouts_started = 0  # a RolloutContext's rollout_id
 
     def start(self) -> "RolloutManager":
-        """Start the engines (embedded or SGLang, :mod:`rl_launcher.roles.engines`; each on
-        its own node under Ray) all at once, wait for each, then the router in front of
-        them, on this node."""
-        from rl_launcher.infra.lifetime import tie_to_this_process
-        from rl_launcher.roles.engines import start_engines
-        from rl_sglang.router import Router
-
-        engine = self.config.engine
-        self.engines = start_engines(
-            self.config,
-            model_dir=self.model_dir,
-            log_dir=self.log_dir,
-            gpus=self.engine_gpus,
-            max_batch_size=self._batch_limit(),
-            memory_saver=self._engines_release(),
-            sites=self.sites,
-        )
-        for server in self.engines:
-            server.wait_ready()
-        if engine.use_router:
-            urls = [e.url for e in self.engines]
-            router = Router(urls, host=engine.host, log_dir=self.log_dir)
-            self.router = tie_to_this_process(router).start()
+        """Start the engines and the router (:meth:`EnginePool.start`)."""
+        self.engines.start(max_batch_size=self._batch_limit())
         return self
-
-    def _engines_release(self) -> bool:
-        """Colocated turns in which the engines give their memory up (SGLang's memory
-        saver, which ``/release_memory_occupation`` needs)."""
-        return self.turns is not None and self.turns.release_engines
 
     def _batch_limit(self) -> int:
         samples = self.config.rollout.batch_size * self.config.rollout.group_size
         return max(1, min(256, -(-samples // self.config.engine.num_engines)))
-
-    def client(self, url: str):
-        """The manager's client of ``url``: its connections stay open across steps."""
-        from rl_sglang.client import EngineClient
-
-        if url not in self._clients:
-            self._clients[url] = EngineClient(url)
-        return self._clients[url]
-
-    @property
-    def engine_urls(self) -> list[str]:
-        return [e.url for e in self.engines]
-
-    def engine_nodes(self) -> list[str | None]:
-        """Each engine's Ray node; None for engines started here without Ray."""
-        if self.sites is None:
-            return [None] * len(self.engines)
-        return [engine.node_id for engine in self.engines]
-
-    def call(self, coroutine):
-        """Run ``coroutine`` on the manager's event loop and wait for its result."""
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
     def rollout(self, num_groups: int) -> tuple[list[list[Sample]], dict[str, float]]:
         """``num_groups`` prompts, ``group_size`` scored samples each (one prompt drawn per
@@ -121,9 +60,9 @@ class RolloutManager:
 
     def submit(self, num_groups: int) -> Future:
         """:meth:`rollout` in the background; ``.result()`` waits for it."""
-        if self.turns is not None:  # colocated: the devices go to the engines first
-            self.turns.generating()
-        return asyncio.run_coroutine_threadsafe(self._rollout(num_groups), self._loop)
+        if self.engines.turns is not None:  # colocated: the devices go to the engines first
+            self.engines.turns.generating()
+        return asyncio.run_coroutine_threadsafe(self._rollout(num_groups), self.engines.loop)
 
     async def _rollout(self, num_groups: int):
         if self.config.rollout.rollout_function is not None:  # replaces all of the below
@@ -224,7 +163,7 @@ class RolloutManager:
 
     def consumed(self, groups: list[list[Sample]]) -> None:
         """The loop is done with these groups' prompts (trained on or dropped)."""
-        self._loop.call_soon_threadsafe(self._forget, [g[0].group_index for g in groups])
+        self.engines.loop.call_soon_threadsafe(self._forget, [g[0].group_index for g in groups])
 
     def _forget(self, draws: list[int]) -> None:
         for draw in draws:
@@ -238,19 +177,12 @@ class RolloutManager:
             pending = [self._drawn[d].to_dict() for d in sorted(self._drawn)]
             return {"source": self.source.state_dict(), "pending": pending}
 
-        return self.call(snapshot())
+        return self.engines.call(snapshot())
 
     def load_data_state(self, state: dict) -> None:
         """Continue from :meth:`data_state`: its pending prompts are drawn again first."""
         self.source.load_state_dict(state["source"])
         self._requeued = [Sample.from_dict(d) for d in state.get("pending", [])]
-
-    async def pause_generation(self) -> None:
-        """Every engine stops; requests in flight come back aborted with what they had."""
-        await asyncio.gather(*(self.client(url).pause("abort") for url in self.engine_urls))
-
-    async def continue_generation(self) -> None:
-        await asyncio.gather(*(self.client(url).resume() for url in self.engine_urls))
 
     def sampling_params(self) -> dict:
         rollout = self.config.rollout
@@ -262,71 +194,9 @@ class RolloutManager:
         }
         return params | ({"stop": list(rollout.stop)} if rollout.stop else {})
 
-    def weight_versions(self) -> list[str]:
-        return self.call(self._versions())
-
-    async def _versions(self) -> list[str]:
-        # /model_info: real SGLang answers 404 on /get_weight_version since 0.5
-        infos = (self.client(url).request("GET", "/model_info") for url in self.engine_urls)
-        return [str(info["weight_version"]) for info in await asyncio.gather(*infos)]
-
-    def freeze_gc(self) -> list[str]:
-        """``gc.freeze()`` in every engine's processes (SGLang's ``/freeze_gc``); what each
-        engine answered, or why it could not (an engine without the endpoint keeps its
-        collector as it is: this is an optimisation, not a requirement)."""
-        return self.call(self._freeze_all())
-
-    async def _freeze_all(self) -> list[str]:
-        return await asyncio.gather(*(freeze_gc(self.client(u)) for u in self.engine_urls))
-
-    def release_memory(self, tags: list[str]) -> None:
-        """Every engine frees the memory of ``tags`` (weights, kv_cache, cuda_graph)."""
-        self.call(self._on_engines("/release_memory_occupation", {"tags": list(tags)}))
-
-    def resume_memory(self, tags: list[str]) -> None:
-        self.call(self._on_engines("/resume_memory_occupation", {"tags": list(tags)}))
-
-    async def _on_engines(self, path: str, body: dict) -> None:
-        await asyncio.gather(
-            *(self.client(u).request("POST", path, body) for u in self.engine_urls)
-        )
-
     def stop(self) -> None:
-        if self.monitor is not None:  # first, or it would restart the engines stopped below
-            self.monitor.stop()
-        self.call(_cancel_in_flight())  # a rollout a stop signal abandoned ends quietly here
-        clients, self._clients = list(self._clients.values()), {}
-        self.call(_close_all(clients))
-        for server in [self.router, *self.engines]:
-            if server is not None:
-                server.stop()
-        self.reward_fn.close()  # its worker processes; calls still waiting fail
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
-
-
-async def freeze_gc(client) -> str:
-    """One engine's answer to ``/freeze_gc``, or why it did not freeze: an engine without
-    the endpoint keeps its collector as it is (an optimisation, not a requirement)."""
-    try:
-        return str(await client.freeze_gc()).strip()
-    except Exception as error:  # reported, never fatal
-        return f"not frozen: {error}"
-
-
-async def _cancel_in_flight(timeout_s: float = 10.0) -> None:
-    """Cancel every other task on this loop (a rollout still running) and wait for them, so
-    none fails later on a closed client or reward pool with an error nobody reads."""
-    tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
-    for task in tasks:
-        task.cancel()
-    if tasks:
-        await asyncio.wait(tasks, timeout=timeout_s)
-
-
-async def _close_all(clients) -> None:
-    await asyncio.gather(*(client.close() for client in clients))
+        self.engines.stop()  # first: a rollout still running is cancelled
+        self.reward_fn.close()  # its worker processes
 
 
 def take_rollout_counts(reward, metrics: dict[str, float]) -> None:

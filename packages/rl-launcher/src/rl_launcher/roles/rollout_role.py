@@ -4,25 +4,24 @@
 and the replay stand-in :class:`~rl_launcher.infra.dumps.ReplayRollout`.
 
 Every kind implements all of it; a kind that has nothing to say gives a neutral value
-(no engines: ``engine_urls == []``, ``freeze_gc() == []``; no reward: ``reward_fn is
-None``; nothing drawn: ``consumed`` does nothing), so the loops call it unconditionally.
+(no engines: a :class:`~rl_launcher.roles.engine_pool.NoEngines` whose answers are empty;
+no reward: ``reward_fn is None``; nothing drawn: ``consumed`` does nothing), so the loops
+call it unconditionally.
 """
 
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from rl_core.types import Sample
-    from rl_launcher.infra.colocation import Turns
+    from rl_launcher.roles.engine_pool import EnginePool, NoEngines
     from rl_launcher.roles.reward import Reward
-    from rl_sglang.health import HealthMonitor
 
 Groups = list[list["Sample"]]
 
 
 class RolloutRole(Protocol):
+    engines: "EnginePool | NoEngines"  # start, sync, health, memory: roles.engine_pool
     reward_fn: "Reward | None"  # its failure counts reach every step's record
-    turns: "Turns | None"  # colocated GPUs: engines and trainer take turns
-    monitor: "HealthMonitor | None"  # restarts dead engines (engine.health_interval_s)
 
     def rollout(self, num_groups: int) -> tuple[Groups, dict[str, float]]:
         """``num_groups`` scored groups and the rollout's metrics."""
@@ -35,21 +34,5 @@ class RolloutRole(Protocol):
 
     def load_data_state(self, state: dict) -> None:
         """Continue from :meth:`data_state`."""
-
-    @property
-    def engines(self) -> list:
-        """The engine servers (handles with ``url``, ``alive()``, ``stop()``)."""
-
-    @property
-    def engine_urls(self) -> list[str]: ...
-
-    def engine_nodes(self) -> list[str | None]:
-        """The Ray node of each engine; None where an engine was started without Ray."""
-
-    def weight_versions(self) -> list[str]:
-        """The weight version each engine reports."""
-
-    def freeze_gc(self) -> list[str]:
-        """``engine.freeze_gc``: each engine's answer."""
 
     def stop(self) -> None: ...

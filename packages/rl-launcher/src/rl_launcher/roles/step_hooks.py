@@ -27,9 +27,8 @@ def apply_step_hooks(
         kept = kept if returned is None else [list(group) for group in returned]
         kept = [group for group in kept if group]
     dropped = _dropped(groups, kept)
-    consumed = getattr(run.rollout, "consumed", None)  # stand-ins (replay) draw no prompts
-    if dropped and consumed is not None:
-        consumed(dropped)
+    if dropped:
+        run.rollout.consumed(dropped)
     log_function = load_hook(config, "logging.rollout_log_function")
     if log_function is not None:
         metrics = metrics | logged_metrics(log_function(step, kept))

@@ -220,9 +220,16 @@ def _place_engines(run: Run) -> None:
 
 
 def watch_engines(run: Run) -> None:
-    from rl_launcher.roles import engine_health
+    """Health checks and restarts of the engines (:meth:`EnginePool.watch`); a restarted
+    engine gets the trainer's weights, exported to disk."""
 
-    engine_health.watch_engines(run)
+    def export(path: str) -> bool:
+        if run.trainer is None:  # still starting: never synced, start-up weights are current
+            return False
+        run.trainer.export_hf(path)
+        return True
+
+    run.rollout.engines.watch(export=export, transport=run.sync_options.get("transport"))
 
 
 def _start_rollout(run: Run, model_dir: Path, tokenizer, run_dir: Path) -> None:
@@ -241,10 +248,11 @@ def _start_rollout(run: Run, model_dir: Path, tokenizer, run_dir: Path) -> None:
         log_dir=run_dir / "logs",
         **extra,
     )
-    run.rollout.sites = run.engine_sites  # each engine on its node, by a Ray actor
+    engines = run.rollout.engines
+    engines.sites = run.engine_sites  # each engine on its node, by a Ray actor
     if turns_needed(run.config, run.plan):
         check_turns(run.config)
-        run.rollout.turns = run.trainer.turns = make_turns(run.config, run.trainer, run.rollout)
+        engines.turns = run.trainer.turns = make_turns(run.config, run.trainer, engines)
     run._cleanup.append(run.rollout.stop)
     engine = run.config.engine
     router = " and router" if engine.use_router else ""
