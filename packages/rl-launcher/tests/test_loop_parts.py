@@ -135,6 +135,11 @@ def test_staleness_and_the_fresh_subset_of_a_step():
     assert sum(b.num_seqs for b in fresh) == 2  # only group 0 is entirely version 4
     assert mismatch(fresh)["mismatch/logprob_abs_diff_max"] == 0.25
     assert fresh_only(batch.rank_batches, batch, trainer_version=7) == []
+    everyone = DataBuffer(group_size=2, num_ranks=2)
+    everyone.add([s for g in (group(0, "4"), group(1, "4")) for s in g])
+    whole = everyone.pop_step(2)
+    fresh = fresh_only(whole.rank_batches, whole, trainer_version=4)
+    assert all(f is b for f, b in zip(fresh, whole.rank_batches, strict=True))  # no copy
 
 
 def test_data_order_log_survives_a_torn_line_and_truncates(tmp_path):

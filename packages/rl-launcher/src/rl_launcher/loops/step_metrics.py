@@ -81,13 +81,19 @@ def staleness(batch, *, trainer_version: int) -> dict[str, float]:
 
 def fresh_only(rank_batches, batch, *, trainer_version: int) -> list:
     """Each rank's sequences generated entirely with the trainer's current weights: only
-    there do engine and trainer log-probs measure the same policy."""
+    there do engine and trainer log-probs measure the same policy. A rank whose sequences
+    are all fresh (every rank, in the synchronous loop) is its batch itself: copying every
+    token of the step for a metric was the driver's largest per-token cost (docs/scale.md)."""
     current = {str(trainer_version)}
     fresh = [
         [j for j, i in enumerate(part) if set(batch.samples[i].weight_versions) <= current]
         for part in batch.partitions
     ]
-    return [b.select(keep) for b, keep in zip(rank_batches, fresh, strict=True) if keep]
+    return [
+        b if len(keep) == b.num_seqs else b.select(keep)
+        for b, keep in zip(rank_batches, fresh, strict=True)
+        if keep
+    ]
 
 
 def mismatch(rank_batches) -> dict[str, float]:
