@@ -6,6 +6,7 @@ import pytest
 
 from rl_launcher.config.loader import load_config
 from rl_launcher.data.reader import parse_spec
+from rl_launcher.infra.checkpoints import checkpoint_dir, step_path
 
 ROOT = Path(__file__).resolve().parents[3]
 CONFIGS = sorted((ROOT / "examples").glob("*/*.yaml"))
@@ -13,7 +14,7 @@ CONFIGS = sorted((ROOT / "examples").glob("*/*.yaml"))
 
 def test_examples_are_found():
     names = {path.parent.name for path in CONFIGS}
-    assert {"quickstart", "ppo", "sft_then_grpo", "multiturn"} <= names
+    assert {"quickstart", "ppo", "sft_then_grpo", "multiturn", "distill"} <= names
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: f"{p.parent.name}/{p.name}")
@@ -24,3 +25,18 @@ def test_example_config_validates_and_its_files_exist(path):
         assert (ROOT / parse_spec(spec.path)[0]).is_file(), spec.path
     if config.model.tokenizer_path is not None:
         assert (ROOT / config.model.tokenizer_path).is_dir()
+
+
+def test_distill_student_scores_with_the_teacher_example_writes():
+    """examples/distill: the student's teacher_path is the HF export of the teacher run's
+    last step, and the README's GRPO-alone baseline (distill.coef=0, no teacher) validates."""
+    folder = ROOT / "examples" / "distill"
+    teacher, _ = load_config(["--config", str(folder / "teacher.yaml")])
+    student, _ = load_config(["--config", str(folder / "student.yaml")])
+    last = step_path(checkpoint_dir(teacher), teacher.num_steps)
+    assert teacher.checkpoint.save_hf and teacher.num_steps % teacher.checkpoint.interval == 0
+    assert student.distill.coef > 0 and Path(student.distill.teacher_path) == last / "hf"
+    baseline, _ = load_config(
+        ["--config", str(folder / "student.yaml"), "distill.coef=0", "distill.teacher_path=null"]
+    )
+    assert baseline.distill.coef == 0 and baseline.distill.teacher_path is None
