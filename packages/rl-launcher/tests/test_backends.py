@@ -408,3 +408,23 @@ def test_a_gguf_model_path_is_checked_before_anything_starts(tmp_path):
     config, _ = load_config(["--model.path", str(tmp_path / "SmolLM2.Q4_1.gguf")])
     with pytest.raises(ValueError, match=re.escape("does not exist; give a .gguf file")):
         prepare_model(config.model, run_dir=tmp_path, seed=0)
+
+
+def test_backend_megatron_options_are_checked_at_load_and_passed_through(tmp_path):
+    def load(options: str, name: str = "megatron"):
+        return load_config(["--backend.name", name, "--backend.megatron", options])[0]
+
+    config = load("{recompute_granularity: selective, use_distributed_optimizer: false}")
+    megatron = backend_spec(config, model_dir=tiny_model_dir(tmp_path), num_ranks=1).config
+    assert megatron.megatron["recompute_granularity"] == "selective"
+    assert megatron.distributed_optimizer is False
+    with pytest.raises(ValueError, match=r"did you mean 'recompute_granularity' \(TransformerC"):
+        load("{recompute_granularty: full}")
+    with pytest.raises(ValueError, match=r"tensor_model_parallel_size .* backend.tensor_parallel"):
+        load("{tensor_model_parallel_size: 2}")
+    with pytest.raises(ValueError, match=r"OptimizerConfig.lr is set .* use optimizer.lr instead"):
+        load("{lr: 0.1}")
+    with pytest.raises(ValueError, match=r"bf16 is set by rl-megatron; use model.dtype instead"):
+        load("{bf16: true}")
+    with pytest.raises(ValueError, match=r"backend.megatron sets megatron-core options, but"):
+        load("{recompute_granularity: full}", name="fsdp")

@@ -119,6 +119,7 @@ class MegatronBackend(WeightsAndStateMixin):
             sequence_parallel=self.config.sequence_parallel,
             dtype=DTYPES[self.config.precision],
             swiglu_fusion=self.config.swiglu_fusion and self._swiglu_fusion_works(),
+            options=self.config.megatron_options().transformer,
         )
         load_hf_weights(model, SafetensorsReader(self.config.hf_path), self.shape, self.layout)
         return model.to(self.device)

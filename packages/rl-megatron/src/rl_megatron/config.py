@@ -7,6 +7,7 @@ and the optimizer, and checks only what the layout demands of the objective.
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from rl_core.objective import Objective
 from rl_megatron.precision import PRECISIONS
@@ -80,6 +81,12 @@ class MegatronConfig:
     """Critic only: clip of the value update around old_values."""
     logprob_chunk_size: int = 1024
     """Rows per chunk of the vocab-parallel softmax."""
+    megatron: dict[str, Any] = field(default_factory=dict)
+    """megatron-core options by field name (``{"recompute_granularity": "full", ...}``):
+    TransformerConfig fields go into the model's config as given; of the DDP / optimizer
+    configs only ``use_distributed_optimizer`` (sets ``distributed_optimizer``). Unknown
+    names and the fields this config sets itself (parallel sizes, dtype, shape, lr, ...)
+    are refused (:mod:`rl_megatron.options`)."""
 
     def __post_init__(self):
         self.hf_path = Path(self.hf_path)
@@ -108,6 +115,8 @@ class MegatronConfig:
             )
         if self.swiglu_fusion is None:
             self.swiglu_fusion = self.device == "cuda"
+        for name, value in self.megatron_options().routed.items():
+            setattr(self, name, value)
         _positive(tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep)
         _positive(max_tokens_per_micro_batch=self.max_tokens_per_micro_batch)
         _positive(lr=self.lr, logprob_chunk_size=self.logprob_chunk_size)
@@ -121,6 +130,12 @@ class MegatronConfig:
             )
         if self.pp_schedule not in ("1f1b", "gpipe"):
             raise ValueError(f"pp_schedule must be '1f1b' or 'gpipe', got {self.pp_schedule!r}")
+
+    def megatron_options(self):
+        """:attr:`megatron` checked and split (:func:`rl_megatron.options.split_options`)."""
+        from rl_megatron.options import split_options
+
+        return split_options(self.megatron)
 
     @property
     def role(self) -> str:

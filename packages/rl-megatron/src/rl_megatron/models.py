@@ -42,13 +42,16 @@ def transformer_config(
     sequence_parallel: bool = False,
     dtype: torch.dtype = torch.float32,
     swiglu_fusion: bool = False,
+    options: dict | None = None,
 ):
     """The megatron ``TransformerConfig`` equivalent of ``hf_config`` (``dtype`` parameters;
-    ``swiglu_fusion``: megatron's compiled SwiGLU, see :mod:`rl_megatron.fusions`)."""
+    ``swiglu_fusion``: megatron's compiled SwiGLU, see :mod:`rl_megatron.fusions`), with
+    ``options`` (other TransformerConfig fields, checked by
+    :func:`rl_megatron.options.split_options`: activation recompute, ...) added."""
     from megatron.core.transformer import TransformerConfig
 
     shape = model_shape(hf_config, tp_size=tp_size)
-    return TransformerConfig(
+    defaults = dict(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
         num_attention_heads=shape.num_heads,
@@ -87,6 +90,7 @@ def transformer_config(
         attention_softmax_in_fp32=True,
         **moe_config_kwargs(shape, ep_size=ep_size),
     )
+    return TransformerConfig(**(defaults | (options or {})))
 
 
 def build_gpt_model(
@@ -99,9 +103,10 @@ def build_gpt_model(
     sequence_parallel: bool = False,
     dtype: torch.dtype = torch.float32,
     swiglu_fusion: bool = False,
+    options: dict | None = None,
 ):
     """A ``GPTModel`` shard for this rank; weights uninitialised (load them with
-    :func:`rl_megatron.weights.load_hf_weights`)."""
+    :func:`rl_megatron.weights.load_hf_weights`); ``options`` as in :func:`transformer_config`."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
@@ -117,6 +122,7 @@ def build_gpt_model(
         sequence_parallel=sequence_parallel,
         dtype=dtype,
         swiglu_fusion=swiglu_fusion,
+        options=options,
     )
     model = GPTModel(
         config=config,
@@ -185,6 +191,7 @@ def build_critic_model(
     sequence_parallel: bool = False,
     dtype: torch.dtype = torch.float32,
     swiglu_fusion: bool = False,
+    options: dict | None = None,
 ):
     """A ``GPTModel`` whose LM head is a :class:`ValueHead` (outputs ``[b, s, 1]``)."""
     import copy
@@ -199,6 +206,7 @@ def build_critic_model(
         sequence_parallel=sequence_parallel,
         dtype=dtype,
         swiglu_fusion=swiglu_fusion,
+        options=options,
     )
     model.output_layer = ValueHead(
         hf_config.hidden_size, sequence_parallel=model.config.sequence_parallel, dtype=dtype

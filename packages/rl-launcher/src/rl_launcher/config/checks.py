@@ -5,6 +5,7 @@ from rl_launcher.config import TrainConfig
 from rl_launcher.config.extensions import check_extensions
 from rl_launcher.config.switch_checks import check_switches
 from rl_launcher.infra.placement import plan_from_config
+from rl_launcher.roles.backends import megatron_options
 
 # Estimators whose baseline is the other samples of the prompt: a group of one sample has
 # zero advantage (rloo refuses it), so nothing would be learnt from rewards.
@@ -72,6 +73,11 @@ def _check_optimizer(config: TrainConfig) -> None:
 def _check_megatron(config: TrainConfig) -> None:
     """What rl-megatron does not do, refused rather than ignored."""
     if config.backend.name != "megatron":
+        if config.backend.megatron:
+            raise ValueError(
+                f"backend.megatron sets megatron-core options, but backend.name="
+                f"{config.backend.name}; set backend.name=megatron or remove backend.megatron"
+            )
         return
     opt = config.optimizer
     if opt.name != "adamw" or opt.schedule != "constant" or opt.warmup_steps:
@@ -80,6 +86,7 @@ def _check_megatron(config: TrainConfig) -> None:
             "optimizer.name=adamw, optimizer.schedule=constant and optimizer.warmup_steps=0, "
             "or backend.name=fsdp"
         )
+    megatron_options(config)  # names checked against megatron-core's dataclasses
     if config.model.gradient_checkpointing:
         raise ValueError(
             "model.gradient_checkpointing recomputes activations on backend.name=fsdp only; "

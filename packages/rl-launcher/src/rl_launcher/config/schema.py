@@ -189,6 +189,18 @@ class BackendConfig:
             "Backend-specific options passed through verbatim (--megatron-* on the command line)."
         ),
     )
+    megatron: dict[str, Any] = field(
+        default_factory=dict,
+        metadata=meta(
+            "megatron-core options by field name, e.g. {recompute_granularity: selective} or "
+            "{recompute_granularity: full, recompute_method: uniform, recompute_num_layers: 1}: "
+            "any TransformerConfig field goes into the model's config as given, and "
+            "use_distributed_optimizer (ZeRO-1 over data-parallel ranks; default true) from "
+            "the DDP / optimizer configs. Names are checked at load against megatron-core's "
+            "dataclasses; the fields set by other options (parallel sizes, model.dtype, the "
+            "model's shape, optimizer.*) are refused naming that option."
+        ),
+    )
 
 
 @dataclass(kw_only=True)

@@ -37,6 +37,25 @@ BACKENDS = {
     "megatron": ("rl_megatron.backend", "MegatronBackend"),
 }
 
+# MegatronConfig field -> the rl-train option that sets it (backend.megatron refuses the
+# megatron-core fields behind these, naming the option: rl_megatron.options.OWNED)
+MEGATRON_OWNERS = {
+    "tp": "backend.tensor_parallel",
+    "pp": "backend.pipeline_parallel",
+    "cp": "backend.context_parallel",
+    "ep": "backend.expert_parallel",
+    "precision": "model.dtype",
+    "hf_path": "model.path",
+    "lr": "optimizer.lr",
+    "min_lr_ratio": "optimizer.min_lr_ratio",
+    "weight_decay": "optimizer.weight_decay",
+    "adam_betas": "optimizer.betas",
+    "adam_eps": "optimizer.eps",
+    "clip_grad": "optimizer.grad_clip",
+    "sequence_parallel": "backend.extra_args --megatron-sequence-parallel",
+    "swiglu_fusion": "backend.extra_args --megatron-swiglu-fusion",
+}
+
 # The Objective fields the config holds elsewhere than algorithm.<same name>.
 OBJECTIVE_SOURCES = {
     "mode": lambda config: {"sft": "sft", "dpo": "dpo"}.get(config.mode, "policy"),
@@ -163,10 +182,22 @@ def megatron_config(config, *, model_dir: Path, objective: Objective | None = No
         max_tokens_per_micro_batch=backend.micro_batch_tokens,
         train_only=tuple(config.model.train_only),
         freeze=tuple(config.model.freeze),
+        megatron=megatron_options(config),
     )
     if config.algorithm.ref_path is not None:  # else the starting model, when one is needed
         fields["ref_path"] = Path(config.algorithm.ref_path)
     return MegatronConfig(**(fields | megatron_overrides(backend.extra_args)))
+
+
+def megatron_options(config) -> dict[str, Any]:
+    """``backend.megatron``, checked against megatron-core's dataclasses
+    (:func:`rl_megatron.options.split_options`; ValueError naming the rl-train option
+    that sets a field this mapping may not)."""
+    from rl_megatron.options import split_options
+
+    options = dict(config.backend.megatron)
+    split_options(options, where="backend.megatron", owners=MEGATRON_OWNERS)
+    return options
 
 
 def megatron_overrides(extra_args: list[str]) -> dict[str, Any]:
