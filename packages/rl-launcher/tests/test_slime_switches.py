@@ -24,7 +24,7 @@ KL = ["--algorithm.kl_coef", "0.1"]
     [
         (
             ["--algorithm.old_log_probs", "rollout", "--algorithm.rollout_is_level", "token"],
-            "unset algorithm.rollout_is_level, or use algorithm.old_log_probs=recompute",
+            "or use algorithm.old_log_probs=recompute",
         ),
         (
             ["--algorithm.opsm", "true", "--algorithm.old_log_probs", "train_step"],

@@ -19,7 +19,9 @@ def _check_old_log_probs(config: TrainConfig) -> None:
         raise ValueError(
             "algorithm.old_log_probs=rollout makes the rollout policy pi_old, so the rollout "
             "importance weights pi_old / pi_rollout would all be 1: unset "
-            "algorithm.rollout_is_level, or use algorithm.old_log_probs=recompute"
+            "algorithm.rollout_is_level (and keep rollout.stale_policy=drop: the PPO ratio to "
+            "the rollout policy already covers stale samples), or use "
+            "algorithm.old_log_probs=recompute"
         )
     if algorithm.opsm and algorithm.old_log_probs == "train_step":
         raise ValueError(
