@@ -118,7 +118,11 @@ class ModelConfig:
         "backend does; use bfloat16).",
         choices=("float32", "bfloat16"),
     )
-    gradient_checkpointing: bool = option(False, help="Recompute activations in backward.")
+    gradient_checkpointing: bool = option(
+        False,
+        help="Recompute activations in backward (Megatron: full recompute of every layer, "
+        "unless backend.megatron sets recompute_granularity).",
+    )
     lora_rank: int = option(
         0,
         help="Rank of LoRA adapters on model.lora_targets (0: full fine-tuning). Only the "
@@ -291,7 +295,8 @@ class AlgorithmConfig:
         help="KL-to-reference penalty in the reward: each response token's reward loses this "
         "times the KL of the step's old policy to the reference before the advantages "
         "(reinforce_plus_plus, reinforce_plus_plus_baseline, gae; grpo, dr_grpo and rloo "
-        "ignore it and refuse it). Independent of the loss's kl_coef.",
+        "ignore it and refuse it). Independent of the loss's kl_coef. verl's "
+        "use_kl_in_reward with kl_ctrl.kl_coef (apply_kl_penalty); slime's --kl-coef.",
         low=0,
     )
     reward_kl_kind: str = option(
