@@ -428,3 +428,16 @@ def test_backend_megatron_options_are_checked_at_load_and_passed_through(tmp_pat
         load("{bf16: true}")
     with pytest.raises(ValueError, match=r"backend.megatron sets megatron-core options, but"):
         load("{recompute_granularity: full}", name="fsdp")
+
+
+def test_gradient_checkpointing_is_full_recompute_on_megatron(tmp_path):
+    def megatron_of(*extra: str):
+        args = ["--backend.name", "megatron", "--model.gradient_checkpointing", "true", *extra]
+        config = load_config(args)[0]
+        return backend_spec(config, model_dir=tiny_model_dir(tmp_path), num_ranks=1).config
+
+    assert megatron_of().megatron == backends.FULL_RECOMPUTE
+    selective = {"recompute_granularity": "selective"}  # backend.megatron says how
+    assert megatron_of("--backend.megatron", "{recompute_granularity: selective}").megatron == (
+        selective
+    )

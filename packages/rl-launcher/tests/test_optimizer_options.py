@@ -27,19 +27,6 @@ def test_adamw_stays_the_default(tmp_path):
         (["--optimizer.name", "sgd", "--backend.name", "megatron"], "backend.name=fsdp"),
         (["--optimizer.momentum", "0.9"], "optimizer.name=sgd"),
         (["--model.dtype", "float16"], "bfloat16"),
-        (
-            [
-                "--backend.name",
-                "megatron",
-                "--optimizer.schedule",
-                "constant",
-                "--optimizer.warmup_steps",
-                "0",
-                "--model.gradient_checkpointing",
-                "true",
-            ],
-            "gradient_checkpointing=false",
-        ),
     ],
 )
 def test_what_no_backend_does_is_refused_at_load(tmp_path, extra, named):

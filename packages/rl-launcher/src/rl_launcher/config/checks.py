@@ -87,12 +87,6 @@ def _check_megatron(config: TrainConfig) -> None:
             "or backend.name=fsdp"
         )
     megatron_options(config)  # names checked against megatron-core's dataclasses
-    if config.model.gradient_checkpointing:
-        raise ValueError(
-            "model.gradient_checkpointing recomputes activations on backend.name=fsdp only; "
-            "rl-megatron has no recompute option: set model.gradient_checkpointing=false or "
-            "backend.name=fsdp"
-        )
 
 
 def _check_lora(config: TrainConfig) -> None:

@@ -56,6 +56,13 @@ MEGATRON_OWNERS = {
     "swiglu_fusion": "backend.extra_args --megatron-swiglu-fusion",
 }
 
+# model.gradient_checkpointing on Megatron: each layer's input kept, the layer recomputed
+FULL_RECOMPUTE = {
+    "recompute_granularity": "full",
+    "recompute_method": "uniform",
+    "recompute_num_layers": 1,
+}
+
 # The Objective fields the config holds elsewhere than algorithm.<same name>.
 OBJECTIVE_SOURCES = {
     "mode": lambda config: {"sft": "sft", "dpo": "dpo"}.get(config.mode, "policy"),
@@ -192,10 +199,13 @@ def megatron_config(config, *, model_dir: Path, objective: Objective | None = No
 def megatron_options(config) -> dict[str, Any]:
     """``backend.megatron``, checked against megatron-core's dataclasses
     (:func:`rl_megatron.options.split_options`; ValueError naming the rl-train option
-    that sets a field this mapping may not)."""
+    that sets a field this mapping may not). ``model.gradient_checkpointing`` is full
+    recompute of every layer unless ``backend.megatron`` says how to recompute."""
     from rl_megatron.options import split_options
 
     options = dict(config.backend.megatron)
+    if config.model.gradient_checkpointing and "recompute_granularity" not in options:
+        options |= FULL_RECOMPUTE
     split_options(options, where="backend.megatron", owners=MEGATRON_OWNERS)
     return options
 

@@ -14,6 +14,9 @@ never by the backend on GPUs. What it changes:
 4. Under context parallel, megatron's rotary embedding picks this rank's zigzag chunks with
    an index tensor it pins and moves with ``.cuda()``; the same selection is done on the
    embedding's own device instead.
+5. Activation recompute (megatron's ``tensor_parallel.checkpoint``) saves and restores the
+   CUDA generator's state with the CPU one and the tracker's: on CPU there is none, so the
+   CUDA part reads as empty and setting it does nothing.
 
 Call :func:`install` once per process before building a model; it is idempotent.
 """
@@ -35,6 +38,10 @@ def install(seed: int = 1234) -> None:
         torch.cuda.synchronize = lambda *args, **kwargs: None
         torch.Tensor.cuda = lambda self, *args, **kwargs: self
         rotary_pos_embedding.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank
+        from megatron.core.tensor_parallel import random as mrandom
+
+        mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
+        mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
         _INSTALLED = True
     seed_cpu_rng_tracker(seed)
 
