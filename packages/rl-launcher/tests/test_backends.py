@@ -165,8 +165,8 @@ def test_megatron_refuses_what_it_cannot_do():
         "pp": 2,
         "distributed_optimizer": False,
     }
-    with pytest.raises(ValueError, match=re.escape("optimizer.schedule=constant")):  # at load
-        load_config(["--backend.name", "megatron", "--optimizer.schedule", "cosine"])
+    with pytest.raises(ValueError, match=re.escape("set optimizer.name=adamw")):  # at load
+        load_config(["--backend.name", "megatron", "--optimizer.name", "sgd"])
 
 
 def gpu_config(*extra: str):

@@ -34,7 +34,7 @@ def shrunk(run_dir: Path, *extra: str) -> list[str]:
         "--optimizer.lr",
         "0.01",
         "--optimizer.schedule",
-        "constant",  # megatron: constant only
+        "constant",
         "--logging.run_dir",
         str(run_dir),
         "--model.tokenizer_path",

@@ -171,6 +171,10 @@ def test_config_is_validated(model_dirs):
         MegatronConfig(hf_path=path, tp=0)
     with pytest.raises(ValueError, match="objective mode 'dpo': rl-megatron trains policy and sft"):
         MegatronConfig(hf_path=path, objective=Objective(mode="dpo"))
+    with pytest.raises(ValueError, match="lr_decay='cosine' needs total_steps"):
+        MegatronConfig(hf_path=path, lr_decay="cosine")
+    with pytest.raises(ValueError, match="lr_decay must be one of constant, linear, cosine"):
+        MegatronConfig(hf_path=path, lr_decay="step")
 
 
 def test_config_reads_the_objective(model_dirs):

@@ -1,27 +1,23 @@
 """AdamW or SGD, and the learning-rate schedule: linear warmup, then constant, linear or cosine
 decay to ``min_lr_ratio · lr`` at ``total_steps``."""
 
-import math
-
 import torch
 from torch import nn
 
+from rl_core.lr_schedule import lr_multiplier as schedule_multiplier
 from rl_fsdp.config import FSDPConfig
 
 
 def lr_multiplier(step: int, config: FSDPConfig) -> float:
-    """Factor on ``config.lr`` for optimizer step ``step`` (0-based)."""
-    if step < config.warmup_steps:
-        return (step + 1) / config.warmup_steps
-    if config.lr_decay == "constant":
-        return 1.0
-    decay_steps = max(config.total_steps - config.warmup_steps, 1)
-    progress = min((step - config.warmup_steps) / decay_steps, 1.0)
-    if config.lr_decay == "linear":
-        shape = 1.0 - progress
-    else:
-        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * shape
+    """Factor on ``config.lr`` for optimizer step ``step`` (0-based;
+    :func:`rl_core.lr_schedule.lr_multiplier`, the schedule rl-megatron steps by too)."""
+    return schedule_multiplier(
+        step,
+        warmup_steps=config.warmup_steps,
+        decay=config.lr_decay,
+        total_steps=config.total_steps,
+        min_lr_ratio=config.min_lr_ratio,
+    )
 
 
 def build_optimizer(model: nn.Module, config: FSDPConfig):

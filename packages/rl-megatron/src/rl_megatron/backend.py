@@ -255,11 +255,13 @@ class MegatronBackend(WeightsAndStateMixin):
 
     # ----------------------------------------------------------------- training
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """Micro-batched forward/backward with rl_core losses, DP gradient sum, clip, AdamW.
+        """Micro-batched forward/backward with rl_core losses, DP gradient sum, clip, AdamW
+        at the schedule's lr for this step (``train/lr``, as rl-fsdp reports it).
 
         NaN or inf in the loss or gradient norm on any rank skips the update on every rank
         (:mod:`rl_megatron.faults`): weights, optimizer state and ``step`` stay unchanged
         and ``train/nonfinite_skipped`` is 1."""
+        lr = optim.set_lr(self.optimizer, self.config, self.step)
         metrics = self.forward_backward(batch)
         grad_norm = self.grad_norm()
         skipped = faults.any_rank_nonfinite(metrics, grad_norm, self.device)
@@ -270,7 +272,6 @@ class MegatronBackend(WeightsAndStateMixin):
                 self.optimizer.step()
             self.step += 1
         self.optimizer.zero_grad(set_to_none=True)
-        lr = self.optimizer.param_groups[0]["lr"]
         return {
             **metrics,
             "train/grad_norm": grad_norm,

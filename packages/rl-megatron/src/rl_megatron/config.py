@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rl_core.lr_schedule import LR_DECAYS
 from rl_core.objective import Objective
 from rl_megatron.precision import PRECISIONS
 
@@ -68,6 +69,15 @@ class MegatronConfig:
     it saves). Falls back to the unfused activation, with a warning, if it fails to compile."""
     seed: int = 1234
     lr: float = 1e-6
+    warmup_steps: int = 0
+    """Linear warm-up from ``lr / warmup_steps`` to ``lr`` over this many optimizer steps."""
+    lr_decay: str = "constant"
+    """After warm-up: "constant", "linear" or "cosine" down to ``min_lr_ratio * lr`` at
+    ``total_steps`` (rl_core.lr_schedule, the schedule rl-fsdp steps by too)."""
+    total_steps: int | None = None
+    """Length of the schedule in optimizer steps (needed by linear and cosine)."""
+    min_lr_ratio: float = 0.0
+    """Final lr / peak lr of a decaying schedule."""
     weight_decay: float = 0.0
     adam_betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = 1e-8
@@ -120,6 +130,7 @@ class MegatronConfig:
         _positive(tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep)
         _positive(max_tokens_per_micro_batch=self.max_tokens_per_micro_batch)
         _positive(lr=self.lr, logprob_chunk_size=self.logprob_chunk_size)
+        self._check_schedule()
         if self.clip_grad < 0:
             raise ValueError(f"clip_grad must be >= 0 (0 disables), got {self.clip_grad}")
         if self.cp > 1:
@@ -141,6 +152,18 @@ class MegatronConfig:
     def role(self) -> str:
         """ "policy", "sft" (the objective's mode) or "critic": what the model is trained as."""
         return "critic" if self.critic else self.objective.mode
+
+    def _check_schedule(self) -> None:
+        if self.lr_decay not in LR_DECAYS:
+            raise ValueError(
+                f"lr_decay must be one of {', '.join(LR_DECAYS)}, got {self.lr_decay!r}"
+            )
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.lr_decay != "constant" and not self.total_steps:
+            raise ValueError(f"lr_decay={self.lr_decay!r} needs total_steps (the schedule length)")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 
     def _check_context_parallel(self) -> None:
         """Under CP a rank sees part of each sequence: only per-token sums add up."""

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from rl_core.lr_schedule import lr_multiplier
 from rl_megatron.precision import grad_of, make_mixed
 
 
@@ -140,6 +141,24 @@ def _adamw(params, config, layout, dp_group) -> torch.optim.Optimizer:
             params, optimizer_class=torch.optim.AdamW, process_group=dp_group, **kwargs
         )
     return torch.optim.AdamW(params, **kwargs)
+
+
+def set_lr(optimizer, config, step: int) -> float:
+    """Set the lr of optimizer step ``step`` (0-based) on every wrapper level's param
+    groups (ZeRO copies its own groups into the inner optimizer's) and return it."""
+    lr = config.lr * lr_multiplier(
+        step,
+        warmup_steps=config.warmup_steps,
+        decay=config.lr_decay,
+        total_steps=config.total_steps,
+        min_lr_ratio=config.min_lr_ratio,
+    )
+    while True:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        if not hasattr(optimizer, "optim"):
+            return lr
+        optimizer = optimizer.optim
 
 
 def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -80,11 +80,10 @@ def _check_megatron(config: TrainConfig) -> None:
             )
         return
     opt = config.optimizer
-    if opt.name != "adamw" or opt.schedule != "constant" or opt.warmup_steps:
+    if opt.name != "adamw":
         raise ValueError(
-            "backend.name=megatron trains with AdamW at a constant learning rate: set "
-            "optimizer.name=adamw, optimizer.schedule=constant and optimizer.warmup_steps=0, "
-            "or backend.name=fsdp"
+            f"backend.name=megatron trains with AdamW (optimizer.name={opt.name}): set "
+            "optimizer.name=adamw, or backend.name=fsdp"
         )
     megatron_options(config)  # names checked against megatron-core's dataclasses
 

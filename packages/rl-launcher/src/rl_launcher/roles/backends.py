@@ -166,11 +166,8 @@ def megatron_config(config, *, model_dir: Path, objective: Objective | None = No
     from rl_megatron.config import MegatronConfig
 
     opt, backend = config.optimizer, config.backend
-    if opt.schedule != "constant" or opt.warmup_steps or opt.name != "adamw":
-        raise ValueError(
-            "backend.name=megatron trains with AdamW at a constant learning rate: set "
-            "optimizer.name=adamw, optimizer.schedule=constant and optimizer.warmup_steps=0"
-        )
+    if opt.name != "adamw":
+        raise ValueError("backend.name=megatron trains with AdamW: set optimizer.name=adamw")
     fields = dict(
         hf_path=model_dir,
         objective=objective or objective_of(config),
@@ -182,6 +179,10 @@ def megatron_config(config, *, model_dir: Path, objective: Objective | None = No
         precision=_precision(config, "megatron"),
         seed=config.seed,
         lr=opt.lr,
+        warmup_steps=opt.warmup_steps,
+        lr_decay=opt.schedule,
+        total_steps=config.num_steps,
+        min_lr_ratio=opt.min_lr_ratio,
         weight_decay=opt.weight_decay,
         adam_betas=tuple(opt.betas),
         adam_eps=opt.eps,
