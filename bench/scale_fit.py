@@ -1,6 +1,6 @@
 """Cost model of the control plane fitted to bench/scale_sim.py's measurements (issue 33).
 
-    python bench/scale_fit.py runs/scale_sim.json [more.json ...]
+    python bench/scale_fit.py [--markdown] runs/scale_sim.json [more.json ...]
 
 Each component's per-step cost (median over the steps after the first) is fitted as
 ``a + b x`` by least squares against what it should grow with (``x``: samples per step,
@@ -114,8 +114,66 @@ def row(name: str, layout: str, loop: str, what: str, points: list) -> dict:
     }
 
 
-def main(paths: list[str]) -> None:
+# the per-size table of docs/scale.md: column -> (step key, scale)
+TABLE = {
+    "step s": ("time/step", 1),
+    "driver CPU s": ("driver_cpu/step", 1),
+    "CPU share": ("cpu_share", 1),
+    "rollout CPU ms": ("driver_cpu/rollout", 1e3),
+    "pop_step ms": ("buffer/pop_step", 1e3),
+    "train dispatch ms": ("time/train_dispatch", 1e3),
+    "Ray MB": ("ray/batch_bytes", 1e-6),
+    "sync over ms": ("sync_overhead", 1e3),
+    "ckpt over ms": ("checkpoint_overhead", 1e3),
+    "router ms": ("router/added_latency_s", 1e3),
+    "driver RSS MB": ("driver/rss_bytes", 1e-6),
+}
+
+
+def markdown(results: list[dict]) -> str:
+    """One table of medians per run (sizes as rows), then the fits."""
+    head = "| GPUs | layout | loop | engines | ranks | samples | start-up s | "
+    lines = [head + " | ".join(TABLE) + " |", "|" + "---|" * (7 + len(TABLE))]
+    for r in sorted(
+        (r for r in results if "error" not in r),
+        key=lambda r: (r["layout"], r["loop"], r["samples_per_step"]),
+    ):
+        cells = [
+            r["gpus"],
+            r["layout"],
+            r["loop"],
+            r["num_engines"],
+            r["num_train_ranks"],
+            r["samples_per_step"],
+            f"{r['startup'].get('time/start_run', 0):.0f}",
+        ]
+        for key, scale in TABLE.values():
+            if key == "cpu_share":
+                value = medians(r, "driver_cpu/step") / medians(r, "time/step")
+            else:
+                value = medians(r, key)
+            cells.append("" if value is None else f"{value * scale:.3g}")
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    lines += [
+        "",
+        "| component | layout | loop | grows with | a | b | max rel. error |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for f in fits(results):
+        lines.append(
+            f"| {f['component']} | {f['layout']} | {f['loop']} | {f['grows_with']} "
+            f"| {f['a']:.3g} | {f['b']:.3g} | {f['max_rel_error']:.0%} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    as_markdown = "--markdown" in argv
+    paths = [a for a in argv if a != "--markdown"]
     results = [r for path in paths for r in json.loads(Path(path).read_text())]
+    if as_markdown:
+        print(markdown(results))
+        return
     for line in fits(results):
         print(json.dumps(line))
 

@@ -113,6 +113,7 @@ def sim_config(args, *, gpus: int, layout: str, loop: str, run_dir: Path, addres
         "--engine.devices_per_engine", str(args.engine_tp),
         "--engine.weight_sync", "distributed",  # tensor handles stay on rank 0's node
         "--engine.health_interval_s", "0",
+        "--engine.weight_bucket_bytes", str(args.bucket_mb << 20),
     ]  # fmt: skip
     if not colocate:
         argv += ["--backend.num_ranks", str(gpus - engine_gpus)]
@@ -189,6 +190,22 @@ def router_latency(run, num: int = 20) -> float:
     return through - (before + after) / 2
 
 
+def actor_memory(run) -> dict:
+    """Resident memory of the stand-ins' actors (one per node for ranks, one per node for
+    engines): the largest and the sum."""
+    import ray
+
+    hosts = list({id(e.actor): e.actor for e in run.rollout.engines.servers}.values())
+    engines = ray.get([h.rss_bytes.remote() for h in hosts])
+    ranks = run.trainer.rss_bytes()
+    return {
+        "rss/rank_node_actor_max": max(ranks),
+        "rss/rank_node_actors_sum": sum(ranks),
+        "rss/engine_node_actor_max": max(engines),
+        "rss/engine_node_actors_sum": sum(engines),
+    }
+
+
 def instrumented(probe: Probe, stack: contextlib.ExitStack) -> None:
     """Timing wrappers around the launcher's own functions (nothing else changes)."""
     from rl_launcher.data import buffer as buffer_module
@@ -203,6 +220,7 @@ def instrumented(probe: Probe, stack: contextlib.ExitStack) -> None:
         start = time.perf_counter()
         probe.run = start_run(config)
         store["time/start_run"] = time.perf_counter() - start
+        store.update(actor_memory(probe.run))
         return probe.run
 
     def run_step_timed(run, buffer, step, feed=None):
@@ -317,6 +335,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--tokens-per-s", type=float, default=2000.0)
     parser.add_argument("--weight-gb", type=float, default=1.0)
     parser.add_argument("--train-s", type=float, default=0.2)
+    parser.add_argument("--bucket-mb", type=int, default=1024, help="weight-sync bucket size")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--work-dir", type=Path, default=None)
     args = parser.parse_args(argv)
