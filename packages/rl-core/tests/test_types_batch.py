@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from rl_core.batch import TrainBatch, batch_from_samples, next_token_targets
-from rl_core.types import Sample, SampleStatus
+from rl_core.types import Sample, SampleStatus, scalar_reward
 
 
 def make_samples():
@@ -109,3 +109,12 @@ def test_new_device_boundaries_are_read_back_not_trusted():
     with pytest.raises(NotImplementedError):  # it tries to read the new boundaries
         replace(on_meta, cu_seqlens=torch.tensor([0, 4, 8], device="meta"))
     assert replace(on_meta, advantages=None).host_cu_seqlens.tolist() == [0, 5, 8]
+
+
+def test_scalar_reward_reads_numbers_mappings_and_refuses_a_missing_reward():
+    assert scalar_reward(Sample(tokens=[1], reward=0.5)) == 0.5
+    assert scalar_reward(Sample(tokens=[1], reward={"acc": 1, "fmt": 0.25}), "fmt") == 0.25
+    unscored = Sample(tokens=[1], index=4, group_index=1)
+    with pytest.raises(ValueError, match="sample 1/4 has no reward"):
+        scalar_reward(unscored)
+    assert scalar_reward(unscored, unscored=0.0) == 0.0  # an aborted sample in a group filter

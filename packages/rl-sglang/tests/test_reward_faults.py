@@ -9,9 +9,9 @@ import time
 import pytest
 
 from conftest import run
-from rl_core.types import Sample
+from rl_core.types import Sample, scalar_reward
 from rl_sglang.client import EngineClient
-from rl_sglang.rollout.default import RolloutConfig, default_rollout, scalar_reward
+from rl_sglang.rollout.default import RolloutConfig, default_rollout
 from rl_sglang.rollout.generate import GenerateContext
 from rl_sglang.rollout.rewards import RewardFailed, RewardGuard, bad_reward, reward_name
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from rl_core.aggregation import AGGREGATION_MODES, aggregate, load_reducer
+from rl_core.batch import TrainBatch
 from rl_core.importance import IS_LEVELS, IS_MODES, off_policy_sequence_mask
 from rl_core.kl import KL_KINDS, approx_kl, importance_weighted_kl
 from rl_core.losses import POLICY_LOSSES, entropy_loss, sft_loss
@@ -163,6 +164,23 @@ class Objective:
     def corrects_rollout(self) -> bool:
         """Whether the policy loss is weighted by rollout importance weights."""
         return self.rollout_is_level is not None
+
+
+def aggregate_batch(
+    objective: Objective, per_token: torch.Tensor, batch: TrainBatch
+) -> torch.Tensor:
+    """``per_token`` ``[N]`` values of the packed ``batch`` reduced as the objective reduces
+    its losses (``loss_agg_mode``, ``norm_length``) over the step's global denominators
+    (``batch.global_num_tokens`` / ``global_num_seqs``): a critic's value loss, a reported KL."""
+    return aggregate(
+        per_token,
+        batch.loss_mask,
+        mode=objective.loss_agg_mode,
+        cu_seqlens=batch.cu_seqlens,
+        num_tokens=batch.global_num_tokens,
+        num_seqs=batch.global_num_seqs,
+        norm_length=objective.norm_length,
+    )
 
 
 def objective_loss(

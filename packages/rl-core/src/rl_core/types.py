@@ -87,3 +87,27 @@ class Sample:
     @classmethod
     def from_json(cls, text: str) -> "Sample":
         return cls.from_dict(json.loads(text))
+
+
+def scalar_reward(
+    sample: Sample, reward_key: str | None = None, *, unscored: float | None = None
+) -> float:
+    """The number ``sample.reward`` stands for: the reward itself, or its entry ``reward_key``
+    when the reward is a mapping. A sample without a reward is a ValueError, unless
+    ``unscored`` gives its value (a group filter or pass@k count aborted samples as 0)."""
+    reward = sample.reward
+    if reward is None:
+        if unscored is not None:
+            return unscored
+        raise ValueError(
+            f"sample {sample.group_index}/{sample.index} has no reward; score it first"
+        )
+    if isinstance(reward, dict):
+        if reward_key not in reward:
+            raise ValueError(
+                f"the reward of sample {sample.index} is a mapping with keys "
+                f"{sorted(map(str, reward))}; set reward_key (RolloutConfig.reward_key; with "
+                f"rl-train, set algorithm.reward_key) to the one to use, not {reward_key!r}"
+            )
+        return float(reward[reward_key])
+    return float(reward)

@@ -18,12 +18,11 @@ from pathlib import Path
 
 import torch
 
-from rl_core.aggregation import aggregate
 from rl_core.batch import TrainBatch
 from rl_core.distributed import DistInfo
 from rl_core.importance import logprob_gap_share, rollout_importance_weights
 from rl_core.kl import approx_kl
-from rl_core.objective import objective_loss
+from rl_core.objective import aggregate_batch, objective_loss
 from rl_core.packing import first_fit_pack
 from rl_fsdp.config import FSDPConfig
 from rl_fsdp.distributed import all_reduce_max_int
@@ -176,7 +175,7 @@ class FSDPBackend(ShardedTrainer):
         metrics.update(objective_metrics)
         if policy and mb.ref_log_probs is not None and objective.kl_coef == 0.0:
             kl = approx_kl(log_probs.detach(), mb.ref_log_probs, kind=objective.kl_kind)
-            metrics["actor/kl"] = self._aggregate(kl, mb)  # reported even if unused
+            metrics["actor/kl"] = aggregate_batch(objective, kl, mb)  # reported even if unused
         return loss, metrics
 
     def _policy_inputs(self, mb: TrainBatch, log_probs: torch.Tensor):
@@ -194,17 +193,6 @@ class FSDPBackend(ShardedTrainer):
                 log_probs, mb.rollout_log_probs, mb.loss_mask, num_tokens=mb.global_num_tokens
             )
         return old, weights, metrics
-
-    def _aggregate(self, per_token: torch.Tensor, mb: TrainBatch) -> torch.Tensor:
-        return aggregate(
-            per_token,
-            mb.loss_mask,
-            mode=self.config.objective.loss_agg_mode,
-            cu_seqlens=mb.cu_seqlens,
-            num_tokens=mb.global_num_tokens,
-            num_seqs=mb.global_num_seqs,
-            norm_length=self.config.objective.norm_length,
-        )
 
     def _rollout_weights(self, mb: TrainBatch, old: torch.Tensor):
         """Rollout importance weights (or None) and their metrics as shares of the step."""

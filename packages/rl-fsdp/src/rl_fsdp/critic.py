@@ -8,9 +8,9 @@ Alignment: ``values[t]`` is the value of the state that predicts token t + 1 (th
 
 import torch
 
-from rl_core.aggregation import aggregate
 from rl_core.batch import TrainBatch
 from rl_core.losses import value_loss
+from rl_core.objective import aggregate_batch
 from rl_fsdp.engine import ShardedTrainer
 from rl_fsdp.forward import packed_values
 from rl_fsdp.modeling import reshard_all
@@ -45,15 +45,7 @@ class FSDPCritic(ShardedTrainer):
         )
 
         def agg(x: torch.Tensor) -> torch.Tensor:
-            return aggregate(
-                x,
-                mb.loss_mask,
-                mode=self.config.objective.loss_agg_mode,
-                cu_seqlens=mb.cu_seqlens,
-                num_tokens=mb.global_num_tokens,
-                num_seqs=mb.global_num_seqs,
-                norm_length=self.config.objective.norm_length,
-            )
+            return aggregate_batch(self.config.objective, x, mb)
 
         loss = agg(per_token)
         metrics = {

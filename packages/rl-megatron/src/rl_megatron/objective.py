@@ -7,22 +7,11 @@ summing micro-batches and ranks gives the full-batch loss.
 
 import torch
 
-from rl_core.aggregation import aggregate
 from rl_core.batch import TrainBatch
 from rl_core.importance import logprob_gap_share, rollout_importance_weights
 from rl_core.losses import value_loss
-from rl_core.objective import objective_loss
+from rl_core.objective import aggregate_batch, objective_loss
 from rl_megatron.config import MegatronConfig
-
-
-def _aggregation(config: MegatronConfig, part: TrainBatch) -> dict:
-    return {
-        "mode": config.objective.loss_agg_mode,
-        "cu_seqlens": part.cu_seqlens,
-        "num_tokens": part.global_num_tokens,
-        "num_seqs": part.global_num_seqs,
-        "norm_length": config.objective.norm_length,
-    }
 
 
 def actor_loss(
@@ -94,8 +83,7 @@ def critic_loss(
         raise ValueError("critic training needs batch.returns (and old_values to clip)")
     old = part.old_values if part.old_values is not None else values.detach()
     per_token, clipped = value_loss(values, old, part.returns, clip=config.value_clip)
-    settings = _aggregation(config, part)
-    loss = aggregate(per_token, part.loss_mask, **settings)
-    clipfrac = aggregate(clipped, part.loss_mask, **settings)
+    loss = aggregate_batch(config.objective, per_token, part)
+    clipfrac = aggregate_batch(config.objective, clipped, part)
     metrics = {"loss/value": float(loss.detach()), "critic/clipfrac": float(clipfrac)}
     return loss, {**metrics, "loss/total": metrics["loss/value"]}

@@ -37,7 +37,7 @@ from rl_core.filters import GROUP_FILTERS
 from rl_core.kl import approx_kl
 from rl_core.metrics import summarize
 from rl_core.packing import balanced_partitions
-from rl_core.types import Sample, SampleStatus
+from rl_core.types import Sample, SampleStatus, scalar_reward
 
 TEACHER_KEY = "teacher_log_probs"  # Sample.metadata: the teacher's log-prob of each response token
 
@@ -53,20 +53,19 @@ class StepBatch:
     group_sizes: list[int] = field(default_factory=list)  # of the contiguous groups in samples
 
 
-def scalar_reward(sample: Sample, reward_key: str | None = None) -> float:
-    """The reward the advantage uses; a mapping reward needs ``reward_key``."""
-    reward = sample.reward
-    if reward is None:
-        raise ValueError(
-            f"sample {sample.group_index}/{sample.index} has no reward; score it first"
-        )
-    if isinstance(reward, dict):
-        if reward_key is None or reward_key not in reward:
-            raise ValueError(
-                f"reward is a mapping with keys {sorted(reward)}; set algorithm.reward_key to one"
-            )
-        return float(reward[reward_key])
-    return float(reward)
+def split_by_rank(
+    batch: TrainBatch, samples: list[Sample], num_ranks: int
+) -> tuple[list[list[int]], list[TrainBatch]]:
+    """``batch`` (of ``samples``, with step-wide denominators) split across ``num_ranks``
+    data-parallel ranks, balanced by tokens: each rank's sample indices and its batch (the
+    whole batch where a rank has every sample)."""
+    everything = list(range(len(samples)))
+    partitions = (
+        [everything]  # what balanced_partitions gives for one rank, without its heap
+        if num_ranks == 1
+        else balanced_partitions([len(s.tokens) for s in samples], num_ranks)
+    )
+    return partitions, [batch if part == everything else batch.select(part) for part in partitions]
 
 
 class DataBuffer:
@@ -178,15 +177,10 @@ class DataBuffer:
         if not self.defers_advantages:
             advantages, distill_metrics = self.shaped_advantages(samples, group_sizes=sizes)
         full = batch_from_samples(samples, advantages)
-        everything = list(range(len(samples)))
-        partitions = (
-            [everything]  # what balanced_partitions gives for one rank, without its heap
-            if self.num_ranks == 1
-            else balanced_partitions([len(s.tokens) for s in samples], self.num_ranks)
-        )
+        partitions, rank_batches = split_by_rank(full, samples, self.num_ranks)
         step = StepBatch(
             samples=samples,
-            rank_batches=[full if part == everything else full.select(part) for part in partitions],
+            rank_batches=rank_batches,
             partitions=partitions,
             metrics=self._step_metrics(samples) | distill_metrics,
             group_sizes=sizes,

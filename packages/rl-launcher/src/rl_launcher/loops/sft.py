@@ -16,7 +16,7 @@ from pathlib import Path
 
 from rl_core.batch import batch_from_samples
 from rl_core.metrics import summarize
-from rl_core.packing import balanced_partitions
+from rl_launcher.data.buffer import split_by_rank
 from rl_launcher.infra import checkpoints, resume_choice, stopping
 from rl_launcher.infra.run_log import MetricsLog, truncate_metrics
 from rl_launcher.loops.extras import save_extras
@@ -66,11 +66,7 @@ def start_sft_run(config, *, to_sample=None):
 
 def rank_batches(samples: list, num_ranks: int) -> list:
     """One packed batch of ``samples`` (step-wide denominators) split across ranks by tokens."""
-    batch = batch_from_samples(samples)
-    if num_ranks == 1:
-        return [batch]
-    parts = balanced_partitions([len(s.tokens) for s in samples], num_ranks)
-    return [batch.select(part) for part in parts]
+    return split_by_rank(batch_from_samples(samples), samples, num_ranks)[1]
 
 
 def sft_step(run, step: int = 0) -> dict[str, float]:

@@ -23,14 +23,14 @@ import torch
 
 from rl_core.advantages import AdvantageInputs
 from rl_core.batch import TrainBatch, batch_from_samples
-from rl_core.packing import balanced_partitions
+from rl_core.types import scalar_reward
 from rl_launcher.data.buffer import (
     DataBuffer,
     StepBatch,
     packed,
     response_mask,
     response_rows,
-    scalar_reward,
+    split_by_rank,
 )
 from rl_launcher.infra.rendezvous import GroupMember, meet, spans_nodes
 
@@ -153,13 +153,8 @@ def start_critic(run, model_dir) -> None:
 
 def response_values(samples, critic, num_ranks: int) -> torch.Tensor:
     """Critic values ``[B, T]`` of each sample's response tokens (0 past its end)."""
-    batch = batch_from_samples(samples)
-    parts = (
-        [list(range(len(samples)))]
-        if num_ranks == 1
-        else balanced_partitions([len(s.tokens) for s in samples], num_ranks)
-    )
-    per_rank = critic.values([batch.select(part) for part in parts])
+    parts, batches = split_by_rank(batch_from_samples(samples), samples, num_ranks)
+    per_rank = critic.values(batches)
     return response_rows(samples, parts, per_rank)
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from rl_core.filters import GROUP_FILTERS
-from rl_core.types import Sample, SampleStatus
+from rl_core.types import Sample, SampleStatus, scalar_reward
 from rl_sglang.client import EngineClient, EngineError
 from rl_sglang.rollout.generate import (
     OFFPOLICY_MODES,
@@ -85,19 +85,6 @@ class RolloutResult:
     groups: list[list[Sample]]
     leftovers: list[list[Sample]]  # aborted groups, to resume when partial rollout is on
     metrics: dict[str, float]
-
-
-def scalar_reward(sample: Sample, key: str | None) -> float:
-    """``sample.reward``, or its entry ``key`` when the reward is a mapping."""
-    if isinstance(sample.reward, dict):
-        if key not in sample.reward:
-            raise ValueError(
-                f"the reward of sample {sample.index} is a mapping with keys "
-                f"{sorted(map(str, sample.reward))}; set reward_key (RolloutConfig.reward_key; "
-                f"in rl-train, algorithm.reward_key) to the one to use, not {key!r}"
-            )
-        return float(sample.reward[key])
-    return float(sample.reward or 0.0)
 
 
 class _GroupRunner:
@@ -301,7 +288,7 @@ def _sort_group(group, keep, config, kept, leftovers, counts) -> None:
         leftovers.append(group)
     elif any(s.metadata.get("reward_dropped") for s in group):
         counts["dropped_reward"] += 1
-    elif keep([scalar_reward(s, config.reward_key) for s in group]):
+    elif keep([scalar_reward(s, config.reward_key, unscored=0.0) for s in group]):
         kept.append(group)
     else:
         counts["dropped"] += 1

@@ -4,13 +4,12 @@ import asyncio
 from collections.abc import Mapping, Sequence
 
 from rl_core.metrics import pass_at_k_groups, summarize
-from rl_core.types import Sample, SampleStatus
+from rl_core.types import Sample, SampleStatus, scalar_reward
 from rl_sglang.rollout.default import (
     RewardFn,
     RolloutConfig,
     _GroupRunner,
     make_groups,
-    scalar_reward,
 )
 from rl_sglang.rollout.generate import GenerateContext
 
@@ -41,7 +40,7 @@ async def eval_rollout(
     for name, prompts in datasets.items():
         groups = list(make_groups(iter(prompts), n_samples_per_prompt, 0))
         groups = await asyncio.gather(*(runner.run(g) for g in groups))
-        rewards = [[scalar_reward(s, reward_key) for s in g] for g in groups]
+        rewards = [[scalar_reward(s, reward_key, unscored=0.0) for s in g] for g in groups]
         correct = [[r >= correct_threshold for r in g] for g in rewards]
         for key, value in pass_at_k_groups(correct, ks).items():
             metrics[f"eval/{name}/{key}"] = value
