@@ -9,6 +9,21 @@ import math
 LR_DECAYS = ("constant", "linear", "cosine")
 
 
+def check_schedule(
+    *, lr_decay: str, warmup_steps: int, total_steps: int | None, min_lr_ratio: float
+) -> None:
+    """ValueError naming the field when the schedule cannot run (the names both backends'
+    configs give these fields)."""
+    if lr_decay not in LR_DECAYS:
+        raise ValueError(f"lr_decay must be one of {', '.join(LR_DECAYS)}, got {lr_decay!r}")
+    if warmup_steps < 0:
+        raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+    if lr_decay != "constant" and not total_steps:
+        raise ValueError(f"lr_decay={lr_decay!r} needs total_steps (the schedule length)")
+    if not 0.0 <= min_lr_ratio <= 1.0:
+        raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
+
+
 def lr_multiplier(
     step: int,
     *,

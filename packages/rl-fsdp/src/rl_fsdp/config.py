@@ -9,6 +9,7 @@ the model is built, sharded, batched and optimised.
 from dataclasses import dataclass, field
 from typing import Any
 
+from rl_core.lr_schedule import LR_DECAYS, check_schedule
 from rl_core.objective import Objective
 from rl_fsdp.lora import LoRASpec
 
@@ -22,7 +23,6 @@ ATTENTION_IMPLS = (
     "sdpa_per_doc",
 )
 PRECISIONS = ("fp32", "bf16")
-LR_DECAYS = ("constant", "linear", "cosine")
 OPTIMIZERS = ("adamw", "sgd")
 
 
@@ -183,12 +183,12 @@ class FSDPConfig:
                 f"momentum must be in [0, 1) and 0 unless optimizer='sgd', got "
                 f"{self.momentum} with optimizer={self.optimizer!r}"
             )
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
-        if self.lr_decay != "constant" and not self.total_steps:
-            raise ValueError(f"lr_decay={self.lr_decay!r} needs total_steps (the schedule length)")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        check_schedule(
+            lr_decay=self.lr_decay,
+            warmup_steps=self.warmup_steps,
+            total_steps=self.total_steps,
+            min_lr_ratio=self.min_lr_ratio,
+        )
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ValueError(f"max_grad_norm must be positive or None, got {self.max_grad_norm}")
         if not isinstance(self.objective, Objective):

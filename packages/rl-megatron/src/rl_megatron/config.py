@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rl_core.lr_schedule import LR_DECAYS
+from rl_core.lr_schedule import check_schedule
 from rl_core.objective import Objective
 from rl_megatron.precision import PRECISIONS
 
@@ -130,7 +130,12 @@ class MegatronConfig:
         _positive(tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep)
         _positive(max_tokens_per_micro_batch=self.max_tokens_per_micro_batch)
         _positive(lr=self.lr, logprob_chunk_size=self.logprob_chunk_size)
-        self._check_schedule()
+        check_schedule(
+            lr_decay=self.lr_decay,
+            warmup_steps=self.warmup_steps,
+            total_steps=self.total_steps,
+            min_lr_ratio=self.min_lr_ratio,
+        )
         if self.clip_grad < 0:
             raise ValueError(f"clip_grad must be >= 0 (0 disables), got {self.clip_grad}")
         if self.cp > 1:
@@ -152,18 +157,6 @@ class MegatronConfig:
     def role(self) -> str:
         """ "policy", "sft" (the objective's mode) or "critic": what the model is trained as."""
         return "critic" if self.critic else self.objective.mode
-
-    def _check_schedule(self) -> None:
-        if self.lr_decay not in LR_DECAYS:
-            raise ValueError(
-                f"lr_decay must be one of {', '.join(LR_DECAYS)}, got {self.lr_decay!r}"
-            )
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
-        if self.lr_decay != "constant" and not self.total_steps:
-            raise ValueError(f"lr_decay={self.lr_decay!r} needs total_steps (the schedule length)")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 
     def _check_context_parallel(self) -> None:
         """Under CP a rank sees part of each sequence: only per-token sums add up."""
