@@ -441,3 +441,10 @@ def test_gradient_checkpointing_is_full_recompute_on_megatron(tmp_path):
     assert megatron_of("--backend.megatron", "{recompute_granularity: selective}").megatron == (
         selective
     )
+
+
+def test_a_megatron_critic_with_pipeline_stages_is_refused_at_load():
+    args = ["--backend.name", "megatron", "--algorithm.advantage_estimator", "gae"]
+    args += ["--backend.num_ranks", "2", "--cluster.devices_per_node", "2"]
+    with pytest.raises(ValueError, match=r"Megatron critic, which runs without pipeline"):
+        load_config([*args, "--backend.pipeline_parallel", "2"])

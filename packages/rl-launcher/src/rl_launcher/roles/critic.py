@@ -7,9 +7,11 @@ Each step, once the buffer has complete groups:
                           gamma, lam); A whitened
     actor   trains on A;  critic trains on R with rl_core's clipped value loss
 
-The critic group is one Ray actor per training rank (rl-fsdp's :class:`FSDPCritic`, its own
-gloo / nccl group, meeting at its rank 0's node: :mod:`rl_launcher.infra.rendezvous`), placed
-on the training ranks' bundles; it is checkpointed beside the
+The critic group is one Ray actor per training rank (rl-fsdp's :class:`FSDPCritic`, or
+rl-megatron's ``MegatronBackend`` with ``critic=True`` and the actor's layout when
+``backend.name: megatron``; its own gloo / nccl group, meeting at its rank 0's node:
+:mod:`rl_launcher.infra.rendezvous`), placed on the training ranks' bundles; a step's
+batches are per data-parallel rank, as the trainer's; it is checkpointed beside the
 trainer (``critic/``). Alignment follows TrainBatch: the value at position t is the value
 of the state that predicts token t + 1, so response token j of a sample with prompt
 length P has its value at position P - 1 + j.
@@ -38,21 +40,26 @@ from rl_launcher.infra.rendezvous import GroupMember, meet, spans_nodes
 class CriticWorker(GroupMember):
     """One critic rank (a Ray actor)."""
 
-    def __init__(self, rank: int, world_size: int, config):
+    def __init__(self, rank: int, world_size: int, config, backend: str = "fsdp"):
         self.rank, self.world_size, self.config = rank, world_size, config
+        self.backend = backend  # "fsdp" (FSDPCritic) or "megatron" (config.critic is True)
 
     def join(self, host: str, port: int) -> None:
         """Join the critic group at its rank 0's ``host:port``, then build the critic."""
-        from rl_fsdp import FSDPCritic
+        from rl_launcher.roles.backends import backend_class
 
         self.join_group("cuda" if self.config.device == "cuda" else "cpu", host, port)
-        self.critic = FSDPCritic.start(
+        critic_class = backend_class("megatron") if self.backend == "megatron" else _fsdp_critic()
+        self.critic = critic_class.start(
             self.config,
             rank=self.rank,
             world_size=self.world_size,
             master_addr=host,
             master_port=port,
         )
+
+    def data_rank(self) -> int:
+        return self.critic.data_rank
 
     def values(self, batch: TrainBatch) -> torch.Tensor:
         return self.critic.compute_values(batch).cpu()
@@ -70,12 +77,30 @@ class CriticWorker(GroupMember):
         self.critic.load_checkpoint(Path(path))
 
 
-def critic_config(actor_config, optimizer):
-    """The actor's rl-fsdp config turned into the critic's: no reference, own lr."""
+def _fsdp_critic():
+    from rl_fsdp import FSDPCritic
+
+    return FSDPCritic
+
+
+def critic_config(actor_config, optimizer, *, value_clip: float | None = None):
+    """The actor's rl-fsdp or rl-megatron config turned into the critic's: no reference,
+    own lr (Megatron: a value head, ``value_clip`` the algorithm's)."""
     lr = optimizer.critic_lr if optimizer.critic_lr is not None else optimizer.lr
     objective = dataclasses.replace(
         actor_config.objective, kl_coef=0.0, reward_kl_coef=0.0, entropy_coef=0.0, mode="policy"
     )
+    if hasattr(actor_config, "critic"):  # rl_megatron.config.MegatronConfig
+        return dataclasses.replace(
+            actor_config,
+            critic=True,
+            lr=lr,
+            ref_path=None,
+            objective=objective,
+            value_clip=value_clip,
+            train_only=(),
+            freeze=(),
+        )
     return dataclasses.replace(
         actor_config,
         lr=lr,
@@ -90,30 +115,38 @@ def critic_config(actor_config, optimizer):
 class CriticGroup:
     """``len(slots)`` :class:`CriticWorker` actors on the training ranks' bundles."""
 
-    def __init__(self, config, placement, slots, *, num_gpus: float = 0):
+    def __init__(self, config, placement, slots, *, num_gpus: float = 0, backend: str = "fsdp"):
         actor = ray.remote(CriticWorker)
         # num_cpus=0: the bundle's CPUs are the trainer's; the two take turns within a step
         self.workers = [
             actor.options(
                 num_cpus=0, num_gpus=num_gpus, scheduling_strategy=placement.strategy(slot)
-            ).remote(rank, len(slots), config)
+            ).remote(rank, len(slots), config, backend)
             for rank, slot in enumerate(slots)
         ]
         self.address = meet(self.workers, spans_nodes=spans_nodes(placement, slots))
+        # Megatron: TP / CP peers share a data-parallel rank's batch, as the trainer's do
+        self.data_ranks = ray.get([w.data_rank.remote() for w in self.workers])
 
-    def call(self, method: str, *per_rank_args, **shared) -> list:
+    def call(self, method: str, *per_data_rank_args, **shared) -> list:
+        """``method`` on every rank (rank r gets ``args[data_rank(r)]``); rank order."""
         refs = [
-            getattr(worker, method).remote(*(args[r] for args in per_rank_args), **shared)
+            getattr(worker, method).remote(
+                *(args[self.data_ranks[r]] for args in per_data_rank_args), **shared
+            )
             for r, worker in enumerate(self.workers)
         ]
         return ray.get(refs)
 
     def values(self, batches: list[TrainBatch]) -> list[torch.Tensor]:
-        return self.call("values", batches)
+        """Values of each data-parallel rank's batch (its first rank's answer)."""
+        values = self.call("values", batches)
+        return [values[self.data_ranks.index(d)] for d in range(len(batches))]
 
     def train_steps(self, parts: list[list[TrainBatch]]) -> dict[str, float]:
         """Critic optimizer steps; metrics named ``critic/...`` (``loss/value`` kept)."""
-        per_rank = [[part[r] for part in parts] for r in range(len(self.workers))]
+        num_data_ranks = len(parts[0]) if parts else 0
+        per_rank = [[part[d] for part in parts] for d in range(num_data_ranks)]
         metrics = self.call("train_steps", per_rank)[0]
         return {
             k if k.startswith("critic/") or k == "loss/value" else f"critic/{k}": v
@@ -134,20 +167,22 @@ class CriticGroup:
 def start_critic(run, model_dir) -> None:
     """Start ``run.critic`` on the training ranks' bundles when the algorithm needs one
     (stopped with the run); needs the trainer started (``run.plan``, ``run.placement``)."""
-    from rl_launcher.roles.backends import fsdp_config
+    from rl_launcher.roles.backends import fsdp_config, megatron_config
 
     config = run.config
     if config.algorithm.advantage_estimator != "gae":
         return
-    if config.backend.name != "fsdp":
-        raise ValueError("advantage_estimator=gae: the critic runs on the fsdp backend only")
     slots = list(run.plan.train_bundles)
     # on GPU the critic shares each training rank's device (it takes a quarter of it)
     num_gpus = 0.25 if config.cluster.device == "cuda" else 0
-    actor = fsdp_config(config, model_dir=model_dir)
-    run.critic = CriticGroup(
-        critic_config(actor, config.optimizer), run.placement, slots, num_gpus=num_gpus
+    backend = config.backend.name
+    build_actor = megatron_config if backend == "megatron" else fsdp_config
+    critic = critic_config(
+        build_actor(config, model_dir=model_dir),
+        config.optimizer,
+        value_clip=config.algorithm.value_clip,
     )
+    run.critic = CriticGroup(critic, run.placement, slots, num_gpus=num_gpus, backend=backend)
     run._cleanup.append(run.critic.shutdown)
 
 
