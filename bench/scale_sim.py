@@ -57,9 +57,11 @@ def simulated_cluster(num_nodes: int):
     from ray.cluster_utils import Cluster
 
     temp_dir = tempfile.mkdtemp(prefix="rls", dir="/tmp")
+    previous_key = os.environ.get("RL_SGLANG_API_KEY")
     os.environ["RL_SGLANG_API_KEY"] = API_KEY  # before the raylets: every node holds it
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "temp_dir": temp_dir})
     try:
+        forget_default_address(cluster)
         for index in range(num_nodes):
             cluster.add_node(
                 num_cpus=GPUS_PER_NODE,
@@ -73,6 +75,23 @@ def simulated_cluster(num_nodes: int):
         ray.shutdown()
         cluster.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
+        if previous_key is None:  # the process's environment as it was
+            os.environ.pop("RL_SGLANG_API_KEY", None)
+        else:
+            os.environ["RL_SGLANG_API_KEY"] = previous_key
+
+
+def forget_default_address(cluster) -> None:
+    """``Cluster`` writes its address where a plain ``ray.init()`` elsewhere on this machine
+    would find and join it; take it back (this bench always passes the address)."""
+    from ray._common.utils import get_ray_address_file
+
+    path = get_ray_address_file(None)
+    with contextlib.suppress(FileNotFoundError):
+        with open(path) as file:
+            written = file.read().strip()
+        if written == cluster.gcs_address:
+            os.remove(path)
 
 
 def write_prompts(path: Path, num_prompts: int) -> Path:
