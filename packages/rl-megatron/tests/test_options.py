@@ -58,3 +58,10 @@ def test_fields_the_backend_sets_are_refused_naming_the_option():
         ValueError, match=r"'overlap_grad_reduce' is a DistributedDataParallelConfig"
     ):
         split_options({"overlap_grad_reduce": True})  # megatron's DDP is not what runs here
+
+
+def test_features_the_backend_does_not_run_are_refused_saying_why():
+    with pytest.raises(ValueError, match=r"interleaved pipeline schedule is not implemented"):
+        split_options({"virtual_pipeline_model_parallel_size": 2})  # would split layers wrongly
+    with pytest.raises(ValueError, match=r"'fp8' is not supported .* Transformer Engine"):
+        split_options({"fp8": "hybrid"})

@@ -81,6 +81,14 @@ OWNED: dict[str, str | None] = {
         FIXED,
     ),
 }
+# TransformerConfig fields whose feature this backend does not run: refused, saying why
+UNSUPPORTED = {
+    "virtual_pipeline_model_parallel_size": "the interleaved pipeline schedule is not "
+    "implemented (rl_megatron.pipeline runs 1F1B or GPipe over one model chunk per stage)",
+    "fp8": "FP8 needs Transformer Engine layers, which this backend does not build",
+    "fp4": "FP4 needs Transformer Engine layers, which this backend does not build",
+    "mtp_num_layers": "multi-token prediction layers have no HF weights or loss here",
+}
 # DDP / optimizer fields that mean something here, and the MegatronConfig field they set
 ROUTED = {"use_distributed_optimizer": "distributed_optimizer"}
 
@@ -133,6 +141,10 @@ def split_options(
             raise ValueError(_unknown(name, fields, where))
         if name in OWNED:
             raise ValueError(_owned(name, holders[0], where, owners))
+        if name in UNSUPPORTED:
+            raise ValueError(
+                f"{where}: {name!r} is not supported by rl-megatron: {UNSUPPORTED[name]}"
+            )
         if name in ROUTED:
             routed[ROUTED[name]] = value
         elif "TransformerConfig" in holders:
