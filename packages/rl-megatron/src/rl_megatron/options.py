@@ -132,6 +132,8 @@ def split_options(
     option a user sets it with (default: ``MegatronConfig.<field>``). Raises ValueError for
     an unknown name (with the closest known ones), a field this backend sets itself, and a
     DDP / optimizer field that would have no effect."""
+    if not options:  # nothing to check: megatron-core is not imported
+        return MegatronOptions(transformer={}, routed={})
     owners = owners or {}
     fields = _fields_by_class()
     transformer, routed = {}, {}
