@@ -448,3 +448,16 @@ def test_a_megatron_critic_with_pipeline_stages_is_refused_at_load():
     args += ["--backend.num_ranks", "2", "--cluster.devices_per_node", "2"]
     with pytest.raises(ValueError, match=r"Megatron critic, which runs without pipeline"):
         load_config([*args, "--backend.pipeline_parallel", "2"])
+
+
+def test_the_lr_schedule_ends_at_num_steps_whatever_the_minibatch_count(tmp_path):
+    """Backends step their schedule once per optimizer update; with 4 minibatches a step,
+    warm-up and decay are 4x as many updates, so cosine reaches its floor at num_steps."""
+    args = ["--num_steps", "30", "--algorithm.num_minibatches", "4"]
+    args += ["--optimizer.schedule", "cosine", "--optimizer.warmup_steps", "2"]
+    config, _ = load_config(args)
+    fsdp = backend_spec(config, model_dir=tmp_path, num_ranks=1).config
+    assert (fsdp.warmup_steps, fsdp.total_steps) == (8, 120)
+    config.backend.name = "megatron"
+    megatron = backend_spec(config, model_dir=tiny_model_dir(tmp_path), num_ranks=1).config
+    assert (megatron.warmup_steps, megatron.total_steps) == (8, 120)

@@ -229,9 +229,17 @@ class OptimizerConfig:
     schedule: str = option(
         "constant", help="Learning-rate schedule.", choices=("constant", "linear", "cosine")
     )
-    warmup_steps: int = option(0, help="Linear warm-up steps.", low=0)
+    warmup_steps: int = option(
+        0,
+        help="Linear warm-up, in rl-train steps (each of algorithm.num_minibatches updates).",
+        low=0,
+    )
     min_lr_ratio: float = option(
-        0.0, help="Final lr / peak lr for linear and cosine.", low=0, high=1
+        0.0,
+        help="Final lr / peak lr for linear and cosine, reached at num_steps (the decay "
+        "counts rl-train steps, not optimizer updates).",
+        low=0,
+        high=1,
     )
 
 

@@ -122,6 +122,13 @@ def _precision(config, backend: str) -> str:
     return PRECISIONS[config.model.dtype]
 
 
+def updates_per_step(config) -> int:
+    """Optimizer updates in one rl-train step (``algorithm.num_minibatches``). The backends'
+    schedules count updates, the config counts rl-train steps: warm-up and decay length are
+    multiplied by this so the decay ends at ``num_steps`` whatever the minibatch count."""
+    return config.algorithm.num_minibatches
+
+
 def fsdp_config(config, *, model_dir: Path, objective: Objective | None = None):
     """The rl-fsdp config of a :class:`~rl_launcher.config.TrainConfig` (``objective``:
     the run's, None = :func:`objective_of` the config)."""
@@ -146,9 +153,9 @@ def fsdp_config(config, *, model_dir: Path, objective: Objective | None = None):
         weight_decay=opt.weight_decay,
         betas=tuple(opt.betas),
         eps=opt.eps,
-        warmup_steps=opt.warmup_steps,
+        warmup_steps=opt.warmup_steps * updates_per_step(config),
         lr_decay=opt.schedule,
-        total_steps=config.num_steps,
+        total_steps=config.num_steps * updates_per_step(config),
         min_lr_ratio=opt.min_lr_ratio,
         max_grad_norm=opt.grad_clip or None,
         lora=lora_spec(config),
@@ -179,9 +186,9 @@ def megatron_config(config, *, model_dir: Path, objective: Objective | None = No
         precision=_precision(config, "megatron"),
         seed=config.seed,
         lr=opt.lr,
-        warmup_steps=opt.warmup_steps,
+        warmup_steps=opt.warmup_steps * updates_per_step(config),
         lr_decay=opt.schedule,
-        total_steps=config.num_steps,
+        total_steps=config.num_steps * updates_per_step(config),
         min_lr_ratio=opt.min_lr_ratio,
         weight_decay=opt.weight_decay,
         adam_betas=tuple(opt.betas),
