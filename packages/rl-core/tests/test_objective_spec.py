@@ -6,10 +6,12 @@ import pytest
 import torch
 
 from rl_core.aggregation import aggregate
+from rl_core.batch import TrainBatch
 from rl_core.importance import rollout_importance_weights
 from rl_core.kl import approx_kl
 from rl_core.losses import ppo_policy_loss
-from rl_core.objective import Objective, objective_loss, policy_objective
+from rl_core.objective import Objective, objective_loss, policy_inputs, policy_objective
+from rl_core.packing import cu_seqlens_from_lengths
 
 LOG_PROBS = torch.tensor([[-1.0, -0.5, -2.0], [-0.3, -1.2, -0.7]])
 OLD = torch.tensor([[-1.2, -0.5, -1.0], [-0.3, -2.0, -0.7]])
@@ -125,3 +127,51 @@ def test_sft_mode_is_the_mean_negative_log_likelihood():
     assert metrics == {"loss/sft": pytest.approx(2.5), "loss/total": pytest.approx(2.5)}
     with pytest.raises(ValueError, match="needs old_log_probs and advantages"):
         objective_loss(Objective(), log_probs=LOG_PROBS, mask=MASK)
+
+
+def packed(old=None, rollout=None, num_tokens=10.0) -> TrainBatch:
+    """Two sequences of 3 and 2 tokens, one micro-batch of a step of ``num_tokens`` tokens."""
+    batch = TrainBatch(
+        tokens=torch.zeros(5, dtype=torch.long),
+        cu_seqlens=cu_seqlens_from_lengths([3, 2]),
+        loss_mask=torch.ones(5),
+        advantages=torch.ones(5),
+        old_log_probs=old,
+        rollout_log_probs=rollout,
+    )
+    batch.global_num_tokens, batch.global_num_seqs = num_tokens, 4.0
+    return batch
+
+
+def test_policy_inputs_take_the_old_log_probs_and_scale_metrics_by_the_share():
+    log_probs = torch.tensor([-1.0, -0.5, -2.0, -0.3, -1.2])
+    old = torch.tensor([-1.1, -0.5, -1.0, -0.3, -2.0])
+    rollout = torch.tensor([-1.0, -0.7, -1.0, -0.5, -2.0])
+    objective = Objective(rollout_is_level="token", rollout_is_mode="truncate", rollout_is_cap=2.0)
+    got_old, weights, metrics = policy_inputs(objective, packed(old, rollout), log_probs)
+    assert torch.equal(got_old, old)
+    expected, full = rollout_importance_weights(
+        old, rollout, torch.ones(5), level="token", mode="truncate", cap=2.0
+    )
+    assert torch.allclose(weights, expected)
+    assert metrics == pytest.approx({key: value * 0.5 for key, value in full.items()})  # 5 of 10
+    assert "mismatch/logprob_abs_diff_mean" not in metrics  # the recompute measured it
+
+
+def test_on_policy_inputs_report_this_forwards_gap_to_the_engine():
+    log_probs = torch.tensor([-1.0, -0.5, -2.0, -0.3, -1.2])
+    rollout = log_probs + torch.tensor([0.1, -0.1, 0.0, 0.2, 0.0])
+    old, weights, metrics = policy_inputs(Objective(), packed(rollout=rollout), log_probs)
+    assert torch.equal(old, log_probs) and weights is None
+    assert metrics["mismatch/logprob_abs_diff_mean"] == pytest.approx(0.4 / 10)
+    tensors = policy_inputs(Objective(), packed(rollout=rollout), log_probs, tensor_metrics=True)
+    assert isinstance(tensors[2]["mismatch/logprob_abs_diff_mean"], torch.Tensor)
+
+
+def test_policy_inputs_refuse_a_batch_they_cannot_correct():
+    with pytest.raises(ValueError, match="has no rollout_log_probs"):
+        policy_inputs(Objective(rollout_is_level="token"), packed(), torch.zeros(5))
+    batch = packed()
+    batch.advantages = None
+    with pytest.raises(ValueError, match=r"needs batch\.advantages"):
+        policy_inputs(Objective(), batch, torch.zeros(5))

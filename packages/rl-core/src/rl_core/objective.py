@@ -17,7 +17,13 @@ import torch
 
 from rl_core.aggregation import AGGREGATION_MODES, aggregate, load_reducer
 from rl_core.batch import TrainBatch
-from rl_core.importance import IS_LEVELS, IS_MODES, off_policy_sequence_mask
+from rl_core.importance import (
+    IS_LEVELS,
+    IS_MODES,
+    logprob_gap_share,
+    off_policy_sequence_mask,
+    rollout_importance_weights,
+)
 from rl_core.kl import KL_KINDS, approx_kl, importance_weighted_kl
 from rl_core.losses import POLICY_LOSSES, entropy_loss, sft_loss
 from rl_core.preference import PREFERENCE_LOSSES, packed_pair_loss
@@ -181,6 +187,61 @@ def aggregate_batch(
         num_seqs=batch.global_num_seqs,
         norm_length=objective.norm_length,
     )
+
+
+def policy_inputs(
+    objective: Objective,
+    batch: TrainBatch,
+    log_probs: torch.Tensor,
+    *,
+    tensor_metrics: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
+    """``(old log-probs, rollout importance weights or None, their metrics)`` of one packed
+    micro-batch of a policy step, as both backends need them. On-policy (the detached
+    ``log_probs``, ratio 1) when the batch has no old log-probs. Without a recompute pass
+    (none, or old log-probs taken from the rollout) this forward's gap to the engine's
+    log-probs is ``mismatch/logprob_abs_diff_mean``. Metrics are this micro-batch's share of
+    the step (summing a step's micro-batches gives the mean); tensors with
+    ``tensor_metrics`` (no host sync), floats otherwise."""
+    if batch.advantages is None:
+        raise ValueError("a policy objective needs batch.advantages (or use mode='sft')")
+    old = batch.old_log_probs if batch.old_log_probs is not None else log_probs.detach()
+    weights, metrics = _rollout_correction(objective, batch, old, tensor_metrics)
+    own_gap = batch.old_log_probs is None or objective.old_from_rollout
+    if own_gap and batch.rollout_log_probs is not None:  # no recompute measured the gap
+        gap = logprob_gap_share(
+            log_probs,
+            batch.rollout_log_probs,
+            batch.loss_mask,
+            num_tokens=batch.global_num_tokens or 1.0,
+        )
+        metrics["mismatch/logprob_abs_diff_mean"] = gap if tensor_metrics else float(gap)
+    return old, weights, metrics
+
+
+def _rollout_correction(
+    objective: Objective, batch: TrainBatch, old: torch.Tensor, tensor_metrics: bool
+) -> tuple[torch.Tensor | None, dict]:
+    """Rollout importance weights ``[N]`` (None when the objective has none) and their
+    metrics scaled by this micro-batch's share of the step's valid tokens."""
+    if not objective.corrects_rollout:
+        return None, {}
+    if batch.rollout_log_probs is None:
+        raise ValueError("rollout_is_level is set but the batch has no rollout_log_probs")
+    weights, metrics = rollout_importance_weights(
+        old,
+        batch.rollout_log_probs,
+        batch.loss_mask,
+        level=objective.rollout_is_level,
+        mode=objective.rollout_is_mode,
+        cap=objective.rollout_is_cap,
+        cu_seqlens=batch.cu_seqlens,
+        tensor_metrics=tensor_metrics,
+    )
+    share = batch.loss_mask.sum().to(torch.float64) / max(float(batch.global_num_tokens or 1), 1.0)
+    if not tensor_metrics:
+        share = float(share)
+    return weights, {key: value * share for key, value in metrics.items()}
 
 
 def objective_loss(

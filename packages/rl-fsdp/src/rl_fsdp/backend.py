@@ -20,9 +20,8 @@ import torch
 
 from rl_core.batch import TrainBatch
 from rl_core.distributed import DistInfo
-from rl_core.importance import logprob_gap_share, rollout_importance_weights
 from rl_core.kl import approx_kl
-from rl_core.objective import aggregate_batch, objective_loss
+from rl_core.objective import aggregate_batch, objective_loss, policy_inputs
 from rl_core.packing import first_fit_pack
 from rl_fsdp.config import FSDPConfig
 from rl_fsdp.distributed import all_reduce_max_int
@@ -157,7 +156,11 @@ class FSDPBackend(ShardedTrainer):
         policy = objective.mode == "policy"
         budget = self.config.max_tokens_per_micro_batch
         log_probs, entropy = self._log_probs(self.model, mb, with_entropy=policy, budget=budget)
-        old, weights, metrics = self._policy_inputs(mb, log_probs) if policy else (None, None, {})
+        old, weights, metrics = (
+            policy_inputs(objective, mb, log_probs, tensor_metrics=True)
+            if policy
+            else (None, None, {})
+        )
         loss, objective_metrics = objective_loss(
             objective,
             log_probs=log_probs,
@@ -177,40 +180,6 @@ class FSDPBackend(ShardedTrainer):
             kl = approx_kl(log_probs.detach(), mb.ref_log_probs, kind=objective.kl_kind)
             metrics["actor/kl"] = aggregate_batch(objective, kl, mb)  # reported even if unused
         return loss, metrics
-
-    def _policy_inputs(self, mb: TrainBatch, log_probs: torch.Tensor):
-        """``(old log-probs, rollout IS weights or None, their metrics)``; on-policy (the
-        detached log-probs, ratio 1) when the batch has no old log-probs. Without a
-        recompute pass (none, or old log-probs from the rollout) the gap of this forward
-        to the engine's log-probs is the mismatch metric."""
-        if mb.advantages is None:
-            raise ValueError("a policy objective needs batch.advantages (or use mode='sft')")
-        old = mb.old_log_probs if mb.old_log_probs is not None else log_probs.detach()
-        weights, metrics = self._rollout_weights(mb, old)
-        own_gap = mb.old_log_probs is None or self.config.objective.old_from_rollout
-        if own_gap and mb.rollout_log_probs is not None:  # no recompute measured the gap
-            metrics["mismatch/logprob_abs_diff_mean"] = logprob_gap_share(
-                log_probs, mb.rollout_log_probs, mb.loss_mask, num_tokens=mb.global_num_tokens
-            )
-        return old, weights, metrics
-
-    def _rollout_weights(self, mb: TrainBatch, old: torch.Tensor):
-        """Rollout importance weights (or None) and their metrics as shares of the step."""
-        objective = self.config.objective
-        if not objective.corrects_rollout or mb.rollout_log_probs is None:
-            return None, {}
-        weights, metrics = rollout_importance_weights(
-            old,
-            mb.rollout_log_probs,
-            mb.loss_mask,
-            level=objective.rollout_is_level,
-            mode=objective.rollout_is_mode,
-            cap=objective.rollout_is_cap,
-            cu_seqlens=mb.cu_seqlens,
-            tensor_metrics=True,
-        )
-        share = mb.loss_mask.sum().to(torch.float64) / max(mb.global_num_tokens, 1.0)
-        return weights, {key: value * share for key, value in metrics.items()}
 
     # --- weights out -------------------------------------------------------------------
     def export_weights(self, *, bucket_bytes: int):

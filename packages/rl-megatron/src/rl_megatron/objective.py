@@ -8,9 +8,8 @@ summing micro-batches and ranks gives the full-batch loss.
 import torch
 
 from rl_core.batch import TrainBatch
-from rl_core.importance import logprob_gap_share, rollout_importance_weights
 from rl_core.losses import value_loss
-from rl_core.objective import aggregate_batch, objective_loss
+from rl_core.objective import aggregate_batch, objective_loss, policy_inputs
 from rl_megatron.config import MegatronConfig
 
 
@@ -27,19 +26,7 @@ def actor_loss(
         return objective_loss(
             config.objective, log_probs=log_probs, mask=part.loss_mask, **denominators
         )
-    if part.advantages is None:
-        raise ValueError("policy training needs batch.advantages")
-    old = part.old_log_probs if part.old_log_probs is not None else log_probs.detach()
-    weights, is_metrics = _importance_weights(config, part, old)
-    own_gap = part.old_log_probs is None or config.objective.old_from_rollout
-    if own_gap and part.rollout_log_probs is not None:  # no recompute measured the gap
-        gap = logprob_gap_share(
-            log_probs,
-            part.rollout_log_probs,
-            part.loss_mask,
-            num_tokens=part.global_num_tokens or 1.0,
-        )
-        is_metrics["mismatch/logprob_abs_diff_mean"] = float(gap)
+    old, weights, is_metrics = policy_inputs(config.objective, part, log_probs)
     loss, metrics = objective_loss(
         config.objective,
         log_probs=log_probs,
@@ -52,27 +39,6 @@ def actor_loss(
         **denominators,
     )
     return loss, {**metrics, **is_metrics}
-
-
-def _importance_weights(config: MegatronConfig, part: TrainBatch, old: torch.Tensor):
-    """Rollout-correction weights ``[N]`` (None when off) and their metrics, each scaled by
-    this part's share of the step's valid tokens so that summing parts gives the mean."""
-    objective = config.objective
-    if not objective.corrects_rollout:
-        return None, {}
-    if part.rollout_log_probs is None:
-        raise ValueError("rollout_is_level is set but the batch has no rollout_log_probs")
-    weights, metrics = rollout_importance_weights(
-        old,
-        part.rollout_log_probs,
-        part.loss_mask,
-        level=objective.rollout_is_level,
-        mode=objective.rollout_is_mode,
-        cap=objective.rollout_is_cap,
-        cu_seqlens=part.cu_seqlens,
-    )
-    share = float(part.loss_mask.sum()) / max(float(part.global_num_tokens or 1.0), 1.0)
-    return weights, {key: value * share for key, value in metrics.items()}
 
 
 def critic_loss(
