@@ -27,6 +27,22 @@ async def budget_generate(ctx, sample, sampling_params):
     return await generate_sample(ctx, sample, {**sampling_params, "max_new_tokens": budget})
 
 
+SHORT_DONE: dict[str, asyncio.Event] = {}
+
+
+async def late_generate(ctx, sample, sampling_params):
+    """Short samples finish in 3 tokens and say so; long ones send their request only
+    0.2 s after that, so it reaches the engine after the rollout's first abort."""
+    done = SHORT_DONE.setdefault("event", asyncio.Event())
+    if sample.metadata.get("short"):
+        result = await generate_sample(ctx, sample, {**sampling_params, "max_new_tokens": 3})
+        done.set()
+        return result
+    await done.wait()
+    await asyncio.sleep(0.2)
+    return await generate_sample(ctx, sample, sampling_params)
+
+
 async def two_answers(ctx, sample, sampling_params):
     """A generate function that fans out: two responses for one sample."""
     twin = copy.deepcopy(sample)
@@ -130,6 +146,29 @@ def test_leftovers_are_aborted_and_resume_as_partial_rollouts(cluster, tokenizer
             assert sample.metadata["resumed"] == 1
             assert sample.loss_mask == [0] * old + [1] * 3  # off-policy part masked
             assert sample.weight_versions[-1] == "resumed-v" and len(sample.weight_versions) == 2
+
+
+def test_a_request_sent_after_the_abort_is_aborted_too(cluster, tokenizer):
+    # the long groups' requests are on their way when the batch fills; one abort would
+    # miss them and they would run their 4000 tokens
+    source = prompts(1, short=True) + prompts(2)
+    config = RolloutConfig(
+        num_groups=1,
+        n_samples_per_prompt=2,
+        partial_rollout=True,
+        generate_fn="test_rollout:late_generate",
+        sampling_params={"max_new_tokens": 4000, "ignore_eos": True},
+    )
+
+    async def go(ctx, engines):
+        SHORT_DONE["event"] = asyncio.Event()  # this loop's
+        return await default_rollout(ctx, iter(source), lambda s: 1.0, config, engines=engines)
+
+    result = run(with_ctx(cluster, tokenizer, go))
+    assert len(result.groups) == 1 and result.groups[0][0].response_length == 3
+    late = [s for g in result.leftovers for s in g]
+    assert len(late) == 4 and {s.status for s in late} == {SampleStatus.ABORTED}
+    assert all(s.response_length < 4000 for s in late)
 
 
 def test_custom_generate_function_by_dotted_path():

@@ -274,13 +274,27 @@ async def default_rollout(
         if len(kept) < config.num_groups:
             launch()
     if pending:  # the batch is full: stop the rest, keep their partial responses
-        await asyncio.gather(*(engine.abort() for engine in engines))
+        await _abort_until_done(pending, engines)
         for group in await asyncio.gather(*pending):
             leftovers.append(group)
     extra, kept = kept[config.num_groups :], kept[: config.num_groups]
     leftovers.extend(extra)
     counts |= runner.counts | runner.guard.counts
     return RolloutResult(kept, _for_resume(leftovers, config), _metrics(kept, counts, leftovers))
+
+
+async def _abort_until_done(
+    pending: set[asyncio.Task], engines: Sequence[EngineClient], every_s: float = 0.5
+) -> None:
+    """Abort the engines' requests until every pending group has returned. One abort is
+    not enough: a request still on its way (sent, not yet admitted by the engine) misses
+    it and would run to its full length."""
+    waiting = set(pending)
+    while waiting:
+        await asyncio.gather(*(engine.abort() for engine in engines))
+        if not engines:
+            return
+        _, waiting = await asyncio.wait(waiting, timeout=every_s)
 
 
 def _sort_group(group, keep, config, kept, leftovers, counts) -> None:
