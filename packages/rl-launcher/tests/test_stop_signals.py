@@ -137,7 +137,10 @@ def test_sigterm_and_ctrl_c_stop_at_a_step_boundary_and_the_run_dir_has_one_owne
 
     start = time.monotonic()  # a second run into the same directory, while the first runs
     command = [sys.executable, "-m", "rl_launcher.cli", *arguments(run_dir, *reward)]
-    second = subprocess.run(command, capture_output=True, text=True, timeout=REFUSE_BOUND_S)
+    env = {**os.environ, "PYTHONPATH": f"{TESTS}:{os.environ.get('PYTHONPATH', '')}"}
+    second = subprocess.run(
+        command, env=env, capture_output=True, text=True, timeout=REFUSE_BOUND_S
+    )  # the reward is imported (and checked) at load, before the run dir's lock
     assert second.returncode == 2, second.stderr[-2000:]
     assert time.monotonic() - start < REFUSE_BOUND_S and "Ray ready" not in second.stdout
     assert (
