@@ -44,7 +44,7 @@ from rl_launcher.infra.run_log import read_metrics
 
 pytestmark = pytest.mark.integration
 TESTS = Path(__file__).resolve().parent
-NUM_STEPS = 30  # never reached: the signals come after a few steps
+NUM_STEPS = 3000  # never reached: the signals come after a few steps (a step takes ~0.07 s)
 STOP_BOUND_S = 120  # from the signal to rl-train's exit: the step, the checkpoint, cleanup
 REFUSE_BOUND_S = 60  # a refused rl-train: imports and config, no Ray (~5 s idle)
 GONE_BOUND_S = 30  # until no process of the run is left
