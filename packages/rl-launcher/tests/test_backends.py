@@ -15,7 +15,12 @@ from rl_launcher.config.loader import load_config
 from rl_launcher.config.schema import AlgorithmConfig
 from rl_launcher.infra.colocation import Turns, check_turns, turns_needed
 from rl_launcher.infra.placement import plan_from_config
-from rl_launcher.infra.weight_sync import resolve_transport, sync_options
+from rl_launcher.infra.weight_sync import (
+    engine_senders,
+    resolve_transport,
+    sync_options,
+    urls_of_rank,
+)
 from rl_launcher.roles import backends
 from rl_launcher.roles.backends import OBJECTIVE_SOURCES, backend_spec, megatron_overrides
 from rl_launcher.roles.engine_servers import engine_gpus, engine_processes, sglang_server_args
@@ -263,6 +268,23 @@ def test_transport_follows_the_placement(tmp_path):
     options = sync_options(config, tmp_path)
     assert options["transport"] == "distributed" and options["group_backend"] == "nccl"
     assert options["engine_kind"] == "sglang" and options["path"] == str(tmp_path / "sync_weights")
+
+
+def test_each_engine_gets_tensor_handles_from_the_lowest_rank_on_its_node():
+    ranks_on, engines_on = ["a", "a", "b", "b", "c"], ["b", "a", "c", "b"]
+    assert engine_senders(engines_on, ranks_on, "tensor") == [2, 0, 4, 2]
+    assert engine_senders(engines_on, ranks_on, "distributed") == [0, 0, 0, 0]
+    with pytest.raises(ValueError, match=re.escape("engines [1, 2] are on nodes without one")):
+        engine_senders(["a", "d", "d"], ["a"], "tensor")
+    urls, how = ["u0", "u1", "u2", "u3"], {"senders": [2, 0, 4, 2]}
+    assert [urls_of_rank(urls, rank, how) for rank in range(5)] == [
+        ["u1"],
+        [],
+        ["u0", "u3"],
+        [],
+        ["u2"],
+    ]
+    assert urls_of_rank(urls, 0, {}) == urls and urls_of_rank(urls, 1, {}) == []
 
 
 class Recorder:

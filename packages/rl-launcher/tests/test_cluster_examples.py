@@ -12,7 +12,7 @@ import yaml
 
 from rl_launcher.config.loader import load_config
 from rl_launcher.infra.placement import plan_from_config
-from rl_launcher.infra.weight_sync import resolve_transport
+from rl_launcher.infra.weight_sync import engine_senders, resolve_transport
 
 ROOT = Path(__file__).resolve().parents[3]
 CLUSTER = ROOT / "examples" / "cluster"
@@ -33,8 +33,11 @@ def test_colocated_config_shares_both_nodes():
     assert nodes_of(plan, plan.train_bundles) == [0] * 8 + [1] * 8
     assert [nodes_of(plan, e) for e in plan.engine_bundles] == [[0, 0]] * 4 + [[1, 1]] * 4
     transport = resolve_transport(config.engine.weight_sync, colocate=True, device="cuda")
-    assert transport == "disk"  # tensor handles do not cross nodes
-    assert config.logging.run_dir.startswith("/shared/")  # the sync dir lives under it
+    assert transport == "tensor"  # handles from a rank on each engine's own node
+    engine_nodes = [nodes_of(plan, e)[0] for e in plan.engine_bundles]
+    senders = engine_senders(engine_nodes, nodes_of(plan, plan.train_bundles), transport)
+    assert senders == [0] * 4 + [8] * 4  # the lowest rank of each node
+    assert config.logging.run_dir.startswith("/shared/")
 
 
 def test_disaggregated_config_trains_on_one_node_and_serves_on_the_other():

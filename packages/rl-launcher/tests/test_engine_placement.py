@@ -5,12 +5,13 @@ on the driver's node).
 - Colocated over 3 nodes (one training rank and one engine per node, 1-CPU bundles: the
   placement that PACK used to crowd onto one node): each engine's server is the child of an
   EngineHost actor on the node the printed layout names, listening on that node's address
-  only; weights reach all three (versions advance; engine log-probs equal the trainer's);
-  metrics.jsonl names each engine's node.
+  only; weights reach all three by ``tensor`` handles, each engine fed by the training rank
+  on its own node (versions advance; engine log-probs equal the trainer's); metrics.jsonl
+  names each engine's node and sending rank.
 - Disaggregated over 2 nodes, ``rl-train`` as a subprocess with the async loop: training
   on one node, both engines on the other, weights over the gloo weight-update group.
 - A cluster too small for the plan, nodes smaller than it expects, tensor weight sync to
-  engines on other nodes, or an API key missing for rl-train or different where training
+  engines on a node without a training rank, or an API key missing for rl-train or different where training
   rank 0 runs: exit 2 with a message naming what is missing, before any actor starts.
 
 One cluster for the module: start-ups cost tens of seconds on a shared 2-core machine.
@@ -23,8 +24,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from test_rendezvous import listening_addresses
-from test_train_loop import LOGPROB_TOL, shrunk
+from test_train_loop import LOGPROB_TOL, engine_response, shrunk, trainer_log_probs
 
 ray = pytest.importorskip("ray")
 
@@ -114,11 +116,10 @@ def test_colocated_over_three_nodes_engines_on_their_nodes(cluster, tmp_path, ca
             str(NUM_NODES),
             "--engine.num_engines",
             str(NUM_NODES),
-            "--engine.weight_sync",
-            "disk",
         )
     )
     run = start_run(config)
+    assert run.sync_options["transport"] == "tensor"  # auto, colocated: handles per node
     try:
         layout = printed_layout(capsys.readouterr().out)
         # one training rank and one engine per node, every node a different worker node
@@ -136,13 +137,22 @@ def test_colocated_over_three_nodes_engines_on_their_nodes(cluster, tmp_path, ca
             finish_step(run, step, metrics, save)
             records.append(metrics)
             assert run.rollout.engines.weight_versions() == [str(step)] * NUM_NODES  # all three
+        # each engine was fed by the training rank on its own node, and by no other
+        fed = ray.get([w.engines_fed.remote() for w in run.trainer.workers])
+        assert fed == [[url] for url in run.rollout.engines.urls]
+        prompt_ids = run.source.datasets[0].prompts[0].tokens
+        output = engine_response(run, prompt_ids, engine=NUM_NODES - 1)  # off rank 0's node
+        engine_lps = [lp for lp, _, *_ in output["meta_info"]["output_token_logprobs"]]
+        trainer_lps = trainer_log_probs(run, prompt_ids, output)
     finally:
         run.close()
     assert records[1]["mismatch/logprob_abs_diff_max"] < LOGPROB_TOL  # samples of version 1
+    torch.testing.assert_close(torch.tensor(engine_lps), trainer_lps, atol=LOGPROB_TOL, rtol=0)
     first, second = read_metrics(run_dir)
     for index in range(NUM_NODES):
         assert first[f"engine/{index}/node"].startswith(layout[f"E{index}"][0])
         assert first[f"engine/{index}/url"].startswith(f"http://{layout[f'E{index}'][1]}:")
+        assert first[f"engine/{index}/weights_from"] == index  # rank `index`, on its node
     assert not any(key.startswith("engine/") for key in second)  # once per process
     deadline = time.monotonic() + 30  # ray.kill returns before the GCS marks the actor dead
     while actor_records("EngineHost") and time.monotonic() < deadline:
@@ -236,10 +246,10 @@ def test_clusters_that_cannot_hold_the_plan_are_refused_naming_the_nodes(cluster
     error = refused(capsys, tmp_path / "b", cluster, "--cluster.devices_per_node", "3")
     assert "needs 1 node(s) with CPU 3 each" in error, error
     assert f"has 0; too small: {head}, {workers}. Add nodes" in error, error
-    # tensor handles cannot reach engines on other nodes than training rank 0's
-    two = ("--cluster.num_nodes", "2", "--engine.num_engines", "2")
-    error = refused(capsys, tmp_path / "c", cluster, *two)
-    assert "engine.weight_sync=tensor" in error and "engines [1] are on other nodes" in error
+    # tensor handles cannot reach engines on a node without a training rank
+    two = ("--cluster.num_nodes", "2", "--cluster.colocate", "false")
+    error = refused(capsys, tmp_path / "c", cluster, *two, "--engine.weight_sync", "tensor")
+    assert "engine.weight_sync=tensor" in error and "engines [0] are on nodes without" in error
 
 
 def test_engines_off_the_drivers_node_need_the_same_key_everywhere(

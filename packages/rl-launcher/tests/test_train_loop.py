@@ -48,12 +48,12 @@ def shrunk(run_dir: Path, *extra: str) -> list[str]:
     ]
 
 
-def engine_response(run, prompt_ids: list[int]) -> dict:
-    """One sampled response with its engine log-probs, straight from the first engine."""
+def engine_response(run, prompt_ids: list[int], engine: int = 0) -> dict:
+    """One sampled response with its engine log-probs, straight from engine ``engine``."""
     from rl_sglang.client import EngineClient
 
     async def ask():
-        async with EngineClient(run.rollout.engines.urls[0]) as client:
+        async with EngineClient(run.rollout.engines.urls[engine]) as client:
             params = {"max_new_tokens": 3, "temperature": 1.0, "ignore_eos": True}
             return await client.generate(
                 input_ids=prompt_ids, sampling_params=params, return_logprob=True

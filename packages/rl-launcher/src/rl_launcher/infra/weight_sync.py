@@ -1,6 +1,9 @@
 """How trained weights reach the engines, chosen per placement.
 
 - ``tensor``: tensor handles (CUDA IPC on GPU, shared memory on CPU) into colocated engines.
+  Handles do not cross nodes, so each engine is fed by a training rank on its own node:
+  the lowest rank there (:func:`engine_senders`; ``how["senders"]``, engine -> rank). A
+  node with engines and no training rank is refused at start-up.
 - ``disk``: an HF safetensors directory the engines load (``engine.weight_sync_dir``,
   else ``<run_dir>/sync_weights``); written by training rank 0 and read by every engine,
   so on a run over several nodes it must be on storage they share (checked at start-up,
@@ -13,7 +16,8 @@
 - ``auto``: ``tensor`` when colocated, ``distributed`` when disaggregated.
 
 :func:`sync_options` (driver) resolves the choice; :class:`EngineWeightSync` (inside each
-training rank) carries the buckets: every rank gathers the full tensors, rank 0 sends.
+training rank) carries the buckets: every rank gathers the full tensors; rank 0 sends,
+or with ``tensor`` each node's sending rank to its node's engines.
 """
 
 import asyncio
@@ -36,6 +40,32 @@ def resolve_transport(weight_sync: str, *, colocate: bool, device: str) -> str:
             "with cluster.colocate=false use distributed (or auto)"
         )
     return weight_sync
+
+
+def engine_senders(engine_nodes: list, rank_nodes: list, transport: str) -> list[int]:
+    """The training rank that hands each engine its weights: with ``tensor``, the lowest
+    rank on the engine's node (``engine_nodes[e]``, ``rank_nodes[r]``: Ray node ids); with
+    the other transports rank 0. ValueError naming the engines when a node has none."""
+    if transport != "tensor":
+        return [0] * len(engine_nodes)
+    lowest = {}
+    for rank, node in enumerate(rank_nodes):
+        lowest.setdefault(node, rank)
+    alone = [e for e, node in enumerate(engine_nodes) if node not in lowest]
+    if alone:
+        raise ValueError(
+            f"engine.weight_sync=tensor hands tensor handles to engines from a training rank "
+            f"on their own node, and engines {alone} are on nodes without one; set "
+            "engine.weight_sync to distributed, or disk on storage every node shares"
+        )
+    return [lowest[node] for node in engine_nodes]
+
+
+def urls_of_rank(urls: list[str], rank: int, how: dict) -> list[str]:
+    """The engines ``rank`` hands the weights to (``how["senders"]``: engine -> rank;
+    without it, rank 0 feeds them all)."""
+    senders = how.get("senders") or [0] * len(urls)
+    return [url for url, sender in zip(urls, senders, strict=True) if sender == rank]
 
 
 def sync_dir(config, run_dir: Path) -> Path:
@@ -68,6 +98,7 @@ class EngineWeightSync:
     def __init__(self, rank: int, *, master_address: str | None = None):
         self.rank, self._loop, self._clients, self._sender = rank, None, {}, None
         self.master_address = master_address
+        self.fed: list[str] = []  # the engines this rank sent the last sync to
 
     def address(self) -> tuple[str, int | None]:
         """Where this rank hosts the weight-update group: host, and port once it exists."""
@@ -75,17 +106,18 @@ class EngineWeightSync:
         return self.master_address or "127.0.0.1", port
 
     def sync(self, buckets, urls: list[str], version: str, how: dict) -> float:
-        """Push every bucket of ``(hf_name, tensor)``; returns the bytes sent."""
-        sent = 0.0
+        """Push every bucket of ``(hf_name, tensor)`` to this rank's engines (every rank
+        takes part: gathering the buckets is collective); returns the bytes sent."""
+        sent, self.fed = 0.0, urls_of_rank(urls, self.rank, how)
         if how["transport"] == "disk":
             named = [item for bucket in buckets for item in bucket]
-            if self.rank == 0:
-                self._run(self._to_disk(urls, named, how["path"], version))
+            if self.fed:
+                self._run(self._to_disk(self.fed, named, how["path"], version))
             return float(sum(t.numel() * t.element_size() for _, t in named))
         for bucket in buckets:
             sent += sum(t.numel() * t.element_size() for _, t in bucket)
-            if self.rank == 0:
-                self._run(self._send(urls, bucket, version, how))
+            if self.fed:
+                self._run(self._send(self.fed, bucket, version, how))
         return sent
 
     async def _to_disk(self, urls, named, path, version):

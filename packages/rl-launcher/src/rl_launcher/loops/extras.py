@@ -57,17 +57,20 @@ def data_stats(run) -> dict[str, float]:
 def engine_nodes(run) -> dict[str, str]:
     """Where each engine runs, in the first record of each rl-train process (a resumed run
     may be placed elsewhere): ``engine/<e>/node``, the Ray node id (as ``ray list nodes``
-    and the start-up layout show it), and ``engine/<e>/url``. Engines started without Ray
-    (no node) add nothing."""
+    and the start-up layout show it), ``engine/<e>/url`` and ``engine/<e>/weights_from``,
+    the training rank that hands it the weights. Engines started without Ray (no node) add
+    nothing."""
     if run.extras.get("engine_nodes_logged"):
         return {}
     run.extras["engine_nodes_logged"] = True
     metrics = {}
     engines = run.rollout.engines
+    senders = run.sync_options.get("senders") or [0] * len(engines.urls)
     for index, (node, url) in enumerate(zip(engines.nodes(), engines.urls, strict=True)):
         if node is not None:
             metrics[f"engine/{index}/node"] = node
             metrics[f"engine/{index}/url"] = url
+            metrics[f"engine/{index}/weights_from"] = float(senders[index])
     return metrics
 
 

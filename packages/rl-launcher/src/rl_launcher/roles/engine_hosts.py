@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import ray
 
+from rl_launcher.infra.weight_sync import engine_senders
 from rl_sglang.process import API_KEY_ENV
 
 KEY_NEEDED = (
@@ -45,12 +46,15 @@ KEY_NEEDED = (
 @dataclass(frozen=True)
 class EngineSites:
     """Where a run's engines start: ``plan.engine_bundles[e]`` of ``placement``, bound to
-    ``host`` (None: each node's own address) with ``api_key``."""
+    ``host`` (None: each node's own address) with ``api_key``; ``senders[e]``: the
+    training rank that hands engine e its weights
+    (:func:`~rl_launcher.infra.weight_sync.engine_senders`)."""
 
     plan: object  # placement.PlacementPlan
     placement: object  # ray_placement.OrderedPlacement
     host: str | None
     api_key: str | None
+    senders: tuple[int, ...] = ()
 
     def gpu_ids(self, engine: int) -> list[int] | None:
         if not self.placement.use_gpu:
@@ -60,8 +64,8 @@ class EngineSites:
 
 def engine_sites(config, plan, placement, *, transport: str) -> EngineSites:
     """The run's :class:`EngineSites`, after the checks that need no engine: every engine
-    on one node; off loopback, the API key set here and on every training node, and a
-    weight transport that crosses nodes. ValueError with the fix otherwise."""
+    on one node, fed by a training rank that can reach it; off loopback, the API key set
+    here and on every sending training rank's node. ValueError with the fix otherwise."""
     for engine, bundles in enumerate(plan.engine_bundles):
         if len({placement.node_ids[b] for b in bundles}) > 1:
             raise ValueError(
@@ -69,14 +73,16 @@ def engine_sites(config, plan, placement, *, transport: str) -> EngineSites:
                 "nodes (SGLang --nnodes) are not supported yet: make engine.devices_per_engine "
                 "at most cluster.devices_per_node"
             )
+    senders, api_key = (
+        tuple(weight_senders(plan, placement, transport)),
+        os.environ.get(API_KEY_ENV),
+    )
     if on_driver_node(placement):
-        return EngineSites(plan, placement, config.engine.host, os.environ.get(API_KEY_ENV))
-    check_transport(plan, placement, transport)
-    api_key = os.environ.get(API_KEY_ENV)
+        return EngineSites(plan, placement, config.engine.host, api_key, senders)
     if not api_key:
         raise ValueError(KEY_NEEDED.format(variable=API_KEY_ENV))
-    check_key_on_nodes(placement, plan.train_bundles[:1], api_key)
-    return EngineSites(plan, placement, None, api_key)
+    check_key_on_nodes(placement, [plan.train_bundles[r] for r in sorted(set(senders))], api_key)
+    return EngineSites(plan, placement, None, api_key, senders)
 
 
 def on_driver_node(placement) -> bool:
@@ -84,19 +90,12 @@ def on_driver_node(placement) -> bool:
     return set(placement.node_ids) == {ray.get_runtime_context().get_node_id()}
 
 
-def check_transport(plan, placement, transport: str) -> None:
-    """``tensor`` weight sync hands training rank 0's tensor handles (CUDA IPC, shared
-    memory) to the engines: only engines on rank 0's node can open them."""
-    if transport != "tensor":
-        return
-    rank0 = placement.node_ids[plan.train_bundles[0]]
-    away = [e for e, b in enumerate(plan.engine_bundles) if placement.node_ids[b[0]] != rank0]
-    if away:
-        raise ValueError(
-            f"engine.weight_sync=tensor (what auto picks colocated) hands tensor handles from "
-            f"training rank 0 to engines on its node, and engines {away} are on other nodes; set "
-            "engine.weight_sync to distributed, or disk on storage every node shares"
-        )
+def weight_senders(plan, placement, transport: str) -> list[int]:
+    """Engine e's sending training rank: with ``tensor`` (handles that do not cross nodes)
+    the lowest rank on its node, else rank 0."""
+    engine_nodes = [placement.node_ids[bundles[0]] for bundles in plan.engine_bundles]
+    rank_nodes = [placement.node_ids[slot] for slot in plan.train_bundles]
+    return engine_senders(engine_nodes, rank_nodes, transport)
 
 
 def key_digest(key: str | None) -> str:
@@ -109,8 +108,8 @@ def _node_key_digest() -> tuple[str, str]:
 
 
 def check_key_on_nodes(placement, slots, api_key: str) -> None:
-    """The processes in ``slots`` (training rank 0: it sends the weights) see the driver's
-    key; only digests travel."""
+    """The processes in ``slots`` (the training ranks that send the weights) see the
+    driver's key; only digests travel."""
     probes = [
         _node_key_digest.options(scheduling_strategy=placement.strategy(s)).remote() for s in slots
     ]

@@ -134,6 +134,11 @@ class TrainWorker(GroupMember):
             "time/sync_export": buckets.seconds,
         }
 
+    def engines_fed(self) -> list[str]:
+        """The engines this rank handed the last sync to (each node's sender feeds its
+        node's engines with ``tensor``; rank 0 feeds them all otherwise)."""
+        return self.weights.fed
+
     def offload(self) -> None:
         """Training state to host memory (colocated engines generate meanwhile)."""
         if not self.offloaded:

@@ -217,6 +217,7 @@ def _place_engines(run: Run) -> None:
     if with_engines:
         transport = run.sync_options["transport"]
         run.engine_sites = engine_sites(config, run.plan, run.placement, transport=transport)
+        run.sync_options["senders"] = list(run.engine_sites.senders)  # engine -> its rank
 
 
 def watch_engines(run: Run) -> None:
