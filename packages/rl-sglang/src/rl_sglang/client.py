@@ -28,6 +28,9 @@ class EngineClient:
     killed mid-request and restarted, or the router failing over). ``api_key`` is sent as
     ``Authorization: Bearer`` (servers exposed beyond loopback require it); by default it
     is taken from the ``RL_SGLANG_API_KEY`` environment variable, like the servers' key.
+    ``lora_path``: the LoRA adapter (its name on the engines) that every /generate sent
+    without one of its own asks for; None: the base model. A trainer syncing adapters
+    sets it to each new version's name.
     """
 
     def __init__(
@@ -38,8 +41,10 @@ class EngineClient:
         retries: int = 0,
         backoff_s=0.5,
         api_key: str | None = None,
+        lora_path: str | None = None,
     ):
         self.url = url.rstrip("/")
+        self.lora_path = lora_path
         api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -82,7 +87,9 @@ class EngineClient:
     # ---- generation ---------------------------------------------------------------------
     async def generate(self, **body: Any) -> Any:
         """POST /generate with GenerateReqInput fields (``input_ids`` or ``text``,
-        ``sampling_params``, ``return_logprob``, ``rid``); retried per ``retries``."""
+        ``sampling_params``, ``return_logprob``, ``rid``, ``lora_path``); retried per
+        ``retries``."""
+        body = self._with_adapter(body)
         for attempt in range(self.retries + 1):
             try:
                 return await self.request("POST", "/generate", body)
@@ -92,6 +99,11 @@ class EngineClient:
                     raise
                 await asyncio.sleep(self.backoff_s * (2**attempt))
         raise AssertionError("unreachable")
+
+    def _with_adapter(self, body: dict) -> dict:
+        if self.lora_path is None or "lora_path" in body:
+            return body
+        return body | {"lora_path": self.lora_path}
 
     async def prompt_logprobs(self, input_ids: list[int]) -> list[float]:
         """Teacher-forced log-probs ``[len(input_ids) - 1]``: entry i is the log-prob of
@@ -125,7 +137,8 @@ class EngineClient:
 
     async def generate_stream(self, **body: Any) -> AsyncIterator[dict]:
         """Yield the chunks of a streamed /generate until ``[DONE]``."""
-        async with self.session.post(self.url + "/generate", json=body | {"stream": True}) as resp:
+        body = self._with_adapter(body) | {"stream": True}
+        async with self.session.post(self.url + "/generate", json=body) as resp:
             if resp.status >= 400:
                 raise EngineError(self.url, resp.status, await resp.text())
             async for raw in resp.content:
@@ -199,3 +212,18 @@ class EngineClient:
     async def update_weights_from_distributed(self, **fields: Any) -> dict:
         """Fields: names, dtypes, shapes, group_name, weight_version, flush_cache."""
         return await self.request("POST", "/update_weights_from_distributed", fields)
+
+    # ---- LoRA adapters (engines started with --enable-lora) ------------------------------
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False):
+        """Serve the PEFT directory ``lora_path`` as ``lora_name``; SGLang's answer
+        (``loaded_adapters``: name -> path)."""
+        body = {"lora_name": lora_name, "lora_path": lora_path, "pinned": pinned}
+        return await self.request("POST", "/load_lora_adapter", body)
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict:
+        return await self.request("POST", "/unload_lora_adapter", {"lora_name": lora_name})
+
+    async def update_weight_version(self, new_version: str, abort_all_requests=False) -> dict:
+        """Set the version the engine reports (an adapter load does not change it)."""
+        body = {"new_version": str(new_version), "abort_all_requests": abort_all_requests}
+        return await self.request("POST", "/update_weight_version", body)

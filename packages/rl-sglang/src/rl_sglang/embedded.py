@@ -39,8 +39,9 @@ async def _body(request: web.Request) -> dict[str, Any]:
 
 
 def _error(message: str, status: int = 400) -> web.Response:
-    return web.json_response(
-        {"success": False, "message": message, "error": message}, status=status
+    return web.json_response(  # error_message: SGLang's field in LoRA answers
+        {"success": False, "message": message, "error": message, "error_message": message},
+        status=status,
     )
 
 
@@ -213,6 +214,24 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
     return web.json_response(await engine.on_scheduler(lambda: engine.apply_update(named, body)))
 
 
+@routes.post("/load_lora_adapter")
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    engine = _engine(request)
+    return web.json_response(await engine.load_lora_adapter(await _body(request)))
+
+
+@routes.post("/unload_lora_adapter")
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+    engine = _engine(request)
+    return web.json_response(await engine.unload_lora_adapter(await _body(request)))
+
+
+@routes.post("/update_weight_version")
+async def update_weight_version(request: web.Request) -> web.Response:
+    engine, body = _engine(request), await _body(request)
+    return web.json_response(await engine.on_scheduler(lambda: engine.update_weight_version(body)))
+
+
 @routes.post("/init_weights_update_group")
 async def init_weights_update_group(request: web.Request) -> web.Response:
     engine, body = _engine(request), await _body(request)
@@ -282,6 +301,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="torch.compile the static runner's decode step (default: on with CUDA)",
     )
     parser.add_argument("--seed", type=int, default=0, help="init seed for a bare config")
+    parser.add_argument(
+        "--enable-lora", action="store_true", help="serve LoRA adapters (/load_lora_adapter)"
+    )
+    parser.add_argument("--max-lora-rank", type=int, default=None, help="default: any rank")
+    parser.add_argument(
+        "--lora-target-modules",
+        nargs="+",
+        default=["all"],
+        help="Linears adapters may adapt (q_proj v_proj ...), or all (every Linear but lm_head)",
+    )
     args = parser.parse_args(argv)
     try:
         check_exposure(args.host, args.api_key, "the embedded engine")
@@ -319,6 +348,9 @@ def main(argv: list[str] | None = None) -> None:
         runner=args.runner,
         max_context=args.max_context,
         compile=args.compile,
+        enable_lora=args.enable_lora,
+        max_lora_rank=args.max_lora_rank,
+        lora_targets=tuple(args.lora_target_modules),
     )
     engine.scheduler.weight_version = args.weight_version
     print(

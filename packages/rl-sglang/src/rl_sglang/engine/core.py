@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from rl_sglang.engine import weights
+from rl_sglang.engine.lora import ALL_TARGETS, LoRAManager, read_peft_adapter
 from rl_sglang.engine.request import Request
 from rl_sglang.engine.runner import ModelRunner
 from rl_sglang.engine.scheduler import Scheduler
@@ -54,7 +55,10 @@ class Engine:
     ``compile`` (static runner only): ``torch.compile`` the decode layer before the CUDA
     graphs are captured; ``None`` turns it on with CUDA (it costs start-up time once).
     ``multi_step`` (static runner only): greedy decode rounds of that many steps when no
-    row can finish by length and nothing waits within them (outputs are unchanged)."""
+    row can finish by length and nothing waits within them (outputs are unchanged).
+    ``enable_lora``: serve LoRA adapters per request (:mod:`rl_sglang.engine.lora`) on the
+    Linears named by ``lora_targets``, of rank up to ``max_lora_rank`` (None: any); the
+    adapters' hooks run in the model's own modules, so the runner is the dynamic one."""
 
     def __init__(
         self,
@@ -67,6 +71,9 @@ class Engine:
         max_context=None,
         compile=None,
         multi_step=DEFAULT_MULTI_STEP,
+        enable_lora=False,
+        max_lora_rank=None,
+        lora_targets=(ALL_TARGETS,),
     ):
         self.model, self.tokenizer, self.model_path = model, tokenizer, model_path
         self.device = next(model.parameters()).device
@@ -76,6 +83,9 @@ class Engine:
         self.max_context = min(
             max_context or 1 << 30, getattr(model.config, "max_position_embeddings", 1 << 30)
         )
+        if enable_lora and runner == "static":
+            raise ValueError("--enable-lora runs the dynamic runner; drop --runner static")
+        runner = "dynamic" if enable_lora else runner
         self.runner_kind = choose_runner(runner, model, self.max_context)
         self.compile = self.device.type == "cuda" if compile is None else compile  # None: auto
         if int(multi_step) < 1:
@@ -88,6 +98,10 @@ class Engine:
             StopChecker(tokenizer, eos_ids, self.max_context),
             max_batch_size=max_batch_size,
         )
+        self.lora = None
+        if enable_lora:
+            self.lora = LoRAManager(model, max_rank=max_lora_rank, targets=lora_targets)
+            self.scheduler.lora = self.lora
         self.weight_receivers: dict[str, weights.WeightReceiver] = {}
         self.memory_released = False
         self._parked_runner = None  # the runner while memory is released
@@ -125,13 +139,56 @@ class Engine:
         rids = rids if isinstance(rids, list) else [rids]
         if len(rids) != len(prompts) or len(params_list) != len(prompts):
             raise ValueError("rid and sampling_params lists must have one entry per prompt")
+        adapters = self._adapters(body.get("lora_path"), len(prompts))
         groups = [
-            self._expand(prompt, SamplingParams.from_dict(params), rid, body)
-            for prompt, params, rid in zip(prompts, params_list, rids, strict=True)
+            self._expand(prompt, SamplingParams.from_dict(params), rid, body, adapter)
+            for prompt, params, rid, adapter in zip(
+                prompts, params_list, rids, adapters, strict=True
+            )
         ]
         return groups, is_batch
 
-    def _expand(self, prompt, params: SamplingParams, rid: str, body: dict) -> list[Request]:
+    def _adapters(self, lora_path, num_prompts: int) -> list:
+        """The adapter of each prompt: ``lora_path`` is one adapter name for all, a list of
+        one name (or None: the base) per prompt, or None."""
+        names = lora_path if isinstance(lora_path, list) else [lora_path] * num_prompts
+        if len(names) != num_prompts:
+            raise ValueError(f"lora_path has {len(names)} entries for {num_prompts} prompts")
+        if self.lora is None:
+            if any(name is not None for name in names):
+                raise ValueError("lora_path needs an engine started with --enable-lora")
+            return names
+        return [self.lora.resolve(name) for name in names]
+
+    # ---- LoRA adapters (SGLang's /load_lora_adapter, /unload_lora_adapter) ----------------
+    async def load_lora_adapter(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Read the PEFT directory ``lora_path`` and serve it as ``lora_name``."""
+        lora = self._lora_manager()
+        name, path = _text_field(body, "lora_name"), _text_field(body, "lora_path")
+        dtype = next(self.model.parameters()).dtype
+        adapter = await asyncio.to_thread(read_peft_adapter, name, path, self.device, dtype)
+        await self.on_scheduler(lambda: lora.load(adapter))
+        return self.lora_answer()
+
+    async def unload_lora_adapter(self, body: dict[str, Any]) -> dict[str, Any]:
+        lora = self._lora_manager()
+        name = _text_field(body, "lora_name")
+        await self.on_scheduler(lambda: lora.unload(name))
+        return self.lora_answer()
+
+    def lora_answer(self) -> dict[str, Any]:
+        """SGLang's LoRAUpdateOutput."""
+        loaded = self.lora.loaded() if self.lora is not None else {}
+        return {"success": True, "error_message": "", "loaded_adapters": loaded}
+
+    def _lora_manager(self) -> LoRAManager:
+        if self.lora is None:
+            raise ValueError("LoRA adapters need an engine started with --enable-lora")
+        return self.lora
+
+    def _expand(
+        self, prompt, params: SamplingParams, rid: str, body: dict, adapter=None
+    ) -> list[Request]:
         ids = self._encode(prompt) if isinstance(prompt, str) else prompt
         if not ids or len(ids) >= self.max_context:
             raise ValueError(f"prompts need 1 to {self.max_context - 1} tokens, got {len(ids)}")
@@ -149,6 +206,7 @@ class Engine:
                     params=sample_params,
                     return_logprob=bool(body.get("return_logprob", False)),
                     logprob_start_len=_start_len(body.get("logprob_start_len"), len(ids)),
+                    adapter=adapter,
                 )
             )
         return requests
@@ -188,6 +246,7 @@ class Engine:
                 ids_BT[row, : len(request.prompt_ids)] = torch.tensor(request.prompt_ids)
                 mask_BT[row, : len(request.prompt_ids)] = 1
             ids_BT, mask_BT = ids_BT.to(self.device), mask_BT.to(self.device)
+            self.scheduler.use_adapters(chunk)
             logits_BTV = self.model(input_ids=ids_BT, attention_mask=mask_BT).logits[:, :-1]
             logprobs_BT = torch.log_softmax(logits_BTV.float(), dim=-1)
             logprobs_BT = logprobs_BT.gather(-1, ids_BT[:, 1:, None]).squeeze(-1).tolist()
@@ -228,6 +287,15 @@ class Engine:
             "num_paused_requests": num_in_flight,
             "weight_version": version,
         }
+
+    def update_weight_version(self, body: dict[str, Any]) -> dict[str, Any]:
+        """SGLang's ``/update_weight_version``: the version the engine reports from now on
+        (after loading an adapter, whose load does not change it), aborting if asked."""
+        version = _text_field(body, "new_version")
+        if body.get("abort_all_requests"):
+            self.scheduler.abort_now(None, message="aborted for a weight version update")
+        self.scheduler.weight_version = version
+        return {"success": True, "message": f"weight_version {version}", "new_version": version}
 
     def release_memory(self) -> None:
         """Retract running requests, then on GPU free the KV cache (the runner) and move the
@@ -283,6 +351,10 @@ class Engine:
             "context_length": self.max_context,
             "paused": self.scheduler.paused,
             "memory_released": self.memory_released,
+            "enable_lora": self.lora is not None,
+            "max_lora_rank": self.lora.max_rank if self.lora is not None else None,
+            "lora_target_modules": list(self.lora.targets) if self.lora is not None else None,
+            "loaded_adapters": self.lora.loaded() if self.lora is not None else {},
             "internal_states": [
                 {
                     "num_running": self.scheduler.num_running,
@@ -294,6 +366,13 @@ class Engine:
 
 
 RUNNERS = ("auto", "dynamic", "static")
+
+
+def _text_field(body: dict[str, Any], name: str) -> str:
+    value = body.get(name)
+    if value is None or value == "":
+        raise ValueError(f"the request body needs {name!r}")
+    return str(value)
 
 
 def _start_len(value, num_ids: int) -> int | None:

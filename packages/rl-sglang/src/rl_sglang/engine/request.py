@@ -31,6 +31,7 @@ class Request:
     weight_version: str = ""
     created: float = field(default_factory=time.monotonic)
     generator: torch.Generator | None = None
+    adapter: Any = None  # the LoRA adapter its ``lora_path`` named (engine.lora.Adapter)
 
     def matches(self, rid: str | None) -> bool:
         """True when an abort of ``rid`` (None = all) concerns this request."""

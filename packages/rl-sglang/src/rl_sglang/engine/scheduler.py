@@ -32,6 +32,7 @@ class Scheduler:
     def __init__(self, runner: "ModelRunner", stopper: StopChecker, *, max_batch_size: int = 64):
         self.runner, self.stopper = runner, stopper
         self.max_batch_size = max_batch_size
+        self.lora = None  # engine.lora.LoRAManager with --enable-lora: told each forward's rows
         self.weight_version = "0"
         self.paused = False
         self._cond = threading.Condition()
@@ -196,6 +197,7 @@ class Scheduler:
             return
         for request in new:
             request.seed(self.runner.device)
+        self.use_adapters(new)
         logits_BV, state = self.runner.prefill([r.prompt_ids + r.output_ids for r in new])
         tokens_B = self._sample(logits_BV, new)
         self._state = self.runner.merge(self._state, state)
@@ -240,6 +242,7 @@ class Scheduler:
         """Queue one decode round and the copy of its tokens and log-probs to the host;
         ``pending``: tokens of a queued round not yet appended to the requests."""
         rows = self._row_params(self._running, self.runner.device)
+        self.use_adapters(self._running)
         if rows.all_greedy:  # argmax and log-prob come out of the (captured) step itself
             steps = self._round_steps(pending)
             out = self.runner.decode(self._state, tokens_B, greedy=True, steps=steps)
@@ -304,6 +307,11 @@ class Scheduler:
             if request.on_token is not None:
                 request.on_token(request)
         return tokens_B
+
+    def use_adapters(self, requests: list[Request]) -> None:
+        """The LoRA adapter of each row of the next forwards (``requests`` in row order)."""
+        if self.lora is not None:
+            self.lora.use([r.adapter for r in requests])
 
     def _row_params(self, requests: list[Request], device) -> RowParams:
         """Per-row sampling tensors, rebuilt only when the batch's membership changed."""
