@@ -82,6 +82,7 @@ def checks(dist_info, workdir: Path, overrides: dict) -> dict:
     trained_lp = backend.compute_log_probs(mine)
     ref_lp = backend.compute_log_probs(mine, model="ref")
     merged = {n: t for bucket in backend.export_weights(bucket_bytes=40_000) for n, t in bucket}
+    peft_bytes = backend.export_lora_adapter(workdir / "peft")
     backend.save_checkpoint(workdir / "ckpt")
     next_loss = backend.train_step(mine)["loss/total"]
 
@@ -103,6 +104,8 @@ def checks(dist_info, workdir: Path, overrides: dict) -> dict:
         "ref_unchanged": torch.equal(ref_lp, start_ref),
         "trained_lp": trained_lp,
         "merged": merged,
+        "base": {n: t for n, t in before.items() if not is_lora_name(n)},
+        "peft_bytes": peft_bytes,
         "world_size": dist_info.world_size,
         "rank0_batch": mine,
     }

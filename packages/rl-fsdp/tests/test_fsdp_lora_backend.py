@@ -54,6 +54,29 @@ def test_reference_is_the_base_and_merged_export_is_the_adapted_model(run):
     assert not any(".lora_" in name for name in results["merged"])
 
 
+def test_peft_export_holds_only_the_adapters_and_rebuilds_the_merged_weights(run):
+    """The PEFT directory an engine loads per sync: only the adapters (all ranks' shards
+    gathered), and base + alpha / r * B @ A is the merged export, weight by weight."""
+    from safetensors.torch import load_file
+
+    results, workdir = run
+    config = json.loads((workdir / "peft" / "adapter_config.json").read_text())
+    assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 8)
+    tensors = load_file(workdir / "peft" / "adapter_model.safetensors")
+    prefix = "base_model.model."
+    assert sorted(tensors) == sorted(f"{prefix}{n}.weight" for n in results["adapters"])
+    assert results["peft_bytes"] == sum(t.numel() * t.element_size() for t in tensors.values())
+    assert not (workdir / "peft.tmp").exists()
+    for name in results["adapters"]:
+        module, _, part = name.rpartition(".")
+        if part != "lora_A":
+            continue
+        a = tensors[f"{prefix}{module}.lora_A.weight"]
+        b = tensors[f"{prefix}{module}.lora_B.weight"]
+        rebuilt = results["base"][f"{module}.weight"] + (SPEC.alpha / SPEC.rank) * b @ a
+        torch.testing.assert_close(rebuilt, results["merged"][f"{module}.weight"])
+
+
 def test_checkpoint_holds_adapters_and_refuses_a_model_without_lora(run):
     results, workdir = run
     ckpt = workdir / "ckpt"

@@ -192,6 +192,20 @@ class FSDPBackend(ShardedTrainer):
             self.model, bucket_bytes=bucket_bytes, dtype=dtype, lora_scaling=scaling
         )
 
+    def export_lora_adapter(self, path: Path) -> int:
+        """The LoRA adapters alone as a PEFT directory at ``path`` (collective; rank 0
+        writes it atomically), what an engine serving the base loads per version. Returns
+        the adapter tensors' bytes."""
+        from rl_fsdp.lora_export import write_peft_adapter
+
+        if self.lora is None:
+            raise ValueError("export_lora_adapter needs a model with LoRA (FSDPConfig.lora)")
+        self.onload()
+        dtype = DTYPES[self.config.export_dtype] if self.config.export_dtype else None
+        return write_peft_adapter(
+            self.model, self.lora, Path(path), base_model=self.config.model_path, dtype=dtype
+        )
+
     def export_hf(self, path: Path, *, bucket_bytes: int = 1 << 30) -> None:
         """A plain HF directory (safetensors shards + config + tokenizer files) at ``path``."""
         hf_config = copy.deepcopy(self.model_config)
