@@ -1,7 +1,8 @@
 """rl-train with LoRA (examples/quickstart/lora.yaml, shrunk) on CPU with real Ray, an
-embedded engine behind sglang-router and rl-fsdp: the engine serves the merged weights
-(its log-probs equal the trainer's adapted model), versions advance every step, the KL
-reference is the frozen base, checkpoints hold only the adapters, and the HF export
+embedded engine behind sglang-router and rl-fsdp: each sync sends the engine the adapters
+alone (model.lora_sync: adapter, a PEFT directory loaded under a new name per version) and
+its log-probs with them equal the trainer's adapted model, versions advance every step,
+the KL reference is the frozen base, checkpoints hold only the adapters, and the HF export
 changes only the adapted layers."""
 
 import json
@@ -25,7 +26,7 @@ ADAPTED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 NUM_ADAPTER = 2 * 8 * (2 * (64 + 64) + 2 * (64 + 32) + 3 * (64 + 128))
 
 
-def test_lora_run_syncs_merged_weights_and_checkpoints_only_adapters(tmp_path):
+def test_lora_run_syncs_adapters_and_checkpoints_only_adapters(tmp_path):
     run_dir = tmp_path / "run"
     args = [
         "--config",
@@ -55,12 +56,15 @@ def test_lora_run_syncs_merged_weights_and_checkpoints_only_adapters(tmp_path):
     records = read_metrics(run_dir)
     assert [r["sync/weight_version"] for r in records] == [1.0, 2.0, 3.0]
     assert [r["rollout/weight_version_min"] for r in records] == [0.0, 1.0, 2.0]
-    # the engine's merged weights give the trainer's adapted log-probs
+    # the engine's base plus the adapter it loaded gives the trainer's adapted log-probs
     assert all(r["mismatch/logprob_abs_diff_max"] < LOGPROB_TOL for r in records)
     assert records[2]["loss/kl"] > 0  # the adapters moved the policy off the base (reference)
     base = load_file(run_dir / "initial_model" / "model.safetensors")
-    full_bytes = sum(t.numel() * t.element_size() for t in base.values())
-    assert all(r["sync/bytes"] == full_bytes for r in records)  # merged: every base weight
+    assert all(r["sync/bytes"] == 4 * NUM_ADAPTER for r in records)  # float32 adapters only
+    synced = run_dir / "sync_weights" / "lora"  # the last two versions stay (older unloaded)
+    assert sorted(p.name for p in synced.iterdir()) == ["policy_v2", "policy_v3"]
+    sent = load_file(synced / "policy_v3" / "adapter_model.safetensors")
+    assert len(sent) == 2 * 7 * 2 and sum(t.numel() for t in sent.values()) == NUM_ADAPTER
 
     step_dir = run_dir / "checkpoints" / "step_000003"
     trainer = step_dir / "trainer"

@@ -278,6 +278,8 @@ class SGLangServer(ServerProcess):
             flag = "--" + key.replace("_", "-")
             if value is True:
                 argv.append(flag)
+            elif isinstance(value, list | tuple):  # nargs="+" options
+                argv += [flag, *map(str, value)]
             elif value not in (False, None):
                 argv += [flag, str(value)]
         return argv

@@ -127,9 +127,9 @@ class ModelConfig:
         0,
         help="Rank of LoRA adapters on model.lora_targets (0: full fine-tuning). Only the "
         "adapters train, and the optimizer and checkpoints hold only them (with the base's "
-        "path); a KL reference is the base with the adapters off; engines get merged weights "
-        "through the usual weight sync. RL and SFT, backend.name=fsdp (the critic trains in "
-        "full).",
+        "path); a KL reference is the base with the adapters off; engines get the adapters "
+        "or merged weights (model.lora_sync). RL and SFT, backend.name=fsdp (the critic "
+        "trains in full).",
         low=0,
     )
     lora_alpha: float = option(
@@ -144,6 +144,17 @@ class ModelConfig:
             "Linear layers that get adapters, by the last part of their name (Qwen, Llama, "
             "Mistral, Gemma: the attention and MLP projections)."
         ),
+    )
+    lora_sync: str = option(
+        "adapter",
+        help="How LoRA reaches the engines each sync. adapter: the adapters alone, as a PEFT "
+        "directory under the weight-sync dir (engine.weight_sync_dir, else "
+        "<run_dir>/sync_weights; on several nodes storage every engine reads), loaded by name "
+        "per version (SGLang's /load_lora_adapter; engines start with --enable-lora, "
+        "--max-lora-rank and --lora-target-modules) and named by every request; the embedded "
+        "engine then decodes with its dynamic runner. merged: the base with the adapters "
+        "merged in, through engine.weight_sync (every base weight, each sync).",
+        choices=("adapter", "merged"),
     )
     train_only: list[str] = field(
         default_factory=list,

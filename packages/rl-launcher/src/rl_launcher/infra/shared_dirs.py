@@ -62,7 +62,8 @@ def checks(run) -> list[tuple[str, Path, set[str], str | None]]:
         ("logging.run_dir", Path(config.logging.run_dir), every_node, None),
         ("checkpoint.dir", checkpoint_dir(config), ranks, None),
     ]
-    if run.sync_options.get("transport") == "disk":
+    adapters = run.sync_options.get("lora_sync") == "adapter"  # LoRA adapters go there too
+    if run.sync_options.get("transport") == "disk" or adapters:
         found.append(("engine.weight_sync_dir", Path(run.sync_options["path"]), sync_nodes, None))
     if config.model.path is not None and not str(config.model.path).endswith(".gguf"):
         found.append(("model.path", Path(config.model.path), every_node, "config.json"))

@@ -87,6 +87,7 @@ def sync_options(config, run_dir: Path) -> dict:
         "group_backend": "nccl" if device == "cuda" else "gloo",
         "tp_size": engine.devices_per_engine,
         "flatten": engine.weight_flatten,
+        "lora_sync": config.model.lora_sync if config.model.lora_rank else None,  # roles/lora
     }
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from rl_launcher.infra import checkpoints, data_order, resume_choice
 from rl_launcher.infra.run_log import truncate_metrics
 from rl_launcher.loops.extras import load_extras, save_extras
+from rl_launcher.roles.lora import serve_adapter
 from rl_launcher.session.run import Run
 
 
@@ -17,6 +18,7 @@ def sync(run: Run, *, version: int) -> dict[str, float]:
     engines.wait_for_restarts()  # a dead engine is back first
     synced = run.trainer.sync_weights(engines.urls, str(version), **run.sync_options)
     engines.confirm_version(version)  # every engine reports it; a restarted one is given it
+    serve_adapter(run, version)  # LoRA adapters synced: requests name this version's
     return synced | {"sync/weight_version": float(version)}
 
 

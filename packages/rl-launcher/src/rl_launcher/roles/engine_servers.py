@@ -17,6 +17,7 @@ SGLANG_READY_TIMEOUT_S = 900.0  # the first start compiles Triton kernels (minut
 
 def sglang_server_args(config, *, memory_saver: bool) -> dict:
     """``sglang.launch_server`` options (``key -> value``, True for a bare flag)."""
+    from rl_launcher.roles.lora import sglang_lora_args
     from rl_sglang.process import sglang_args_from_cli
 
     passthrough, rest = sglang_args_from_cli(list(config.engine.sglang_args))
@@ -34,7 +35,7 @@ def sglang_server_args(config, *, memory_saver: bool) -> dict:
     }
     if memory_saver:  # /release_memory_occupation needs it
         args["enable_memory_saver"] = True
-    return args | passthrough
+    return args | sglang_lora_args(config) | passthrough
 
 
 def engine_processes(
@@ -88,11 +89,13 @@ def engine_process(
             ready_timeout_s=SGLANG_READY_TIMEOUT_S,
             **where,
         )
+    from rl_launcher.roles.lora import embedded_lora_args
     from rl_sglang.process import EmbeddedEngine
 
     device = "cuda" if config.cluster.device == "cuda" else "cpu"
     context = engine_max_context(config)
     extra = [] if context is None else ["--max-context", str(context)]
+    extra += embedded_lora_args(config)
     return EmbeddedEngine(
         model_dir,
         device=device,

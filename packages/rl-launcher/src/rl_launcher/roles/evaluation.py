@@ -28,6 +28,7 @@ class Evaluator:
         """``reward``: a :class:`~rl_launcher.roles.reward.Reward` to score with (the
         rollout's, shared); by default one of the config's, with its own processes."""
         self.config, self.tokenizer = config, tokenizer
+        self.lora_path = None  # the engines' LoRA adapter to evaluate (roles/lora.py)
         self.datasets = {}
         for spec in config.eval.datasets:
             dataset = load_dataset(
@@ -96,7 +97,7 @@ class Evaluator:
         evaluation = self.config.eval
         per_prompt = samples or evaluation.samples_per_prompt
         total = per_prompt * max(len(p) for p in self.datasets.values())
-        async with EngineClient(url) as client:
+        async with EngineClient(url, lora_path=self.lora_path) as client:
             ctx = GenerateContext(client=client, tokenizer=self.tokenizer)
             return await eval_rollout(
                 ctx,
@@ -157,4 +158,5 @@ def evaluate_now(run) -> dict[str, float]:
         reward = run.rollout.reward_fn.sharing()
         evaluator = Evaluator(run.config, run.rollout.tokenizer, reward=reward)
         run.extras["evaluator"] = evaluator
+    evaluator.lora_path = run.extras.get("lora_adapter")  # synced adapters: this version's
     return evaluator.evaluate(run.rollout.engines.url)

@@ -124,6 +124,8 @@ class TrainWorker(GroupMember):
         sent (``sync/bytes``), this rank's wall time in the call (``time/sync_call``) and
         the part of it spent producing the buckets (``time/sync_export``: gathering and
         casting in the backend; the rest is packing and handing them to the engines)."""
+        if how.get("lora_sync") == "adapter":  # the LoRA adapters alone (roles/lora.py)
+            return self.adapter_sync(engine_urls, version, how)
         start = time.perf_counter()
         self.onload()
         buckets = TimedIter(self.backend.export_weights(bucket_bytes=how["bucket_bytes"]))
@@ -138,6 +140,14 @@ class TrainWorker(GroupMember):
         """The engines this rank handed the last sync to (each node's sender feeds its
         node's engines with ``tensor``; rank 0 feeds them all otherwise)."""
         return self.weights.fed
+
+    def adapter_sync(self, engine_urls: list[str], version: str, how: dict) -> dict:
+        from rl_launcher.roles.lora import AdapterSync
+
+        self.onload()
+        if getattr(self, "adapters", None) is None:
+            self.adapters = AdapterSync(self.rank)
+        return self.adapters.sync(self.backend, engine_urls, version, how)
 
     def offload(self) -> None:
         """Training state to host memory (colocated engines generate meanwhile)."""
