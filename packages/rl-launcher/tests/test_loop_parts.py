@@ -14,7 +14,7 @@ from rl_launcher.data.buffer import DataBuffer
 from rl_launcher.infra import data_order
 from rl_launcher.loops.step_metrics import fresh_only, mismatch, staleness
 from rl_launcher.roles.async_rollout import ContinuousRollout, group_version, restart
-from rl_launcher.roles.rollout_manager import relabel
+from rl_launcher.roles.default_rollout import relabel
 from rl_sglang.rollout.default import RolloutResult
 
 ROOT = Path(__file__).resolve().parents[3]

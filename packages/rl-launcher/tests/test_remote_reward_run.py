@@ -1,6 +1,8 @@
 """One rl-train run of examples/extend/pool.yaml (a rollout function: a pool of groups that
 aborts the stragglers) scored by rl-rewards' remote reward against a real HTTP scoring
-server started here, configured through rollout.reward_options (url, token, timeout_s)."""
+server started here, configured through rollout.reward_options (url, token, timeout_s).
+The pool is wrapped by a function that records ``ctx.step``; the run goes two steps, then
+``--resume``s for two more with ``rollout.loop=one_step_async``."""
 
 import json
 import threading
@@ -10,6 +12,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import pytest
+from recording_rollout import STEPS_FILE
 from test_train_loop import ROOT
 
 from rl_core.types import Sample
@@ -69,8 +72,11 @@ def run_dir(tmp_path_factory, ray_cluster, server):
             f"--rollout.dump_dir={run_dir / 'dumps'}",
             "--rollout.reward=remote",
             f"--rollout.reward_options={options}",
+            "--rollout.rollout_function=recording_rollout:record_steps",
         ]
         assert main(args) == 0
+        resumed = ["--resume", "--num_steps=4", "--rollout.loop=one_step_async"]
+        assert main([*args[:2], *args[3:], *resumed]) == 0
     finally:
         mp.undo()
     return run_dir
@@ -82,8 +88,8 @@ def dumped(run_dir: Path, step: int) -> list[Sample]:
 
 
 def test_the_remote_server_scored_every_trained_sample_with_the_token(run_dir):
-    trained = [s for step in (1, 2) for s in dumped(run_dir, step)]
-    assert len(trained) == 2 * 8 * 8  # two steps of batch_size groups of group_size
+    trained = [s for step in (1, 2, 3, 4) for s in dumped(run_dir, step)]
+    assert len(trained) == 4 * 8 * 8  # four steps of batch_size groups of group_size
     for sample in trained:
         correct = sample.response.strip() == sample.label
         assert sample.reward == (1.0 if correct else WRONG)
@@ -93,13 +99,22 @@ def test_the_remote_server_scored_every_trained_sample_with_the_token(run_dir):
 
 def test_the_rollout_function_made_each_step(run_dir):
     records = read_metrics(run_dir)
-    assert [r["step"] for r in records] == [1, 2]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
     for record in records:
         groups = {s.group_index for s in dumped(run_dir, record["step"])}
         assert len(groups) == 8
         # the pool drew up to two spare prompts and dropped what it did not return
         assert 0 <= record["rollout/prompts_dropped"] <= 2
         assert record["rollout/reward/min"] >= WRONG
+
+
+def test_the_context_carries_the_step_across_a_resume(run_dir):
+    """ctx.step is the step the rollout was started for: after --resume at step 2 the next
+    rollout is step 3's (not a count restarted at 1), and in one_step_async step 4's rollout,
+    launched while step 3 trains, says 4."""
+    lines = (run_dir / STEPS_FILE).read_text().splitlines()
+    seen = [(r["step"], r["loop"]) for r in map(json.loads, lines)]
+    assert seen == [(1, "sync"), (2, "sync"), (3, "one_step_async"), (4, "one_step_async")]
 
 
 def test_a_wrong_token_is_refused_by_the_server_not_retried(server):

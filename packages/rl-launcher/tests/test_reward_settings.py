@@ -15,6 +15,7 @@ from rl_launcher.cli import main
 from rl_launcher.config.loader import load_config
 from rl_launcher.infra.run_log import read_metrics
 from rl_launcher.loops.extras import reward_counts
+from rl_launcher.roles.default_rollout import rollout_settings
 from rl_launcher.roles.reward import RewardError, load_reward
 from rl_launcher.roles.rollout_manager import RolloutManager, take_rollout_counts
 from rl_launcher.session.model import load_tokenizer
@@ -66,7 +67,7 @@ def test_reward_options_reach_the_runs_reward_not_the_guard(tmp_path, extra, on_
     )
     reward = manager.reward_fn
     try:
-        settings = manager.rollout_settings(num_groups=4)
+        settings = rollout_settings(config, 4, manager.sampling_params())
     finally:
         manager.stop()
     assert (reward.on_error, reward.timeout_s) == (on_error, timeout)

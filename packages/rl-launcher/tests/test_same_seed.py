@@ -1,7 +1,9 @@
 """Same seed, same machine, same config: same run. Two real ``rl-train`` runs (Ray, an
 embedded engine behind the router, an rl-fsdp actor; the quickstart shrunk to one step of 16
 samples) with a reward that fails on some responses under ``rollout.on_reward_error=skip``:
-the same samples, rewards and losses; and every group trained on the samples that scored."""
+the same samples, rewards and losses; and every group trained on the samples that scored.
+The second run names the built-in rollout as its ``rollout.rollout_function``: the path a
+custom rollout takes gives the built-in's samples."""
 
 from pathlib import Path
 
@@ -19,7 +21,10 @@ pytestmark = pytest.mark.integration
 TIMES = ("time/", "perf/", "engine/", "gpu/")
 
 
-def one_step(root: Path, name: str) -> tuple[dict, list[list]]:
+BUILT_IN = "rl_launcher.roles.default_rollout:default_rollout"
+
+
+def one_step(root: Path, name: str, *extra: str) -> tuple[dict, list[list]]:
     """Step 1's metrics record and rollout dump of a fresh run ``name``."""
     args = shrunk(
         root / name,
@@ -35,6 +40,7 @@ def one_step(root: Path, name: str) -> tuple[dict, list[list]]:
         str(root / f"{name}_dumps"),
         "--checkpoint.dir",
         str(root / f"{name}_ckpt"),
+        *extra,
     )
     assert main(args) == 0
     (record,) = read_metrics(root / name)
@@ -44,7 +50,7 @@ def one_step(root: Path, name: str) -> tuple[dict, list[list]]:
 
 def test_same_seed_gives_the_same_step_and_failed_rewards_skip_samples(ray_cluster, tmp_path):
     first, groups = one_step(tmp_path, "a")
-    second, groups_again = one_step(tmp_path, "b")
+    second, groups_again = one_step(tmp_path, "b", "--rollout.rollout_function", BUILT_IN)
     samples = [s for g in groups for s in g]
     assert [(s.tokens, s.reward, s.rollout_log_probs) for s in samples] == [
         (s.tokens, s.reward, s.rollout_log_probs) for g in groups_again for s in g

@@ -85,7 +85,8 @@ class ReplayRollout:
                 "dump some first with rollout.dump_dir"
             )
 
-    def rollout(self, num_groups: int):
+    def rollout(self, num_groups: int, step: int | None = None):
+        """The next dump's groups, whatever ``step`` (a replay goes through its dumps)."""
         if self.position >= len(self.files):
             raise ValueError(
                 f"rollout.replay_dir has {len(self.files)} rollouts and the run wants more; "

@@ -58,7 +58,7 @@ def rollout_only(config) -> Path:
     with contextlib.closing(start_rollout_only(config)) as run:
         for step in range(1, config.num_steps + 1):
             start = time.perf_counter()
-            groups, metrics = run.rollout.rollout(config.rollout.batch_size)
+            groups, metrics = run.rollout.rollout(config.rollout.batch_size, step=step)
             dump_step(run, step, groups)
             metrics |= rollout_metrics(groups) | {"time/rollout": time.perf_counter() - start}
             metrics |= after_step(run, step)

@@ -1,5 +1,5 @@
 """What the rollout of one step may use, as one object (:class:`RolloutContext`), and the
-run of ``rollout.rollout_function`` against it (:func:`custom_rollout`).
+run of a rollout function against it (:func:`run_rollout`).
 
     async def my_rollout(ctx: RolloutContext) -> list[list[Sample]]:
         group = ctx.new_group()                                   # a prompt, group_size copies
@@ -7,22 +7,20 @@ run of ``rollout.rollout_function`` against it (:func:`custom_rollout`).
         await ctx.score(group)
         return [group, ...]                                       # ctx.num_groups of them
 
-The built-in rollout (:meth:`RolloutManager.generate`) takes its engine client, prompts,
-tokenizer, sampling parameters and reward from the same context
-(:meth:`RolloutContext.generate_context`, :meth:`RolloutContext.prompts`,
-:attr:`RolloutContext.reward_fn`), so the two read the run the same way. Prompts a custom
-rollout draws but does not return are dropped (not drawn again after a resume), like the
-groups a filter drops.
+The built-in rollout is a rollout function too
+(:func:`rl_launcher.roles.default_rollout.default_rollout`), run by the same
+:func:`run_rollout` as ``rollout.rollout_function``, so the two cannot drift. Prompts a
+rollout draws and neither returns nor hands on (``ctx.leftovers``) are dropped (not drawn
+again after a resume), like the groups a filter drops.
 """
 
 import asyncio
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rl_core.types import Sample, SampleStatus
-from rl_launcher.config.extensions import load_hook
 
 
 @dataclass(kw_only=True)
@@ -31,10 +29,20 @@ class RolloutContext:
 
     ``client`` generates (the router, or the one engine); ``engines`` are each engine's own
     client (``abort`` and pauses go to every engine: the router does not forward them).
-    ``rollout_id`` counts the rollouts this run started before this one (from 0, or from the
-    resumed step's count), the step being ``rollout_id + 1`` in the synchronous loop.
+
+    ``step`` is the rl-train step the rollout was started for, the same after ``--resume``:
+    in the synchronous loop the step that trains on it; in ``one_step_async`` the step too,
+    though the rollout runs while the step before it trains; in the ``async`` loop (the
+    built-in's chunks only) the first step that may take its groups (the engines' weight
+    version + 1). ``rollout_id`` counts the rollouts this process started before this one.
+
+    ``metrics`` are added to the step's record (the built-in puts rl-sglang's rollout
+    metrics there). ``leftovers`` are the groups the last rollout handed on; a rollout sets
+    it to the unfinished groups the next one should continue (their prompts stay pending,
+    so a checkpoint keeps them): DAPO's refill does.
     """
 
+    step: int
     rollout_id: int
     num_groups: int
     group_size: int
@@ -45,6 +53,9 @@ class RolloutContext:
     source: Any  # the prompt source; draw through next_prompt, which remembers the draws
     draw: Callable[[], Sample]
     reward_fn: Callable  # the run's reward as the rollout calls it (rl_launcher.roles.reward)
+    config: Any  # the run's TrainConfig (read only)
+    metrics: dict[str, float] = field(default_factory=dict)
+    leftovers: list[list[Sample]] = field(default_factory=list)
 
     def generate_context(self):
         """rl-sglang's GenerateContext of this rollout (what generate functions receive)."""
@@ -92,25 +103,26 @@ class RolloutContext:
         await asyncio.gather(*(engine.abort() for engine in self.engines))
 
 
-async def custom_rollout(manager, ctx: RolloutContext) -> tuple[list[list[Sample]], dict]:
-    """``rollout.rollout_function`` on ``ctx``: its groups (checked, by draw number) and the
-    step's rollout metrics; prompts it drew and did not return are forgotten."""
-    function = load_hook(manager.config, "rollout.rollout_function")
-    before = set(manager._drawn)
-    groups = checked_groups(await function(ctx), manager.config.rollout.rollout_function)
-    returned = {group[0].group_index for group in groups}
-    dropped = sorted(set(manager._drawn) - before - returned)
-    manager._forget(dropped)
+async def run_rollout(function, ctx: RolloutContext, drawn: dict) -> list[list[Sample]]:
+    """``function(ctx)``'s groups, checked and in draw order; the prompts it drew (``drawn``:
+    the manager's pending prompts by draw number) and neither returned nor left in
+    ``ctx.leftovers`` are forgotten, their count in ``ctx.metrics``."""
+    before = set(drawn) - {group[0].group_index for group in ctx.leftovers}
+    groups = checked_groups(await function(ctx), function)
+    kept = {group[0].group_index for group in [*groups, *ctx.leftovers]}
+    dropped = sorted(set(drawn) - before - kept)
+    for draw in dropped:
+        drawn.pop(draw, None)
     samples = [s for group in groups for s in group]
-    metrics = {
-        "rollout/prompts_dropped": float(len(dropped)),
-        "rollout/response_length_mean": sum(s.response_length for s in samples)
-        / max(len(samples), 1),
-    }
-    return sorted(groups, key=lambda group: group[0].group_index), metrics
+    ctx.metrics["rollout/prompts_dropped"] = float(len(dropped))
+    ctx.metrics.setdefault(
+        "rollout/response_length_mean",
+        sum(s.response_length for s in samples) / max(len(samples), 1),
+    )
+    return sorted(groups, key=lambda group: group[0].group_index)
 
 
-def checked_groups(groups, path: str) -> list[list[Sample]]:
+def checked_groups(groups, function) -> list[list[Sample]]:
     """``groups`` when they are lists of Samples, each of one drawn prompt."""
     problem = None
     if not isinstance(groups, list):
@@ -122,6 +134,7 @@ def checked_groups(groups, path: str) -> list[list[Sample]]:
     elif any(len({s.group_index for s in g}) != 1 for g in groups):
         problem = "returned a group whose samples come from several prompts"
     if problem:
+        path = f"{function.__module__}:{function.__qualname__}"
         raise ValueError(
             f"rollout.rollout_function {path!r} {problem}; expected list[list[Sample]], one "
             "list per prompt drawn with ctx.new_group() / ctx.next_prompt()"
@@ -129,12 +142,13 @@ def checked_groups(groups, path: str) -> list[list[Sample]]:
     return groups
 
 
-def context_of(manager, num_groups: int) -> RolloutContext:
-    """The context of the manager's next rollout (the built-in's or a custom one's)."""
+def context_of(manager, num_groups: int, step: int) -> RolloutContext:
+    """The context of the manager's next rollout, for rl-train step ``step``."""
     client, engines = _engine_clients(manager)
     rollout_id = manager._rollouts_started
     manager._rollouts_started = rollout_id + 1
     return RolloutContext(
+        step=step,
         rollout_id=rollout_id,
         num_groups=num_groups,
         group_size=manager.config.rollout.group_size,
@@ -145,6 +159,7 @@ def context_of(manager, num_groups: int) -> RolloutContext:
         source=manager.source,
         draw=manager.next_prompt,
         reward_fn=manager.reward_fn.rollout_fn,
+        config=manager.config,
     )
 
 

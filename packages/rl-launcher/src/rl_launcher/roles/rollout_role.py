@@ -23,8 +23,9 @@ class RolloutRole(Protocol):
     engines: "EnginePool | NoEngines"  # start, sync, health, memory: roles.engine_pool
     reward_fn: "Reward | None"  # its failure counts reach every step's record
 
-    def rollout(self, num_groups: int) -> tuple[Groups, dict[str, float]]:
-        """``num_groups`` scored groups and the rollout's metrics."""
+    def rollout(self, num_groups: int, step: int | None = None) -> tuple[Groups, dict[str, float]]:
+        """``num_groups`` scored groups and the rollout's metrics, for rl-train step ``step``
+        (a rollout function's ``ctx.step``; None: the step after the engines' weights)."""
 
     def consumed(self, groups: Groups) -> None:
         """The loop is done with these groups (trained on or dropped)."""
