@@ -222,18 +222,22 @@ def test_every_done_row_of_the_slime_table_names_a_test_that_exists():
             assert not name or f"def {name}(" in source, f"{flags}: {file}::{name} not found"
 
 
-def test_a_resumed_run_makes_the_refreshed_reference_the_resumed_policy(capsys):
-    from rl_launcher.loops.train_phase import restore_reference
+def test_only_a_checkpoint_from_before_saved_references_makes_the_resumed_policy_it(capsys):
+    """A checkpoint's trainer holds a refreshed reference (the e2e resume test checks that it
+    is the uninterrupted run's); one written before (no reference_saved in its state) gets
+    the resumed policy, saying which step's policy the reference should have been."""
+    from rl_launcher.loops.train_phase import REFERENCE_SAVED, restore_reference
 
     config, _ = load_config([*KL, "--algorithm.ref_update_interval", "4"])
     run = _Run(config)
     run.trainer = _Trainer()
-    restore_reference(run, 3)  # before the first refresh: the starting reference stays
-    assert run.trainer.calls == []
-    restore_reference(run, 8)  # a checkpoint at a refresh step: exact
-    assert run.trainer.calls == ["update_reference"] and capsys.readouterr().err == ""
-    restore_reference(run, 10)
-    assert "the KL reference is the policy of step 10, not of step 8" in capsys.readouterr().err
+    restore_reference(run, None)  # a fresh start
+    restore_reference(run, (Path("ckpt"), {"step": 10, REFERENCE_SAVED: True}))
+    restore_reference(run, (Path("old"), {"step": 3}))  # before the first refresh
+    assert run.trainer.calls == [] and capsys.readouterr().err == ""
+    restore_reference(run, (Path("old"), {"step": 10}))
+    assert run.trainer.calls == ["update_reference"]
+    assert "the reference is the policy of step 10, not of step 8" in capsys.readouterr().err
 
 
 def test_the_gap_of_a_step_is_its_first_minibatchs():

@@ -162,7 +162,7 @@ def test_critic_resumes_from_a_distributed_checkpoint(world1, model_dirs, tmp_pa
     assert torch.equal(resumed.compute_values(batch), straight.compute_values(batch))
 
 
-def test_reference_log_probs_come_from_ref_weights(world1, model_dirs):
+def test_reference_log_probs_come_from_ref_weights(world1, model_dirs, tmp_path):
     ref_path, with_kl = model_dirs["qwen3-ref"][0], Objective(kl_coef=0.1)
     backend = make_backend(model_dirs, "qwen3", ref_path=ref_path, objective=with_kl)
     batch = tiny.random_batch(LENGTHS, seed=6)
@@ -177,8 +177,16 @@ def test_reference_log_probs_come_from_ref_weights(world1, model_dirs):
     assert "loss/kl" in backend.train_step(batch)
     trained = backend.compute_log_probs(batch)
     assert not torch.allclose(trained[mask], actor[mask])
+    backend.save_checkpoint(tmp_path / "before")  # the starting reference: not saved
     backend.update_reference()  # rl-train's algorithm.ref_update_interval
     torch.testing.assert_close(backend.compute_log_probs(batch, model="ref"), trained)
+    backend.save_checkpoint(tmp_path / "after")  # the refreshed one: saved with the weights
+    assert not (tmp_path / "before/reference").exists()
+    for saved, expected in (("after", trained), ("before", ref)):
+        resumed = make_backend(model_dirs, "qwen3", ref_path=ref_path, objective=with_kl)
+        resumed.load_checkpoint(tmp_path / saved)
+        got = resumed.compute_log_probs(batch, model="ref")
+        torch.testing.assert_close(got, expected, atol=0, rtol=0)
     with pytest.raises(ValueError, match="needs a reference"):
         make_backend(model_dirs, "qwen3").update_reference()
 

@@ -23,6 +23,7 @@ from rl_core.distributed import DistInfo
 from rl_core.kl import approx_kl
 from rl_core.objective import aggregate_batch, objective_loss, policy_inputs
 from rl_core.packing import first_fit_pack
+from rl_fsdp import checkpoint
 from rl_fsdp.config import FSDPConfig
 from rl_fsdp.distributed import all_reduce_max_int
 from rl_fsdp.engine import ShardedTrainer
@@ -50,6 +51,7 @@ class FSDPBackend(ShardedTrainer):
         # with LoRA the reference is the actor with its adapters off (see _pick)
         separate_ref = config.loads_reference and config.lora is None
         self.ref_model = self._build_reference() if separate_ref else None
+        self.reference_refreshed = False  # by update_reference: checkpoints then keep it
 
     def _build_reference(self) -> torch.nn.Module:
         """A frozen, sharded copy of the initial weights (same source and seed), or of
@@ -96,6 +98,17 @@ class FSDPBackend(ShardedTrainer):
         ref_params = dict(self.ref_model.named_parameters())
         for name, param in self.model.named_parameters():
             ref_params[name].copy_(param.detach())
+        self.reference_refreshed = True
+
+    def refreshed_reference(self) -> torch.nn.Module | None:
+        """The reference model once :meth:`update_reference` changed it: a checkpoint saves
+        it then (before, it is rebuilt from the starting weights or ``ref_path``)."""
+        return self.ref_model if self.reference_refreshed else None
+
+    def restore_reference(self, path: Path) -> None:
+        """The reference a checkpoint saved (a refreshed one), else the one built here."""
+        if self.ref_model is not None:
+            self.reference_refreshed = checkpoint.load_reference(path, self.ref_model)
 
     def _pick(self, model: str) -> torch.nn.Module:
         if model == "actor":

@@ -6,6 +6,9 @@ Layout of ``path`` (a directory; every rank must see the same filesystem):
     rng_rank{r}.pt        RNG states of rank r (torch CPU/CUDA, python)
     adapter.json          LoRA runs only: base model and spec (the shards hold only the
                           trainable adapters and their optimizer state)
+    reference/            a KL reference refreshed from the policy (rl-train's
+                          algorithm.ref_update_interval) only: its shards, loaded back by
+                          :func:`load_reference` (the starting reference is rebuilt instead)
 Everything is written to ``<path>.tmp`` first; once all ranks finished, rank 0 moves an
 existing ``path`` aside to ``<path>.old``, renames ``<path>.tmp`` to ``path`` and deletes
 ``<path>.old``. A SIGKILL at any point leaves either the previous or the new checkpoint
@@ -25,12 +28,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    get_model_state_dict,
     get_state_dict,
+    set_model_state_dict,
     set_state_dict,
 )
 
 TRAINER_STATE = "trainer_state.pt"
 ADAPTER = "adapter.json"
+REFERENCE = "reference"
 
 
 def _tmp_path(path: Path) -> Path:
@@ -95,10 +101,19 @@ def _model_state(model, optimizer, adapter: dict | None):
     return model_state, optim_state
 
 
-def save(path: Path, model, optimizer, scheduler, step: int, *, adapter: dict | None = None):
+def save(
+    path: Path,
+    model,
+    optimizer,
+    scheduler,
+    step: int,
+    *,
+    adapter: dict | None = None,
+    reference: torch.nn.Module | None = None,
+):
     """Write model, optimizer, scheduler, RNG and step under ``path`` (all ranks call);
     with ``adapter`` (JSON-ready), only trainable parameters, and ``adapter`` to
-    ``adapter.json``."""
+    ``adapter.json``; with ``reference``, that model's weights to ``reference/``."""
     rank, tmp = dist.get_rank(), _tmp_path(path)
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -108,6 +123,8 @@ def save(path: Path, model, optimizer, scheduler, step: int, *, adapter: dict | 
     dist.barrier()
     model_state, optim_state = _model_state(model, optimizer, adapter)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp / "dcp"))
+    if reference is not None:
+        dcp.save({"model": get_model_state_dict(reference)}, checkpoint_id=str(tmp / REFERENCE))
     torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
     dist.barrier()
     if rank == 0:  # the completeness mark, once every rank's part is on disk
@@ -139,6 +156,18 @@ def load(path: Path, model, optimizer, scheduler, *, adapter: dict | None = None
     if rng_file.is_file():
         set_rng_state(torch.load(rng_file, weights_only=True))
     return int(trainer["step"])
+
+
+def load_reference(path: Path, reference: torch.nn.Module) -> bool:
+    """``reference``'s weights from the checkpoint at ``path`` when :func:`save` wrote
+    them (all ranks call); whether it did."""
+    path = complete_path(path) / REFERENCE
+    if not path.is_dir():
+        return False
+    state = {"model": get_model_state_dict(reference)}
+    dcp.load(state, checkpoint_id=str(path))
+    set_model_state_dict(reference, state["model"])
+    return True
 
 
 def _check_adapter(path: Path, adapter: dict | None) -> None:

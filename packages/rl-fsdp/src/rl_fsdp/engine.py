@@ -210,6 +210,7 @@ class ShardedTrainer:
             self.scheduler,
             self.step,
             adapter=self.adapter_info(),
+            reference=self.refreshed_reference(),
         )
 
     def load_checkpoint(self, path: Path) -> None:
@@ -219,6 +220,15 @@ class ShardedTrainer:
         )
         if self.master is not None:
             self.master.refresh()
+        self.restore_reference(Path(path))
+
+    def refreshed_reference(self) -> torch.nn.Module | None:
+        """A reference model a checkpoint must keep (one no longer rebuilt from where it
+        came from); None here: a trainer without a reference."""
+        return None
+
+    def restore_reference(self, path: Path) -> None:
+        """Load the reference :meth:`refreshed_reference` saved into ``path``, if any."""
 
     def adapter_info(self) -> dict | None:
         """What an adapter-only checkpoint needs besides the adapters: the base model (its

@@ -9,13 +9,14 @@ TP/DP/EP layout leave the loss and gradients unchanged.
 import contextlib
 from collections import defaultdict
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from rl_core.batch import TrainBatch
 from rl_core.distributed import init_distributed
-from rl_megatron import faults, optim, pipeline
+from rl_megatron import checkpoint, faults, optim, pipeline
 from rl_megatron.config import MegatronConfig
 from rl_megatron.cp import restrict_batch
 from rl_megatron.forward import (
@@ -40,6 +41,8 @@ from rl_megatron.weights import (
     load_hf_weights,
     read_shards,
 )
+
+REFERENCE_DIR = "reference"  # a checkpoint's refreshed KL reference, as HF safetensors
 
 
 class MegatronBackend(WeightsAndStateMixin):
@@ -103,8 +106,8 @@ class MegatronBackend(WeightsAndStateMixin):
         self.optimizer = optim.make_optimizer(self.params, config, self.layout, self.dp_cp_group)
         self.ref_shards = None
         if config.ref_path is not None:
-            reader = SafetensorsReader(config.ref_path)
-            self.ref_shards = read_shards(self.model, reader, self.shape, self.layout)
+            self.ref_shards = self._read_reference(config.ref_path)
+        self.reference_refreshed = False  # by update_reference: checkpoints then keep it
         self.step = 0
         self.pipeline_stats: dict = {}  # pp > 1: the last step's schedule (peak_held)
 
@@ -240,6 +243,27 @@ class MegatronBackend(WeightsAndStateMixin):
         self.ref_shards = {
             name: params[name].detach().to("cpu", copy=True) for name in self.ref_shards
         }
+        self.reference_refreshed = True
+
+    def _read_reference(self, hf_dir) -> dict[str, torch.Tensor]:
+        """This rank's shards of the HF weights in ``hf_dir``, on the host."""
+        return read_shards(self.model, SafetensorsReader(hf_dir), self.shape, self.layout)
+
+    def save_checkpoint(self, path: Path) -> None:
+        """The distributed checkpoint, and a reference :meth:`update_reference` refreshed
+        as an HF directory ``reference/`` in it (any layout reads it back, as ``ref_path``);
+        the starting reference is read from ``ref_path`` again instead."""
+        super().save_checkpoint(path)
+        if self.reference_refreshed:
+            with torch.no_grad(), self._swapped_weights(self.ref_shards):
+                self.export_hf(Path(path) / REFERENCE_DIR)
+
+    def load_checkpoint(self, path: Path) -> None:
+        super().load_checkpoint(path)
+        reference = checkpoint.complete_path(Path(path)) / REFERENCE_DIR
+        if self.ref_shards is not None and reference.is_dir():
+            self.ref_shards = self._read_reference(reference)
+            self.reference_refreshed = True
 
     @contextlib.contextmanager
     def _swapped_weights(self, shards: dict[str, torch.Tensor]):

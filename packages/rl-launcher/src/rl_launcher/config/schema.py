@@ -304,9 +304,8 @@ class AlgorithmConfig:
         0,
         help="Copy the policy's weights into the KL reference after every N-th step "
         "(slime's --ref-update-interval); 0 = the reference never changes. Needs kl_coef or "
-        "reward_kl_coef > 0. The refreshed reference is not checkpointed: --resume makes it "
-        "the resumed policy, exact when the checkpoint's step is a multiple of N (choose "
-        "checkpoint.interval so).",
+        "reward_kl_coef > 0. A refreshed reference is saved in checkpoints, so --resume "
+        "continues with the uninterrupted run's reference at any step.",
         low=0,
     )
     reward_kl_coef: float = option(

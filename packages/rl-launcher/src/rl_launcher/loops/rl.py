@@ -78,7 +78,7 @@ def _train(config) -> Path:
     started = time.perf_counter()
     with contextlib.closing(start_run(config)) as run:
         first = resume(run, chosen) + 1 if config.checkpoint.resume else 1
-        restore_reference(run, first - 1)  # algorithm.ref_update_interval: not checkpointed
+        restore_reference(run, chosen if config.checkpoint.resume else None)  # older checkpoints
         buffer = make_buffer(run)  # a GaeBuffer (critic values) for advantage_estimator=gae
         freeze_startup()  # full collections walk only what the steps leave
         pauses = GcPauses()

@@ -8,6 +8,7 @@ from pathlib import Path
 from rl_launcher.infra import checkpoints, data_order, resume_choice
 from rl_launcher.infra.run_log import truncate_metrics
 from rl_launcher.loops.extras import load_extras, save_extras
+from rl_launcher.loops.train_phase import REFERENCE_SAVED
 from rl_launcher.roles.lora import serve_adapter
 from rl_launcher.session.run import Run
 
@@ -34,6 +35,7 @@ def save(run: Run, step: int) -> None:
         "weight_version": step,
         "data": data["source"],
         "pending_prompts": data["pending"],
+        REFERENCE_SAVED: True,  # a refreshed KL reference is in trainer/ (backends save it)
     }
     checkpoints.write_state(path, state)
     checkpoints.prune(root, run.config.checkpoint.keep_last)

@@ -7,8 +7,9 @@ shape it (each a one-line call in :func:`rl_launcher.loops.rl.run_step`):
 - :func:`train_policy`: the policy's update, skipped for ``algorithm.critic_warmup_steps``
   (slime's ``--num-critic-only-steps``: only the critic learns then);
 - :func:`refresh_reference`: the KL reference becomes the policy every
-  ``algorithm.ref_update_interval`` steps (slime's ``--ref-update-interval``), and
-  :func:`restore_reference` makes it so again after ``--resume``;
+  ``algorithm.ref_update_interval`` steps (slime's ``--ref-update-interval``); the
+  backends keep a refreshed reference in their checkpoints, so ``--resume`` continues with
+  the same one (:func:`restore_reference` handles checkpoints from before);
 - :func:`dump_train_batches`: ``logging.dump_train_batch`` writes what each rank trained on
   (slime's ``--save-debug-train-data``).
 
@@ -24,6 +25,7 @@ import torch
 from rl_launcher.roles.train_group import with_old_log_probs
 
 TRAIN_BATCH_DIR = "train_batches"
+REFERENCE_SAVED = "reference_saved"  # state.json: the trainer's checkpoint holds the reference
 
 
 def with_old_policy(run, rank_batches: list) -> list:
@@ -61,23 +63,24 @@ def refresh_reference(run, step: int) -> dict[str, float]:
     return {"actor/ref_updated": 1.0}
 
 
-def restore_reference(run, step: int) -> None:
-    """After ``--resume`` at ``step``: a reference refreshed during the run is not in the
-    checkpoint, so it becomes the resumed policy again, which is the uninterrupted run's
-    reference when ``step`` is a multiple of ``algorithm.ref_update_interval`` (periodic
-    checkpoints at multiples of it resume exactly); otherwise a warning says it is not."""
+def restore_reference(run, found: tuple[Path, dict] | None) -> None:
+    """After ``--resume`` from ``found`` (a checkpoint and its state): the backends saved a
+    refreshed reference with the trainer and loaded it back, so the reference is the
+    uninterrupted run's. A checkpoint written before they did (no ``reference_saved`` in
+    its state) gets the resumed policy as its reference, as rl-train did then."""
     interval = run.config.algorithm.ref_update_interval
-    if not interval or step < interval:
-        return  # the reference is still the starting one (or ref_path)
+    if found is None or not interval:
+        return
+    path, state = found
+    if state.get(REFERENCE_SAVED) or int(state["step"]) < interval:
+        return  # loaded with the trainer, or still the starting one (or ref_path)
     run.trainer.update_reference()
-    if step % interval:
-        print(
-            f"rl-train: warning: resumed at step {step}, not a multiple of "
-            f"algorithm.ref_update_interval={interval}: the KL reference is the policy of step "
-            f"{step}, not of step {step - step % interval} as without the interruption",
-            file=sys.stderr,
-            flush=True,
-        )
+    print(
+        f"rl-train: {path} predates saved KL references: the reference is the policy of "
+        f"step {state['step']}, not of step {int(state['step']) // interval * interval}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def dump_train_batches(run, step: int, rank_batches: list) -> None:
