@@ -1,10 +1,12 @@
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 from rl_core.advantages import (
     ADVANTAGE_ESTIMATORS,
+    WHITENED_BY_DEFAULT,
     AdvantageInputs,
     discounted_returns,
     gae,
@@ -226,3 +228,14 @@ def test_every_estimator_keeps_float64():
     for name in ADVANTAGE_ESTIMATORS:
         adv, ret = ADVANTAGE_ESTIMATORS.get(name)(inputs32)
         assert (adv.dtype, ret.dtype) == (torch.float32, torch.float32), name
+
+
+def test_whitened_by_default_names_exactly_the_estimators_that_whiten_unasked():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0], dtype=torch.float64)
+    mask = torch.tensor([[1, 1], [1, 0], [1, 1], [1, 1]])
+    values = torch.tensor([[0.1, 0.2], [0.3, 0.0], [0.0, 0.5], [0.2, 0.1]], dtype=torch.float64)
+    for name in ADVANTAGE_ESTIMATORS.names():
+        inputs = AdvantageInputs(rewards=rewards, mask=mask, group_size=2, values=values)
+        default, _ = ADVANTAGE_ESTIMATORS.get(name)(inputs)
+        asked, _ = ADVANTAGE_ESTIMATORS.get(name)(replace(inputs, whiten=True))
+        assert torch.allclose(default, asked) == (name in WHITENED_BY_DEFAULT), name

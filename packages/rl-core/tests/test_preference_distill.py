@@ -91,6 +91,18 @@ def test_opd_subtracts_scaled_reverse_kl_per_token():
         opd_advantages(adv, student, teacher, mask, coef=-1.0)
 
 
+def test_opd_whitens_the_sum_of_advantage_and_teacher_term_as_slime_normalize_advantages():
+    adv = t(1.0, 0.0, 0.0, 0.0).reshape(2, 2)
+    student = t(-1.0, -1.0, -2.0, 5.0).reshape(2, 2)
+    teacher = t(-1.0, -2.0, -1.0, 0.0).reshape(2, 2)
+    mask = torch.tensor([[1, 1], [1, 0]])
+    shaped, _ = opd_advantages(adv, student, teacher, mask, coef=1.0, whiten=True)
+    # sum: [1 - 0, 0 - 1], [0 + 1, masked] = 1, -1, 1; mean 1/3, unbiased variance 4/3
+    root3 = math.sqrt(3.0)
+    expected = t(1 / root3, -2 / root3, 1 / root3, 0.0).reshape(2, 2)
+    torch.testing.assert_close(shaped, expected, atol=1e-6, rtol=0)
+
+
 def test_opd_does_not_differentiate_through_the_student_log_probs():
     student = t(-1.0, -2.0).requires_grad_()
     shaped, _ = opd_advantages(t(0.0, 0.0), student, t(-1.0, -1.0), torch.ones(2))

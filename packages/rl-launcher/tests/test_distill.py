@@ -73,6 +73,29 @@ def test_coef_zero_leaves_the_estimators_advantages_and_adds_no_metric():
     assert not any(key.startswith("opd/") for key in step.metrics)
 
 
+@pytest.mark.parametrize(
+    "estimator, whiten",
+    [("reinforce_plus_plus_baseline", None), ("dr_grpo", True)],  # whitened by default, asked
+)
+def test_whitening_comes_after_the_teacher_term_as_in_slime(estimator, whiten):
+    buffer = DataBuffer(
+        group_size=2, num_ranks=1, advantage_estimator=estimator, opd_coef=1.0, whiten=whiten
+    )
+    buffer.add(
+        [
+            scored(0, 0, [1, 2, 3], 1.0, [-1.0], [-1.0]),
+            scored(0, 1, [1, 2, 4], 0.0, [-1.0], [-3.0]),
+        ]
+    )
+    step = buffer.pop_step(1)
+    # centred rewards 0.5, -0.5 minus reverse KL 0, 2: 0.5, -2.5; whitened: +-1/sqrt(2)
+    # (whitening first, then the term, would give 0.71, -2.71)
+    w = 1 / math.sqrt(2)
+    torch.testing.assert_close(
+        step.rank_batches[0].advantages, torch.tensor([0, w, 0, 0, -w, 0]), atol=1e-6, rtol=0
+    )
+
+
 def test_a_sample_without_teacher_log_probs_is_refused_by_name():
     buffer = DataBuffer(
         group_size=1, num_ranks=1, advantage_estimator="reinforce_plus_plus", opd_coef=1.0

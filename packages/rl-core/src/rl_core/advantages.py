@@ -249,6 +249,10 @@ ADVANTAGE_SHAPE = CallShape(
     1, (), "fn(inputs: rl_core.advantages.AdvantageInputs) -> (advantages [B, T], returns [B, T])"
 )
 ADVANTAGE_ESTIMATORS: Registry[AdvantageFn] = Registry("advantage estimator", ADVANTAGE_SHAPE)
+# The built-in estimators that whiten when AdvantageInputs.whiten is None (a caller that adds
+# to the advantages before whitening, as on-policy distillation does, asks with whiten=False
+# and whitens the sum itself; tests/test_advantages.py checks this against the estimators).
+WHITENED_BY_DEFAULT = frozenset({"reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"})
 
 
 def _broadcast(per_seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

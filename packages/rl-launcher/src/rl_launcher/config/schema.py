@@ -163,7 +163,8 @@ class ModelConfig:
             "regular expressions (re.search, as slime's --only-train-params-name-list), "
             "e.g. ['mlp', 'layers\\.1\\.']; the rest are frozen and the optimizer holds only "
             "the trained ones. Empty = all. A pattern that matches no parameter is refused "
-            "before anything starts. Both backends; a fused Megatron parameter (q/k/v, "
+            "before anything starts (a .gguf model's names are read from the file's header). "
+            "Both backends; a fused Megatron parameter (q/k/v, "
             "gate/up) trains when all its sources match, and patterns that split one are "
             "refused."
         ),
@@ -437,8 +438,10 @@ class DistillConfig:
         help="On-policy distillation weight: every response token's advantage loses coef "
         "times (student - teacher) log-prob of that token, the student's being the engine's "
         "rollout log-prob (rl_core.distill.opd_advantages; metric opd/reverse_kl). Added to "
-        "the estimator's advantage; for distillation alone give every sample the same reward "
-        "(e.g. a constant reward). 0 = off; > 0 needs teacher_url or teacher_path.",
+        "the estimator's advantage before any whitening (normalize_advantages, or the "
+        "estimator's default), as slime does; for distillation alone give every sample the "
+        "same reward (e.g. a mapping whose algorithm.reward_key is a constant). 0 = off; > 0 "
+        "needs teacher_url or teacher_path.",
         low=0,
     )
     teacher_url: str | None = option(

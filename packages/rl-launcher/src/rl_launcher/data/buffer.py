@@ -22,7 +22,8 @@ log-probs exist. Without it nothing waits: ``pop_step`` computes them as before.
 On-policy distillation (``opd_coef`` > 0, the launcher's ``distill.coef``) shapes the
 estimator's advantages per response token with the teacher's log-probs that each sample
 carries in ``metadata[TEACHER_KEY]`` (rl_core ``opd_advantages``, against the engine's
-rollout log-probs), and adds ``opd/reverse_kl`` to the step's metrics.
+rollout log-probs), and adds ``opd/reverse_kl`` to the step's metrics. Whitening, when on
+(``whiten``, or the estimator's default), comes after the teacher's term, as in slime.
 """
 
 from collections.abc import Iterable
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from rl_core.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs
+from rl_core.advantages import ADVANTAGE_ESTIMATORS, WHITENED_BY_DEFAULT, AdvantageInputs
 from rl_core.batch import TrainBatch, batch_from_samples
 from rl_core.distill import opd_advantages
 from rl_core.filters import GROUP_FILTERS
@@ -93,6 +94,7 @@ class DataBuffer:
         self.reward_kl_coef, self.reward_kl_kind = reward_kl_coef, reward_kl_kind
         self.opd_coef = opd_coef
         self.whiten = whiten  # algorithm.normalize_advantages (None: the estimator's choice)
+        self.whitens = advantage_estimator in WHITENED_BY_DEFAULT if whiten is None else whiten
         self._pending: dict[int, list[Sample]] = {}
         self._ready: list[list[Sample]] = []
         self._counts = {"groups_filtered": 0, "groups_aborted": 0, "groups_dropped_reward_error": 0}
@@ -224,20 +226,22 @@ class DataBuffer:
     ) -> tuple[list[list[float]], dict[str, float]]:
         """:meth:`advantages`, then the teacher's per-token penalty when ``opd_coef`` > 0
         (:func:`distilled`); returns the rows and the distillation metrics (none when off)."""
-        rows = self.advantages(samples, kl=kl, group_sizes=group_sizes)
         if self.opd_coef == 0:
-            return rows, {}
-        return distilled(samples, rows, self.opd_coef)
+            return self.advantages(samples, kl=kl, group_sizes=group_sizes), {}
+        # unwhitened: the teacher's term is added first, then the sum whitened (as slime)
+        rows = self.advantages(samples, kl=kl, group_sizes=group_sizes, whiten=False)
+        return distilled(samples, rows, self.opd_coef, whiten=self.whitens)
 
     def advantages(
         self,
         samples: list[Sample],
         kl: torch.Tensor | None = None,
         group_sizes: list[int] | None = None,
+        whiten: bool | None = None,
     ) -> list[list[float]]:
         """Per-response-token advantages of contiguous groups (of ``group_sizes`` samples
         each; None: all complete); ``kl`` ``[B, T]``: the per-token KL to the reference that
-        the reward pays ``reward_kl_coef`` times."""
+        the reward pays ``reward_kl_coef`` times; ``whiten`` overrides ``self.whiten``."""
         rewards = torch.tensor([scalar_reward(s, self.reward_key) for s in samples])
         inputs = AdvantageInputs(
             rewards=rewards,
@@ -248,7 +252,7 @@ class DataBuffer:
             lam=self.lam,
             kl=kl,
             kl_coef=self.reward_kl_coef,
-            whiten=self.whiten,
+            whiten=self.whiten if whiten is None else whiten,
         )
         per_token, _ = self._estimator(inputs)
         return [
@@ -296,10 +300,11 @@ def response_mask(samples: list[Sample]) -> torch.Tensor:
 
 
 def distilled(
-    samples: list[Sample], rows: list[list[float]], coef: float
+    samples: list[Sample], rows: list[list[float]], coef: float, *, whiten: bool = False
 ) -> tuple[list[list[float]], dict[str, float]]:
     """``rows`` (per-response-token advantages) minus ``coef`` x (rollout - teacher)
-    log-prob of each token the loss trains (rl_core ``opd_advantages``), and its metrics."""
+    log-prob of each token the loss trains (rl_core ``opd_advantages``), whitened over the
+    step's trained tokens when ``whiten``, and its metrics."""
     for sample in samples:
         if sample.rollout_log_probs is None or TEACHER_KEY not in sample.metadata:
             raise ValueError(
@@ -313,6 +318,7 @@ def distilled(
         padded_rows([s.metadata[TEACHER_KEY] for s in samples]),
         response_mask(samples),
         coef=coef,
+        whiten=whiten,
     )
     trimmed = [row[: s.response_length] for row, s in zip(shaped.tolist(), samples, strict=True)]
     return trimmed, metrics
