@@ -5,6 +5,7 @@ from rl_launcher.config import TrainConfig
 from rl_launcher.config.extensions import check_extensions
 from rl_launcher.config.switch_checks import check_switches
 from rl_launcher.infra.placement import plan_from_config
+from rl_launcher.infra.weight_sync import resolve_transport
 from rl_launcher.roles.backends import megatron_options
 
 # Estimators whose baseline is the other samples of the prompt: a group of one sample has
@@ -214,6 +215,7 @@ def _check_devices(config: TrainConfig) -> None:
         raise ValueError(
             "cluster.cpus_per_bundle must be > 0 on cluster.device=cpu (the CPU is the device)"
         )
+    _check_engines_over_nodes(config)
     backend = config.backend
     model_parallel = backend.tensor_parallel * backend.pipeline_parallel * backend.context_parallel
     num_ranks = plan_from_config(config).num_train_ranks
@@ -221,6 +223,31 @@ def _check_devices(config: TrainConfig) -> None:
         raise ValueError(
             f"backend.num_ranks={num_ranks} is not a multiple of tensor_parallel x "
             f"pipeline_parallel x context_parallel = {model_parallel}"
+        )
+
+
+def _check_engines_over_nodes(config: TrainConfig) -> None:
+    """An engine with more devices than a node (engine.devices_per_engine >
+    cluster.devices_per_node) spans whole nodes: only SGLang does that (--nnodes), and
+    tensor handles do not cross nodes."""
+    engine, per_node = config.engine, config.cluster.devices_per_node
+    if engine.devices_per_engine <= per_node:
+        return
+    where = f"engine.devices_per_engine={engine.devices_per_engine} > cluster.devices_per_node={per_node}"
+    if engine.kind != "sglang":
+        raise ValueError(
+            f"{where} makes each engine span several nodes, which the embedded engine cannot "
+            "(it runs on one device); use engine.kind=sglang (--nnodes) or make "
+            "engine.devices_per_engine at most cluster.devices_per_node"
+        )
+    transport = resolve_transport(
+        engine.weight_sync, colocate=config.cluster.colocate, device=config.cluster.device
+    )
+    if transport == "tensor":
+        raise ValueError(
+            f"{where} makes each engine span several nodes, and engine.weight_sync=tensor "
+            "(what auto picks colocated) hands tensor handles within one node; set "
+            "engine.weight_sync to distributed or disk"
         )
 
 

@@ -35,6 +35,14 @@ class PlacementPlan:
     def num_train_ranks(self) -> int:
         return len(self.train_bundles)
 
+    def engine_parts(self, engine: int) -> list[tuple[int, ...]]:
+        """Engine ``engine``'s bundles node by node: one part, or one per node of an
+        engine that spans whole nodes (SGLang's ``--nnodes``; part r is node rank r)."""
+        parts: dict[int, list[int]] = {}
+        for bundle in self.engine_bundles[engine]:
+            parts.setdefault(self.slots[bundle].node, []).append(bundle)
+        return [tuple(bundles) for bundles in parts.values()]
+
     def describe(self, *, engines: bool = True) -> str:
         """One line per node: which roles use each of its devices (T3 = rank 3, E1 = engine
         1); ``engines`` False leaves engines out (a run that starts none, e.g. SFT)."""

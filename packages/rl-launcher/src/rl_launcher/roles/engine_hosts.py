@@ -6,7 +6,11 @@
     engines[0].url, engines[0].node_id                   # http://<node address>:<port>, Ray node
 
 Each engine's :class:`EngineHost` actor is scheduled into the engine's first placement
-bundle with no resources of its own (the bundle's stay with the training rank sharing it,
+bundle (an SGLang engine over several whole nodes, ``engine.devices_per_engine`` >
+``cluster.devices_per_node``: one actor per node of the engine, in its first bundle there,
+each launching ``sglang.launch_server`` with ``--nnodes``, ``--node-rank`` and
+``--dist-init-addr`` at node rank 0's address; only node rank 0 serves HTTP, and the
+engine's actors live, die and restart as one) with no resources of its own (the bundle's stay with the training rank sharing it,
 or with the engine process), so it runs on the node the plan gives the engine. There it
 builds the server (:func:`rl_launcher.roles.engine_servers.engine_process`) on a port free on that
 node, with the bundles' GPU ids, bound to loopback when the whole run is on the driver's
@@ -56,23 +60,23 @@ class EngineSites:
     api_key: str | None
     senders: tuple[int, ...] = ()
 
-    def gpu_ids(self, engine: int) -> list[int] | None:
+    def gpu_ids(self, bundles) -> list[int] | None:
+        """Physical GPU ids of ``bundles`` (None for CPU bundles)."""
         if not self.placement.use_gpu:
             return None
-        return [self.placement.gpu_ids[b] for b in self.plan.engine_bundles[engine]]
+        return [self.placement.gpu_ids[b] for b in bundles]
 
 
 def engine_sites(config, plan, placement, *, transport: str) -> EngineSites:
     """The run's :class:`EngineSites`, after the checks that need no engine: every engine
-    on one node, fed by a training rank that can reach it; off loopback, the API key set
-    here and on every sending training rank's node. ValueError with the fix otherwise."""
-    for engine, bundles in enumerate(plan.engine_bundles):
-        if len({placement.node_ids[b] for b in bundles}) > 1:
-            raise ValueError(
-                f"engine {engine} spans nodes (bundles {list(bundles)}); engines over several "
-                "nodes (SGLang --nnodes) are not supported yet: make engine.devices_per_engine "
-                "at most cluster.devices_per_node"
-            )
+    fed by a training rank that can reach it; off loopback, the API key set here and on
+    every sending training rank's node. ValueError with the fix otherwise."""
+    spanning = [e for e in range(len(plan.engine_bundles)) if len(plan.engine_parts(e)) > 1]
+    if spanning and transport == "tensor":  # config/checks.py says so before Ray
+        raise ValueError(
+            f"engines {spanning} span nodes and engine.weight_sync=tensor hands tensor "
+            "handles within one node; set engine.weight_sync to distributed or disk"
+        )
     senders, api_key = (
         tuple(weight_senders(plan, placement, transport)),
         os.environ.get(API_KEY_ENV),
@@ -130,33 +134,65 @@ def start_placed_engines(
     max_batch_size: int,
     memory_saver: bool = False,
 ) -> list["PlacedEngine"]:
-    """One :class:`EngineHost` per engine in its bundles, each server started (not yet
-    ready): all load at once."""
-    host_actor = ray.remote(EngineHost)
-    ranks = config.cluster.devices_per_node  # training ranks beside each engine
-    hosts = [
-        host_actor.options(
-            num_cpus=0, scheduling_strategy=sites.placement.strategy(bundles[0])
-        ).remote(
-            config,
-            model_dir=str(model_dir),
-            log_dir=str(log_dir),
-            gpu_ids=sites.gpu_ids(engine),
-            host=sites.host,
-            api_key=sites.api_key,
-            max_batch_size=max_batch_size,
-            memory_saver=memory_saver,
-            ranks_per_node=ranks,
-        )
-        for engine, bundles in enumerate(sites.plan.engine_bundles)
-    ]
+    """Each engine's :class:`EngineHost` actors (one per node of the engine) in its
+    bundles, every server started (not yet ready): all load at once."""
+    options = {
+        "model_dir": str(model_dir),
+        "log_dir": str(log_dir),
+        "host": sites.host,
+        "api_key": sites.api_key,
+        "max_batch_size": max_batch_size,
+        "memory_saver": memory_saver,
+        "ranks_per_node": config.cluster.devices_per_node,  # training ranks beside each engine
+    }
+    hosts: list[list] = []
     try:
-        started = ray.get([host.start.remote() for host in hosts])
+        for engine in range(len(sites.plan.engine_bundles)):
+            hosts.append(engine_host_actors(config, sites, engine, options))
+        started = ray.get([host.start.remote() for part in hosts for host in part])
     except BaseException:  # the hosts that did start are not left behind
-        for host in hosts:
+        for host in (host for part in hosts for host in part):
             ray.kill(host)
         raise
-    return [PlacedEngine(h, where, sites.api_key) for h, where in zip(hosts, started, strict=True)]
+    found = iter(started)
+    return [PlacedEngine(part, [next(found) for _ in part], sites.api_key) for part in hosts]
+
+
+def engine_host_actors(config, sites: EngineSites, engine: int, options: dict) -> list:
+    """One :class:`EngineHost` per node of engine ``engine``, in the first bundle of its
+    part there; an engine over several nodes gets SGLang's ``--nnodes``, ``--node-rank``
+    and ``--dist-init-addr`` (node rank 0's address, a port free there)."""
+    host_actor = ray.remote(EngineHost)
+    parts = sites.plan.engine_parts(engine)
+    first = sites.placement.strategy(parts[0][0])
+    dist_init_addr = ray.get(_free_address.options(scheduling_strategy=first).remote())
+    actors = []
+    for node_rank, bundles in enumerate(parts):
+        multi_node = None
+        if len(parts) > 1:
+            multi_node = {  # strings: rl-sglang's SGLangServer drops options that equal False (0)
+                "nnodes": str(len(parts)),
+                "node_rank": str(node_rank),
+                "dist_init_addr": dist_init_addr,
+            }
+        strategy = sites.placement.strategy(bundles[0])
+        actors.append(
+            host_actor.options(num_cpus=0, scheduling_strategy=strategy).remote(
+                config, gpu_ids=sites.gpu_ids(bundles), multi_node=multi_node, **options
+            )
+        )
+    return actors
+
+
+@ray.remote(num_cpus=0)
+def _free_address() -> str:
+    """``address:port`` on this node for other nodes (the interface GLOO_SOCKET_IFNAME or
+    NCCL_SOCKET_IFNAME names, else Ray's node IP), the port free there now."""
+    from rl_launcher.infra.rendezvous import node_address
+    from rl_sglang.process import free_port
+
+    address = node_address()
+    return f"{address}:{free_port(address)}"
 
 
 class EngineHost:
@@ -176,6 +212,7 @@ class EngineHost:
         max_batch_size: int,
         memory_saver: bool,
         ranks_per_node: int,
+        multi_node: dict | None = None,
     ):
         from rl_launcher.infra.colocation import engine_threads_env
         from rl_launcher.infra.lifetime import tie_to_this_process
@@ -193,9 +230,12 @@ class EngineHost:
             max_batch_size=max_batch_size,
             memory_saver=memory_saver,
             api_key=api_key or "",
+            multi_node=multi_node,
         )
         server.env = {**server.env, **engine_threads_env(config, ranks_per_node)}
         self.server = tie_to_this_process(server)
+        # SGLang serves HTTP on node rank 0 only; the other nodes' ranks run its schedulers
+        self.serves_http = multi_node is None or multi_node["node_rank"] == "0"
 
     def start(self) -> dict:
         """Start the server (not waiting for it); where it runs."""
@@ -212,7 +252,13 @@ class EngineHost:
         }
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
-        self.server.wait_ready(timeout_s)
+        """Until the server answers; a server without HTTP (node rank > 0), until it is
+        seen running (asked after node rank 0 answered, which needs every node's rank)."""
+        if self.serves_http:
+            self.server.wait_ready(timeout_s)
+        elif not self.server.alive():
+            code = self.server.process.poll() if self.server.process is not None else None
+            raise RuntimeError(f"{self.server.name} exited with {code}\n{self.log_tail()}")
 
     def alive(self) -> bool:
         return self.server.alive()
@@ -249,31 +295,41 @@ def _drop_ray_thread_default() -> None:
 
 
 class PlacedEngine:
-    """The driver's handle on one engine of an :class:`EngineHost` (see the module
-    docstring). A host whose node is gone reads as a dead engine that cannot restart."""
+    """The driver's handle on one engine: its :class:`EngineHost` actors, one per node of
+    the engine (see the module docstring), treated as one: alive while every part runs,
+    started, killed and stopped together (SGLang's ranks on several nodes restart as a
+    group). Node rank 0 serves HTTP: ``url``, ``node_id`` and ``process.pid`` are its. A
+    host whose node is gone reads as a dead engine that cannot restart."""
 
     name = "engine"
 
-    def __init__(self, actor, where: dict, api_key: str | None):
-        self.actor, self.api_key = actor, api_key
-        self.url, self.node_id = where["url"], where["node_id"]
-        self.node_address, self.host_pid = where["node_address"], where["host_pid"]
+    def __init__(self, actors: list, where: list[dict], api_key: str | None):
+        self.actors, self.api_key = list(actors), api_key
+        self.url, self.node_id = where[0]["url"], where[0]["node_id"]
+        self.node_address, self.host_pid = where[0]["node_address"], where[0]["host_pid"]
+        self.node_ids = [part["node_id"] for part in where]  # node rank r's Ray node
         self.process = RemoteProcess(self)
 
-    def call(self, method: str, *args):
-        """``method`` of the host actor; its own error, not Ray's wrapper, is raised."""
+    def call(self, method: str, *args, part: int = 0):
+        """``method`` of node rank ``part``'s host actor; its own error, not Ray's wrapper,
+        is raised."""
+        return self.call_all(method, *args, parts=[part])[0]
+
+    def call_all(self, method: str, *args, parts=None) -> list:
+        """``method`` of every part's host (or those in ``parts``) at once."""
+        actors = [self.actors[p] for p in parts] if parts is not None else self.actors
         try:
-            return ray.get(getattr(self.actor, method).remote(*args))
+            return ray.get([getattr(actor, method).remote(*args) for actor in actors])
         except ray.exceptions.RayTaskError as error:
             raise (error.cause or error) from None
 
     def start(self, wait: bool = True) -> "PlacedEngine":
-        """Start again (after :meth:`kill`): same actor, node and port."""
+        """Start again (after :meth:`kill`): same actors, nodes and ports."""
         try:
-            self.call("start")
+            self.call_all("start")
         except ray.exceptions.RayActorError as error:
             raise RuntimeError(
-                f"engine {self.url}: its host on node {self.node_address} "
+                f"engine {self.url}: a host of it (node rank 0 on {self.node_address}) "
                 f"is gone ({type(error).__name__})"
             ) from None
         if wait:
@@ -281,11 +337,14 @@ class PlacedEngine:
         return self
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Node rank 0 answers (SGLang's other ranks have joined it), then every other
+        part is still running."""
         self.call("wait_ready", timeout_s)
+        self.call_all("wait_ready", timeout_s, parts=range(1, len(self.actors)))
 
     def alive(self) -> bool:
         try:
-            return self.call("alive")
+            return all(self.call_all("alive"))
         except ray.exceptions.RayActorError:
             return False
 
@@ -295,22 +354,29 @@ class PlacedEngine:
         return self.alive() and http_ok(self.url + "/health")
 
     def kill(self) -> None:
-        with contextlib.suppress(ray.exceptions.RayActorError):  # its node is gone, and
-            self.call("kill")  # the server with it
+        for part in range(len(self.actors)):
+            with contextlib.suppress(ray.exceptions.RayActorError):  # its node is gone,
+                self.call("kill", part=part)  # and the server with it
 
     def stop(self) -> None:
-        """Stop the server (SIGTERM, then SIGKILL), then its host."""
-        with contextlib.suppress(ray.exceptions.RayActorError):
-            self.call("stop")
-        ray.kill(self.actor)
+        """Stop the servers (SIGTERM, then SIGKILL), then their hosts."""
+        for part in range(len(self.actors)):
+            with contextlib.suppress(ray.exceptions.RayActorError):
+                self.call("stop", part=part)
+        for actor in self.actors:
+            ray.kill(actor)
 
     def log_tail(self, num_lines: int = 30) -> str:
-        return self.call("log_tail", num_lines)
+        tails = self.call_all("log_tail", num_lines)
+        if len(tails) == 1:
+            return tails[0]
+        return "\n".join(f"node rank {rank}: {tail}" for rank, tail in enumerate(tails))
 
 
 class RemoteProcess:
-    """``engine.process`` of a :class:`PlacedEngine`: the server's pid on its node and its
-    exit code, asked of the host each time (a restart changes the pid)."""
+    """``engine.process`` of a :class:`PlacedEngine`: node rank 0's server pid and the
+    engine's exit code (the first part's that exited), asked of the hosts each time (a
+    restart changes them)."""
 
     def __init__(self, engine: PlacedEngine):
         self.engine = engine
@@ -321,6 +387,7 @@ class RemoteProcess:
 
     def poll(self) -> int | None:
         try:
-            return self.engine.call("poll")
+            codes = self.engine.call_all("poll")
         except ray.exceptions.RayActorError:
             return None
+        return next((code for code in codes if code is not None), None)

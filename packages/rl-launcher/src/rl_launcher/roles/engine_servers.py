@@ -4,7 +4,8 @@ started (:mod:`rl_launcher.roles.engine_pool` starts them, here or on their node
 :func:`engine_process` builds the server: ``gpu_ids`` are the physical GPU ids of the
 engine's bundles, handed to it as CUDA_VISIBLE_DEVICES (None on CPU). SGLang servers get their options from the config
 (tensor-parallel size, memory fraction, dtype, seed, weight version "0", the memory saver
-when colocated) overridden by ``--sglang-*`` pass-through options, and their PYTHONPATH
+when colocated, and for an engine over several nodes its ``--nnodes`` / ``--node-rank`` /
+``--dist-init-addr``) overridden by ``--sglang-*`` pass-through options, and their PYTHONPATH
 from ``RL_SGLANG_PYTHONPATH`` (rl-sglang's SGLangServer keeps SGLang's pinned transformers
 out of the trainer's process). Embedded engines get the model's dtype and the run's
 context bound (:func:`engine_max_context`).
@@ -15,8 +16,11 @@ from pathlib import Path
 SGLANG_READY_TIMEOUT_S = 900.0  # the first start compiles Triton kernels (minutes)
 
 
-def sglang_server_args(config, *, memory_saver: bool) -> dict:
-    """``sglang.launch_server`` options (``key -> value``, True for a bare flag)."""
+def sglang_server_args(config, *, memory_saver: bool, multi_node: dict | None = None) -> dict:
+    """``sglang.launch_server`` options (``key -> value``, True for a bare flag).
+    ``multi_node``: this server's part of an engine over several nodes (``nnodes``,
+    ``node_rank``, ``dist_init_addr``: node rank 0's address and a port free there);
+    ``tp_size`` is then the engine's GPUs on all its nodes."""
     from rl_launcher.roles.lora import sglang_lora_args
     from rl_sglang.process import sglang_args_from_cli
 
@@ -35,7 +39,7 @@ def sglang_server_args(config, *, memory_saver: bool) -> dict:
     }
     if memory_saver:  # /release_memory_occupation needs it
         args["enable_memory_saver"] = True
-    return args | sglang_lora_args(config) | passthrough
+    return args | dict(multi_node or {}) | sglang_lora_args(config) | passthrough
 
 
 def engine_processes(
@@ -74,14 +78,16 @@ def engine_process(
     max_batch_size: int,
     memory_saver: bool = False,
     api_key=None,
+    multi_node: dict | None = None,
 ):
     """One not-yet-started server bound to ``host`` on a port free there; ``api_key``
-    None: rl-sglang's default (``RL_SGLANG_API_KEY``)."""
+    None: rl-sglang's default (``RL_SGLANG_API_KEY``); ``multi_node``: see
+    :func:`sglang_server_args` (SGLang only)."""
     where = {"host": host, "log_dir": log_dir, "api_key": api_key}
     if config.engine.kind == "sglang":
         from rl_sglang.process import SGLangServer
 
-        args = sglang_server_args(config, memory_saver=memory_saver)
+        args = sglang_server_args(config, memory_saver=memory_saver, multi_node=multi_node)
         return SGLangServer(
             model_dir,
             sglang_args=args,
@@ -89,6 +95,7 @@ def engine_process(
             ready_timeout_s=SGLANG_READY_TIMEOUT_S,
             **where,
         )
+    assert multi_node is None, "embedded engines run on one node (config/checks.py)"
     from rl_launcher.roles.lora import embedded_lora_args
     from rl_sglang.process import EmbeddedEngine
 
