@@ -4,6 +4,7 @@ Objective and the backend configs, and the driver-side pieces (old log-probs fro
 rollout, the log-prob gap gate, train-batch dumps, replay subsampling) on real batches.
 The end-to-end run is in test_slime_switches_run.py."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -268,3 +269,59 @@ def test_a_finished_step_past_the_gap_bound_is_recorded_then_stops_the_run():
     with pytest.raises(RunStopped, match=r"algorithm\.max_logprob_gap=0\.1"):
         finish_step(run, 1, metrics, save_fn=None)
     assert recorded == [1]
+
+
+def write_tiny_gguf(path: Path, *, hidden=16, ffn=32, vocab=32, num_layers=2) -> Path:
+    """A two-layer llama GGUF (float32 tensors, a placeholder vocabulary) written with the
+    gguf package's writer, as llama.cpp's converter lays one out."""
+    import gguf
+    import numpy as np
+
+    writer, rng = gguf.GGUFWriter(str(path), "llama"), np.random.default_rng(0)
+    writer.add_block_count(num_layers)
+    writer.add_context_length(64)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(2)
+    writer.add_head_count_kv(1)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(vocab)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list([f"t{i}".encode() for i in range(vocab)])
+    writer.add_token_scores([0.0] * vocab)
+    writer.add_token_types([1] * vocab)
+    shapes = {"token_embd": (vocab, hidden), "output_norm": (hidden,), "output": (vocab, hidden)}
+    for i in range(num_layers):
+        shapes |= {f"blk.{i}.{n}": (hidden,) for n in ("attn_norm", "ffn_norm")}
+        shapes |= {f"blk.{i}.{n}": (hidden, hidden) for n in ("attn_q", "attn_output")}
+        shapes |= {f"blk.{i}.{n}": (hidden // 2, hidden) for n in ("attn_k", "attn_v")}
+        shapes |= {f"blk.{i}.{n}": (ffn, hidden) for n in ("ffn_gate", "ffn_up")}
+        shapes[f"blk.{i}.ffn_down"] = (hidden, ffn)
+    for name, shape in shapes.items():
+        writer.add_tensor(f"{name}.weight", rng.standard_normal(shape).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_freezing_patterns_of_a_gguf_model_are_checked_at_load(tmp_path):
+    """The names come from the GGUF's header (its config on a meta skeleton): those of the
+    model the loader converts the file to; a pattern matching none is refused at load."""
+    pytest.importorskip("gguf", reason="uv sync --extra gguf")
+    from rl_launcher.config.switch_checks import hf_parameter_names
+    from rl_launcher.session.model import load_gguf
+
+    path = str(write_tiny_gguf(tmp_path / "tiny.gguf"))
+    config, _ = load_config(
+        ["--model.path", path, "--model.freeze", "[embed_tokens, layers\\.0\\.]"]
+    )
+    loaded, _ = load_gguf(Path(path))
+    assert hf_parameter_names(config) == [name for name, _ in loaded.named_parameters()]
+    with pytest.raises(ValueError, match=re.escape("model.freeze: ['token_embd'] match no")):
+        load_config(["--model.path", path, "--model.freeze", "[token_embd]"])  # GGUF's name
+    with pytest.raises(ValueError, match=r"model\.train_only: \['layers\\\\\.2"):
+        load_config(["--model.path", path, "--model.train_only", "[layers\\.2\\.]"])
+    with pytest.raises(ValueError, match=r"does not exist; give a \.gguf file"):
+        load_config(["--model.path", str(tmp_path / "gone.gguf"), "--model.freeze", "[mlp]"])

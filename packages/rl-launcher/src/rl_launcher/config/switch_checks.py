@@ -102,23 +102,41 @@ def check_freezing(config: TrainConfig) -> None:
             "(model.lora_rank > 0) trains only its adapters: use one or the other"
         )
     names = hf_parameter_names(config)
-    if names is not None:  # a .gguf model is checked by the backends when they load it
-        check_patterns(names, train_only=model.train_only, freeze=model.freeze)
+    check_patterns(names, train_only=model.train_only, freeze=model.freeze)
 
 
-def hf_parameter_names(config: TrainConfig) -> list[str] | None:
-    """The policy's parameter names, from a skeleton on the meta device (no weights read);
-    None for a .gguf file."""
+def hf_parameter_names(config: TrainConfig) -> list[str]:
+    """The policy's parameter names as the backends see them, from a skeleton on the meta
+    device (no weights read). For a .gguf file the skeleton's config comes from the GGUF
+    header (:func:`gguf_config`): the loader (:func:`rl_launcher.session.model.load_gguf`)
+    maps the GGUF's tensors onto exactly this skeleton's parameters and refuses a file that
+    leaves one out, so these are the names of the HF model it converts to."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = config.model.path
-    if path is not None and str(path).endswith(".gguf"):
-        return None
     if path is None:
         hf_config = AutoConfig.for_model(**config.model.init_config)
+    elif str(path).endswith(".gguf"):
+        hf_config = gguf_config(Path(path))
     else:
         hf_config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
     return [name for name, _ in model.named_parameters()]
+
+
+def gguf_config(path: Path):
+    """The HF config of a .gguf file, from its header's metadata (gguf's reader maps the
+    file and parses the header; no tensor is read or dequantized), as the loader builds it."""
+    from transformers import AutoConfig
+
+    if not path.is_file():
+        raise ValueError(f"model.path={str(path)!r} does not exist; give a .gguf file")
+    try:
+        import gguf  # noqa: F401
+    except ImportError as error:
+        raise ImportError(
+            "model.path is a .gguf file: pip install gguf (or uv sync --extra gguf)"
+        ) from error
+    return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
