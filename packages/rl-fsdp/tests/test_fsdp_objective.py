@@ -124,7 +124,8 @@ def test_temperature_and_mode_are_read(group):
 
 def test_reference_from_ref_path_then_refreshed_from_the_policy(group, tmp_path):
     """``ref_path`` loads another model as the reference; ``update_reference`` makes it
-    the policy as trained so far (rl-train's algorithm.ref_path / ref_update_interval)."""
+    the policy as trained so far (rl-train's algorithm.ref_path / ref_update_interval), and a
+    checkpoint keeps a refreshed reference (only that one)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(7)
@@ -154,8 +155,18 @@ def test_reference_from_ref_path_then_refreshed_from_the_policy(group, tmp_path)
     backend.train_step(rl_batch(policy))
     trained = backend.compute_log_probs(batch)
     assert not torch.allclose(trained, policy, atol=1e-4)  # the step changed the policy
+    backend.save_checkpoint(tmp_path / "before")  # the starting reference: not saved
     backend.update_reference()
     torch.testing.assert_close(backend.compute_log_probs(batch, model="ref"), trained)
+    backend.save_checkpoint(tmp_path / "after")  # the refreshed one: saved with the weights
+    assert not (tmp_path / "before/reference").exists()
+    resumed = FSDPBackend.start(
+        config, rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port()
+    )
+    torch.testing.assert_close(resumed.compute_log_probs(batch, model="ref"), other)
+    resumed.load_checkpoint(tmp_path / "after")
+    got = resumed.compute_log_probs(batch, model="ref")
+    torch.testing.assert_close(got, trained, atol=0, rtol=0)
     with pytest.raises(ValueError, match="needs a separate reference"):
         start(Objective()).update_reference()
 
