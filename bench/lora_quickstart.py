@@ -1,14 +1,18 @@
 """LoRA against full fine-tuning on the quickstart (CPU): what trains, what the optimizer
-holds, what a weight sync sends, time per step and the reward curve's ends.
+holds, what a weight sync sends and how long it takes, time per step and the reward
+curve's ends.
 
     uv run --package rl-launcher python bench/lora_quickstart.py [--steps 100] \
         [--runs-dir /tmp/lora_bench] [--reuse]
 
-Runs ``rl-train`` on examples/quickstart/config.yaml (full, the baseline) and on
-examples/quickstart/lora.yaml (rank 8), both for ``--steps`` steps (``--reuse``: read
-the run directories a previous call left), then builds each run's rl-fsdp trainer in this
-process (one CPU rank) and takes one optimizer step to count its trainable parameters and
-AdamW state bytes. Prints one JSON object: per run the figures, and LoRA / full ratios.
+Runs ``rl-train`` side by side (so they share the machine's load) on
+examples/quickstart/config.yaml (full, the baseline), on examples/quickstart/lora.yaml
+(rank 8, the engines getting the adapters alone: ``model.lora_sync: adapter``) and on the
+same with ``model.lora_sync=merged`` (the merged weights, every base weight each sync),
+each for ``--steps`` steps (``--reuse``: read the run directories a previous call left),
+then builds the full and LoRA trainers in this process (one CPU rank) and takes one
+optimizer step to count trainable parameters and AdamW state bytes. Prints one JSON
+object: per run the figures, and each LoRA arm over full.
 """
 
 import argparse
@@ -18,41 +22,69 @@ import platform
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {"full": "examples/quickstart/config.yaml", "lora": "examples/quickstart/lora.yaml"}
+# run name -> (config, overrides): the baseline and the two ways LoRA reaches the engines
+ARMS = {
+    "full": (CONFIGS["full"], []),
+    "lora": (CONFIGS["lora"], []),
+    "lora_merged": (CONFIGS["lora"], ["model.lora_sync=merged"]),
+}
 EDGE = 10  # steps averaged at each end of the reward curve
 
 
-def train(name: str, run_dir: Path, steps: int) -> None:
+def start_training(name: str, run_dir: Path, steps: int) -> subprocess.Popen:
+    config, overrides = ARMS[name]
     cmd = [
         sys.executable,
         "-m",
         "rl_launcher.cli",
         "--config",
-        CONFIGS[name],
+        config,
         f"num_steps={steps}",
         f"logging.run_dir={run_dir}",
+        *overrides,
     ]
-    subprocess.run(cmd, cwd=ROOT, check=True)
+    return subprocess.Popen(cmd, cwd=ROOT)
+
+
+def train_side_by_side(runs_dir: Path, steps: int) -> None:
+    """Every arm at once, each started once the one before has finished its first step
+    (three local Ray clusters starting together timed out on a loaded 2-core machine)."""
+    runs = {}
+    for name in ARMS:
+        runs[name] = start_training(name, runs_dir / name, steps)
+        while runs[name].poll() is None and not (runs_dir / name / "metrics.jsonl").exists():
+            time.sleep(2)
+    failed = [name for name, process in runs.items() if process.wait() != 0]
+    if failed:
+        raise RuntimeError(f"rl-train failed for {failed}; see the output above")
 
 
 def run_figures(run_dir: Path) -> dict:
-    """Per-step medians, sync bytes and the reward at both ends of ``metrics.jsonl``."""
+    """Per-step medians, sync bytes and the reward at both ends of ``metrics.jsonl``
+    (the step-0 eval record, if any, left out)."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    records = [r for r in records if "time/sync" in r]
     rewards = [r["rollout/reward/mean"] for r in records]
-    last = sorted((run_dir / "checkpoints").glob("step_*"))[-1] / "trainer"
-    return {
+    checkpoints = sorted((run_dir / "checkpoints").glob("step_*"))
+    figures = {
         "steps": len(records),
         "step_s_median": statistics.median(r["time/step"] for r in records),
         "train_s_median": statistics.median(r["time/train"] for r in records),
         "sync_s_median": statistics.median(r["time/sync"] for r in records),
+        "sync_export_s_median": statistics.median(r["time/sync_export"] for r in records),
         "sync_bytes": records[-1]["sync/bytes"],
         f"reward_first_{EDGE}": statistics.fmean(rewards[:EDGE]),
         f"reward_last_{EDGE}": statistics.fmean(rewards[-EDGE:]),
-        "checkpoint_tensor_bytes": checkpoint_tensor_bytes(last / "dcp"),
     }
+    if checkpoints:
+        dcp_dir = checkpoints[-1] / "trainer" / "dcp"
+        figures["checkpoint_tensor_bytes"] = checkpoint_tensor_bytes(dcp_dir)
+    return figures
 
 
 def checkpoint_tensor_bytes(dcp_dir: Path) -> int:
@@ -104,12 +136,9 @@ def main() -> None:
     args = parser.parse_args()
     from rl_core.distributed import init_distributed
 
-    figures = {}
-    for name in CONFIGS:
-        run_dir = args.runs_dir / name
-        if not args.reuse:
-            train(name, run_dir, args.steps)
-        figures[name] = run_figures(run_dir)
+    if not args.reuse:
+        train_side_by_side(args.runs_dir, args.steps)
+    figures = {name: run_figures(args.runs_dir / name) for name in ARMS}
     init_distributed(device="cpu")
     for name in CONFIGS:
         figures[name] |= trainer_figures(name, args.runs_dir / name)
@@ -117,10 +146,15 @@ def main() -> None:
         "trainable_params",
         "optimizer_state_bytes",
         "sync_bytes",
+        "sync_s_median",
         "step_s_median",
         "checkpoint_tensor_bytes",
     )
-    figures["lora_over_full"] = {k: figures["lora"][k] / figures["full"][k] for k in ratio_keys}
+    for name in ("lora", "lora_merged"):
+        arm, full = figures[name], figures["full"]
+        figures[f"{name}_over_full"] = {
+            k: arm[k] / full[k] for k in ratio_keys if k in arm and k in full
+        }
     figures["hardware"] = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     figures["command"] = " ".join(["python bench/lora_quickstart.py", *sys.argv[1:]])
     print(json.dumps(figures, indent=2))

@@ -32,6 +32,7 @@ def test_lora_settings_reach_the_fsdp_config(tmp_path):
         (["model.lora_rank=8", "backend.name=megatron"], r"backend\.name=fsdp only.*lora_rank=0"),
         (["model.lora_rank=8", "model.lora_targets=[]"], r"lora_targets is empty.*q_proj"),
         (["model.lora_dropout=1.0"], r"model\.lora_dropout"),
+        (["model.lora_rank=8", "rollout.source=buffer"], r"lora_sync=adapter.*lora_sync=merged"),
     ],
 )
 def test_bad_lora_settings_are_refused_before_anything_starts(args, message):

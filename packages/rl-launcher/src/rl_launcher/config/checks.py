@@ -110,6 +110,12 @@ def _check_lora(config: TrainConfig) -> None:
             "model.lora_targets is empty; name the Linear layers to adapt, e.g. "
             "[q_proj, k_proj, v_proj, o_proj]"
         )
+    if model.lora_sync == "adapter" and config.rollout.source == "buffer":
+        raise ValueError(
+            "model.lora_sync=adapter serves the trained adapter only to requests that name "
+            "it, and rollout.source=buffer's workers generate through the router without "
+            "that name; set model.lora_sync=merged"
+        )
 
 
 def _check_rollout(config: TrainConfig) -> None:
