@@ -61,7 +61,9 @@ class BufferRollout(RolloutManager):
         )
         return self
 
-    async def _rollout(self, num_groups: int):
+    async def _rollout(self, num_groups: int, step: int):
+        """The next ``num_groups`` groups the workers wrote (whatever ``step``: the buffer
+        holds what the workers made)."""
         if not self._requeued_once:  # served before a restart, never checkpointed
             requeued = self.buffer.requeue_after(self._saved)
             self._requeued_once = True
