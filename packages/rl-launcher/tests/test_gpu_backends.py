@@ -2,7 +2,9 @@
 
 - one GPU, colocated, FSDP then Megatron: engine memory released while training and
   resumed for generation, weights by CUDA IPC;
-- two GPUs, disaggregated: weights over an NCCL weight-update group (skipped with one GPU).
+- two GPUs, disaggregated: weights over an NCCL weight-update group (skipped with one GPU);
+- two GPUs, colocated, one SGLang engine of tensor-parallel size 2 spanning both, trained by
+  two FSDP ranks or by Megatron at TP=2 (skipped with one GPU).
 
 Run on the GPU machine with SGLang on RL_SGLANG_PYTHONPATH (see examples/gpu/README.md):
 ``RL_SGLANG_PYTHONPATH=/tmp/sgsite python -m pytest -m gpu packages/rl-launcher/tests``.
@@ -127,3 +129,18 @@ def test_two_gpus_disaggregated_sync_over_nccl(tmp_path):
             "0.6",
         )
     )
+
+
+@needs_sglang
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (nvidia-h200-x2)")
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_two_gpus_colocated_engine_of_tp_two(tmp_path, backend):
+    run_dir = tmp_path / "run"
+    extra = ["--backend.name", backend, "--cluster.devices_per_node", "2"]
+    extra += ["--engine.devices_per_engine", "2"]
+    if backend == "megatron":
+        extra += ["--backend.tensor_parallel", "2"]
+    records = two_steps_reach_the_engine(gpu_run_args(run_dir, *extra))
+    assert records[1]["sync/bytes"] > 0
+    server_logs = "".join(p.read_text() for p in run_dir.rglob("sglang-*.log"))
+    assert "tp_size=2" in server_logs, "the engine did not start with SGLang tensor parallel 2"

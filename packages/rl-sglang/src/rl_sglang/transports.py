@@ -132,14 +132,29 @@ async def update_from_tensor(
     """Send one bucket to every (colocated) engine through tensor handles (one payload per
     TP rank of the engine, as SGLang indexes them; every rank opens the same handles)."""
     payload, keep_alive = serialize_bucket(named, flatten=flatten)
-    body = {"load_format": "flattened_bucket" if flatten else None}
-    if weight_version is not None:
-        body["weight_version"] = weight_version
-    results = await asyncio.gather(
-        *(c.update_weights_from_tensor([payload] * tp_size, **body) for c in clients)
+    results = await send_payloads(
+        clients,
+        [[payload] * tp_size] * len(clients),
+        flatten=flatten,
+        weight_version=weight_version,
     )
     del keep_alive
     return results
+
+
+async def send_payloads(clients, payloads: list[list[str]], *, flatten=False, weight_version=None):
+    """``/update_weights_from_tensor`` to each engine with its own list of serialized
+    buckets, one per TP rank (SGLang's TP rank j deserializes item j). The storage behind
+    the payloads must stay alive until this returns."""
+    body = {"load_format": "flattened_bucket" if flatten else None}
+    if weight_version is not None:
+        body["weight_version"] = weight_version
+    return await asyncio.gather(
+        *(
+            c.update_weights_from_tensor(per_rank, **body)
+            for c, per_rank in zip(clients, payloads, strict=True)
+        )
+    )
 
 
 class DistributedWeightSender:

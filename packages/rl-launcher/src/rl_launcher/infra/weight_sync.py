@@ -68,6 +68,34 @@ def urls_of_rank(urls: list[str], rank: int, how: dict) -> list[str]:
     return [url for url, sender in zip(urls, senders, strict=True) if sender == rank]
 
 
+def engine_tp_ranks(engine_bundles, train_bundles) -> list[list[int]]:
+    """For each engine, the training rank sharing each of its devices, in the engine's TP
+    order: an engine of TP size t gets t payloads, and SGLang's TP rank j opens the one of
+    the rank on its own GPU. Empty when some engine device has no training rank (then every
+    TP rank gets the sender's payload)."""
+    rank_of = {bundle: rank for rank, bundle in enumerate(train_bundles)}
+    if not all(b in rank_of for bundles in engine_bundles for b in bundles):
+        return []
+    return [[rank_of[b] for b in bundles] for bundles in engine_bundles]
+
+
+def payloads_of_sender(shared: list, urls: list[str], tp_ranks: list, rank: int) -> dict:
+    """The engines ``rank`` feeds (those whose first device is its own), each with its TP
+    ranks' payloads: ``shared[r]`` is rank r's ``(payload, bucket names)``. RuntimeError
+    when the ranks hold different buckets (pipeline stages export different tensors)."""
+    if any(names != shared[0][1] for _, names in shared):
+        raise RuntimeError(
+            "colocated tensor sync into multi-GPU engines needs the same bucket on every "
+            "training rank (pipeline stages export different tensors); set "
+            "engine.weight_sync to disk or distributed"
+        )
+    return {
+        url: [shared[r][0] for r in ranks]
+        for url, ranks in zip(urls, tp_ranks, strict=True)
+        if ranks[0] == rank
+    }
+
+
 def sync_dir(config, run_dir: Path) -> Path:
     """The directory of disk weight sync, absolute (the engines resolve it elsewhere)."""
     return Path(config.engine.weight_sync_dir or Path(run_dir) / "sync_weights").absolute()
@@ -115,11 +143,39 @@ class EngineWeightSync:
             if self.fed:
                 self._run(self._to_disk(self.fed, named, how["path"], version))
             return float(sum(t.numel() * t.element_size() for _, t in named))
+        per_device = how["transport"] == "tensor" and max(map(len, how.get("tp_ranks") or [[]])) > 1
         for bucket in buckets:
             sent += sum(t.numel() * t.element_size() for _, t in bucket)
-            if self.fed:
+            if per_device:
+                self._send_per_device(urls, bucket, version, how)
+            elif self.fed:
                 self._run(self._send(self.fed, bucket, version, how))
         return sent
+
+    def _send_per_device(self, urls, bucket, version, how):
+        """Colocated engines spanning several GPUs: every rank shares its copy of the bucket
+        (tensor handles on its own GPU), and each engine's sender hands TP rank j the
+        handles of the training rank on that rank's GPU. Collective over the training ranks:
+        the barrier keeps every rank's copy alive until the engines have loaded it."""
+        import torch.distributed as dist
+
+        from rl_sglang import transports
+
+        payload, keep_alive = transports.serialize_bucket(bucket, flatten=how["flatten"])
+        shared = [None] * dist.get_world_size()
+        dist.all_gather_object(shared, (payload, [name for name, _ in bucket]))
+        mine = payloads_of_sender(shared, urls, how["tp_ranks"], self.rank)
+        if mine:
+            self._run(
+                transports.send_payloads(
+                    self.clients(list(mine)),
+                    list(mine.values()),
+                    flatten=how["flatten"],
+                    weight_version=version,
+                )
+            )
+        dist.barrier()
+        del keep_alive
 
     async def _to_disk(self, urls, named, path, version):
         from rl_sglang import transports

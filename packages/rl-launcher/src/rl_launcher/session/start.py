@@ -203,6 +203,7 @@ def _place_engines(run: Run) -> None:
     with engines, check where they will start before anything does
     (:func:`rl_launcher.roles.engine_hosts.engine_sites`)."""
     from rl_launcher.infra.ray_placement import describe_layout
+    from rl_launcher.infra.weight_sync import engine_tp_ranks
     from rl_launcher.roles.engine_hosts import engine_sites
 
     config = run.config
@@ -218,6 +219,10 @@ def _place_engines(run: Run) -> None:
         transport = run.sync_options["transport"]
         run.engine_sites = engine_sites(config, run.plan, run.placement, transport=transport)
         run.sync_options["senders"] = list(run.engine_sites.senders)  # engine -> its rank
+        if transport == "tensor":  # engine -> the rank on each of its devices, in TP order
+            run.sync_options["tp_ranks"] = engine_tp_ranks(
+                run.plan.engine_bundles, run.plan.train_bundles
+            )
 
 
 def watch_engines(run: Run) -> None:
