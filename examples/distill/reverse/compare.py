@@ -82,7 +82,9 @@ def summary(arm: str, seed: int, run_dir: Path, wall_s: float, args) -> dict:
     from rl_launcher.infra.run_log import read_metrics
 
     rewards = step_rewards(run_dir)
-    kl = [r["opd/reverse_kl"] for r in read_metrics(run_dir) if "opd/reverse_kl" in r]
+    records = read_metrics(run_dir)
+    kl = [r["opd/reverse_kl"] for r in records if "opd/reverse_kl" in r]
+    step_s = sorted(r["time/step"] for r in records if "time/step" in r)
     late = rewards[args.late_from - 1 :]
     final = report(str(run_dir / f"checkpoints/step_{args.num_steps:06d}/hf"))
     return {
@@ -93,7 +95,8 @@ def summary(arm: str, seed: int, run_dir: Path, wall_s: float, args) -> dict:
         "steps_to": {str(t): steps_to(rewards, t) for t in args.thresholds},
         "reverse_kl_first_last": [kl[0], kl[-1]] if kl else None,
         "final": final,
-        "wall_s": wall_s,
+        "wall_s": wall_s,  # nan: trained by an earlier invocation
+        "median_step_s": step_s[len(step_s) // 2],
     }
 
 
@@ -102,7 +105,7 @@ def table(rows: list[dict], args) -> str:
     head = (
         ["arm", "seed", *(f"@{m}" for m in marks), f"mean {args.late_from}-{args.num_steps}"]
         + [f"5-step mean >= {t}" for t in args.thresholds]
-        + ["final p_exact", "final greedy", "reverse KL first -> last", "wall s"]
+        + ["final p_exact", "final greedy", "reverse KL first -> last", "s/step (median)"]
     )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
@@ -112,15 +115,33 @@ def table(rows: list[dict], args) -> str:
         cells += [f"{row['late_mean']:.3f}"]
         cells += [str(row["steps_to"][str(t)] or "not reached") for t in args.thresholds]
         cells += [f"{row['final']['p_exact']:.3f}", f"{row['final']['greedy']:.3f}"]
-        cells += [f"{kl[0]:.2f} -> {kl[1]:.2f}" if kl else "-", f"{row['wall_s']:.0f}"]
+        cells += [f"{kl[0]:.2f} -> {kl[1]:.2f}" if kl else "-", f"{row['median_step_s']:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def means(rows: list[dict], args) -> str:
+    """Per arm, the mean over seeds of the late reward and of the final grades."""
+    lines = ["| arm | seeds | mean reward, late steps | final p_exact | final greedy |"]
+    lines.append("|---|---|---|---|---|")
+    for arm in args.arms:
+        mine = [row for row in rows if row["arm"] == arm]
+        if not mine:
+            continue
+        late = sum(r["late_mean"] for r in mine) / len(mine)
+        p_exact = sum(r["final"]["p_exact"] for r in mine) / len(mine)
+        greedy = sum(r["final"]["greedy"] for r in mine) / len(mine)
+        seeds = ", ".join(str(r["seed"]) for r in mine)
+        lines.append(f"| {arm} | {seeds} | {late:.3f} | {p_exact:.3f} | {greedy:.3f} |")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--arms", nargs="+", default=["grpo", "grpo_opd", "grpo_opd_norm"], choices=list(ARMS))
+    parser.add_argument(
+        "--arms", nargs="+", default=["grpo", "grpo_opd", "grpo_opd_norm"], choices=list(ARMS)
+    )
     parser.add_argument("--num_steps", type=int, default=30)
     parser.add_argument("--late_from", type=int, default=21)
     parser.add_argument("--thresholds", type=float, nargs="+", default=[0.25, 0.5])
@@ -133,7 +154,9 @@ def main() -> None:
             rows.append(summary(arm, seed, run_dir, wall_s, args))
             print(table(rows[-1:], args), flush=True)
     (RUNS / "compare.json").write_text(json.dumps(rows, indent=1))
-    print(table(rows, args))
+    by_arm = sorted(rows, key=lambda row: args.arms.index(row["arm"]))
+    print(table(by_arm, args))
+    print(means(rows, args))
 
 
 if __name__ == "__main__":
