@@ -106,7 +106,7 @@ def serialize_bucket(named: NamedTensors, *, flatten: bool = False) -> tuple[str
     the engine answered: it owns the shared storage."""
     from multiprocessing.reduction import ForkingPickler
 
-    import torch.multiprocessing  # noqa: F401  (registers the tensor reductions)
+    import torch.multiprocessing
 
     if flatten:
         bucket = flatten_bucket(named)
@@ -117,8 +117,29 @@ def serialize_bucket(named: NamedTensors, *, flatten: bool = False) -> tuple[str
         keep_alive = [t for _, t in bucket]
     buffer = io.BytesIO()
     with _file_system_sharing():
-        ForkingPickler(buffer).dump(bucket)
+        pickler = ForkingPickler(buffer)
+        for tensor_type in (torch.Tensor, torch.nn.Parameter):
+            pickler.dispatch_table[tensor_type] = _reduce_naming_the_gpu
+        pickler.dump(bucket)
     return base64.b64encode(buffer.getvalue()).decode(), keep_alive
+
+
+CUDA_DEVICE_ARG = 6  # the storage device among torch's rebuild_cuda_tensor arguments
+
+
+def _reduce_naming_the_gpu(tensor: torch.Tensor):
+    """torch's tensor reduction, with a CUDA tensor's device given by the GPU's UUID, not
+    its index: the index is the sender's (Ray hands each training rank its own
+    CUDA_VISIBLE_DEVICES), and names another GPU in an engine that sees several. SGLang's
+    receivers map the UUID back to their own index (as they do for their own senders); the
+    embedded engine does the same (rl_sglang.engine.weights)."""
+    from torch.multiprocessing import reductions
+
+    rebuild, args = reductions.reduce_tensor(tensor)
+    if tensor.is_cuda:
+        uuid = str(torch.cuda.get_device_properties(args[CUDA_DEVICE_ARG]).uuid)
+        args = (*args[:CUDA_DEVICE_ARG], uuid, *args[CUDA_DEVICE_ARG + 1 :])
+    return rebuild, args
 
 
 def _shareable(tensor: torch.Tensor) -> torch.Tensor:

@@ -95,7 +95,31 @@ class _RestrictedUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if not allowed_global(module, name):  # an exact allowlist: see safe_pickle
             raise pickle.UnpicklingError(f"refusing to load {module}.{name} from a weight bucket")
+        if (module, name) == ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"):
+            return _rebuild_cuda_tensor_on_named_gpu
         return super().find_class(module, name)
+
+
+def _rebuild_cuda_tensor_on_named_gpu(*args):
+    """torch's rebuild_cuda_tensor, the storage device given by index or by GPU UUID (as
+    rl_sglang.transports and SGLang's senders write it) and mapped to this process's index."""
+    from torch.multiprocessing import reductions
+
+    from rl_sglang.transports import CUDA_DEVICE_ARG
+
+    device = args[CUDA_DEVICE_ARG]
+    if isinstance(device, str):
+        device = local_gpu_index(device)
+        args = (*args[:CUDA_DEVICE_ARG], device, *args[CUDA_DEVICE_ARG + 1 :])
+    return reductions.rebuild_cuda_tensor(*args)
+
+
+def local_gpu_index(uuid: str) -> int:
+    """This process's index of the GPU with ``uuid``; ValueError when it cannot see it."""
+    for index in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(index).uuid) == uuid:
+            return index
+    raise ValueError(f"weights arrived on GPU {uuid}, which this engine process cannot see")
 
 
 def deserialize_bucket(payload: str | bytes) -> object:
