@@ -66,6 +66,21 @@ def step_rewards(run_dir: Path) -> list[float]:
     return means
 
 
+def digit_accuracy(run_dir: Path, step: int) -> float:
+    """The fraction of answer digits right (each in its place) in the step's samples: the
+    per-token progress that exact match does not see."""
+    from rl_launcher.infra.dumps import dump_files, read_rollout
+
+    right = total = 0
+    for group in read_rollout(dump_files(run_dir / "dumps")[step - 1]):
+        for sample in group:
+            prompt = sample.tokens[: len(sample.tokens) - sample.response_length]
+            digits, response = prompt[-4:-1], sample.tokens[len(prompt) :]  # before "="
+            total += 3
+            right += sum(j < len(response) and response[j] == digits[2 - j] for j in range(3))
+    return right / total
+
+
 def exact(reward) -> float:
     return reward["exact_match"] if isinstance(reward, dict) else reward
 
@@ -91,6 +106,10 @@ def summary(arm: str, seed: int, run_dir: Path, wall_s: float, args) -> dict:
         "arm": arm,
         "seed": seed,
         "rewards": rewards,
+        "digit_accuracy_first_last": [
+            digit_accuracy(run_dir, 1),
+            digit_accuracy(run_dir, len(rewards)),
+        ],
         "late_mean": sum(late) / len(late),
         "steps_to": {str(t): steps_to(rewards, t) for t in args.thresholds},
         "reverse_kl_first_last": [kl[0], kl[-1]] if kl else None,
@@ -105,7 +124,8 @@ def table(rows: list[dict], args) -> str:
     head = (
         ["arm", "seed", *(f"@{m}" for m in marks), f"mean {args.late_from}-{args.num_steps}"]
         + [f"5-step mean >= {t}" for t in args.thresholds]
-        + ["final p_exact", "final greedy", "reverse KL first -> last", "s/step (median)"]
+        + ["digits right first -> last", "final p_exact", "final greedy"]
+        + ["reverse KL first -> last", "s/step (median)"]
     )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
@@ -114,6 +134,8 @@ def table(rows: list[dict], args) -> str:
         cells += [f"{row['rewards'][m - 1]:.3f}" for m in marks]
         cells += [f"{row['late_mean']:.3f}"]
         cells += [str(row["steps_to"][str(t)] or "not reached") for t in args.thresholds]
+        digits = row["digit_accuracy_first_last"]
+        cells += [f"{digits[0]:.2f} -> {digits[1]:.2f}"]
         cells += [f"{row['final']['p_exact']:.3f}", f"{row['final']['greedy']:.3f}"]
         cells += [f"{kl[0]:.2f} -> {kl[1]:.2f}" if kl else "-", f"{row['median_step_s']:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
