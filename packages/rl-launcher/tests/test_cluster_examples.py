@@ -85,5 +85,10 @@ def test_slurm_script_parses_and_asks_for_the_config_layout():
     assert int(asked["gpus-per-node"]) == config.cluster.devices_per_node
     bundles_per_node = config.cluster.devices_per_node * config.cluster.cpus_per_bundle
     assert int(asked["cpus-per-task"]) >= bundles_per_node
-    assert 'export RAY_ADDRESS="$head_ip:$RAY_PORT"' in script  # rl-train attaches to it
+    assert 'export RAY_ADDRESS="$head_ip:$RAY_PORT"' in script  # the wait for the nodes
+    # rl-train submitted as a Ray job to the head's dashboard (its entrypoint gets RAY_ADDRESS)
+    assert "--dashboard-port=$DASHBOARD_PORT" in script.split("ray start --address")[0]
+    submit = re.search(r'ray job submit --address "(\S+)" \\\n\s+(.*)', script)
+    assert submit.group(1) == "http://127.0.0.1:$DASHBOARD_PORT"
+    assert submit.group(2) == '--working-dir . -- rl-train --config "$CONFIG" "$@"'
     assert "export RL_SGLANG_API_KEY=" in script.split("srun")[0]  # before any raylet
