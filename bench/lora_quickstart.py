@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -34,6 +35,7 @@ ARMS = {
     "lora_merged": (CONFIGS["lora"], ["model.lora_sync=merged"]),
 }
 EDGE = 10  # steps averaged at each end of the reward curve
+STARTS = 3  # tries of each run's start
 
 
 def start_training(name: str, run_dir: Path, steps: int) -> subprocess.Popen:
@@ -56,9 +58,13 @@ def train_side_by_side(runs_dir: Path, steps: int) -> None:
     (three local Ray clusters starting together timed out on a loaded 2-core machine)."""
     runs = {}
     for name in ARMS:
-        runs[name] = start_training(name, runs_dir / name, steps)
-        while runs[name].poll() is None and not (runs_dir / name / "metrics.jsonl").exists():
-            time.sleep(2)
+        for _ in range(STARTS):  # Ray's 30 s start-up wait can run out under heavy load
+            shutil.rmtree(runs_dir / name, ignore_errors=True)
+            runs[name] = start_training(name, runs_dir / name, steps)
+            while runs[name].poll() is None and not (runs_dir / name / "metrics.jsonl").exists():
+                time.sleep(2)
+            if runs[name].poll() in (None, 0):
+                break
     failed = [name for name, process in runs.items() if process.wait() != 0]
     if failed:
         raise RuntimeError(f"rl-train failed for {failed}; see the output above")
