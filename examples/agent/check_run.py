@@ -4,7 +4,7 @@ by step (the checks behind README.md's "Why the first runs collapsed").
     AGENT_LOG=replies.jsonl ... rl-train --config examples/agent/config.yaml \
         --checkpoint.interval 1 --checkpoint.keep_last 100 --checkpoint.save_hf true
     uv run --package rl-launcher python examples/agent/check_run.py RUN_DIR DUMPS \
-        --replies replies.jsonl --start runs/agent_sft/checkpoints/step_000060/hf
+        --replies replies.jsonl --start runs/agent_sft/checkpoints/step_000100/hf
 
 Per step it reports: samples whose trained (mask 1) tokens are not the engine's reply ids
 (from ``AGENT_LOG``, in order); samples whose untrained tokens are not the chat template's

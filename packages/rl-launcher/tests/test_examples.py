@@ -40,3 +40,13 @@ def test_distill_student_scores_with_the_teacher_example_writes():
         ["--config", str(folder / "student.yaml"), "distill.coef=0", "distill.teacher_path=null"]
     )
     assert baseline.distill.coef == 0 and baseline.distill.teacher_path is None
+
+
+def test_agent_grpo_starts_from_the_warm_up_example_writes():
+    """examples/agent: config.yaml starts from the HF export of sft.yaml's last step."""
+    folder = ROOT / "examples" / "agent"
+    warm_up, _ = load_config(["--config", str(folder / "sft.yaml")])
+    grpo, _ = load_config(["--config", str(folder / "config.yaml")])
+    last = step_path(checkpoint_dir(warm_up), warm_up.num_steps)
+    assert warm_up.checkpoint.save_hf and warm_up.num_steps % warm_up.checkpoint.interval == 0
+    assert Path(grpo.model.path) == last / "hf"
