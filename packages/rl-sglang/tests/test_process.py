@@ -87,3 +87,14 @@ def test_free_port_is_bindable():
     port = free_port()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))
+
+
+def test_zero_valued_sglang_options_reach_the_server(tmp_path):
+    (tmp_path / "sglang").mkdir()
+    args = {"random_seed": 0, "node_rank": 0, "enable_memory_saver": True, "log_requests": False}
+    argv = SGLangServer(
+        "/m", sglang_path=str(tmp_path), sglang_args=args, log_dir=tmp_path
+    ).command()
+    assert argv[argv.index("--random-seed") + 1] == "0"
+    assert argv[argv.index("--node-rank") + 1] == "0"
+    assert "--enable-memory-saver" in argv and "--log-requests" not in argv

@@ -280,7 +280,7 @@ class SGLangServer(ServerProcess):
                 argv.append(flag)
             elif isinstance(value, list | tuple):  # nargs="+" options
                 argv += [flag, *map(str, value)]
-            elif value not in (False, None):
+            elif value is not False and value is not None:  # 0 is a value, not "off"
                 argv += [flag, str(value)]
         return argv
 
