@@ -1,4 +1,5 @@
-"""GRPO alone, GRPO + on-policy distillation and distillation alone on the reversal task,
+"""GRPO alone, GRPO + on-policy distillation (raw, as slime's --use-opd, and whitened, as
+with --normalize-advantages) and distillation alone (--arms opd) on the reversal task,
 seeds interleaved (seed 1 of every arm, then seed 2, ...), the same step budget each.
 
     nice -n 10 uv run --package rl-launcher python examples/distill/reverse/compare.py
