@@ -26,7 +26,7 @@ from types import SimpleNamespace
 import torch
 
 from rl_sglang.client import EngineClient
-from rl_sglang.engine.weights import make_process_group
+from rl_sglang.engine.weights import CUDA_DEVICE_ARG, make_process_group
 
 NamedTensors = Sequence[tuple[str, torch.Tensor]]
 
@@ -122,9 +122,6 @@ def serialize_bucket(named: NamedTensors, *, flatten: bool = False) -> tuple[str
             pickler.dispatch_table[tensor_type] = _reduce_naming_the_gpu
         pickler.dump(bucket)
     return base64.b64encode(buffer.getvalue()).decode(), keep_alive
-
-
-CUDA_DEVICE_ARG = 6  # the storage device among torch's rebuild_cuda_tensor arguments
 
 
 def _reduce_naming_the_gpu(tensor: torch.Tensor):

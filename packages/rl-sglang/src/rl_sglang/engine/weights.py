@@ -89,6 +89,9 @@ def read_safetensors_dir(path: str | Path) -> NamedTensors:
     return [item for file in files for item in load_file(file).items()]
 
 
+CUDA_DEVICE_ARG = 6  # the storage device among torch's rebuild_cuda_tensor arguments
+
+
 class _RestrictedUnpickler(pickle.Unpickler):
     """Only torch's rebuild helpers and plain containers may be loaded from a request."""
 
@@ -104,8 +107,6 @@ def _rebuild_cuda_tensor_on_named_gpu(*args):
     """torch's rebuild_cuda_tensor, the storage device given by index or by GPU UUID (as
     rl_sglang.transports and SGLang's senders write it) and mapped to this process's index."""
     from torch.multiprocessing import reductions
-
-    from rl_sglang.transports import CUDA_DEVICE_ARG
 
     device = args[CUDA_DEVICE_ARG]
     if isinstance(device, str):
