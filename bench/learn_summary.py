@@ -3,7 +3,7 @@ rl-train's ``metrics.jsonl`` files and the one of ``bench/trl_grpo.py``.
 
     python3 bench/learn_summary.py --ours grpo=runs/learn_grpo/metrics.jsonl \
         --trl runs/trl_grpo/metrics.jsonl --gpu grpo=runs/learn_grpo.gpu.csv \
-        --gpu trl=runs/trl_grpo.gpu.csv --chart docs/results/smollm2_learn/learning.png
+        --gpu trl=runs/trl_grpo.gpu.csv --chart docs/results/2026-11-25-h100-smollm2-learn/learning.png
 
 Wall time is training time with evaluation left out, from the first step's start (the
 engine or model start-up before it is not counted for either). For each rl-train run it
