@@ -12,6 +12,17 @@ MFU is against the bf16 matmul rate measured here. Prints one JSON object.
   python bench/train_megatron.py --shape 1.5b --device cuda --data full  # one GPU
   python bench/train_megatron.py --shape 1.5b --device cuda --tp 2       # TP=2 (+SP), 2 GPUs
   python bench/train_megatron.py --shape 1.5b --device cuda --data full --ablate  # + lever off
+  python bench/train_megatron.py --shape 1.5b --device cuda --dp 2        # ZeRO-1 over 2 GPUs
+  python bench/train_megatron.py --shape 1.5b --device cuda --data full --profile \
+      --megatron '{"recompute_granularity": "full", "recompute_method": "uniform",
+                   "recompute_num_layers": 1}'    # + megatron-core options, where time goes
+
+``--megatron`` passes megatron-core options by name (``MegatronConfig.megatron``: activation
+recompute, ``use_distributed_optimizer``, ...); ``--dp`` adds data-parallel ranks (world =
+tp x dp, the batch split between them, ZeRO-1 by default). ``--profile`` runs one more step
+on rank 0 under torch.profiler after the timed ones (``figure.profile``: device-busy
+fraction, top kernels, time by category; rl_fsdp.profiling, the same summary as
+bench/train_fsdp.py's). Peak memory is rank 0's ``max_memory_allocated``.
 
 Levers (on by default on cuda; --no-swiglu-fusion turns the fused SwiGLU off, --ablate
 also measures the step with it off in the same run, reported under "ablations").
@@ -37,7 +48,12 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--tp", type=int, default=1, help="tensor parallel (cuda: GPUs used)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallel size")
+    parser.add_argument("--dp", type=int, default=1, help="data parallel size (GPUs = tp x dp)")
+    parser.add_argument(
+        "--megatron", type=json.loads, default={}, help="megatron-core options, a JSON object"
+    )
+    parser.add_argument("--profile", action="store_true", help="profile one more step (rank 0)")
     parser.add_argument("--data", choices=["full", "varlen"], default="varlen")
     parser.add_argument("--num-seqs", type=int, default=None, help="sequences per step")
     parser.add_argument("--max-len", type=int, default=None, help="longest sequence")
@@ -163,6 +179,14 @@ def hf_baseline(model, batch, args) -> float:
     return seconds_per_step(step, args)
 
 
+def rank_share(batch, dp_rank: int, dp: int):
+    """This data-parallel rank's sequences (every dp-th one), keeping the whole batch's
+    global denominators so that the ranks' losses add up to the full batch's."""
+    if dp == 1:
+        return batch
+    return batch.select(list(range(dp_rank, batch.num_seqs, dp)))
+
+
 def megatron_worker(
     rank: int, args, hf_dir: str, port: int, out_path: str, overrides: dict
 ) -> None:
@@ -177,7 +201,7 @@ def megatron_worker(
     else:
         torch.cuda.set_device(rank)
     dist.init_process_group(
-        "nccl" if args.device == "cuda" else "gloo", rank=rank, world_size=args.tp
+        "nccl" if args.device == "cuda" else "gloo", rank=rank, world_size=args.tp * args.dp
     )
     config = MegatronConfig(
         hf_path=hf_dir,
@@ -187,16 +211,23 @@ def megatron_worker(
         max_tokens_per_micro_batch=args.max_tokens,
         sequence_parallel=args.tp > 1,
         precision=args.precision,
+        megatron=args.megatron,
         **{"swiglu_fusion": args.swiglu_fusion, **overrides},
     )
     backend = MegatronBackend(config)
-    batch = make_batch(args, backend.shape.vocab_size)
+    batch = rank_share(make_batch(args, backend.shape.vocab_size), rank // args.tp, args.dp)
     seconds = seconds_per_step(lambda: backend.train_step(batch), args)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None
+    profile = None
+    if args.profile:
+        from rl_fsdp.profiling import profile_step
+
+        profile = profile_step(lambda: backend.train_step(batch), torch.device(args.device))
     if rank == 0:
-        peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None
         levers = {"swiglu_fusion": backend.model.config.bias_activation_fusion}
+        result = {"seconds": seconds, "peak_memory_gib": peak, "levers": levers}
         with open(out_path, "w") as f:
-            json.dump({"seconds": seconds, "peak_memory_gib": peak, "levers": levers}, f)
+            json.dump({**result, **({"profile": profile} if profile else {})}, f)
     dist.destroy_process_group()
 
 
@@ -206,7 +237,7 @@ def run_megatron(args, hf_dir: str, overrides: dict) -> dict:
     mp.spawn(
         megatron_worker,
         args=(args, hf_dir, free_port(), out_path, overrides),
-        nprocs=args.tp,
+        nprocs=args.tp * args.dp,
         join=True,
     )
     with open(out_path) as f:
@@ -246,7 +277,7 @@ def main():
         ablations = {"swiglu_fusion_off": {"swiglu_fusion": False}} if args.ablate else {}
         ablated = {name: run_megatron(args, tmp, kw) for name, kw in ablations.items()}
     flops = step_flops(config, batch.seq_lengths())
-    gpus = args.tp if args.device == "cuda" else 1
+    gpus = args.tp * args.dp if args.device == "cuda" else 1
 
     def throughput(seconds: float) -> dict:
         return {"tokens_per_s": batch.num_tokens / seconds, "mfu": flops / seconds / (rate * gpus)}
@@ -258,6 +289,8 @@ def main():
                 "shape": args.shape,
                 "data": args.data,
                 "tp": args.tp,
+                "dp": args.dp,
+                "megatron": args.megatron,
                 "num_tokens": batch.num_tokens,
                 "figure": {
                     "name": "MegatronBackend train_step",
@@ -265,6 +298,7 @@ def main():
                     **throughput(figure["seconds"]),
                     "peak_memory_gib": figure["peak_memory_gib"],
                     "levers": figure["levers"],
+                    **({"profile": figure["profile"]} if "profile" in figure else {}),
                 },
                 "ablations": {
                     name: {**throughput(run["seconds"]), "levers": run["levers"]}
