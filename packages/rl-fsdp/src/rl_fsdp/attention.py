@@ -23,6 +23,7 @@ runs an exact per-sequence path instead, whatever the implementation (slower; no
 silently ignored).
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -154,7 +155,7 @@ def packed_attention(
     around it are fused, the kernel and its host-side layout are not traced."""
     layout: PackedLayout | None = kwargs.get("rl_layout")
     if layout is not None and layout.impl != "flex" and torch.compiler.is_compiling():
-        return _eager_attention(
+        return _behind_graph_break()(
             module, query, key, value, attention_mask, scaling, dropout, **kwargs
         )
     return _attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
@@ -244,9 +245,13 @@ def _masked_attention(q, k, v, allowed, scale: float, dropout: float, softcap):
     return weights @ v
 
 
-# Behind a graph break. The compiled code after it (output projection) is compiled for the
-# first length, then once more with a dynamic length at the second (automatic dynamic).
-_eager_attention = torch.compiler.disable(_attention)
+@functools.cache
+def _behind_graph_break():
+    """``_attention`` behind a graph break. The compiled code after it (output projection)
+    is compiled for the first length, then once more with a dynamic length at the second
+    (automatic dynamic). Made on first use: ``torch.compiler.disable`` imports the compiler
+    stack (about 0.9 s), which uncompiled runs (CPU) never need."""
+    return torch.compiler.disable(_attention)
 
 
 def _flash_varlen(query, key, value, layout: PackedLayout, scaling, dropout) -> torch.Tensor:
