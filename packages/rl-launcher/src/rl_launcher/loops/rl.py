@@ -30,7 +30,7 @@ from rl_launcher.infra.gc_pauses import GcPauses, freeze_startup, unfreeze
 from rl_launcher.loops.extras import after_step, dump_step
 from rl_launcher.loops.feeds import SyncFeed, make_feed
 from rl_launcher.loops.rl_state import resume, save, sync
-from rl_launcher.loops.step import Clock, draw_charts, finish_step, minibatches
+from rl_launcher.loops.step import Clock, draw_charts_meanwhile, finish_step, minibatches
 from rl_launcher.loops.step_metrics import (
     empty_step,
     fresh_only,
@@ -95,7 +95,8 @@ def _train(config) -> Path:
                 metrics |= after_step(run, step)  # evaluation, counted reward errors
                 metrics |= pauses.take()  # the driver's garbage-collection pauses
                 finish_step(run, step, metrics, save)
-    draw_charts(Path(config.logging.run_dir))
+        charts = draw_charts_meanwhile(Path(config.logging.run_dir))  # while the run closes
+    charts.result()
     return Path(config.logging.run_dir)
 
 
