@@ -4,6 +4,8 @@ Shapes (N = total tokens, B = sequences):
     tokens      [N] int64      prompt + response ids of every sequence, back to back
     cu_seqlens  [B + 1] int32  sequence boundaries
     per-token   [N] float32    loss_mask, advantages, old/ref/rollout log-probs, returns, values
+    routed_experts [N, L, K] int16  MoE only: the engine's experts of each token per layer
+                               (rl_core.routing; -1 rows: the trainer's router chooses)
 
 Alignment ("prediction at position"): entry t of a per-token tensor describes the prediction
 made at position t, i.e. of token t + 1 of the same sequence. It lines up with the model's
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 
 from rl_core.packing import cu_seqlens_from_lengths
+from rl_core.routing import packed_routes
 from rl_core.types import Sample
 
 PER_TOKEN_FIELDS = (
@@ -52,6 +55,7 @@ class TrainBatch:
     rollout_log_probs: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     old_values: torch.Tensor | None = None
+    routed_experts: torch.Tensor | None = None  # [N, L, K]: routes of each token (input)
     global_num_tokens: float | None = None
     global_num_seqs: float | None = None
     # the host copy of cu_seqlens (module docstring); set by __post_init__, to and select
@@ -83,6 +87,11 @@ class TrainBatch:
             value = getattr(self, name)
             if value is not None and value.shape != (num_tokens,):
                 raise ValueError(f"{name} has shape {tuple(value.shape)}, expected ({num_tokens},)")
+        routes = self.routed_experts
+        if routes is not None and (routes.dim() != 3 or routes.shape[0] != num_tokens):
+            raise ValueError(
+                f"routed_experts has shape {tuple(routes.shape)}, expected ({num_tokens}, L, K)"
+            )
 
     @property
     def num_seqs(self) -> int:
@@ -120,7 +129,7 @@ class TrainBatch:
         token_index = to_device(host_index, self.tokens.device)
         gathered = {
             name: None if getattr(self, name) is None else getattr(self, name)[token_index]
-            for name in PER_TOKEN_FIELDS
+            for name in (*PER_TOKEN_FIELDS, "routed_experts")
         }
         cu_seqlens = to_device(new_bounds, self.cu_seqlens.device)
         return replace(
@@ -180,7 +189,9 @@ def batch_from_samples(
     """Pack samples into a :class:`TrainBatch` (global denominators set to this batch).
 
     ``advantages`` gives one scalar per sample (broadcast over its response) or one value
-    per response token. Rollout log-probs are carried when every sample has them.
+    per response token. Rollout log-probs are carried when every sample has them, and so
+    are routed experts (rl_core.routing; some samples with them and some without is a
+    ValueError: a trainer replaying routes would silently route those on its own).
     """
     tokens, mask, adv, rollout = [], [], [], []
     has_rollout = all(s.rollout_log_probs is not None for s in samples)
@@ -200,6 +211,7 @@ def batch_from_samples(
         if has_rollout:
             rollout.extend(_place_response(sample.rollout_log_probs, prompt_len, length))
     batch = TrainBatch(
+        routed_experts=_routes(samples),
         tokens=torch.tensor(tokens, dtype=torch.long),
         cu_seqlens=cu_seqlens_from_lengths([len(s.tokens) for s in samples]),
         loss_mask=torch.tensor(mask, dtype=torch.float32),
@@ -207,6 +219,20 @@ def batch_from_samples(
         rollout_log_probs=torch.tensor(rollout, dtype=torch.float32) if has_rollout else None,
     )
     return batch.with_global_denominators()
+
+
+def _routes(samples: Sequence[Sample]) -> torch.Tensor | None:
+    """Packed routes ``[N, L, K]`` when every sample has them, None when none has."""
+    present = [s.routed_experts is not None for s in samples]
+    if not any(present):
+        return None
+    if not all(present):
+        missing = [s.index for s, has in zip(samples, present, strict=True) if not has]
+        raise ValueError(
+            f"samples {missing[:8]} have no routed_experts while others do; routing replay "
+            "needs every sample's routes (the rollout must ask return_routed_experts)"
+        )
+    return packed_routes([s.routed_experts for s in samples], [len(s.tokens) for s in samples])
 
 
 def _response_values(value: float | Sequence[float], response_length: int) -> list[float]:

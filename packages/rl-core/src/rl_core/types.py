@@ -3,7 +3,10 @@
 import json
 from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 
 class SampleStatus(StrEnum):
@@ -26,6 +29,9 @@ class Sample:
     ``rollout_log_probs`` (length ``response_length``) are the engine's log-probs of the
     response tokens. ``weight_versions`` lists the weight version of every engine that
     generated part of the response (several after a partial rollout resumed).
+    ``routed_experts`` (MoE models, when the rollout asked for them) are the experts the
+    engine sent each token to, ``[<= len(tokens) - 1, layers, top_k]`` integers
+    (:mod:`rl_core.routing`); the trainer's routers replay them.
     """
 
     prompt: str | list[dict[str, Any]] = ""
@@ -41,6 +47,7 @@ class Sample:
     index: int | None = None
     label: Any = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    routed_experts: "torch.Tensor | None" = None
 
     def __post_init__(self):
         self.status = SampleStatus(self.status)
@@ -67,10 +74,23 @@ class Sample:
                     f"sample {self.index}: {name} has {len(value)} entries for "
                     f"{self.response_length} response tokens"
                 )
+        routes = self.routed_experts
+        if routes is not None and (
+            routes.dim() != 3 or routes.shape[0] >= max(len(self.tokens), 1)
+        ):
+            raise ValueError(
+                f"sample {self.index}: routed_experts {tuple(routes.shape)} must be "
+                f"[<= {len(self.tokens) - 1} tokens, layers, top_k]"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["status"] = self.status.value
+        if self.routed_experts is not None:  # JSON-safe: shape and SGLang's base64 ids
+            from rl_core.routing import encode_routes
+
+            shape = list(self.routed_experts.shape)
+            data["routed_experts"] = {"shape": shape, "ids": encode_routes(self.routed_experts)}
         return data
 
     @classmethod
@@ -79,6 +99,13 @@ class Sample:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"unknown Sample fields {unknown}; known: {sorted(known)}")
+        routes = data.get("routed_experts")
+        if isinstance(routes, dict):
+            from rl_core.routing import decode_routes
+
+            _, num_layers, top_k = routes["shape"]
+            routes = decode_routes(routes["ids"], num_layers=num_layers, top_k=top_k)
+            data = {**data, "routed_experts": routes}
         return cls(**data)
 
     def to_json(self) -> str:
