@@ -12,6 +12,7 @@ import torch
 from rl_sglang.engine import weights
 from rl_sglang.engine.lora import ALL_TARGETS, LoRAManager, read_peft_adapter
 from rl_sglang.engine.request import Request
+from rl_sglang.engine.routes import RouteRecorder
 from rl_sglang.engine.runner import ModelRunner
 from rl_sglang.engine.scheduler import Scheduler
 from rl_sglang.engine.stopping import StopChecker
@@ -58,7 +59,9 @@ class Engine:
     row can finish by length and nothing waits within them (outputs are unchanged).
     ``enable_lora``: serve LoRA adapters per request (:mod:`rl_sglang.engine.lora`) on the
     Linears named by ``lora_targets``, of rank up to ``max_lora_rank`` (None: any); the
-    adapters' hooks run in the model's own modules, so the runner is the dynamic one."""
+    adapters' hooks run in the model's own modules, so the runner is the dynamic one.
+    ``enable_return_routed_experts``: an MoE model's requests may ask for
+    ``return_routed_experts`` (:mod:`rl_sglang.engine.routes`; dynamic runner)."""
 
     def __init__(
         self,
@@ -74,6 +77,7 @@ class Engine:
         enable_lora=False,
         max_lora_rank=None,
         lora_targets=(ALL_TARGETS,),
+        enable_return_routed_experts=False,
     ):
         self.model, self.tokenizer, self.model_path = model, tokenizer, model_path
         self.device = next(model.parameters()).device
@@ -93,6 +97,9 @@ class Engine:
                 f"multi_step must be >= 1 (1 = one decode step per round), got {multi_step}"
             )
         self.multi_step = int(multi_step)
+        routes = RouteRecorder(model if enable_return_routed_experts else None)
+        if routes.enabled and self.runner_kind == "static":
+            raise ValueError("--enable-return-routed-experts needs the dynamic runner")
         self.scheduler = Scheduler(
             self._make_runner(max_batch_size),
             StopChecker(tokenizer, eos_ids, self.max_context),
@@ -102,6 +109,8 @@ class Engine:
         if enable_lora:
             self.lora = LoRAManager(model, max_rank=max_lora_rank, targets=lora_targets)
             self.scheduler.lora = self.lora
+        if routes.enabled:
+            self.scheduler.routes = routes
         self.weight_receivers: dict[str, weights.WeightReceiver] = {}
         self.memory_released = False
         self._parked_runner = None  # the runner while memory is released
@@ -190,6 +199,12 @@ class Engine:
         self, prompt, params: SamplingParams, rid: str, body: dict, adapter=None
     ) -> list[Request]:
         ids = self._encode(prompt) if isinstance(prompt, str) else prompt
+        routes = bool(body.get("return_routed_experts", False))
+        if routes and not self.scheduler.routes.enabled:
+            raise ValueError(
+                "return_routed_experts needs an engine started with "
+                "--enable-return-routed-experts (an MoE model)"
+            )
         if not ids or len(ids) >= self.max_context:
             raise ValueError(f"prompts need 1 to {self.max_context - 1} tokens, got {len(ids)}")
         requests = []
@@ -207,6 +222,7 @@ class Engine:
                     return_logprob=bool(body.get("return_logprob", False)),
                     logprob_start_len=_start_len(body.get("logprob_start_len"), len(ids)),
                     adapter=adapter,
+                    return_routed_experts=routes,
                 )
             )
         return requests
@@ -352,6 +368,7 @@ class Engine:
             "paused": self.scheduler.paused,
             "memory_released": self.memory_released,
             "enable_lora": self.lora is not None,
+            "enable_return_routed_experts": self.scheduler.routes.enabled,
             "max_lora_rank": self.lora.max_rank if self.lora is not None else None,
             "lora_target_modules": list(self.lora.targets) if self.lora is not None else None,
             "loaded_adapters": self.lora.loaded() if self.lora is not None else {},

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from rl_core.routing import encode_routes
 from rl_sglang.protocol import SamplingParams, finish_reason, token_logprobs
 
 
@@ -32,6 +33,8 @@ class Request:
     created: float = field(default_factory=time.monotonic)
     generator: torch.Generator | None = None
     adapter: Any = None  # the LoRA adapter its ``lora_path`` named (engine.lora.Adapter)
+    return_routed_experts: bool = False  # SGLang's field: meta_info["routed_experts"]
+    routes: list[torch.Tensor] = field(default_factory=list)  # [n, L, K] chunks (engine.routes)
 
     def matches(self, rid: str | None) -> bool:
         """True when an abort of ``rid`` (None = all) concerns this request."""
@@ -69,4 +72,9 @@ class Request:
         if self.return_logprob and self.input_logprobs is not None:
             ids = self.prompt_ids[len(self.prompt_ids) - len(self.input_logprobs) :]
             meta["input_token_logprobs"] = token_logprobs(self.input_logprobs, ids)
+        if self.return_routed_experts and self.routes:
+            # every token run: the prompt and all outputs but the last (a look-ahead step
+            # may have run one more, past a stop)
+            num_run = len(self.prompt_ids) + len(self.output_ids) - 1
+            meta["routed_experts"] = encode_routes(torch.cat(self.routes)[:num_run])
         return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from rl_sglang.engine.request import Request
+from rl_sglang.engine.routes import RouteRecorder
 from rl_sglang.engine.rows import Launched, fill_holes
 from rl_sglang.engine.runner import ModelRunner
 from rl_sglang.engine.sampling import RowParams, sample_next
@@ -33,6 +34,7 @@ class Scheduler:
         self.runner, self.stopper = runner, stopper
         self.max_batch_size = max_batch_size
         self.lora = None  # engine.lora.LoRAManager with --enable-lora: told each forward's rows
+        self.routes = RouteRecorder()  # the routers' choices, with --enable-return-routed-experts
         self.weight_version = "0"
         self.paused = False
         self._cond = threading.Condition()
@@ -198,7 +200,10 @@ class Scheduler:
         for request in new:
             request.seed(self.runner.device)
         self.use_adapters(new)
-        logits_BV, state = self.runner.prefill([r.prompt_ids + r.output_ids for r in new])
+        prompts = [r.prompt_ids + r.output_ids for r in new]
+        self.routes.arm(new)
+        logits_BV, state = self.runner.prefill(prompts)
+        self.routes.after_prefill(new, prompts)
         tokens_B = self._sample(logits_BV, new)
         self._state = self.runner.merge(self._state, state)
         self._admitting = []
@@ -243,11 +248,14 @@ class Scheduler:
         ``pending``: tokens of a queued round not yet appended to the requests."""
         rows = self._row_params(self._running, self.runner.device)
         self.use_adapters(self._running)
+        self.routes.arm(self._running)
         if rows.all_greedy:  # argmax and log-prob come out of the (captured) step itself
             steps = self._round_steps(pending)
             out = self.runner.decode(self._state, tokens_B, greedy=True, steps=steps)
+            self.routes.after_decode(self._running)
             return Launched(*out) if steps > 1 else Launched(out[0][None], out[1][None])
         logits_BV = self.runner.decode(self._state, tokens_B)
+        self.routes.after_decode(self._running)
         generators = [r.generator for r in self._running]
         tokens_B, logprobs_B = sample_next(logits_BV, rows, generators)
         return Launched(tokens_B[None], logprobs_B[None])

@@ -192,6 +192,7 @@ _STATE_FIELDS = (
     "rollout_log_probs",
     "weight_versions",
     "status",
+    "routed_experts",
 )
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rl_core.registry import is_dotted, load_dotted
+from rl_core.routing import decode_routes
 from rl_core.types import Sample, SampleStatus
 from rl_sglang.client import EngineClient
 from rl_sglang.protocol import parse_token_logprobs
@@ -39,6 +40,13 @@ class GenerateContext:
     # A resumed response whose earlier part came from older weights: "keep" trains on it
     # (correct it with rl_core.importance using rollout_log_probs), "mask" gives it loss 0.
     offpolicy_tokens: str = "keep"
+    # MoE rollout routing replay: (hidden layers, experts per token) of the model; set, every
+    # request asks return_routed_experts and the sample keeps them (Sample.routed_experts)
+    routed_experts_shape: tuple[int, int] | None = None
+
+    def route_fields(self) -> dict:
+        """The /generate fields that ask for routed experts (none when not replaying)."""
+        return {} if self.routed_experts_shape is None else {"return_routed_experts": True}
 
     def prompt_ids(self, sample: Sample) -> list[int]:
         if sample.tokens:
@@ -71,8 +79,16 @@ def load_function(path: str) -> Callable:
         raise ValueError(f"cannot load {path!r}: {error}") from error
 
 
-def append_response(sample: Sample, output: dict, *, trainable: bool = True) -> None:
-    """Append one /generate output (ids, log-probs, weight version) to ``sample``."""
+def append_response(
+    sample: Sample,
+    output: dict,
+    *,
+    trainable: bool = True,
+    routed_experts_shape: tuple[int, int] | None = None,
+) -> None:
+    """Append one /generate output (ids, log-probs, weight version) to ``sample``; with
+    ``routed_experts_shape`` (layers, top_k) its ``meta_info["routed_experts"]`` become the
+    sample's routes (they cover the whole sequence the request ran)."""
     meta = output["meta_info"]
     logprobs, ids = parse_token_logprobs(meta.get("output_token_logprobs", []))
     if ids and ids != list(output["output_ids"]):
@@ -88,6 +104,11 @@ def append_response(sample: Sample, output: dict, *, trainable: bool = True) -> 
         sample.weight_versions.append(version)
     sample.status = STATUS_OF_FINISH[meta["finish_reason"]["type"]]
     sample.metadata["finish_reason"] = meta["finish_reason"]
+    if routed_experts_shape is not None and "routed_experts" in meta:
+        num_layers, top_k = routed_experts_shape
+        sample.routed_experts = decode_routes(
+            meta["routed_experts"], num_layers=num_layers, top_k=top_k
+        )
 
 
 def seeded(sampling_params: dict, sample: Sample) -> dict:
@@ -112,8 +133,9 @@ async def generate_sample(ctx: GenerateContext, sample: Sample, sampling_params:
         sampling_params=remaining_budget(sample, seeded(sampling_params, sample)),
         return_logprob=True,
         rid=sample.metadata.get("rid"),
+        **ctx.route_fields(),
     )
-    append_response(sample, output)
+    append_response(sample, output, routed_experts_shape=ctx.routed_experts_shape)
     if ctx.tokenizer is not None:
         sample.response = ctx.tokenizer.decode(sample.tokens[sample.prompt_length :])
     if old_length:
@@ -151,12 +173,13 @@ async def generate_group(
         sampling_params={**seeded(sampling_params, group[0]), "n": len(group)},
         return_logprob=True,
         rid=rid,
+        **ctx.route_fields(),
     )
     if not isinstance(outputs, list) or len(outputs) != len(group):
         raise ValueError(f"asked for n={len(group)} samples, the engine returned {outputs!r:.200}")
     for sample, output in zip(group, outputs, strict=True):
         sample.tokens = list(prompt_ids)
-        append_response(sample, output)
+        append_response(sample, output, routed_experts_shape=ctx.routed_experts_shape)
         if ctx.tokenizer is not None:
             sample.response = ctx.tokenizer.decode(sample.tokens[sample.prompt_length :])
     return group

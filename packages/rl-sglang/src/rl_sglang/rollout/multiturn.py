@@ -68,9 +68,13 @@ class CalculatorTool:
         for turn in range(self.max_turns):
             budget = remaining_budget(sample, params)
             output = await ctx.client.generate(
-                input_ids=sample.tokens, sampling_params=budget, return_logprob=True
+                input_ids=sample.tokens,
+                sampling_params=budget,
+                return_logprob=True,
+                **ctx.route_fields(),
             )
-            append_response(sample, output)
+            # each turn's routes cover the whole context so far (tool output included)
+            append_response(sample, output, routed_experts_shape=ctx.routed_experts_shape)
             reason = output["meta_info"]["finish_reason"]
             if reason["type"] != "stop" or reason.get("matched") != self.call_end:
                 break
