@@ -38,6 +38,7 @@ from rl_fsdp.modeling import (
     reshard_all,
     shard_model,
 )
+from rl_fsdp.routing_replay import RouteReplay
 from rl_fsdp.weights import iter_weight_buckets, write_hf_dir
 
 __all__ = ["FSDPBackend", "FSDPConfig"]
@@ -52,6 +53,7 @@ class FSDPBackend(ShardedTrainer):
         separate_ref = config.loads_reference and config.lora is None
         self.ref_model = self._build_reference() if separate_ref else None
         self.reference_refreshed = False  # by update_reference: checkpoints then keep it
+        self.route_replay = RouteReplay(self.model)  # MoE: the batch's routed_experts
 
     def _build_reference(self) -> torch.nn.Module:
         """A frozen, sharded copy of the initial weights (same source and seed), or of
@@ -75,7 +77,8 @@ class FSDPBackend(ShardedTrainer):
         budget = self.config.micro_batch_tokens_for_log_probs
 
         def log_probs(mb: TrainBatch) -> torch.Tensor:
-            return self._log_probs(net, mb, with_entropy=False, budget=budget)[0]
+            replay = model == "actor"  # the reference routes on its own (routing_replay.py)
+            return self._log_probs(net, mb, with_entropy=False, budget=budget, replay=replay)[0]
 
         compute = self.computing() if net is self.model else nullcontext()
         base = lora_disabled(net) if model == "ref" and self.lora else nullcontext()
@@ -137,7 +140,9 @@ class FSDPBackend(ShardedTrainer):
                 net.to("cpu")
                 torch.cuda.empty_cache()
 
-    def _log_probs(self, net, mb: TrainBatch, *, with_entropy: bool, budget: int):
+    def _log_probs(self, net, mb: TrainBatch, *, with_entropy: bool, budget: int, replay=True):
+        if net is self.model:  # the routes stay set for a checkpointed layer's recompute
+            self.route_replay.use(mb.routed_experts if replay else None)
         return packed_log_probs(
             net,
             mb,

@@ -107,6 +107,7 @@ def micro_batch(batch: TrainBatch, seq_indices: list[int]) -> TrainBatch:
         tokens=torch.zeros(1, dtype=torch.long, device=batch.tokens.device),
         cu_seqlens=cu_seqlens,
         host_bounds=HostBounds(bounds, cu_seqlens),
+        routed_experts=None,  # the dummy token routes on its own
         **dummy,
     )
 
