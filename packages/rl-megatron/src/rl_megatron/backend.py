@@ -33,6 +33,7 @@ from rl_megatron.objective import actor_loss, critic_loss
 from rl_megatron.parallel import current_layout, initialize_parallel
 from rl_megatron.precision import DTYPES, finish_accumulation
 from rl_megatron.shape import model_shape
+from rl_megatron.routing_replay import RouteReplay
 from rl_megatron.state import WeightsAndStateMixin
 from rl_megatron.weights import (
     SafetensorsReader,
@@ -113,6 +114,7 @@ class MegatronBackend(WeightsAndStateMixin):
 
     def _build_model(self):
         build = build_critic_model if self.config.critic else build_gpt_model
+        self.route_replay = self._route_replay()  # MoE: the batch's routed_experts (R3)
         model = build(
             self.hf_config,
             tp_size=self.config.tp,
@@ -130,6 +132,18 @@ class MegatronBackend(WeightsAndStateMixin):
     def _swiglu_fusion_works(self) -> bool:
         width = 2 * (self.shape.moe_ffn_hidden_size or self.shape.ffn_hidden_size) // self.config.tp
         return fused_swiglu_works(self.device, DTYPES[self.config.precision], width)
+    def _route_replay(self) -> RouteReplay:
+        """Replay of rollout routes on the policy's routers (routing_replay.py)."""
+        layout = self.layout
+        return RouteReplay(
+            self.model,
+            cp_size=layout.cp_size,
+            cp_rank=layout.cp_rank,
+            tp_size=layout.tp_size,
+            tp_rank=layout.tp_rank,
+            enabled=not self.config.critic,
+        )
+
 
     @property
     def data_rank(self) -> int:
@@ -209,6 +223,7 @@ class MegatronBackend(WeightsAndStateMixin):
             output, _ = self._head(part, logits, held, with_entropy=False)
             return output.sum() * 0.0, {"output": output, "held": held}
 
+        self.route_replay.feed(batch, groups)
         parts = [batch.select(group) for group in groups]
         reduced = pipeline.run_schedule(
             self.model, parts, multiple=self._multiple(), loss_fn=outputs, forward_only=True
@@ -224,8 +239,8 @@ class MegatronBackend(WeightsAndStateMixin):
             return self._forward_all(batch)
         if model != "ref" or self.ref_shards is None:
             raise ValueError(f"model must be 'actor' or 'ref' (ref needs ref_path), got {model!r}")
-        with self._swapped_weights(self.ref_shards):
-            return self._forward_all(batch)
+        with self._swapped_weights(self.ref_shards), self.route_replay.off():
+            return self._forward_all(batch)  # the reference routes on its own
 
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
         """Critic values ``[N]`` of every position."""
@@ -335,6 +350,7 @@ class MegatronBackend(WeightsAndStateMixin):
             return critic_loss(self.config, part, first)
         return actor_loss(self.config, part, first, entropy)
 
+        self.route_replay.feed(batch, groups)
     def _pipeline_forward_backward(self, batch: TrainBatch, groups) -> dict[str, float]:
         def stage_loss(part, logits, held):
             first, entropy = self._head(

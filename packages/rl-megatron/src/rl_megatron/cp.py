@@ -60,7 +60,9 @@ def cp_shard_batch(batch: TrainBatch, *, cp_size: int, cp_rank: int):
         for name in PER_TOKEN_FIELDS
         if getattr(batch, name) is not None
     }
-    shard = replace(batch, tokens=take(batch.tokens, index), cu_seqlens=cu_cp, **sliced)
+    shard = replace(
+        batch, tokens=take(batch.tokens, index), cu_seqlens=cu_cp, routed_experts=None, **sliced
+    )
     return shard, targets, positions
 
 
@@ -78,4 +80,5 @@ def restrict_batch(batch: TrainBatch, held: torch.Tensor) -> TrainBatch:
         if getattr(batch, name) is not None
     }
     cu = cu_seqlens_from_lengths(counts.cpu()).to(batch.cu_seqlens.device)
-    return replace(batch, tokens=batch.tokens[held], cu_seqlens=cu, **sliced)
+    # routes were the forward's input; the loss after it has no use for them
+    return replace(batch, tokens=batch.tokens[held], cu_seqlens=cu, routed_experts=None, **sliced)
