@@ -10,13 +10,19 @@ import pytest
 import torch
 
 from rl_sglang.engine.weights import (
+    HeldBuffers,
     copy_into_model,
     deserialize_bucket,
     named_tensors_from_payload,
     read_safetensors_dir,
     unflatten_bucket,
 )
-from rl_sglang.transports import flatten_bucket, save_weights_atomic, serialize_bucket
+from rl_sglang.transports import (
+    SendBuffer,
+    flatten_bucket,
+    save_weights_atomic,
+    serialize_bucket,
+)
 
 
 def bucket():
@@ -90,3 +96,38 @@ def test_copy_into_model_validates_before_touching(tiny_model):
     assert torch.equal(model.lm_head.weight, before)
     assert copy_into_model(model, [("lm_head.weight", before * 3)]) == 1
     assert torch.equal(model.lm_head.weight, before * 3)
+
+
+def test_send_buffer_is_filled_in_place_until_the_layout_outgrows_it():
+    buffer = SendBuffer()
+    first = buffer.fill(bucket())
+    storage = first["flattened_tensor"].untyped_storage().data_ptr()
+    doubled = [(n, t * 2) for n, t in bucket()]
+    again = buffer.fill(doubled)
+    assert again["flattened_tensor"].untyped_storage().data_ptr() == storage
+    assert again["metadata"] is first["metadata"]  # the records are made once per layout
+    for (name, tensor), (name2, tensor2) in zip(doubled, unflatten_bucket(again), strict=True):
+        assert name == name2 and torch.equal(tensor, tensor2)
+    renamed = [(f"x.{n}", t) for n, t in bucket()[:2]]  # another layout, fits: same storage
+    smaller = buffer.fill(renamed)
+    assert smaller["flattened_tensor"].untyped_storage().data_ptr() == storage
+    assert [m.name for m in smaller["metadata"]] == ["x.a", "x.b"]
+    assert torch.equal(unflatten_bucket(smaller)[1][1], torch.tensor([1, 2, 3]))
+    larger = [*bucket(), ("d", torch.ones(100))]  # outgrows it: a new storage
+    out = buffer.fill(larger)
+    assert buffer.num_allocations == 2 and buffer.nbytes == out["flattened_tensor"].numel()
+    assert torch.equal(unflatten_bucket(out)[3][1], torch.ones(100))
+    buffer.release()
+    assert buffer.nbytes == 0
+
+
+def test_held_buffers_keep_the_last_two_flat_storages():
+    held = HeldBuffers(limit=2)
+    flats = [torch.zeros(8, dtype=torch.uint8) for _ in range(3)]
+    for flat in flats:
+        held.keep([("a", flat[:4]), ("b", flat[4:])])  # one storage: held
+    assert len(held) == 2
+    held.keep([("a", torch.zeros(2)), ("b", torch.zeros(2))])  # a per-tensor list: not held
+    assert len(held) == 2
+    held.drop()
+    assert len(held) == 0

@@ -1,6 +1,9 @@
 """Weight updates by each transport into live engines: afterwards every engine reports the
 new version and its log-probs equal a reference forward of the new weights."""
 
+import os
+from pathlib import Path
+
 import pytest
 
 from conftest import run, teacher_forced_logprobs
@@ -95,6 +98,61 @@ def test_update_from_tensor(cluster, restore_weights, flatten):
 
 
 @pytest.mark.parametrize("flatten", [False, True])
+def shm_file(buffer: transports.SendBuffer) -> str:
+    """The /dev/shm name of a kept CPU send buffer."""
+    return buffer.storage.untyped_storage()._share_filename_cpu_()[1].decode()
+
+
+def mappings_of(pid: int, name: str) -> list[str]:
+    """The address ranges at which process ``pid`` maps shared-memory file ``name``."""
+    lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    return [line.split()[0] for line in lines if line.endswith(f"/dev/shm{name}")]
+
+
+def own_shm_files() -> set[str]:
+    return {f for f in os.listdir("/dev/shm") if f.startswith(f"torch_{os.getpid()}_")}
+
+
+def release_and_resume(cluster):
+    async def go(clients):
+        for client in clients:
+            await client.release_memory()
+            await client.resume_memory()
+
+    run(_with_clients(cluster, go))
+
+
+def test_kept_buffer_is_opened_once_and_carries_every_sync(cluster, restore_weights):
+    """Three syncs through one kept buffer: each engine maps its shared-memory file once,
+    at the same address throughout (the engine holds it: torch's sharing cache rebuilds
+    the tensor on that mapping), and serves each sync's weights."""
+    release_and_resume(cluster)  # the engines let go of earlier tests' buffers
+    files_before = own_shm_files()
+    buffer, seen = transports.SendBuffer(), []
+    for seed in (505, 506, 507):
+        model, named = new_weights(seed)
+        version = f"kept-{seed}"
+        run(
+            _with_clients(
+                cluster,
+                lambda cs, named=named, version=version: transports.update_from_tensor(
+                    cs, named, weight_version=version, buffer=buffer
+                ),
+            )
+        )
+        check_engines_use(cluster, model, version)
+        seen.append([mappings_of(e.process.pid, shm_file(buffer)) for e in cluster.engines])
+    assert buffer.num_allocations == 1
+    assert all(len(ranges) == 1 for ranges in seen[0]) and seen[0] == seen[1] == seen[2]
+    assert own_shm_files() - files_before == {shm_file(buffer).removeprefix("/")}
+    # released by both ends (the engines on memory release), the file is gone
+    name = shm_file(buffer)
+    buffer.release()
+    release_and_resume(cluster)
+    assert not [e for e in cluster.engines if mappings_of(e.process.pid, name)]
+    assert own_shm_files() <= files_before
+
+
 def test_update_from_distributed_gloo_in_two_buckets(cluster, restore_weights, flatten):
     model, named = new_weights(303 + flatten)
     version = f"dist-{int(flatten)}"

@@ -25,6 +25,7 @@ from rl_sglang.process import API_KEY_ENV, check_exposure
 
 ENGINE_KEY = web.AppKey("engine", Engine)
 API_KEY = web.AppKey("api_key", str)
+HELD_KEY = web.AppKey("held_buffers", weights.HeldBuffers)  # kept senders' handles, open
 routes = web.RouteTableDef()
 
 
@@ -187,6 +188,7 @@ def _empty_cuda_cache() -> None:
 @routes.post("/release_memory_occupation")
 async def release_memory_occupation(request: web.Request) -> web.Response:
     engine = _engine(request)
+    request.app[HELD_KEY].drop()  # the sender's memory (its GPU blocks) goes back with ours
     await engine.on_scheduler(engine.release_memory)
     return web.json_response({"success": True, "message": "memory released"})
 
@@ -211,7 +213,19 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
     named = weights.named_tensors_from_payload(
         body["serialized_named_tensors"], body.get("load_format")
     )
-    return web.json_response(await engine.on_scheduler(lambda: engine.apply_update(named, body)))
+    request.app[HELD_KEY].keep(named)  # a kept send buffer comes back under the same handle
+    update = _once(engine.apply_update, named, body)
+    del named
+    return web.json_response(await engine.on_scheduler(update))
+
+
+def _once(fn, *args):
+    """``fn(*args)`` as a callable that lets go of ``args`` when it runs: the scheduler
+    thread holds its last task until the next, and a weight tensor it held would outlive
+    the update (a shared-memory tensor freed at exit, after the trainer's shared-memory
+    manager is gone, aborts the process)."""
+    box = [args]
+    return lambda: fn(*box.pop())
 
 
 @routes.post("/load_lora_adapter")
@@ -273,9 +287,15 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
 def make_app(engine: Engine, api_key: str | None = None) -> web.Application:
     app = web.Application(middlewares=[require_api_key, errors_as_json], client_max_size=1 << 30)
     app[ENGINE_KEY], app[API_KEY] = engine, api_key or ""
+    app[HELD_KEY] = weights.HeldBuffers()
     app.add_routes(routes)
+    app.on_shutdown.append(_drop_held_buffers)  # while their senders are still there
     app.on_shutdown.append(lambda _: asyncio.to_thread(engine.scheduler.stop))
     return app
+
+
+async def _drop_held_buffers(app: web.Application) -> None:
+    app[HELD_KEY].drop()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -74,54 +74,145 @@ def _file_system_sharing():
         mp.set_sharing_strategy(previous)
 
 
-def flatten_bucket(named: NamedTensors) -> dict:
-    """One uint8 buffer ``[N_bytes]`` holding every tensor, plus one metadata record per
-    tensor (name, shape, dtype, start_idx, end_idx, numel) to cut it back apart.
+def bucket_layout(named: NamedTensors) -> list[SimpleNamespace]:
+    """One record per tensor of a flattened bucket: name, shape, dtype, start_idx, end_idx
+    and numel (its bytes), the byte range it takes in the flat uint8 buffer.
 
     The records are ``types.SimpleNamespace`` objects: they have the attributes SGLang's
     ``load_format="flattened_bucket"`` reads, and SGLang's restricted unpickler (like the
     embedded engine's) accepts them, so the trainer never needs SGLang installed.
     """
-    chunks, metadata, offset = [], [], 0
+    metadata, offset = [], 0
     for name, tensor in named:
-        raw = tensor.detach().contiguous().view(-1).view(torch.uint8)
+        size = tensor.numel() * tensor.element_size()
         metadata.append(
             SimpleNamespace(
                 name=name,
                 shape=tensor.shape,
                 dtype=tensor.dtype,
                 start_idx=offset,
-                end_idx=offset + raw.numel(),
-                numel=raw.numel(),
+                end_idx=offset + size,
+                numel=size,
             )
         )
-        chunks.append(raw)
-        offset += raw.numel()
-    return {"flattened_tensor": torch.cat(chunks), "metadata": metadata}
+        offset += size
+    return metadata
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().contiguous().view(-1).view(torch.uint8)
+
+
+def flatten_bucket(named: NamedTensors) -> dict:
+    """One new uint8 buffer ``[N_bytes]`` holding every tensor, plus the records of
+    :func:`bucket_layout` to cut it back apart."""
+    named = list(named)
+    flat = torch.cat([_as_bytes(t) for _, t in named])
+    return {"flattened_tensor": flat, "metadata": bucket_layout(named)}
+
+
+class SendBuffer:
+    """A flattened bucket kept for the run and filled in place: its storage (device memory,
+    or a shared-memory file on CPU) is allocated once, so every later sync hands the engine
+    the same tensor handle, which an engine that keeps the rebuilt tensor (the embedded
+    engine) never opens again. The layout records of each bucket layout (names, shapes,
+    dtypes) are made once too. A bucket larger than the storage, or on another device,
+    allocates it anew. Costs its bytes (the largest bucket it held) for as long as it is
+    kept; :meth:`release` frees it (the next :meth:`fill` allocates again)."""
+
+    MAX_LAYOUTS = 8  # layouts remembered (a sender streams a few bucket layouts in turn)
+
+    def __init__(self):
+        self.storage: torch.Tensor | None = None  # [capacity] uint8
+        self._layouts: dict[tuple, tuple[list, list]] = {}  # key -> (metadata, slices)
+        self.num_allocations = 0
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.storage is None else self.storage.numel()
+
+    def fill(self, named: NamedTensors) -> dict:
+        """The bucket ``named`` copied into the kept storage: ``{"flattened_tensor",
+        "metadata"}``, SGLang's flattened_bucket (the tensor a view of the storage's first
+        bytes). On CUDA the copy has finished on return: the engine reads the buffer from
+        another process, outside this stream's order."""
+        named = list(named)
+        metadata, slices = self._layout(named)
+        with torch.no_grad():
+            torch._foreach_copy_(slices, [_as_bytes(t) for _, t in named])
+        if self.storage.is_cuda:
+            torch.cuda.current_stream(self.storage.device).synchronize()
+        size = metadata[-1].end_idx if metadata else 0
+        return {"flattened_tensor": self.storage[:size], "metadata": metadata}
+
+    def _layout(self, named: NamedTensors) -> tuple[list, list]:
+        key = tuple((name, tuple(t.shape), t.dtype) for name, t in named)
+        device = named[0][1].device if named else torch.device("cpu")
+        if key in self._layouts and self.storage.device == device:
+            return self._layouts[key]
+        metadata = bucket_layout(named)
+        size = metadata[-1].end_idx if metadata else 0
+        if self.storage is None or size > self.nbytes or self.storage.device != device:
+            self.release()
+            self.storage = _shared_bytes(max(size, 1), device)
+            self.num_allocations += 1
+        if len(self._layouts) >= self.MAX_LAYOUTS:
+            self._layouts.clear()
+        slices = [self.storage[m.start_idx : m.end_idx] for m in metadata]
+        self._layouts[key] = (metadata, slices)
+        return metadata, slices
+
+    def release(self) -> None:
+        """Drop the storage (an engine still holding its handle keeps the memory until it
+        lets go: on GPU torch parks the block until then, on CPU the file stays)."""
+        self.storage, self._layouts = None, {}
+
+
+def _shared_bytes(size: int, device: torch.device) -> torch.Tensor:
+    """``[size]`` uint8 another process can open: device memory (CUDA IPC), or on CPU a
+    named shared-memory file (made under the file_system strategy, the one the payload is
+    pickled with, so pickling does not copy it into another file)."""
+    if device.type == "cuda":
+        return torch.empty(size, dtype=torch.uint8, device=device)
+    with _file_system_sharing():
+        return torch.empty(size, dtype=torch.uint8).share_memory_()
 
 
 def serialize_bucket(named: NamedTensors, *, flatten: bool = False) -> tuple[str, list]:
     """``(base64 payload, keep_alive)``: a ForkingPickler dump of the bucket (CUDA IPC
-    handles or shared-memory names, not the bytes). Keep ``keep_alive`` referenced until
-    the engine answered: it owns the shared storage."""
+    handles or shared-memory names, not the bytes), in a fresh buffer, for one receiver.
+    Keep ``keep_alive`` referenced until the engine answered: it owns the shared storage."""
+    bucket, keep_alive = shareable_bucket(named, flatten=flatten)
+    return dump_payload(bucket), keep_alive
+
+
+def shareable_bucket(named: NamedTensors, *, flatten: bool = False) -> tuple[object, list]:
+    """``(bucket, keep_alive)``: the bucket copied into fresh shareable storage, flattened
+    (SGLang's flattened_bucket) or as a ``(name, tensor)`` list."""
+    if flatten:
+        bucket = flatten_bucket(named)
+        bucket["flattened_tensor"] = _shareable(bucket["flattened_tensor"])
+        return bucket, [bucket["flattened_tensor"]]
+    bucket = [(name, _shareable(t)) for name, t in named]
+    return bucket, [t for _, t in bucket]
+
+
+def dump_payload(bucket) -> str:
+    """Base64 of a ForkingPickler dump of ``bucket`` (SGLang's MultiprocessingSerializer
+    format). Pickled anew each time even for a kept buffer: torch counts every pickled
+    reference of a storage (the engine's unpickling releases it), so a payload is sent
+    exactly once."""
     from multiprocessing.reduction import ForkingPickler
 
     import torch.multiprocessing
 
-    if flatten:
-        bucket = flatten_bucket(named)
-        bucket["flattened_tensor"] = _shareable(bucket["flattened_tensor"])
-        keep_alive = [bucket["flattened_tensor"]]
-    else:
-        bucket = [(name, _shareable(t)) for name, t in named]
-        keep_alive = [t for _, t in bucket]
     buffer = io.BytesIO()
     with _file_system_sharing():
         pickler = ForkingPickler(buffer)
         for tensor_type in (torch.Tensor, torch.nn.Parameter):
             pickler.dispatch_table[tensor_type] = _reduce_naming_the_gpu
         pickler.dump(bucket)
-    return base64.b64encode(buffer.getvalue()).decode(), keep_alive
+    return base64.b64encode(buffer.getvalue()).decode()
 
 
 def _reduce_naming_the_gpu(tensor: torch.Tensor):
@@ -145,19 +236,38 @@ def _shareable(tensor: torch.Tensor) -> torch.Tensor:
 
 
 async def update_from_tensor(
-    clients, named: NamedTensors, *, weight_version=None, flatten=False, tp_size: int = 1
+    clients,
+    named: NamedTensors,
+    *,
+    weight_version=None,
+    flatten=False,
+    tp_size: int = 1,
+    buffer: SendBuffer | None = None,
 ):
-    """Send one bucket to every (colocated) engine through tensor handles (one payload per
-    TP rank of the engine, as SGLang indexes them; every rank opens the same handles)."""
-    payload, keep_alive = serialize_bucket(named, flatten=flatten)
+    """Send one bucket to every (colocated) engine through tensor handles: one payload per
+    TP rank of each engine, as SGLang indexes them (every rank opens the same storage).
+    ``buffer``: a kept :class:`SendBuffer` the bucket is copied into (flattened); without
+    it, a fresh buffer per call."""
+    if buffer is not None:
+        bucket, keep_alive, flatten = buffer.fill(named), None, True
+    else:
+        bucket, keep_alive = shareable_bucket(named, flatten=flatten)
     results = await send_payloads(
         clients,
-        [[payload] * tp_size] * len(clients),
+        payloads_per_receiver(bucket, len(clients), tp_size),
         flatten=flatten,
         weight_version=weight_version,
     )
     del keep_alive
     return results
+
+
+def payloads_per_receiver(bucket, num_engines: int, tp_size: int) -> list[list[str]]:
+    """``[engine][tp rank]`` payloads of ``bucket``, each pickled on its own: torch counts
+    every pickled reference of a shared storage and each opening releases one, so a
+    payload opened twice (two engines, or two TP ranks) would leave the count short and
+    the shared-memory file of a kept buffer never freed."""
+    return [[dump_payload(bucket) for _ in range(tp_size)] for _ in range(num_engines)]
 
 
 async def send_payloads(clients, payloads: list[list[str]], *, flatten=False, weight_version=None):

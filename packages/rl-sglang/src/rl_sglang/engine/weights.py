@@ -12,6 +12,7 @@ import io
 import math
 import pickle
 import re
+from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -51,7 +52,15 @@ def copy_into_model(
     sources = [t.to(d.device) for (_, t), d in zip(named, destinations, strict=True)]
     with torch.no_grad():
         torch._foreach_copy_(destinations, sources)  # a few fused launches, not one per tensor
+    _wait_for_reads(t for _, t in named)
     return len(named)
+
+
+def _wait_for_reads(sources: Iterable[torch.Tensor]) -> None:
+    """On CUDA, the copies out of the sender's memory have finished: once the update is
+    answered the sender may refill that memory (a kept send buffer)."""
+    for device in {t.device for t in sources if t.is_cuda}:
+        torch.cuda.current_stream(device).synchronize()
 
 
 # A checkpoint's per-expert MoE weight (what Megatron exports and SGLang loads).
@@ -154,6 +163,38 @@ def named_tensors_from_payload(serialized: list, load_format: str | None) -> Nam
     if load_format not in (None, "direct"):
         raise ValueError(f"unsupported load_format {load_format!r}; use None or 'flattened_bucket'")
     return [(str(name), tensor) for name, tensor in obj]
+
+
+class HeldBuffers:
+    """The flattened buckets of the last tensor updates, kept alive so that a sender that
+    fills the same buffer again (:class:`rl_sglang.transports.SendBuffer`) hands a handle
+    this process still has open: torch's sharing cache
+    (``torch.multiprocessing.reductions.shared_cache``) then rebuilds the tensor on the
+    mapping it holds instead of opening the CUDA IPC handle or shared-memory file again.
+
+    At most ``limit`` buffers, one storage each (a sender streams through two); a new one
+    pushes the oldest out. :meth:`drop` lets go of all: on memory release, on shutdown.
+    A per-tensor payload (a handle per tensor, fresh at every update) is not held."""
+
+    def __init__(self, limit: int = 2):
+        self.limit = limit
+        self._held: OrderedDict[int, torch.Tensor] = OrderedDict()
+
+    def keep(self, named: NamedTensors) -> None:
+        by_storage = {t.untyped_storage().data_ptr(): t for _, t in named}
+        if len(by_storage) != 1:
+            return
+        [(key, tensor)] = by_storage.items()
+        self._held.pop(key, None)
+        self._held[key] = tensor
+        while len(self._held) > self.limit:
+            self._held.popitem(last=False)
+
+    def drop(self) -> None:
+        self._held.clear()
+
+    def __len__(self) -> int:
+        return len(self._held)
 
 
 class WeightReceiver:
