@@ -34,7 +34,7 @@ def run(rank: int, world: int, port: int, dirs: dict, out_path: str) -> None:
     for name in ("qwen3", "qwen3-moe"):
         results["tp2"][f"{name}+sp"] = tp2_checks(dirs[name], out_path, sequence_parallel=True)
     results["reshard"] = resume_checks(dirs["qwen3"], out_path)
-    results["critic_tp2_sp"] = critic_values_after_a_step(dirs["qwen3"], tp=2)
+    results["critic_tp2_sp"] = critic_checks(dirs["qwen3"], tp=2)
     results["vocab_parallel"] = vocab_parallel_checks(rank)
     results["dp2"] = dp2_checks(dirs["qwen3"], rank, out_path)
     results["ep2"] = ep2_checks(dirs["qwen3-moe"], rank, out_path)
@@ -42,6 +42,7 @@ def run(rank: int, world: int, port: int, dirs: dict, out_path: str) -> None:
     results["pp2"] = {name: pp2_checks(dirs[name]) for name in ("qwen2-tied", "qwen3")}
     results["pp2_schedules"] = pp_schedule_checks(dirs["qwen3"])
     results["pp2_resume"] = pp_resume_checks(dirs["qwen2-tied"], out_path)
+    results["critic_pp2"] = critic_checks(dirs["qwen2-tied"], out_path, pp=2)  # untied head
     results["bf16"] = {name: bf16_checks(dirs["qwen3"], **kw) for name, kw in BF16_LAYOUTS.items()}
     results["nonfinite_dp2"] = {
         precision: faults_job.nonfinite_checks(dirs["qwen3"], rank, precision)
@@ -190,25 +191,41 @@ def cp2_checks(hf_path: str) -> dict:
     return result
 
 
-def critic_values_after_a_step(hf_path: str, *, tp: int) -> torch.Tensor:
-    """Critic values ``[N]`` after one value-loss step (sequence parallel when tp > 1)."""
+def critic_checks(hf_path: str, out_path: str | None = None, *, tp: int = 1, pp: int = 1) -> dict:
+    """Critic values after one and two value-loss steps (sequence parallel when tp > 1;
+    1F1B over two micro-batches when pp > 1) and the steps' value losses. The head starts
+    at zero, so only the second step moves the layers below it. With ``out_path``: a
+    checkpoint after step one, loaded after step two, retakes step two exactly."""
     from rl_megatron.backend import MegatronBackend
     from rl_megatron.config import MegatronConfig
 
     config = MegatronConfig(
         hf_path=hf_path,
         tp=tp,
+        pp=pp,
         sequence_parallel=tp > 1,
         critic=True,
         device="cpu",
         lr=1e-2,
         clip_grad=0.0,
+        max_tokens_per_micro_batch=28,
     )
     critic = MegatronBackend(config)
     batch = tiny.random_batch(LENGTHS, seed=12)
     batch.returns = torch.linspace(-1.0, 1.0, batch.num_tokens)
-    critic.train_step(batch)
-    return critic.compute_values(batch)
+    losses = [critic.train_step(batch)["loss/value"]]
+    result = {"values": critic.compute_values(batch)}
+    if out_path is not None:
+        critic.save_checkpoint(f"{out_path}.critic_ckpt")
+    losses.append(critic.train_step(batch)["loss/value"])
+    result.update(losses=losses, values_after_two=critic.compute_values(batch))
+    if out_path is not None:
+        critic.load_checkpoint(f"{out_path}.critic_ckpt")
+        critic.train_step(batch)
+        result["resumed_equal"] = torch.equal(
+            critic.compute_values(batch), result["values_after_two"]
+        )
+    return result
 
 
 def pp2_checks(hf_path: str) -> dict:

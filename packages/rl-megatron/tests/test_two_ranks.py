@@ -6,7 +6,7 @@ import pytest
 import tiny
 import torch
 import torch.multiprocessing as mp
-from dist_job import LENGTHS, POLICY, SFT, critic_values_after_a_step, run
+from dist_job import LENGTHS, POLICY, SFT, critic_checks, run
 
 from rl_core.distributed import free_port
 from rl_core.logprobs import log_probs_and_entropy
@@ -167,9 +167,24 @@ def test_cp2_equals_one_rank(job, reference):
 
 
 def test_tp2_sequence_parallel_critic_equals_tp1(job, world1, model_dirs):
-    expected = critic_values_after_a_step(str(model_dirs["qwen3"][0]), tp=1)
-    assert expected.abs().max() > 0.01  # the step moved the zero-initialised head
-    torch.testing.assert_close(job["critic_tp2_sp"], expected, atol=1e-5, rtol=1e-4)
+    expected = critic_checks(str(model_dirs["qwen3"][0]))
+    assert expected["values"].abs().max() > 0.01  # the step moved the zero-initialised head
+    got = job["critic_tp2_sp"]
+    for key in ("values", "values_after_two"):
+        torch.testing.assert_close(got[key], expected[key], atol=1e-5, rtol=1e-4)
+
+
+def test_pp2_critic_equals_one_rank_and_resumes(job, world1, model_dirs):
+    """Value head on the last stage (of a tied model: the critic unties it), value loss
+    through 1F1B over two micro-batches: the same losses and values as one rank after two
+    steps (the second one moves the layers of both stages)."""
+    expected = critic_checks(str(model_dirs["qwen2-tied"][0]))
+    got = job["critic_pp2"]
+    assert got["losses"] == pytest.approx(expected["losses"], abs=1e-5)
+    assert (expected["values_after_two"] - expected["values"]).abs().max() > 1e-3
+    for key in ("values", "values_after_two"):
+        torch.testing.assert_close(got[key], expected[key], atol=1e-5, rtol=1e-4)
+    assert got["resumed_equal"]
 
 
 @pytest.mark.parametrize("name", ["qwen2-tied", "qwen3"])

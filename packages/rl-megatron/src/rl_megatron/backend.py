@@ -23,6 +23,7 @@ from rl_megatron.forward import (
     forward_logits,
     held_targets,
     log_probs_and_entropy,
+    model_inputs,
     padded_micro_batches,
     padded_shape,
 )
@@ -97,6 +98,8 @@ class MegatronBackend(WeightsAndStateMixin):
         self.device = torch.device("cpu" if config.device == "cpu" else torch.cuda.current_device())
         self.hf_config = hf_config_of(config.hf_path)
         self.shape = model_shape(self.hf_config, tp_size=config.tp)
+        if config.critic:  # its value head replaces the LM head: nothing is tied
+            self.shape = replace(self.shape, tie_embeddings=False)
         if self.shape.num_experts and config.tp > 1 and not config.sequence_parallel:
             raise ValueError("megatron needs sequence_parallel=True for MoE models with tp > 1")
         self.model = self._build_model()
@@ -158,20 +161,39 @@ class MegatronBackend(WeightsAndStateMixin):
     def _per_token(self, part: TrainBatch, *, with_entropy: bool):
         """``(log_probs, entropy or None, held)`` or, for a critic, ``(values, None, held)``:
         ``[N_held]`` each, for the tokens of ``part`` this CP rank holds (indices ``held``)."""
-        min_shape = (0, 0)
-        if self.layout.ep_size > 1:
-            local = padded_shape(part.cu_seqlens, self._multiple())
-            min_shape = ep_common_shape(local, self.ep_group, self.device)
         logits, held = forward_logits(
             self.model,
             part.tokens,
             part.cu_seqlens,
             multiple=self._multiple(),
-            min_shape=min_shape,
+            min_shape=self._min_shape(part),
             cp_size=self.layout.cp_size,
             cp_rank=self.layout.cp_rank,
         )
         return (*self._head(part, logits, held, with_entropy=with_entropy), held)
+
+    def _min_shape(self, part: TrainBatch) -> tuple[int, int]:
+        """``[B, T]`` every EP rank pads ``part`` to (their common one; (0, 0) without EP).
+        A collective over the EP group: EP peers call it for the same micro-batches."""
+        if self.layout.ep_size == 1:
+            return (0, 0)
+        local = padded_shape(part.cu_seqlens, self._multiple())
+        return ep_common_shape(local, self.ep_group, self.device)
+
+    def _stage_inputs(self, parts: list[TrainBatch]) -> list[pipeline.ModelInputs]:
+        """Each part's model inputs for the pipeline, computed (with the EP collectives)
+        before the schedule starts: this CP rank's zigzag part of the padded rows."""
+        return [
+            model_inputs(
+                part.tokens,
+                part.cu_seqlens,
+                multiple=self._multiple(),
+                min_shape=self._min_shape(part),
+                cp_size=self.layout.cp_size,
+                cp_rank=self.layout.cp_rank,
+            )
+            for part in parts
+        ]
 
     def _head(self, part: TrainBatch, logits, held, *, with_entropy: bool):
         """Logits ``[N_held, V/tp]`` -> ``(log_probs, entropy or None)``; critic: values."""
@@ -226,7 +248,11 @@ class MegatronBackend(WeightsAndStateMixin):
         self.route_replay.feed(batch, groups)
         parts = [batch.select(group) for group in groups]
         reduced = pipeline.run_schedule(
-            self.model, parts, multiple=self._multiple(), loss_fn=outputs, forward_only=True
+            self.model,
+            parts,
+            inputs=self._stage_inputs(parts),
+            loss_fn=outputs,
+            forward_only=True,
         )
         for group, item in zip(groups, reduced, strict=False):
             yield group, item["output"], item["held"]
@@ -362,7 +388,7 @@ class MegatronBackend(WeightsAndStateMixin):
         reduced = pipeline.run_schedule(
             self.model,
             parts,
-            multiple=self._multiple(),
+            inputs=self._stage_inputs(parts),
             loss_fn=stage_loss,
             forward_only=False,
             schedule=self.config.pp_schedule,

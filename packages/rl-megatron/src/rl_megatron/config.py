@@ -47,7 +47,7 @@ class MegatronConfig:
     sequence_parallel: bool = False
     """Split activations along the sequence between TP regions (tp > 1; needed for MoE + TP)."""
     pp: int = 1
-    """Pipeline-parallel size (policy/SFT, with tp and dp, not cp/ep)."""
+    """Pipeline-parallel size (policy, SFT or critic; combines with tp, dp, cp and ep)."""
     pp_schedule: str = "1f1b"
     """Pipeline schedule with pp > 1: "1f1b" (at most pp micro-batches' activations held
     per stage) or "gpipe" (all forwards, then all backwards)."""
@@ -140,10 +140,6 @@ class MegatronConfig:
             raise ValueError(f"clip_grad must be >= 0 (0 disables), got {self.clip_grad}")
         if self.cp > 1:
             self._check_context_parallel()
-        if self.pp > 1 and (self.critic or self.cp > 1 or self.ep > 1):
-            raise ValueError(
-                "pp > 1 supports policy and sft (not critic) with tp and dp (cp=1, ep=1)"
-            )
         if self.pp_schedule not in ("1f1b", "gpipe"):
             raise ValueError(f"pp_schedule must be '1f1b' or 'gpipe', got {self.pp_schedule!r}")
 

@@ -63,10 +63,9 @@ def transformer_config(
         pipeline_model_parallel_size=pp_size,
         pipeline_dtype=dtype,  # the residual stream's dtype, sent between stages
         bf16=dtype == torch.bfloat16,
-        variable_seq_lengths=pp_size > 1,  # micro-batches differ in [B, T]: exchange shapes
-        # megatron rejects its default allgather dispatcher with variable lengths even
-        # for dense models; MoE (which needs allgather here) is refused with pp > 1
-        **({"moe_token_dispatcher_type": "alltoall"} if pp_size > 1 else {}),
+        # variable_seq_lengths stays False: it only makes megatron's own p2p exchange shapes,
+        # and rl_megatron.pipeline sends data only (every stage knows the shapes); megatron
+        # would refuse the allgather MoE dispatcher (EP's here) with it
         calculate_per_token_loss=True,  # the loss already carries global denominators
         sequence_parallel=sequence_parallel and tp_size > 1,
         normalization="RMSNorm",
@@ -193,7 +192,8 @@ def build_critic_model(
     swiglu_fusion: bool = False,
     options: dict | None = None,
 ):
-    """A ``GPTModel`` whose LM head is a :class:`ValueHead` (outputs ``[b, s, 1]``)."""
+    """A ``GPTModel`` whose LM head is a :class:`ValueHead` (outputs ``[b, s, 1]``; with
+    pipeline stages, on the last one)."""
     import copy
 
     untied = copy.deepcopy(hf_config)
@@ -203,12 +203,14 @@ def build_critic_model(
         tp_size=tp_size,
         ep_size=ep_size,
         cp_size=cp_size,
+        pp_size=pp_size,
         sequence_parallel=sequence_parallel,
         dtype=dtype,
         swiglu_fusion=swiglu_fusion,
         options=options,
     )
-    model.output_layer = ValueHead(
-        hf_config.hidden_size, sequence_parallel=model.config.sequence_parallel, dtype=dtype
-    )
+    if model.post_process:  # the last pipeline stage (every rank without pp)
+        model.output_layer = ValueHead(
+            hf_config.hidden_size, sequence_parallel=model.config.sequence_parallel, dtype=dtype
+        )
     return model

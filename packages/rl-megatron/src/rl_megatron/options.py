@@ -67,12 +67,12 @@ OWNED: dict[str, str | None] = {
     **dict.fromkeys(
         (
             "calculate_per_token_loss",  # losses carry global denominators
-            "variable_seq_lengths",  # set for pp > 1
+            "variable_seq_lengths",  # False: rl_megatron.pipeline exchanges no shapes
             "use_cpu_initialization",  # weights are loaded into each shard
             "perform_initialization",
             "gradient_accumulation_fusion",  # needs megatron DDP's main_grad buffers
             "apply_rope_fusion",  # needs Transformer Engine
-            "moe_token_dispatcher_type",  # allgather (alltoall with pp > 1)
+            "moe_token_dispatcher_type",  # allgather
             "moe_router_load_balancing_type",  # no auxiliary loss is trained
             "moe_aux_loss_coeff",
             "moe_grouped_gemm",

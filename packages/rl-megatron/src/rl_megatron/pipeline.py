@@ -1,11 +1,13 @@
 """Pipeline parallel (pp > 1): 1F1B (default) or GPipe schedules over the backend's
 micro-batches, on plain point-to-point send/recv (gloo on CPU, nccl on GPU).
 
-Every stage gets the same micro-batches (like TP ranks), so every stage knows the shape of
-each activation it will receive, ``[T, B, h]`` (``T / tp`` under sequence parallel), and
-only data travels. The first stage embeds the tokens, each stage runs its layers on the
-hidden states received from the previous one and sends its output on; the last stage turns
-its logits into the rl_core loss (which already carries the step's global denominators).
+Every stage gets the same micro-batches (like TP ranks) and the same model inputs of each
+(``[B, T']``: this CP rank's zigzag part of the rows, padded to the EP group's common shape),
+so every stage knows the shape of each activation it will receive, ``[T', B, h]``
+(``T' / tp`` under sequence parallel), and only data travels. The first stage embeds the
+tokens, each stage runs its layers on the hidden states received from the previous one and
+sends its output on; the last stage turns its logits into the rl_core loss (which already
+carries the step's global denominators).
 A backward sends the gradient of the stage's input back.
 
 - ``"gpipe"``: all forwards, then all backwards (every micro-batch's activations held).
@@ -23,11 +25,12 @@ import torch
 import torch.distributed as dist
 
 from rl_core.batch import TrainBatch
-from rl_megatron.forward import model_inputs, padded_shape
 
 SCHEDULES = ("1f1b", "gpipe")
 # (part, logits [N_held, V/tp], held [N_held]) -> (loss, metrics) on the last stage
 StageLoss = Callable[[TrainBatch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict]]
+# a part's (input_ids [B, T'], valid [B, T'] bool, held [N_held]): forward.model_inputs
+ModelInputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @dataclass
@@ -36,7 +39,7 @@ class _Stage:
 
     model: torch.nn.Module
     parts: list[TrainBatch]
-    multiple: int
+    inputs: list[ModelInputs]
     loss_fn: StageLoss
     first: bool
     last: bool
@@ -53,18 +56,19 @@ def run_schedule(
     model,
     parts: list[TrainBatch],
     *,
-    multiple: int,
+    inputs: list[ModelInputs],
     loss_fn: StageLoss,
     forward_only: bool,
     schedule: str = "1f1b",
     stats: dict | None = None,
 ) -> list[dict]:
-    """Forward (and backward unless ``forward_only``) of every part through all stages;
-    returns the last stage's per-part metrics (an empty list on other stages). ``stats``
-    (optional) receives ``peak_held``: the most micro-batches held at once on this stage."""
+    """Forward (and backward unless ``forward_only``) of every part through all stages
+    (``inputs``: each part's model inputs, the same on every stage); returns the last
+    stage's per-part metrics (an empty list on other stages). ``stats`` (optional)
+    receives ``peak_held``: the most micro-batches held at once on this stage."""
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline schedule {schedule!r} unknown; choose one of {SCHEDULES}")
-    stage = _stage(model, parts, multiple, loss_fn)
+    stage = _stage(model, parts, inputs, loss_fn)
     if forward_only:
         with torch.no_grad():
             for index in range(len(parts)):
@@ -78,13 +82,13 @@ def run_schedule(
     return stage.results
 
 
-def _stage(model, parts, multiple, loss_fn) -> _Stage:
+def _stage(model, parts, inputs, loss_fn) -> _Stage:
     from megatron.core import parallel_state as ps
 
     return _Stage(
         model=model,
         parts=parts,
-        multiple=multiple,
+        inputs=inputs,
         loss_fn=loss_fn,
         first=ps.is_pipeline_first_stage(),
         last=ps.is_pipeline_last_stage(),
@@ -142,7 +146,7 @@ def _forward(stage: _Stage, index: int, received):
     """``(received, output)``: output is the loss on the last stage, else the hidden
     states ``[T, B, h]`` to send on (kept for the backward unless in no-grad mode)."""
     part = stage.parts[index]
-    input_ids, valid, held = model_inputs(part.tokens, part.cu_seqlens, multiple=stage.multiple)
+    input_ids, valid, held = stage.inputs[index]
     stage.model.set_input_tensor(received)
     positions = torch.arange(input_ids.shape[1], device=stage.device).expand_as(input_ids)
     output = stage.model(input_ids, positions, attention_mask=None)
@@ -167,8 +171,8 @@ def _backward(stage: _Stage, received, output, grad):
 
 
 def _input_shape(stage: _Stage, index: int) -> tuple[int, int, int]:
-    """``[T, B, h]`` of the hidden states micro-batch ``index`` enters this stage with."""
-    rows, width = padded_shape(stage.parts[index].cu_seqlens, stage.multiple)
+    """``[T', B, h]`` of the hidden states micro-batch ``index`` enters this stage with."""
+    rows, width = stage.inputs[index][0].shape
     config = stage.model.config
     if config.sequence_parallel:
         width //= config.tensor_model_parallel_size
