@@ -19,7 +19,9 @@ MFU is against the bf16 matmul rate measured here. Prints one JSON object.
 
 ``--megatron`` passes megatron-core options by name (``MegatronConfig.megatron``: activation
 recompute, ``use_distributed_optimizer``, ...); ``--dp`` adds data-parallel ranks (world =
-tp x dp, the batch split between them, ZeRO-1 by default). ``--profile`` runs one more step
+tp x dp, ZeRO-1 by default), each training the whole batch (weak scaling: tokens per GPU as
+at dp 1, so the figure is comparable; with the batch split instead, a 1.5B model's
+gradient all-reduce and optimizer step over 4 x 2048 tokens would dominate). ``--profile`` runs one more step
 on rank 0 under torch.profiler after the timed ones (``figure.profile``: device-busy
 fraction, top kernels, time by category; rl_fsdp.profiling, the same summary as
 bench/train_fsdp.py's). Peak memory is rank 0's ``max_memory_allocated``.
@@ -179,14 +181,6 @@ def hf_baseline(model, batch, args) -> float:
     return seconds_per_step(step, args)
 
 
-def rank_share(batch, dp_rank: int, dp: int):
-    """This data-parallel rank's sequences (every dp-th one), keeping the whole batch's
-    global denominators so that the ranks' losses add up to the full batch's."""
-    if dp == 1:
-        return batch
-    return batch.select(list(range(dp_rank, batch.num_seqs, dp)))
-
-
 def megatron_worker(
     rank: int, args, hf_dir: str, port: int, out_path: str, overrides: dict
 ) -> None:
@@ -215,7 +209,7 @@ def megatron_worker(
         **{"swiglu_fusion": args.swiglu_fusion, **overrides},
     )
     backend = MegatronBackend(config)
-    batch = rank_share(make_batch(args, backend.shape.vocab_size), rank // args.tp, args.dp)
+    batch = make_batch(args, backend.shape.vocab_size)  # every data-parallel rank: all of it
     seconds = seconds_per_step(lambda: backend.train_step(batch), args)
     peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None
     profile = None
@@ -279,8 +273,10 @@ def main():
     flops = step_flops(config, batch.seq_lengths())
     gpus = args.tp * args.dp if args.device == "cuda" else 1
 
-    def throughput(seconds: float) -> dict:
-        return {"tokens_per_s": batch.num_tokens / seconds, "mfu": flops / seconds / (rate * gpus)}
+    def throughput(seconds: float, dp: int = 1) -> dict:
+        """Over all data-parallel ranks (each trains ``batch``) and all GPUs."""
+        tokens, work = batch.num_tokens * dp, flops * dp
+        return {"tokens_per_s": tokens / seconds, "mfu": work / seconds / (rate * gpus)}
 
     print(
         json.dumps(
@@ -295,13 +291,13 @@ def main():
                 "figure": {
                     "name": "MegatronBackend train_step",
                     "precision": args.precision or ("bf16" if args.device == "cuda" else "fp32"),
-                    **throughput(figure["seconds"]),
+                    **throughput(figure["seconds"], args.dp),
                     "peak_memory_gib": figure["peak_memory_gib"],
                     "levers": figure["levers"],
                     **({"profile": figure["profile"]} if "profile" in figure else {}),
                 },
                 "ablations": {
-                    name: {**throughput(run["seconds"]), "levers": run["levers"]}
+                    name: {**throughput(run["seconds"], args.dp), "levers": run["levers"]}
                     for name, run in ablated.items()
                 },
                 "baseline": {
@@ -310,7 +306,7 @@ def main():
                     "mfu": flops / baseline_s / rate,
                     "peak_memory_gib": baseline_peak,
                 },
-                "ratio": baseline_s / figure["seconds"],
+                "ratio": baseline_s / figure["seconds"] * args.dp,  # tokens/s against it
                 "matmul_tflops": rate / 1e12,
                 "hardware": hardware(args.device, gpus),
                 "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
