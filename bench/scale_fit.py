@@ -4,7 +4,8 @@
 
 Each component's per-step cost (median over the steps after the first) is fitted as
 ``a + b x`` by least squares against what it should grow with (``x``: samples per step,
-engines, training ranks or nodes), over every size of one layout and loop; printed with
+engines, training ranks, nodes or generated tokens), over every size of one layout,
+loop and ``rollout.data_plane``; printed with
 the largest relative error of the fit at a measured point, as JSON (one line per
 component, layout and loop) for docs/scale.md.
 """
@@ -23,6 +24,7 @@ COMPONENTS = {
     "train dispatch latency": ("time/train_dispatch", "ranks"),
     "Ray bytes (per-rank batches)": ("ray/batch_bytes", "samples"),
     "driver CPU, whole step": ("driver_cpu/step", "samples"),
+    "driver CPU, whole step, by tokens": ("driver_cpu/step", "tokens"),
     "weight sync orchestration (sync minus modeled)": ("sync_overhead", "engines"),
     "checkpoint coordination (minus modeled)": ("checkpoint_overhead", "nodes"),
     "router added latency": ("router/added_latency_s", "engines"),
@@ -52,7 +54,19 @@ def step_value(step: dict, key: str, model: dict) -> float | None:
     return step.get(key)
 
 
+def plane(result: dict) -> str:
+    """The run's rollout.data_plane (runs from before the option: driver)."""
+    return result.get("data_plane", "driver")
+
+
+def generated_tokens(result: dict) -> float:
+    """Response tokens per step: samples x the median of the steps' mean response length."""
+    return result["samples_per_step"] * (medians(result, "rollout/response_length_mean") or 0.0)
+
+
 def growth(result: dict, what: str) -> float:
+    if what == "tokens":
+        return generated_tokens(result)
     return {
         "samples": result["samples_per_step"],
         "engines": result["num_engines"],
@@ -80,32 +94,34 @@ def medians(result: dict, key: str) -> float | None:
 def fits(results: list[dict]) -> list[dict]:
     rows = []
     runs = [r for r in results if "error" not in r]
-    for layout, loop in sorted({(r["layout"], r["loop"]) for r in runs}):
+    for kind in sorted({(r["layout"], r["loop"], plane(r)) for r in runs}):
         group = sorted(
-            (r for r in runs if (r["layout"], r["loop"]) == (layout, loop)), key=lambda r: r["gpus"]
+            (r for r in runs if (r["layout"], r["loop"], plane(r)) == kind),
+            key=lambda r: (r["gpus"], generated_tokens(r)),
         )
         for name, (key, what) in COMPONENTS.items():
             points = [
                 (growth(r, what), m, r["gpus"]) for r in group if (m := medians(r, key)) is not None
             ]
-            rows.append(row(name, layout, loop, what, points))
+            rows.append(row(name, *kind, what, points))
         for name, (key, what) in STARTUP.items():
             points = [
                 (growth(r, what), r["startup"][key], r["gpus"])
                 for r in group
                 if key in r["startup"]
             ]
-            rows.append(row("start-up: " + name, layout, loop, what, points))
+            rows.append(row("start-up: " + name, *kind, what, points))
     return rows
 
 
-def row(name: str, layout: str, loop: str, what: str, points: list) -> dict:
+def row(name: str, layout: str, loop: str, data_plane: str, what: str, points: list) -> dict:
     xs, ys = [p[0] for p in points], [p[1] for p in points]
     a, b, error = fit_line(xs, ys) if len(points) >= 2 else (float("nan"),) * 3
     return {
         "component": name,
         "layout": layout,
         "loop": loop,
+        "data_plane": data_plane,
         "grows_with": what,
         "a": a,
         "b": b,
@@ -119,6 +135,7 @@ TABLE = {
     "step s": ("time/step", 1),
     "driver CPU s": ("driver_cpu/step", 1),
     "CPU share": ("cpu_share", 1),
+    "driver us/token": ("cpu_per_token", 1e6),
     "rollout CPU ms": ("driver_cpu/rollout", 1e3),
     "pop_step ms": ("buffer/pop_step", 1e3),
     "train dispatch ms": ("time/train_dispatch", 1e3),
@@ -132,36 +149,43 @@ TABLE = {
 
 def markdown(results: list[dict]) -> str:
     """One table of medians per run (sizes as rows), then the fits."""
-    head = "| GPUs | layout | loop | engines | ranks | samples | start-up s | "
-    lines = [head + " | ".join(TABLE) + " |", "|" + "---|" * (7 + len(TABLE))]
+    head = (
+        "| GPUs | layout | loop | data plane | engines | ranks | samples | tokens | start-up s | "
+    )
+    lines = [head + " | ".join(TABLE) + " |", "|" + "---|" * (9 + len(TABLE))]
     for r in sorted(
         (r for r in results if "error" not in r),
-        key=lambda r: (r["layout"], r["loop"], r["samples_per_step"]),
+        key=lambda r: (r["layout"], r["loop"], r["samples_per_step"], plane(r)),
     ):
         cells = [
             r["gpus"],
             r["layout"],
             r["loop"],
+            plane(r),
             r["num_engines"],
             r["num_train_ranks"],
             r["samples_per_step"],
+            f"{generated_tokens(r):.0f}",
             f"{r['startup'].get('time/start_run', 0):.0f}",
         ]
         for key, scale in TABLE.values():
             if key == "cpu_share":
                 value = medians(r, "driver_cpu/step") / medians(r, "time/step")
+            elif key == "cpu_per_token":
+                value = medians(r, "driver_cpu/step") / max(generated_tokens(r), 1.0)
             else:
                 value = medians(r, key)
             cells.append("" if value is None else f"{value * scale:.3g}")
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     lines += [
         "",
-        "| component | layout | loop | grows with | a | b | max rel. error |",
-        "|---|---|---|---|---|---|---|",
+        "| component | layout | loop | data plane | grows with | a | b | max rel. error |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for f in fits(results):
         lines.append(
-            f"| {f['component']} | {f['layout']} | {f['loop']} | {f['grows_with']} "
+            f"| {f['component']} | {f['layout']} | {f['loop']} | {f['data_plane']} "
+            f"| {f['grows_with']} "
             f"| {f['a']:.3g} | {f['b']:.3g} | {f['max_rel_error']:.0%} |"
         )
     return "\n".join(lines)

@@ -101,7 +101,7 @@ def write_prompts(path: Path, num_prompts: int) -> Path:
     return path
 
 
-def sim_config(args, *, gpus: int, layout: str, loop: str, run_dir: Path, address: str):
+def sim_config(args, *, gpus: int, layout: str, loop: str, run_dir: Path, address: str, plane: str):
     """The quickstart config laid out over ``gpus`` simulated GPUs."""
     from rl_launcher.config.loader import load_config
 
@@ -133,6 +133,7 @@ def sim_config(args, *, gpus: int, layout: str, loop: str, run_dir: Path, addres
         "--engine.weight_sync", "distributed",  # tensor handles stay on rank 0's node
         "--engine.health_interval_s", "0",
         "--engine.weight_bucket_bytes", str(args.bucket_mb << 20),
+        "--rollout.data_plane", plane,
     ]  # fmt: skip
     if not colocate:
         argv += ["--backend.num_ranks", str(gpus - engine_gpus)]
@@ -295,12 +296,16 @@ def instrumented(probe: Probe, stack: contextlib.ExitStack) -> None:
     )
 
 
-def run_one(args, *, gpus: int, layout: str, loop: str, address: str, work: Path) -> dict:
+def run_one(
+    args, *, gpus: int, layout: str, loop: str, address: str, work: Path, plane: str = "driver"
+) -> dict:
     from rl_launcher.loops.rl import train
     from rl_launcher.simulated import SimModel, simulated_roles
 
-    run_dir = work / f"g{gpus}_{layout}_{loop}"
-    config = sim_config(args, gpus=gpus, layout=layout, loop=loop, run_dir=run_dir, address=address)
+    run_dir = work / f"g{gpus}_{layout}_{loop}_{plane}"
+    config = sim_config(
+        args, gpus=gpus, layout=layout, loop=loop, run_dir=run_dir, address=address, plane=plane
+    )
     model = SimModel(
         tokens_per_s=args.tokens_per_s,
         weight_bytes=int(args.weight_gb * 1e9),
@@ -318,6 +323,7 @@ def run_one(args, *, gpus: int, layout: str, loop: str, address: str, work: Path
         "nodes": gpus // GPUS_PER_NODE,
         "layout": layout,
         "loop": loop,
+        "data_plane": plane,
         "num_engines": config.engine.num_engines,
         "num_train_ranks": gpus
         if layout == "colocated"
@@ -355,6 +361,11 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--weight-gb", type=float, default=1.0)
     parser.add_argument("--train-s", type=float, default=0.2)
     parser.add_argument("--bucket-mb", type=int, default=1024, help="weight-sync bucket size")
+    parser.add_argument(
+        "--data-planes",
+        default="driver",
+        help="rollout.data_plane values to run at each size, layout and loop (driver,workers)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--work-dir", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -366,33 +377,45 @@ def main(argv=None) -> list[dict]:
         start = time.perf_counter()
         with simulated_cluster(gpus // GPUS_PER_NODE) as cluster:
             cluster_s = time.perf_counter() - start
-            for layout in args.layouts.split(","):
-                for loop in args.loops.split(","):
-                    try:
-                        result = run_one(
-                            args,
-                            gpus=gpus,
-                            layout=layout,
-                            loop=loop,
-                            address=cluster.address,
-                            work=work,
-                        )
-                    except Exception as error:  # the other runs still go; the error is kept
-                        print(f"scale_sim: {gpus} {layout} {loop}: {error!r}", file=sys.stderr)
-                        results.append(
-                            {"gpus": gpus, "layout": layout, "loop": loop, "error": repr(error)}
-                        )
-                        continue
-                    result |= {
-                        "cluster_start_s": cluster_s,
-                        "hardware": hardware(),
-                        "command": " ".join(sys.argv),
-                    }
-                    print(json.dumps(summary(result)), flush=True)
-                    results.append(result)
-                    if args.out is not None:
-                        args.out.parent.mkdir(parents=True, exist_ok=True)
-                        args.out.write_text(json.dumps(results, indent=1))
+            runs = [
+                (layout, loop, plane)
+                for layout in args.layouts.split(",")
+                for loop in args.loops.split(",")
+                for plane in args.data_planes.split(",")
+            ]
+            for layout, loop, plane in runs:
+                try:
+                    result = run_one(
+                        args,
+                        gpus=gpus,
+                        layout=layout,
+                        loop=loop,
+                        address=cluster.address,
+                        work=work,
+                        plane=plane,
+                    )
+                except Exception as error:  # the other runs still go; the error is kept
+                    print(f"scale_sim: {gpus} {layout} {loop} {plane}: {error!r}", file=sys.stderr)
+                    results.append(
+                        {
+                            "gpus": gpus,
+                            "layout": layout,
+                            "loop": loop,
+                            "data_plane": plane,
+                            "error": repr(error),
+                        }
+                    )
+                    continue
+                result |= {
+                    "cluster_start_s": cluster_s,
+                    "hardware": hardware(),
+                    "command": " ".join(sys.argv),
+                }
+                print(json.dumps(summary(result)), flush=True)
+                results.append(result)
+                if args.out is not None:
+                    args.out.parent.mkdir(parents=True, exist_ok=True)
+                    args.out.write_text(json.dumps(results, indent=1))
     return results
 
 
@@ -404,12 +427,20 @@ def summary(result: dict) -> dict:
         k
         for k in keys
         if k.split("/")[0]
-        in ("time", "driver_cpu", "router_cpu", "buffer", "ray", "router", "driver", "wall")
+        in ("time", "driver_cpu", "router_cpu", "buffer", "ray", "router", "driver", "wall", "rows")
     ]
     medians = {k: statistics.median(s[k] for s in steps if k in s) for k in wanted}
     head = {
         k: result[k]
-        for k in ("gpus", "layout", "loop", "num_engines", "num_train_ranks", "samples_per_step")
+        for k in (
+            "gpus",
+            "layout",
+            "loop",
+            "data_plane",
+            "num_engines",
+            "num_train_ranks",
+            "samples_per_step",
+        )
     }
     return head | {"startup": result["startup"], "median": medians}
 

@@ -1,8 +1,10 @@
 """bench/scale_sim.py at its smallest size: 8 simulated GPUs on one simulated node,
 colocated, the synchronous loop, 2 steps, through the launcher's real start-up, router,
 loop, weight-sync orchestration and checkpoints with stand-in engines and ranks
-(:mod:`rl_launcher.simulated`). Checks the output's shape, that every timing is positive
-and that each step was measured once."""
+(:mod:`rl_launcher.simulated`), once with each ``rollout.data_plane`` on one cluster.
+Checks the output's shape, that every timing is positive, that each step was measured
+once, and that with ``workers`` the ranks fetched the token data the driver no longer
+hands to Ray."""
 
 import importlib.util
 from pathlib import Path
@@ -25,7 +27,17 @@ def test_eight_simulated_gpus_two_steps(tmp_path):
     bench = load_bench()
     argv = ["--gpus", "8", "--layouts", "colocated", "--loops", "sync"]
     argv += ["--steps", str(NUM_STEPS), "--max-response-tokens", "32", "--train-s", "0.05"]
-    (result,) = bench.main([*argv, "--work-dir", str(tmp_path), "--out", str(tmp_path / "r.json")])
+    argv += ["--data-planes", "driver,workers"]
+    results = bench.main([*argv, "--work-dir", str(tmp_path), "--out", str(tmp_path / "r.json")])
+    assert [r.get("data_plane") for r in results] == ["driver", "workers"], results
+    for result in results:
+        check_run(bench, result)
+    driver, workers = (r["steps"][-1] for r in results)
+    assert workers["rows/fetched_bytes"] > 0 and driver["rows/fetched_bytes"] == 0
+    assert workers["ray/batch_bytes"] < driver["ray/batch_bytes"] / 2  # references, not tokens
+
+
+def check_run(bench, result: dict) -> None:
     assert "error" not in result, result
     assert (result["gpus"], result["num_engines"], result["num_train_ranks"]) == (8, 8, 8)
     assert result["samples_per_step"] == 8 * 8  # one prompt per GPU, groups of 8

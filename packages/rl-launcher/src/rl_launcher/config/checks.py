@@ -7,6 +7,7 @@ from rl_launcher.config.switch_checks import check_switches
 from rl_launcher.infra.placement import plan_from_config
 from rl_launcher.infra.weight_sync import resolve_transport
 from rl_launcher.roles.backends import megatron_options
+from rl_launcher.roles.rollout_workers import check_data_plane
 
 # Estimators whose baseline is the other samples of the prompt: a group of one sample has
 # zero advantage (rloo refuses it), so nothing would be learnt from rewards.
@@ -33,6 +34,7 @@ def check_consistency(config: TrainConfig) -> None:
         _check_rollout_function,
         _check_group_reward,
         check_switches,  # issue 31's algorithm switches (config/switch_checks.py)
+        check_data_plane,  # rollout.data_plane=workers refuses what needs tokens on the driver
     )
     for check in checks:
         check(config)

@@ -565,6 +565,24 @@ class RolloutConfig:
         "checkpoints run as usual: the workers generate through the router.",
         choices=("prompts", "buffer"),
     )
+    data_plane: str = option(
+        "driver",
+        help="Where the samples' token data goes. driver: every response passes through the "
+        "rl-train process (Samples, the buffer, per-rank batches pickled into Ray). workers: "
+        "one rollout worker (a Ray actor) per node holding engines generates and scores its "
+        "share of the step's prompts through the router and keeps the token ids and engine "
+        "log-probs in Ray's object store; the driver gets each sample's reward, lengths, "
+        "group, status and weight version, computes filters, advantages, the per-rank split "
+        "and metrics as with driver, and each training rank fetches its own rows (same "
+        "samples, rewards and loss for the same seed; docs/scale.md). workers runs "
+        "loop=sync or one_step_async with source=prompts, and refuses before Ray starts "
+        "what reads token data on the driver: rollout_function, over_sampling > 1, "
+        "sample_filter, post_process, dump_dir, rollout_only, replay_dir, "
+        "logging.rollout_log_function, logging.dump_train_batch, "
+        "algorithm.old_log_probs=rollout, algorithm.reward_kl_coef > 0, "
+        "advantage_estimator=gae and distill.coef > 0.",
+        choices=("driver", "workers"),
+    )
     buffer_port: int = option(
         0, help="source=buffer: the buffer's port on engine.host (0: a free one).", low=0
     )

@@ -50,6 +50,7 @@ from rl_launcher.loops.train_phase import (
 from rl_launcher.roles.critic import make_buffer, train_critic
 from rl_launcher.roles.evaluation import evaluate_at_start
 from rl_launcher.roles.reference import with_reference
+from rl_launcher.roles.rollout_workers import rows_buffer
 from rl_launcher.roles.step_hooks import apply_step_hooks
 from rl_launcher.roles.teacher import score_groups
 from rl_launcher.session.run import Run
@@ -80,6 +81,7 @@ def _train(config) -> Path:
         first = resume(run, chosen) + 1 if config.checkpoint.resume else 1
         restore_reference(run, chosen if config.checkpoint.resume else None)  # older checkpoints
         buffer = make_buffer(run)  # a GaeBuffer (critic values) for advantage_estimator=gae
+        buffer = rows_buffer(run) or buffer  # rollout.data_plane=workers: samples by reference
         freeze_startup()  # full collections walk only what the steps leave
         pauses = GcPauses()
         run._cleanup += [pauses.close, unfreeze]

@@ -33,6 +33,11 @@ from rl_launcher.roles.default_rollout import default_rollout, generate_groups
 from rl_launcher.roles.engine_pool import EnginePool
 from rl_launcher.roles.reward import COUNTS, load_run_reward
 from rl_launcher.roles.rollout_context import context_of, run_rollout
+from rl_launcher.roles.rollout_workers import (
+    WorkerRollout,
+    start_rollout_workers,
+    stop_rollout_workers,
+)
 
 
 class RolloutManager:
@@ -53,10 +58,14 @@ class RolloutManager:
             if config.rollout.rollout_function is None
             else load_hook(config, "rollout.rollout_function")
         )
+        self.workers: list = []  # rollout.data_plane=workers: one per node with engines
 
     def start(self) -> "RolloutManager":
         """Start the engines and the router (:meth:`EnginePool.start`)."""
         self.engines.start(max_batch_size=self._batch_limit())
+        if self.config.rollout.data_plane == "workers":  # samples stay on the workers
+            self.workers = start_rollout_workers(self)
+            self.rollout_function = WorkerRollout(self.workers)
         return self
 
     def _batch_limit(self) -> int:
@@ -142,6 +151,7 @@ class RolloutManager:
 
     def stop(self) -> None:
         self.engines.stop()  # first: a rollout still running is cancelled
+        stop_rollout_workers(self.workers)
         self.reward_fn.close()  # its worker processes
 
 

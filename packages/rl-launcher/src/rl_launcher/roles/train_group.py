@@ -25,6 +25,7 @@ from rl_launcher.infra import faults
 from rl_launcher.infra.gc_pauses import GcPauses, freeze_startup
 from rl_launcher.infra.rendezvous import GroupMember, meet, spans_nodes
 from rl_launcher.roles.backends import BackendSpec, fsdp_config  # noqa: F401  (re-exported)
+from rl_launcher.roles.worker_rows import as_train_batch
 
 
 class TimedIter:
@@ -85,6 +86,7 @@ class TrainWorker(GroupMember):
     def log_probs(self, batch: TrainBatch, model: str = "actor"):
         """``[N]`` log-probs of this rank's batch, on CPU."""
         self.onload()
+        batch = as_train_batch(batch)  # rollout.data_plane=workers: fetched from the workers
         start = time.perf_counter()
         log_probs = self.backend.compute_log_probs(batch, model=model).cpu()
         self.busy_s["log_probs_compute"] += time.perf_counter() - start
@@ -101,6 +103,7 @@ class TrainWorker(GroupMember):
         (``log_probs_compute``, ``train_compute``) and moving state back (``onload``)."""
         entered = time.time()  # wall clock, comparable with the driver's on one node
         self.onload()
+        batches = [as_train_batch(b) for b in batches]  # data_plane=workers: fetched here
         start = time.perf_counter()
         metrics: dict[str, float] = {}
         for batch in batches:

@@ -11,8 +11,9 @@ The seam: while the context is open, the training group the launcher starts is
 :class:`~rl_launcher.simulated.trainer.SimTrainGroup` (one light actor per simulated node
 hosting its ranks) and the engine pool's servers are
 :func:`~rl_launcher.simulated.engine.start_sim_engines` (one light actor per node serving
-its engines). Nothing else is replaced; runs need Ray placement (``start_run``), so every
-engine has a site.
+its engines). Nothing else is replaced (``rollout.data_plane: workers`` runs its real
+rollout workers, one per node, against the stand-in engines); runs need Ray placement
+(``start_run``), so every engine has a site.
 """
 
 import contextlib

@@ -12,9 +12,16 @@ gather_gb_per_s``), except the weight-update requests: rank 0's node sends each 
 ``/update_weights_from_distributed`` to every engine over HTTP, as
 :class:`~rl_launcher.infra.weight_sync.EngineWeightSync` does, and the engines model the
 broadcast. :attr:`SimTrainGroup.sent_bytes` counts what went through Ray.
+
+With ``rollout.data_plane: workers`` the per-rank batches are
+:class:`~rl_launcher.roles.worker_rows.RankRows` (references to the rollout workers'
+objects): they go to the node actor as they are, and it fetches every rank's rows from the
+object store (:func:`fetch_rows`, numpy only) before its modeled compute, as a real rank
+assembles its batch (``time/rows_fetch``, ``rows/fetched_bytes``).
 """
 
 import asyncio
+import dataclasses
 import math
 import pickle
 import time
@@ -24,7 +31,10 @@ from pathlib import Path
 
 import ray
 
+from rl_launcher.roles.worker_rows import RankRows
 from rl_launcher.simulated.engine import SimModel, rss_bytes
+
+REF_BYTES = 100  # an ObjectRef in a task's arguments: 28-byte id and its owner's address
 
 
 class SimNode:
@@ -36,20 +46,29 @@ class SimNode:
     def rss_bytes(self) -> int:
         return rss_bytes()
 
-    def train_steps(self, payloads: list[list[bytes]]) -> dict:
+    def train_steps(self, payloads: list[list]) -> dict:
+        """``payloads[r][m]``: rank r's minibatch m, pickled bytes or (data_plane=workers) a
+        RankRows, whose rows each rank fetches from the rollout workers first."""
         entered = time.time()
+        fetched = fetch_rows([batch for rank in payloads for batch in rank])
+        compute = time.time()
         time.sleep(self.model.train_s * len(payloads[0]))  # one optimizer step per minibatch
         left = time.time()
         return {
             "loss": 0.0,
             "time/train_entered_at": entered,
             "time/train_left_at": left,
-            "time/train_compute": left - entered,
+            "time/train_compute": left - compute,
+            "time/rows_fetch": compute - entered,
+            "rows/fetched_bytes": float(fetched),
         }
 
-    def log_probs(self, num_tokens: list[int]) -> list[bytes]:
+    def log_probs(self, batches: list) -> list[bytes]:
+        """``batches[r]``: rank r's token count, or its RankRows (fetched first)."""
+        fetch_rows([b for b in batches if not isinstance(b, int)])
         time.sleep(self.model.log_probs_s)
-        return [bytes(4 * n) for n in num_tokens]  # float32 zeros: what comes back from a rank
+        counts = [b if isinstance(b, int) else b.num_tokens for b in batches]
+        return [bytes(4 * n) for n in counts]  # float32 zeros: what comes back from a rank
 
     def sync_weights(self, engine_urls: list[str], version: str, how: dict) -> dict:
         start = time.perf_counter()
@@ -121,6 +140,28 @@ class SimNode:
         return 0
 
 
+def fetch_rows(batches: list) -> int:
+    """Bytes the ranks read from the object store for ``batches`` (RankRows among them;
+    the rest pass): each rank's token ids and engine log-probs, as a real rank assembles
+    its TrainBatch (numpy only: no torch here)."""
+    total = 0
+    for batch in batches:
+        if isinstance(batch, RankRows):
+            ids, log_probs = batch.fetch()
+            total += sum(a.nbytes for a in ids) + sum(a.nbytes for a in log_probs or [])
+    return total
+
+
+def payload_bytes(batch) -> int:
+    """What handing ``batch`` to Ray serializes on the driver: its pickle, each object
+    reference of a RankRows counted as its id (28 bytes) plus its owner's address (~70)."""
+    if not isinstance(batch, RankRows):
+        return len(pickle.dumps(batch))
+    refs = len(batch.tokens_refs) + len(batch.log_probs_refs or [])
+    bare = dataclasses.replace(batch, tokens_refs=[None] * batch.num_seqs, log_probs_refs=None)
+    return len(pickle.dumps(bare)) + refs * REF_BYTES
+
+
 class SimTrainGroup:
     """``TrainGroup(spec, placement, slots, ...)``'s stand-in (see the module docstring):
     every rank a data-parallel rank, ranks grouped by the node of their slot."""
@@ -164,9 +205,9 @@ class SimTrainGroup:
     def log_probs(self, batches: list, model: str = "actor") -> list:
         import torch
 
-        counts = [int(b.tokens.shape[0]) for b in batches]
-        self.sent_bytes += sum(len(pickle.dumps(b)) for b in batches)
-        per_node = self._gather("log_probs", self._per_node(counts))
+        self.sent_bytes += sum(payload_bytes(b) for b in batches)
+        sent = [b if isinstance(b, RankRows) else b.num_tokens for b in batches]
+        per_node = self._gather("log_probs", self._per_node(sent))
         flat = [blob for node in per_node for blob in node]
         return [torch.frombuffer(bytearray(blob), dtype=torch.float32) for blob in flat]
 
@@ -174,8 +215,8 @@ class SimTrainGroup:
         return self.train_steps([batches])
 
     def train_steps(self, parts: list[list]) -> dict:
-        per_rank = [[pickle.dumps(part[d]) for part in parts] for d in range(self.num_data_ranks)]
-        self.sent_bytes += sum(len(p) for rank in per_rank for p in rank)
+        self.sent_bytes += sum(payload_bytes(b) for part in parts for b in part)
+        per_rank = [[_sent(part[d]) for part in parts] for d in range(self.num_data_ranks)]
         sent = time.time()
         metrics = self._gather("train_steps", self._per_node(per_rank))[0]
         entered, left = metrics.pop("time/train_entered_at"), metrics.pop("time/train_left_at")
@@ -221,3 +262,9 @@ class SimTrainGroup:
     def shutdown(self) -> None:
         for worker in self.workers:
             ray.kill(worker)
+
+
+def _sent(batch):
+    """A TrainBatch goes as its pickled bytes (never unpickled: no torch on the node
+    actor), a RankRows as itself (the node fetches its rows)."""
+    return batch if isinstance(batch, RankRows) else pickle.dumps(batch)
