@@ -3,6 +3,7 @@ while it is built). Each raises ValueError naming the fields involved and a fix.
 
 from rl_launcher.config import TrainConfig
 from rl_launcher.config.extensions import check_extensions
+from rl_launcher.config.routing_checks import check_routing_replay
 from rl_launcher.config.switch_checks import check_switches
 from rl_launcher.infra.placement import plan_from_config
 from rl_launcher.infra.weight_sync import resolve_transport
@@ -30,6 +31,7 @@ def check_consistency(config: TrainConfig) -> None:
         _check_distill,
         _check_lora,
         _check_megatron,
+        check_routing_replay,  # algorithm.routing_replay (config/routing_checks.py)
         check_extensions,  # user functions by dotted path: imported, signatures checked
         _check_rollout_function,
         _check_group_reward,

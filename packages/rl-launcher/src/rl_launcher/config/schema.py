@@ -412,6 +412,18 @@ class AlgorithmConfig:
         "truncate", help="Rollout importance correction.", choices=IS_MODES
     )
     rollout_is_cap: float = option(2.0, help="Upper bound of the importance weight.", above=0)
+    routing_replay: bool = option(
+        False,
+        help="Rollout routing replay (R3; slime's --use-rollout-routing-replay) for MoE "
+        "models: every rollout request asks for the experts the engine chose for each token "
+        "(SGLang's return_routed_experts; engines start with --enable-return-routed-experts), "
+        "the samples carry them, and the policy's routers use them in the old-log-prob and "
+        "training passes (both backends; the given experts' weights come from the router's "
+        "own softmax, so the router still trains); the KL reference routes on its own. "
+        "Hugging Face families qwen3_moe, qwen2_moe, olmoe, mixtral. Refused on a dense "
+        "model, with rollout.source=buffer, and with megatron pipeline parallelism plus "
+        "activation recompute.",
+    )
     max_nonfinite_steps: int = option(
         3,
         help="Stop the run after this many steps in a row whose loss or gradients were NaN "

@@ -112,18 +112,24 @@ def hf_parameter_names(config: TrainConfig) -> list[str]:
     maps the GGUF's tensors onto exactly this skeleton's parameters and refuses a file that
     leaves one out, so these are the names of the HF model it converts to."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(policy_hf_config(config))
+    return [name for name, _ in model.named_parameters()]
+
+
+def policy_hf_config(config: TrainConfig):
+    """The policy's HF config: ``model.init_config``, the directory's config.json or a
+    .gguf header (:func:`gguf_config`); no weights read."""
+    from transformers import AutoConfig
 
     path = config.model.path
     if path is None:
-        hf_config = AutoConfig.for_model(**config.model.init_config)
-    elif str(path).endswith(".gguf"):
-        hf_config = gguf_config(Path(path))
-    else:
-        hf_config = AutoConfig.from_pretrained(path)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config)
-    return [name for name, _ in model.named_parameters()]
+        return AutoConfig.for_model(**config.model.init_config)
+    if str(path).endswith(".gguf"):
+        return gguf_config(Path(path))
+    return AutoConfig.from_pretrained(path)
 
 
 def gguf_config(path: Path):

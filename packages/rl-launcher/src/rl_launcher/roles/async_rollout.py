@@ -38,6 +38,7 @@ def restart(group: list[Sample]) -> list[Sample]:
             sample.tokens = sample.tokens[: sample.prompt_length]
             sample.response, sample.response_length, sample.loss_mask = "", 0, None
             sample.rollout_log_probs, sample.weight_versions = None, []
+            sample.routed_experts = None  # the new response's request returns them again
             sample.status = SampleStatus.PENDING
     return group
 

@@ -39,6 +39,8 @@ def sglang_server_args(config, *, memory_saver: bool, multi_node: dict | None = 
     }
     if memory_saver:  # /release_memory_occupation needs it
         args["enable_memory_saver"] = True
+    if config.algorithm.routing_replay:  # requests ask return_routed_experts
+        args["enable_return_routed_experts"] = True
     return args | dict(multi_node or {}) | sglang_lora_args(config) | passthrough
 
 
@@ -103,6 +105,8 @@ def engine_process(
     context = engine_max_context(config)
     extra = [] if context is None else ["--max-context", str(context)]
     extra += embedded_lora_args(config)
+    if config.algorithm.routing_replay:
+        extra.append("--enable-return-routed-experts")
     return EmbeddedEngine(
         model_dir,
         device=device,

@@ -59,9 +59,13 @@ class RolloutContext:
 
     def generate_context(self):
         """rl-sglang's GenerateContext of this rollout (what generate functions receive)."""
+        from rl_launcher.config.routing_checks import routed_experts_shape
         from rl_sglang.rollout.generate import GenerateContext
 
-        return GenerateContext(client=self.client, tokenizer=self.tokenizer)
+        shape = routed_experts_shape(self.config)  # None unless algorithm.routing_replay
+        return GenerateContext(
+            client=self.client, tokenizer=self.tokenizer, routed_experts_shape=shape
+        )
 
     def next_prompt(self) -> Sample:
         """The next prompt (numbered by draw, remembered for checkpoints until trained on)."""
