@@ -672,6 +672,15 @@ class EngineConfig:
         help="Send each bucket as one flat buffer (SGLang's flattened_bucket format): one "
         "tensor handle or one broadcast per bucket instead of one per tensor.",
     )
+    weight_buffer: str = option(
+        "kept",
+        help="weight_sync=tensor with weight_flatten: kept fills two send buffers per "
+        "sending rank kept for the run (2 x weight_bucket_bytes at most; freed while a "
+        "colocated trainer is offloaded), so the engine gets the same handles each sync, "
+        "and packs the next bucket while the engine applies one; fresh allocates one per "
+        "bucket.",
+        choices=("kept", "fresh"),
+    )
     sync_every: int = option(1, help="Sync weights every N training steps.", low=1)
     release_when_idle: bool = option(
         True,

@@ -21,9 +21,11 @@ or with ``tensor`` each node's sending rank to its node's engines.
 """
 
 import asyncio
+import threading
 from pathlib import Path
 
 TRANSPORTS = ("tensor", "disk", "distributed")
+SEND_SLOTS = 2  # kept send buffers per rank: one being applied, one being packed
 
 
 def resolve_transport(weight_sync: str, *, colocate: bool, device: str) -> str:
@@ -115,19 +117,23 @@ def sync_options(config, run_dir: Path) -> dict:
         "group_backend": "nccl" if device == "cuda" else "gloo",
         "tp_size": engine.devices_per_engine,
         "flatten": engine.weight_flatten,
+        "buffer": engine.weight_buffer,  # tensor: kept send buffers, or fresh per bucket
         "lora_sync": config.model.lora_sync if config.model.lora_rank else None,  # roles/lora
     }
 
 
 class EngineWeightSync:
-    """A training rank's side of weight sync. Its event loop, engine clients (keep-alive
-    connections) and, for ``distributed``, the process group live as long as the rank.
-    ``master_address``: where rank 0 hosts the weight-update group (its node)."""
+    """A training rank's side of weight sync. Its event loop (on a thread of its own, so
+    that a request is in flight while this thread packs the next bucket), engine clients
+    (keep-alive connections), kept send buffers and, for ``distributed``, the process
+    group live as long as the rank. ``master_address``: where rank 0 hosts the
+    weight-update group (its node)."""
 
     def __init__(self, rank: int, *, master_address: str | None = None):
         self.rank, self._loop, self._clients, self._sender = rank, None, {}, None
         self.master_address = master_address
         self.fed: list[str] = []  # the engines this rank sent the last sync to
+        self.buffers: list = []  # kept send buffers (rl_sglang.transports.SendBuffer)
 
     def address(self) -> tuple[str, int | None]:
         """Where this rank hosts the weight-update group: host, and port once it exists."""
@@ -144,6 +150,8 @@ class EngineWeightSync:
                 self._run(self._to_disk(self.fed, named, how["path"], version))
             return float(sum(t.numel() * t.element_size() for _, t in named))
         per_device = how["transport"] == "tensor" and max(map(len, how.get("tp_ranks") or [[]])) > 1
+        if kept_buffers(how) and not per_device:
+            return self._stream_kept(buckets, version, how)
         for bucket in buckets:
             sent += sum(t.numel() * t.element_size() for _, t in bucket)
             if per_device:
@@ -151,6 +159,43 @@ class EngineWeightSync:
             elif self.fed:
                 self._run(self._send(self.fed, bucket, version, how))
         return sent
+
+    def _stream_kept(self, buckets, version: str, how: dict) -> float:
+        """``tensor`` through kept send buffers, two of them in turn: bucket k+1 is made
+        (gathered by the backend) and packed into one while the engines apply bucket k
+        from the other; bucket k+1 is sent once k is answered, so a buffer is refilled
+        only after the engines have copied out of it."""
+        from rl_sglang import transports
+
+        sent, in_flight = 0.0, None
+        for index, bucket in enumerate(buckets):
+            sent += sum(t.numel() * t.element_size() for _, t in bucket)
+            if not self.fed:
+                continue
+            packed = self._buffer(index % SEND_SLOTS).fill(bucket)
+            payloads = transports.payloads_per_receiver(packed, len(self.fed), how["tp_size"])
+            if in_flight is not None:
+                in_flight.result()
+            send = transports.send_payloads(
+                self.clients(self.fed), payloads, flatten=True, weight_version=version
+            )
+            in_flight = self._submit(send)
+        if in_flight is not None:
+            in_flight.result()
+        return sent
+
+    def _buffer(self, slot: int):
+        from rl_sglang.transports import SendBuffer
+
+        while len(self.buffers) <= slot:
+            self.buffers.append(SendBuffer())
+        return self.buffers[slot]
+
+    def release_buffers(self) -> None:
+        """Free the kept send buffers (the trainer gives its device memory up while the
+        colocated engines generate); the next sync allocates them again."""
+        for buffer in self.buffers:
+            buffer.release()
 
     def _send_per_device(self, urls, bucket, version, how):
         """Colocated engines spanning several GPUs: every rank shares its copy of the bucket
@@ -210,9 +255,22 @@ class EngineWeightSync:
         return [self._clients.setdefault(url, EngineClient(url)) for url in urls]
 
     def _run(self, work):
+        return self._submit(work).result()
+
+    def _submit(self, work):
+        """Schedule the coroutine ``work`` on the rank's event-loop thread; a Future."""
         if self._loop is None:
             self._loop = asyncio.new_event_loop()
-        return self._loop.run_until_complete(work)
+            name = f"weight-sync-{self.rank}"
+            threading.Thread(target=self._loop.run_forever, name=name, daemon=True).start()
+        return asyncio.run_coroutine_threadsafe(work, self._loop)
+
+
+def kept_buffers(how: dict) -> bool:
+    """``tensor`` sync of flattened buckets through send buffers kept for the run
+    (``engine.weight_buffer: kept``)."""
+    kept = how.get("buffer", "kept") == "kept"
+    return how["transport"] == "tensor" and how["flatten"] and kept
 
 
 def make_sender(clients: list, how: dict, master_address: str | None = None):

@@ -156,8 +156,12 @@ class TrainWorker(GroupMember):
         """Training state to host memory (colocated engines generate meanwhile)."""
         if not self.offloaded:
             self.backend.offload()
+            self.weights.release_buffers()  # kept send buffers: allocated again at the sync
             self.offloaded = True
         self.empty_cache()  # the engines need the cached blocks back
+
+    def release_weight_buffers(self) -> None:
+        self.weights.release_buffers()
 
     def empty_cache(self) -> None:
         """Cached device blocks back to the driver (colocated engines resume into them)."""
@@ -325,6 +329,11 @@ class TrainGroup:
         self.call("export_hf", path=str(Path(path).absolute()))
 
     def shutdown(self) -> None:
+        """Kill the ranks, each after letting go of its kept weight-sync buffers: Ray kills
+        torch's shared-memory manager with a rank, and a rank killed holding a CPU buffer
+        would leave its file in /dev/shm."""
+        releases = [worker.release_weight_buffers.remote() for worker in self.workers]
+        ray.wait(releases, num_returns=len(releases), timeout=5)
         for worker in self.workers:
             ray.kill(worker)
 

@@ -170,8 +170,11 @@ def start_trainer(run: Run, model_dir: Path, meanwhile: Callable[[], None] | Non
         ranks_per_node=sharing,
     )
     what = f"trainer ready ({config.backend.name}, {len(slots)} rank(s))"
+    stopped_after = len(run._cleanup)  # what ``meanwhile`` starts (the engines)
     run.trainer = beside(group, meanwhile, what=what, show=show)
-    run._cleanup.append(run.trainer.shutdown)
+    # the engines stop first: they let go of the trainer's shared weight buffers, which
+    # the ranks then free before they are killed (rl_launcher.infra.weight_sync)
+    run._cleanup.insert(stopped_after, run.trainer.shutdown)
     run.num_ranks = run.trainer.num_data_ranks
 
 
