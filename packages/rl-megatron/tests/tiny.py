@@ -22,6 +22,30 @@ LLAMA3_ROPE = {
 }
 
 
+# MLA (query latent 32, kv latent 24, 16 + 8 rope channels per query/key head, values 16)
+# and, after one dense layer, 8 routed experts in 4 groups (top 2 groups, top 4 experts)
+# plus a shared one: a DeepSeek-V3 at the tiny size.
+DEEPSEEK_V3 = dict(
+    num_hidden_layers=3,
+    num_key_value_heads=4,
+    q_lora_rank=32,
+    kv_lora_rank=24,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    moe_intermediate_size=32,
+    num_experts_per_tok=4,
+    n_group=4,
+    topk_group=2,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    num_nextn_predict_layers=0,
+)
+
+
 def hf_config(family: str, *, tie: bool = False, **overrides):
     """A tiny config (hidden 64, 2 layers, vocab 500) of ``family``: a model_type, or
     ``llama3-rope`` (Llama 3.1's scaled rope)."""
@@ -52,6 +76,11 @@ def hf_config(family: str, *, tie: bool = False, **overrides):
         ),
         "mistral": dict(sliding_window=None),
         "llama3-rope": dict(rope_parameters=LLAMA3_ROPE),
+        # partial interleaved rope on 8 of 16 channels, qkv bias, output norms, fused gate/up
+        "glm4": dict(
+            head_dim=16, partial_rotary_factor=0.5, attention_bias=True, pad_token_id=None
+        ),
+        "deepseek_v3": DEEPSEEK_V3,
         "gemma": dict(head_dim=16),
         "gemma2": dict(head_dim=16),
         "gemma3_text": dict(head_dim=16),
@@ -63,6 +92,8 @@ def hf_config(family: str, *, tie: bool = False, **overrides):
         "llama": "LlamaConfig",
         "llama3-rope": "LlamaConfig",
         "mistral": "MistralConfig",
+        "glm4": "Glm4Config",
+        "deepseek_v3": "DeepseekV3Config",
         "gemma": "GemmaConfig",
         "gemma2": "Gemma2Config",
         "gemma3_text": "Gemma3TextConfig",
@@ -81,6 +112,9 @@ def save_tiny_model(directory: Path, family: str, *, tie: bool = False, seed: in
         for name, param in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 param.add_(0.1 * torch.randn_like(param))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # as large as the scores' spread
+                buffer.copy_(0.03 * torch.randn_like(buffer))
     model.save_pretrained(str(directory))
     return model.eval()
 

@@ -33,9 +33,12 @@ class SDPAttention(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection=None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
     ):
         super().__init__(config=config)
         del layer_number, attn_mask_type, attention_type, attention_dropout, cp_comm_type
+        del k_channels, v_channels  # MLA's head sizes: SDPA reads them off the tensors
         self.softmax_scale = softmax_scale or config.kv_channels**-0.5
         self.cp_group = None
         if config.context_parallel_size > 1:

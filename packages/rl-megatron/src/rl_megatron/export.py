@@ -17,7 +17,7 @@ from rl_megatron.checkpoint import swap_into_place
 from rl_megatron.layout import param_layout, qkv_rows
 from rl_megatron.precision import grad_of
 from rl_megatron.shape import ModelShape
-from rl_megatron.weights import layer_offset
+from rl_megatron.weights import hf_buffers, layer_offset
 
 
 def hf_tensors(
@@ -65,12 +65,13 @@ def stage_tensors(
     offset = layer_offset(model)
     local_experts = shape.num_experts // _world(ep_group) if shape.num_experts else 0
     seen = set()
-    for name, param in model.named_parameters():
+    tensors = list(model.named_parameters()) + ([] if grads else hf_buffers(model))
+    for name, param in tensors:
         if name == "output_layer.weight" and shape.tie_embeddings:
             continue  # a later pipeline stage's copy of the tied embedding
         tensor = grad_of(param) if grads else param
         tensor = (torch.zeros_like(param) if tensor is None else tensor).detach()
-        layout = param_layout(name, layer_offset=offset)
+        layout = param_layout(name, layer_offset=offset, shape=shape)
         if not layout.expert:
             pairs = _unfuse(layout, _gather(tensor, tp_group), shape)
         else:
@@ -79,7 +80,7 @@ def stage_tensors(
             per_rank = zip(*[_gather(t, ep_group) for t in full], strict=True)
             for ep_rank, tensors in enumerate(per_rank):
                 names = param_layout(
-                    name, layer_offset=offset, expert_offset=ep_rank * local_experts
+                    name, layer_offset=offset, expert_offset=ep_rank * local_experts, shape=shape
                 )
                 pairs += zip(names.hf_names, tensors, strict=True)
         for hf_name, full_tensor in pairs:
@@ -135,12 +136,12 @@ def _unfuse(layout, shards: list[torch.Tensor], shape: ModelShape):
         return [(names[0], torch.cat(shards))]
     if layout.kind == "row":
         return [(names[0], torch.cat(shards, dim=1))]
-    if layout.kind == "gate_up":
+    if layout.kind in ("gate_up", "fused_gate_up"):
         halves = [s.chunk(2) for s in shards]
-        return [
-            (names[0], torch.cat([h[0] for h in halves])),
-            (names[1], torch.cat([h[1] for h in halves])),
-        ]
+        gate, up = torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])
+        if layout.kind == "fused_gate_up":
+            return [(names[0], torch.cat([gate, up]))]
+        return [(names[0], gate), (names[1], up)]
     assert layout.kind == "qkv", layout.kind
     return _split_qkv(names, torch.cat(shards), shape)
 

@@ -10,6 +10,7 @@ and a ``kind`` saying how the HF tensors fuse and shard:
   ``[q heads of g (heads/groups · head_dim rows), k_g (head_dim), v_g (head_dim)]`` — so a
   rank's shard is a contiguous run of whole groups (GQA falls out of the same rule).
 - ``gate_up``: ``[gate shard; up shard]`` per rank (the gated MLP's fused fc1).
+- ``fused_gate_up``: the same from one HF tensor ``[gate; up]`` (GLM-4's ``gate_up_proj``).
 
 MoE experts (``expert=True``) use the same kinds over the expert-TP group, and local expert
 e of EP rank r is HF expert ``r · experts_per_rank + e``; the router is replicated.
@@ -53,7 +54,36 @@ _LAYER_PARAMS = {
     "mlp.linear_fc1.weight": ("gate_up", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
     "mlp.linear_fc2.weight": ("row", ("mlp.down_proj.weight",)),
     "mlp.router.weight": ("replicated", ("mlp.gate.weight",)),
+    # GLM-4's output norms (rl_megatron.layers)
+    "self_attention.post_layernorm.weight": ("replicated", ("post_self_attn_layernorm.weight",)),
+    "mlp.post_layernorm.weight": ("replicated", ("post_mlp_layernorm.weight",)),
+    # DeepSeek-V3: multi-latent attention, shared experts, the router's expert bias (a buffer)
+    "self_attention.linear_q_proj.weight": ("column", ("self_attn.q_proj.weight",)),
+    "self_attention.linear_q_down_proj.weight": ("column", ("self_attn.q_a_proj.weight",)),
+    "self_attention.linear_q_up_proj.weight": ("column", ("self_attn.q_b_proj.weight",)),
+    "self_attention.linear_kv_down_proj.weight": (  # whole on every rank (rl_megatron.layers)
+        "replicated",
+        ("self_attn.kv_a_proj_with_mqa.weight",),
+    ),
+    "self_attention.kv_layernorm.weight": ("replicated", ("self_attn.kv_a_layernorm.weight",)),
+    "self_attention.linear_kv_up_proj.weight": ("column", ("self_attn.kv_b_proj.weight",)),
+    "mlp.shared_experts.linear_fc1.weight": (
+        "gate_up",
+        ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"),
+    ),
+    "mlp.shared_experts.linear_fc2.weight": ("row", ("mlp.shared_experts.down_proj.weight",)),
+    "mlp.router.expert_bias": ("replicated", ("mlp.gate.e_score_correction_bias",)),
 }
+
+# Where a family gives a megatron name other HF sources (ModelShape field -> entries).
+_FAMILY_PARAMS = {
+    "kv_lora_rank": {
+        "self_attention.q_layernorm.weight": ("replicated", ("self_attn.q_a_layernorm.weight",))
+    },
+    "fused_gate_up": {"mlp.linear_fc1.weight": ("fused_gate_up", ("mlp.gate_up_proj.weight",))},
+}
+# Buffers that HF saves with the weights (loaded and exported like parameters).
+HF_BUFFERS = ("mlp.router.expert_bias",)
 
 _TOP_PARAMS = {
     "embedding.word_embeddings.weight": ("vocab", ("model.embed_tokens.weight",)),
@@ -62,10 +92,13 @@ _TOP_PARAMS = {
 }
 
 
-def param_layout(name: str, *, layer_offset: int = 0, expert_offset: int = 0) -> ParamLayout:
+def param_layout(
+    name: str, *, layer_offset: int = 0, expert_offset: int = 0, shape: ModelShape | None = None
+) -> ParamLayout:
     """Layout of megatron parameter ``name``; ``layer_offset`` maps local layer indices of a
     pipeline stage to global HF layer numbers, ``expert_offset`` local experts of an EP rank
-    to global expert numbers."""
+    to global expert numbers; ``shape`` picks a family's own sources (GLM-4's fused gate/up,
+    MLA's query-latent norm)."""
     if name in _TOP_PARAMS:
         kind, hf = _TOP_PARAMS[name]
         return ParamLayout(kind, hf)
@@ -80,10 +113,24 @@ def param_layout(name: str, *, layer_offset: int = 0, expert_offset: int = 0) ->
             names = (f"{hf_expert}.gate_proj.weight", f"{hf_expert}.up_proj.weight")
             return ParamLayout("gate_up", names, expert=True)
         return ParamLayout("row", (f"{hf_expert}.down_proj.weight",), expert=True)
-    if match.group(2) not in _LAYER_PARAMS:
+    params = _layer_params(shape)
+    if match.group(2) not in params:
         raise ValueError(f"no HF mapping for megatron parameter {name!r}")
-    kind, suffixes = _LAYER_PARAMS[match.group(2)]
+    kind, suffixes = params[match.group(2)]
     return ParamLayout(kind, tuple(f"{prefix}.{s}" for s in suffixes))
+
+
+def _layer_params(shape: ModelShape | None) -> dict:
+    params = dict(_LAYER_PARAMS)
+    for field, entries in _FAMILY_PARAMS.items():
+        if shape is not None and getattr(shape, field):
+            params.update(entries)
+    return params
+
+
+def is_hf_buffer(name: str) -> bool:
+    """Whether megatron buffer ``name`` holds a tensor of the HF checkpoint."""
+    return name.endswith(HF_BUFFERS)
 
 
 def qkv_rows(shape: ModelShape, group: int) -> tuple[slice, slice]:

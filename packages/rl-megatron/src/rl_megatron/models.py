@@ -14,6 +14,7 @@ HF's inverse frequencies in megatron's rotary embedding.
 
 import torch
 
+from rl_megatron.families import mla_config_kwargs, note_ignored_mtp
 from rl_megatron.layout import param_layout
 from rl_megatron.moe import moe_config_kwargs
 from rl_megatron.shape import model_shape, rope_parameters
@@ -49,6 +50,7 @@ def transformer_config(
     ``options`` (other TransformerConfig fields, checked by
     :func:`rl_megatron.options.split_options`: activation recompute, ...) added."""
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     shape = model_shape(hf_config, tp_size=tp_size)
     defaults = dict(
@@ -87,9 +89,12 @@ def transformer_config(
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         attention_softmax_in_fp32=True,
+        rotary_interleaved=shape.rotary_interleaved,
         **moe_config_kwargs(shape, ep_size=ep_size),
     )
-    return TransformerConfig(**(defaults | (options or {})))
+    mla = mla_config_kwargs(shape, rope_parameters(hf_config)["rope_theta"])
+    config_class = MLATransformerConfig if mla else TransformerConfig
+    return config_class(**(defaults | mla | (options or {})))
 
 
 def build_gpt_model(
@@ -108,10 +113,12 @@ def build_gpt_model(
     :func:`rl_megatron.weights.load_hf_weights`); ``options`` as in :func:`transformer_config`."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     from rl_megatron.layers import block_spec
 
     shape = model_shape(hf_config, tp_size=tp_size)
+    note_ignored_mtp(shape.mtp_layers)
     config = transformer_config(
         hf_config,
         tp_size=tp_size,
@@ -125,7 +132,9 @@ def build_gpt_model(
     )
     model = GPTModel(
         config=config,
-        transformer_layer_spec=block_spec(shape, get_num_layers_to_build(config)),
+        transformer_layer_spec=block_spec(
+            shape, get_num_layers_to_build(config), get_transformer_layer_offset(config)
+        ),
         vocab_size=shape.padded_vocab_size,
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=_first_stage(pp_size),
@@ -133,6 +142,7 @@ def build_gpt_model(
         share_embeddings_and_output_weights=shape.tie_embeddings,
         position_embedding_type="rope",
         rotary_base=rope_parameters(hf_config)["rope_theta"],
+        rotary_percent=shape.rotary_percent,
     )
     inv_freq = rotary_inv_freq(hf_config)
     if inv_freq is not None:  # before any forward: megatron caches the rotary table

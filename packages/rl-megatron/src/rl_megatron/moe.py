@@ -5,7 +5,10 @@ which needs no CUDA streams) replaces the dense MLP in every layer. Routing matc
 Qwen3-MoE: softmax over all experts then top-k (``norm_topk_prob`` False), or top-k then
 softmax over the chosen logits, which equals renormalised top-k probabilities (True).
 No auxiliary load-balancing loss is added: the RL loss is the whole objective.
+DeepSeek-V3's router (sigmoid scores, expert bias, groups) is in :mod:`rl_megatron.families`.
 """
+
+from rl_megatron.families import router_config_kwargs
 
 
 def moe_fields(hf_config) -> dict:
@@ -45,6 +48,7 @@ def moe_config_kwargs(shape, *, ep_size: int) -> dict:
         moe_router_dtype="fp32",
         moe_grouped_gemm=False,
         expert_model_parallel_size=ep_size,
+        **router_config_kwargs(shape),  # DeepSeek-V3's sigmoid router and shared experts
     )
 
 

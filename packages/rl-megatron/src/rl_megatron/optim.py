@@ -41,8 +41,14 @@ def tp_partial_params(model) -> list[torch.nn.Parameter]:
     return [
         p
         for name, p in model.named_parameters()
-        if getattr(p, "sequence_parallel", False) or "q_layernorm" in name or "k_layernorm" in name
+        if getattr(p, "sequence_parallel", False) or _per_head_norm(name, p)
     ]
+
+
+def _per_head_norm(name: str, param) -> bool:
+    """A q/k norm over heads split across TP ranks (not MLA's whole query-latent norm)."""
+    per_head = "q_layernorm" in name or "k_layernorm" in name
+    return per_head and not getattr(param, "whole_on_every_tp_rank", False)
 
 
 def global_grad_norm(

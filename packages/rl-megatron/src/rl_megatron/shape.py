@@ -7,16 +7,17 @@ converters, so none of them imports another to learn the shape.
 Families (by ``model_type``): ``qwen2`` (qkv bias), ``qwen3`` (qk RMSNorm, explicit
 head_dim), ``llama`` (optional attention bias; rope ``default``, ``linear`` or ``llama3``),
 ``mistral`` (Llama's layout; full attention only), ``qwen3_moe`` (qk-norm and experts, see
-:mod:`rl_megatron.moe`). Others, and features these layers do not compute (sliding windows,
+:mod:`rl_megatron.moe`), ``glm4`` and ``deepseek_v3`` (see :mod:`rl_megatron.families`). Others, and features these layers do not compute (sliding windows,
 rope types whose frequencies depend on the length), are refused with a ValueError that
 names the family, what is missing, and the FSDP backend as the way out.
 """
 
 from dataclasses import dataclass
 
+from rl_megatron.families import shape_fields
 from rl_megatron.moe import moe_fields
 
-SUPPORTED_FAMILIES = ("qwen2", "qwen3", "llama", "mistral", "qwen3_moe")
+SUPPORTED_FAMILIES = ("qwen2", "qwen3", "llama", "mistral", "qwen3_moe", "glm4", "deepseek_v3")
 VOCAB_MULTIPLE = 128
 # Rope types whose inverse frequencies are fixed and whose attention scale is 1: megatron's
 # rotary embedding takes them as a precomputed ``inv_freq`` (see models.rotary_inv_freq).
@@ -50,6 +51,23 @@ class ModelShape:
     moe_ffn_hidden_size: int = 0
     moe_topk: int = 0
     norm_topk_prob: bool = False
+    # GLM-4 and DeepSeek-V3 (rl_megatron.families)
+    post_norms: bool = False  # RMSNorm on the attention and MLP outputs
+    fused_gate_up: bool = False  # HF holds the MLP's gate and up in one tensor
+    rotary_percent: float = 1.0
+    rotary_interleaved: bool = False
+    q_lora_rank: int = 0  # multi-latent attention when kv_lora_rank > 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    shared_ffn_hidden_size: int = 0
+    first_dense_layers: int = 0
+    router_score: str = "softmax"
+    router_groups: int = 0
+    router_group_topk: int = 0
+    routed_scaling: float | None = None
+    mtp_layers: int = 0
 
 
 def check_family(hf_config) -> str:
@@ -120,7 +138,13 @@ def model_shape(hf_config, *, tp_size: int = 1) -> ModelShape:
     """Read a transformers config (``Qwen2Config`` etc.) into a :class:`ModelShape`."""
     family = check_family(hf_config)
     heads = hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    fields = dict(
+        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+        **moe_fields(hf_config),
+    )
+    fields.update(shape_fields(hf_config, rope_parameters(hf_config), tp_size=tp_size))
+    kv_heads = fields["num_kv_heads"]
     if heads % tp_size or kv_heads % tp_size:
         raise ValueError(
             f"tp={tp_size} must divide both attention heads ({heads}) and kv heads ({kv_heads})"
@@ -131,13 +155,11 @@ def model_shape(hf_config, *, tp_size: int = 1) -> ModelShape:
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
         num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
         ffn_hidden_size=hf_config.intermediate_size,
         vocab_size=hf_config.vocab_size,
         padded_vocab_size=-(-hf_config.vocab_size // multiple) * multiple,
         tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         qkv_bias=family == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
         qk_norm=family in ("qwen3", "qwen3_moe"),
-        **moe_fields(hf_config),
+        **fields,
     )

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from rl_core.freezing import compile_patterns, is_trained
-from rl_megatron.layout import param_layout, qkv_rows, shard_range
+from rl_megatron.layout import is_hf_buffer, param_layout, qkv_rows, shard_range
 from rl_megatron.models import ValueHead
 from rl_megatron.parallel import ParallelLayout
 from rl_megatron.shape import ModelShape
@@ -63,12 +63,22 @@ def hf_config_of(directory: str | Path):
 
 def load_hf_weights(model, reader, shape: ModelShape, parallel: ParallelLayout) -> None:
     """Copy every parameter of ``model`` (this rank's GPTModel shard) from ``reader``
-    (a critic's value head, ``output_layer``, is left as it is)."""
+    (a critic's value head, ``output_layer``, is left as it is), and the buffers HF saves
+    (DeepSeek-V3's expert bias)."""
     shards = read_shards(model, reader, shape, parallel)
     params = dict(model.named_parameters())
+    offset = layer_offset(model)
     with torch.no_grad():
         for name, shard in shards.items():
             params[name].copy_(shard)
+        for name, buffer in hf_buffers(model):
+            hf_name = param_layout(name, layer_offset=offset, shape=shape).hf_names[0]
+            buffer.copy_(reader.read(hf_name))
+
+
+def hf_buffers(model) -> list[tuple[str, torch.Tensor]]:
+    """``(megatron name, buffer)`` of the buffers that hold HF checkpoint tensors."""
+    return [(name, b) for name, b in model.named_buffers() if is_hf_buffer(name)]
 
 
 def read_shards(model, reader, shape: ModelShape, parallel: ParallelLayout):
@@ -79,7 +89,7 @@ def read_shards(model, reader, shape: ModelShape, parallel: ParallelLayout):
     for name, param in model.named_parameters():
         if _is_value_head(model, name):
             continue
-        layout = param_layout(name, layer_offset=offset, expert_offset=expert_offset)
+        layout = param_layout(name, layer_offset=offset, expert_offset=expert_offset, shape=shape)
         tp_size, tp_rank = (
             (parallel.etp_size, parallel.etp_rank)
             if layout.expert
@@ -124,6 +134,11 @@ def _read_shard(reader, layout, shape: ModelShape, param_shape, tp_size: int, tp
     if layout.kind == "gate_up":
         rows = shard_range(param_shape[0] // 2 * tp_size, tp_size, tp_rank)
         return torch.cat([reader.read(names[0], rows), reader.read(names[1], rows)])
+    if layout.kind == "fused_gate_up":  # one HF tensor [gate; up]
+        half = param_shape[0] // 2 * tp_size
+        rows = shard_range(half, tp_size, tp_rank)
+        up_rows = slice(half + rows.start, half + rows.stop)
+        return torch.cat([reader.read(names[0], rows), reader.read(names[0], up_rows)])
     assert layout.kind == "qkv", layout.kind
     return _qkv_shard(reader, names, shape, tp_size, tp_rank)
 
@@ -151,7 +166,9 @@ def hf_sources(model, shape: ModelShape, parallel: ParallelLayout) -> dict[str, 
     offset = layer_offset(model)
     expert_offset = parallel.ep_rank * shape.num_experts // parallel.ep_size
     return {
-        name: param_layout(name, layer_offset=offset, expert_offset=expert_offset).hf_names
+        name: param_layout(
+            name, layer_offset=offset, expert_offset=expert_offset, shape=shape
+        ).hf_names
         for name, _ in model.named_parameters()
         if not _is_value_head(model, name)
     }

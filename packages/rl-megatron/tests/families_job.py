@@ -1,0 +1,52 @@
+"""The two-rank gloo job of test_families.py: GLM-4 at TP=2 and PP=2, DeepSeek-V3 at
+TP=2 (sequence parallel, which megatron needs for MoE with TP) and EP=2, in one spawn.
+
+Rank 0 saves what the parent compares against HF and its own one-rank results.
+"""
+
+import os
+
+import tiny
+import torch
+import torch.distributed as dist
+from dist_job import LENGTHS, POLICY
+
+LAYOUTS = {
+    "glm4": {"tp2": {"tp": 2}, "pp2": {"pp": 2, "max_tokens_per_micro_batch": 28}},
+    "deepseek_v3": {"tp2+sp": {"tp": 2, "sequence_parallel": True}, "ep2": {"ep": 2}},
+}
+
+
+def run(rank: int, world: int, port: int, dirs: dict, out_path: str) -> None:
+    from rl_megatron.testing import cpu_shim
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cpu_shim.install()
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results = {
+        (family, name): layout_checks(dirs[family], **layout)
+        for family, layouts in LAYOUTS.items()
+        for name, layout in layouts.items()
+    }
+    if rank == 0:
+        torch.save(results, out_path)
+    dist.destroy_process_group()
+
+
+def layout_checks(hf_path: str, **layout) -> dict:
+    """Log-probs of the whole batch, the exported HF weights, and the gradient of one
+    forward/backward under ``layout`` (with data-parallel replicas, EP's dense weights,
+    each rank takes half the sequences with the whole batch's denominators)."""
+    from rl_megatron.backend import MegatronBackend
+    from rl_megatron.config import MegatronConfig
+
+    backend = MegatronBackend(MegatronConfig(hf_path=hf_path, **layout, **POLICY))
+    batch = tiny.random_batch(LENGTHS, seed=11)
+    result = {"log_probs": backend.compute_log_probs(batch)}
+    result["exported"] = dict(p for b in backend.export_weights(bucket_bytes=1 << 20) for p in b)
+    if backend.layout.dp_size == 2:
+        batch = batch.select([0, 3] if backend.layout.dp_rank == 0 else [1, 2])
+    result["metrics"] = backend.forward_backward(batch)
+    result["grads"] = backend.hf_gradients()
+    return result
