@@ -465,11 +465,15 @@ def test_gradient_checkpointing_is_full_recompute_on_megatron(tmp_path):
     )
 
 
-def test_a_megatron_critic_with_pipeline_stages_is_refused_at_load():
+def test_a_megatron_critic_takes_the_actors_pipeline_stages(tmp_path):
+    from rl_launcher.roles.critic import critic_config
+
     args = ["--backend.name", "megatron", "--algorithm.advantage_estimator", "gae"]
     args += ["--backend.num_ranks", "2", "--cluster.devices_per_node", "2"]
-    with pytest.raises(ValueError, match=r"Megatron critic, which runs without pipeline"):
-        load_config([*args, "--backend.pipeline_parallel", "2"])
+    config = load_config([*args, "--backend.pipeline_parallel", "2"])[0]
+    actor = backend_spec(config, model_dir=tiny_model_dir(tmp_path), num_ranks=2).config
+    critic = critic_config(actor, config.optimizer)
+    assert (critic.critic, critic.pp) == (True, 2)
 
 
 def test_the_lr_schedule_ends_at_num_steps_whatever_the_minibatch_count(tmp_path):

@@ -1,6 +1,7 @@
 """PPO with its critic on Megatron end to end on CPU (real Ray, embedded engine, router,
-rl-megatron actor and critic at TP=2, CPU shim): two steps, the critic trained on GAE
-returns and checkpointed beside the trainer."""
+rl-megatron actor and critic on two pipeline stages, the critic's value head on the last
+one, CPU shim): two steps, the critic trained on GAE returns and checkpointed beside the
+trainer. (TP=2 + SP critics are checked against one rank in rl-megatron's tests.)"""
 
 from pathlib import Path
 
@@ -18,7 +19,7 @@ PPO = {
     "algorithm": {"advantage_estimator": "gae", "num_minibatches": 2, "lam": 0.95},
     "optimizer": {"lr": 0.01, "critic_lr": 0.01},
     "rollout": {"batch_size": 4, "group_size": 4, "reward": "critic_rewards:low_digit"},
-    "backend": {"name": "megatron", "tensor_parallel": 2},
+    "backend": {"name": "megatron", "pipeline_parallel": 2},
     "cluster": {"devices_per_node": 2},
     "logging": {"dump_train_batch": True},
 }

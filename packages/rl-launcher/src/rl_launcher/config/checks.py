@@ -91,11 +91,6 @@ def _check_megatron(config: TrainConfig) -> None:
             "optimizer.name=adamw, or backend.name=fsdp"
         )
     megatron_options(config)  # names checked against megatron-core's dataclasses
-    if config.algorithm.advantage_estimator == "gae" and config.backend.pipeline_parallel > 1:
-        raise ValueError(
-            "algorithm.advantage_estimator=gae trains a Megatron critic, which runs without "
-            "pipeline parallelism: set backend.pipeline_parallel=1 or backend.name=fsdp"
-        )
 
 
 def _check_lora(config: TrainConfig) -> None:
