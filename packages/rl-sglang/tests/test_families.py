@@ -28,6 +28,24 @@ FAMILIES = {
     },
     "mistral": {"model_type": "mistral", "sliding_window": None},
     "mistral-window": {"model_type": "mistral", "sliding_window": WINDOW},
+    "glm4": {"model_type": "glm4", "head_dim": 16, "partial_rotary_factor": 0.5},
+    "deepseek_v3": {
+        "model_type": "deepseek_v3",
+        "num_key_value_heads": 4,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 24,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "moe_intermediate_size": 32,
+        "num_experts_per_tok": 4,
+        "n_group": 4,
+        "topk_group": 2,
+        "first_k_dense_replace": 1,
+        "num_nextn_predict_layers": 0,
+    },
     "gemma": {"model_type": "gemma", "head_dim": 16},
     "gemma2": {
         "model_type": "gemma2",
@@ -61,7 +79,8 @@ def family_model(family: str, *, seed: int = 3, **overrides):
         "pad_token_id",
         "tie_word_embeddings",
     )
-    config = AutoConfig.for_model(fields.pop("model_type"), **{k: base[k] for k in keep}, **fields)
+    model_type = fields.pop("model_type")
+    config = AutoConfig.for_model(model_type, **{**{k: base[k] for k in keep}, **fields})
     return random_model(config, seed=seed)
 
 
@@ -92,6 +111,8 @@ def test_engine_log_probs_equal_teacher_forcing(family, runner):
         ("mistral-window", "mistral sliding-window attention (sliding_window=6 < context 256)"),
         ("qwen3_moe", "model_type 'qwen3_moe' is not one of"),
         ("gemma2", "model_type 'gemma2' is not one of"),
+        ("glm4", "glm4 (output norms after attention and MLP"),
+        ("deepseek_v3", "deepseek_v3 (multi-latent attention"),
     ],
 )
 def test_static_runner_refuses_what_it_cannot_compute(family, reason):

@@ -24,6 +24,11 @@ from rl_sglang.engine.sampling import greedy_pick
 
 logger = logging.getLogger(__name__)
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+# Families users bring whose layers the static runner does not reproduce, and why.
+_UNSUPPORTED_FAMILIES = {
+    "glm4": "output norms after attention and MLP, fused gate/up, partial interleaved rope",
+    "deepseek_v3": "multi-latent attention and a sigmoid-routed MoE with shared experts",
+}
 
 
 def supports_static(model, max_context: int | None = None) -> bool:
@@ -35,6 +40,11 @@ def static_unsupported_reason(model, max_context: int | None = None) -> str | No
     """Why :class:`StaticRunner` cannot take ``model`` for contexts of up to
     ``max_context`` tokens (default: the model's own limit), one line; None when it can."""
     config = model.config
+    if config.model_type in _UNSUPPORTED_FAMILIES:
+        return (
+            f"{config.model_type} ({_UNSUPPORTED_FAMILIES[config.model_type]}) is served by "
+            "the dynamic runner (the HF model's own forward)"
+        )
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         return f"model_type {config.model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
     if getattr(config, "use_sliding_window", False):
