@@ -106,3 +106,34 @@ def test_engines_keep_the_two_newest_adapters_of_the_run(tmp_path):
         "policy_v10.tmp",
         "policy_v2",
     ]
+
+
+class Recorder:
+    """Stands in for the trainer and the engine pool: records what the turns ask of them."""
+
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def __getattr__(self, name):
+        return lambda *args: self.calls.append((name, *args))
+
+
+@pytest.mark.parametrize(
+    ("lora_sync", "released"),
+    [("adapter", ["kv_cache", "cuda_graph"]), ("merged", ["weights", "kv_cache", "cuda_graph"])],
+)
+def test_colocated_engines_keep_the_base_weights_an_adapter_sync_never_refills(lora_sync, released):
+    from rl_launcher.infra.colocation import make_turns
+
+    config, _ = load_config(["model.lora_rank=8", f"model.lora_sync={lora_sync}"])
+    calls: list = []
+    turns = make_turns(config, Recorder(calls), Recorder(calls))
+    turns.training()
+    turns.syncing()
+    turns.generating()
+    turns.training()
+    assert [call for call in calls if call[0].endswith("_memory")] == [
+        ("release_memory", released),
+        ("resume_memory", released),
+        ("release_memory", released),
+    ]

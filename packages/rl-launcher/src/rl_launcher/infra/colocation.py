@@ -12,6 +12,8 @@ fits beside the engine's memory, keeping it resident saves moving it twice a ste
 
 A real SGLang engine's released weights come back uninitialised, so generation right after
 training, without a weight sync in between, is refused (``engine.sync_every`` must be 1).
+Engines that get LoRA adapters alone (``model.lora_sync: adapter``) keep their base weights
+resident and release only the KV cache and CUDA graphs: no sync would refill the base.
 The trainer group calls :meth:`Turns.training` / :meth:`Turns.syncing` and the rollout
 manager :meth:`Turns.generating` before their work (``rollout`` here is the run's
 :class:`~rl_launcher.roles.engine_pool.EnginePool`); each is a no-op when already there.
@@ -31,10 +33,19 @@ ENGINE_MEMORY = ("weights", "kv_cache", "cuda_graph")  # SGLang's memory tags
 
 class Turns:
     def __init__(
-        self, trainer, rollout, *, offload_trainer: bool = True, release_engines: bool = True
+        self,
+        trainer,
+        rollout,
+        *,
+        offload_trainer: bool = True,
+        release_engines: bool = True,
+        keep_engine_weights: bool = False,
     ):
         self.trainer, self.rollout = trainer, rollout
         self.offload_trainer, self.release_engines = offload_trainer, release_engines
+        self.engine_memory = [
+            t for t in ENGINE_MEMORY if not (keep_engine_weights and t == "weights")
+        ]
         self.released: list[str] = []  # engine memory tags released now
         self.trainer_offloaded = False
         self.log: list[str] = []  # transitions, in order (for tests and debugging)
@@ -61,7 +72,7 @@ class Turns:
 
     def training(self) -> None:
         """Before log-probs and training: the devices belong to the trainer."""
-        held = [tag for tag in ENGINE_MEMORY if tag not in self.released]
+        held = [tag for tag in self.engine_memory if tag not in self.released]
         if held and self.release_engines:
             with self._timed("engine_release"):
                 self.rollout.release_memory(held)
@@ -122,11 +133,14 @@ def turns_needed(config, plan) -> bool:
 
 
 def make_turns(config, trainer, rollout) -> Turns:
+    from rl_launcher.roles.lora import syncs_adapter
+
     return Turns(
         trainer,
         rollout,
         offload_trainer=config.backend.offload_when_idle,
         release_engines=config.engine.release_when_idle,
+        keep_engine_weights=syncs_adapter(config),  # adapter syncs never refill the base
     )
 
 
