@@ -70,5 +70,17 @@ def test_the_field_needs_an_engine_started_for_it():
         assert "routed_experts" not in plain[0]["meta_info"]
     finally:
         engine.scheduler.stop()
+    engine = Engine(
+        family_model("qwen3_moe"),
+        byte_tokenizer(),
+        max_context=64,
+        enable_return_routed_experts=True,
+    )
+    try:  # started for routes: every response has them (sglang-router drops the field)
+        unasked = generate(engine, input_ids=[1, 2], sampling_params={"max_new_tokens": 2})
+        routes = decode_routes(unasked[0]["meta_info"]["routed_experts"], num_layers=2, top_k=2)
+        assert routes.shape == (3, 2, 2)
+    finally:
+        engine.scheduler.stop()
     with pytest.raises(ValueError, match="needs an MoE model"):
         Engine(family_model("qwen3"), byte_tokenizer(), enable_return_routed_experts=True)

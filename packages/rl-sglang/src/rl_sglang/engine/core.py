@@ -60,8 +60,8 @@ class Engine:
     ``enable_lora``: serve LoRA adapters per request (:mod:`rl_sglang.engine.lora`) on the
     Linears named by ``lora_targets``, of rank up to ``max_lora_rank`` (None: any); the
     adapters' hooks run in the model's own modules, so the runner is the dynamic one.
-    ``enable_return_routed_experts``: an MoE model's requests may ask for
-    ``return_routed_experts`` (:mod:`rl_sglang.engine.routes`; dynamic runner)."""
+    ``enable_return_routed_experts``: every response carries ``routed_experts``
+    (:mod:`rl_sglang.engine.routes`; dynamic runner), asked for or not."""
 
     def __init__(
         self,
@@ -199,12 +199,14 @@ class Engine:
         self, prompt, params: SamplingParams, rid: str, body: dict, adapter=None
     ) -> list[Request]:
         ids = self._encode(prompt) if isinstance(prompt, str) else prompt
-        routes = bool(body.get("return_routed_experts", False))
-        if routes and not self.scheduler.routes.enabled:
+        routes = self.scheduler.routes.enabled
+        if body.get("return_routed_experts") and not routes:
             raise ValueError(
                 "return_routed_experts needs an engine started with "
                 "--enable-return-routed-experts (an MoE model)"
             )
+        # started for routes, the engine returns them for every request: sglang-router
+        # (0.3.2) drops return_routed_experts from the bodies it forwards
         if not ids or len(ids) >= self.max_context:
             raise ValueError(f"prompts need 1 to {self.max_context - 1} tokens, got {len(ids)}")
         requests = []

@@ -104,6 +104,13 @@ def append_response(
         sample.weight_versions.append(version)
     sample.status = STATUS_OF_FINISH[meta["finish_reason"]["type"]]
     sample.metadata["finish_reason"] = meta["finish_reason"]
+    if routed_experts_shape is not None and ids and "routed_experts" not in meta:
+        raise ValueError(
+            "the engine answered without meta_info routed_experts: start it with "
+            "--enable-return-routed-experts (an sglang-router that drops the request's "
+            "return_routed_experts, as 0.3.2 does, needs the embedded engine, which returns "
+            "them for every request)"
+        )
     if routed_experts_shape is not None and "routed_experts" in meta:
         num_layers, top_k = routed_experts_shape
         sample.routed_experts = decode_routes(
