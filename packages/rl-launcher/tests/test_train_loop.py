@@ -142,6 +142,11 @@ def test_cli_trains_checkpoints_and_resumes(tmp_path, capsys):
     state = json.loads((run_dir / "checkpoints/step_000003/state.json").read_text())
     assert state["step"] == 3 and state["data"]["num_drawn"] == 12
     assert (run_dir / "plots" / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # every engine (one per rl-train call) shut down cleanly: it let go of the trainer's
+    # kept weight buffer before the trainer (and torch's shared-memory manager) went away
+    engine_logs = [p.read_text() for p in (run_dir / "logs").glob("embedded-*.log")]
+    assert len(engine_logs) == 2 and all("shut down" in log for log in engine_logs)
+    assert not any("terminate called" in log or "Broken pipe" in log for log in engine_logs)
 
 
 def test_reinforce_pp_with_a_kl_shaped_reward(tmp_path):
