@@ -149,5 +149,18 @@ def _with_output_norm(module_class):
             assert bias is None, "GLM-4's projections have no output bias"
             return self.post_layernorm(output), None
 
+        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+            """megatron's MLP asks every child for its own sharded state dict, which a
+            torch norm has not: the norm's entries come from megatron's default instead."""
+            from megatron.core.transformer.utils import sharded_state_dict_default
+
+            norm = self._modules.pop("post_layernorm")
+            try:
+                state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+            finally:
+                self._modules["post_layernorm"] = norm
+            name = f"{prefix}post_layernorm."
+            return state | sharded_state_dict_default(norm, name, sharded_offsets, metadata)
+
     WithOutputNorm.__name__ = f"{module_class.__name__}WithOutputNorm"
     return WithOutputNorm
