@@ -30,12 +30,13 @@ SUPPORTED = [
     "mistral",
     "glm4",
     "deepseek_v3",
+    "deepseek_v3-yarn",
 ]
 TOLERANCE = {"fp32": {"max": 1e-5, "mean": 1e-6}, "bf16": {"max": 0.02, "mean": 0.003}}
 # DeepSeek-V3's sigmoid router picks 4 of 8 experts among near-equal scores (the tiny
 # model's router logits have std ~0.16): bf16 rounding flips a pick on a few tokens, which
 # moves their logits more than rounding alone (measured max 0.027, mean 0.0009; fp32 exact).
-BF16_ROUTING = {("deepseek_v3", "bf16"): {"max": 0.06}}
+BF16_ROUTING = {(f, "bf16"): {"max": 0.06} for f in ("deepseek_v3", "deepseek_v3-yarn")}
 
 
 @pytest.fixture(scope="module")
@@ -130,8 +131,31 @@ DEEPSEEK_REFUSED = {
     "attention_bias true": {"attention_bias": True},
     "norm_topk_prob false": {"norm_topk_prob": False},
     "num_experts_per_tok // topk_group = 1": {"num_experts_per_tok": 2},
-    "rope_type 'linear'": {"rope_parameters": {"rope_type": "linear", "factor": 2.0}},
+    "YaRN mscale_all_dim without mscale": {
+        "rope_parameters": {**tiny.DEEPSEEK_YARN, "mscale": None}
+    },
 }
+
+
+def test_deepseek_v3_rope_types_other_than_yarn_are_refused():
+    config = tiny.hf_config("deepseek_v3", rope_parameters={"rope_type": "linear", "factor": 2.0})
+    with pytest.raises(ValueError, match=r"deepseek_v3 with rope_type 'linear'.*default, yarn"):
+        model_shape(config)
+
+
+def test_yarn_changes_the_deepseek_v3_logits(family_dirs):
+    """A control for the yarn case: the same weights without YaRN give other logits."""
+    import copy
+
+    yarn = family_dirs["deepseek_v3-yarn"][1]
+    plain = copy.deepcopy(yarn)
+    plain.config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+    plain.model.rotary_emb.__init__(plain.config)
+    for layer in plain.model.layers:
+        layer.self_attn.__init__(plain.config, layer.self_attn.layer_idx)
+    plain.load_state_dict(yarn.state_dict())
+    batch = tiny.random_batch(LENGTHS, seed=3)
+    assert float((hf_logits(yarn, batch) - hf_logits(plain, batch)).abs().max()) > 1e-3
 
 
 @pytest.mark.parametrize("what", list(DEEPSEEK_REFUSED))

@@ -46,9 +46,23 @@ DEEPSEEK_V3 = dict(
 )
 
 
+# DeepSeek-V3's YaRN (its released factor is 40 over 4096 tokens) over 16 tokens here, so
+# that the scaled frequencies and attention factors act on the test rows
+DEEPSEEK_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+
+
 def hf_config(family: str, *, tie: bool = False, **overrides):
     """A tiny config (hidden 64, 2 layers, vocab 500) of ``family``: a model_type, or
-    ``llama3-rope`` (Llama 3.1's scaled rope)."""
+    ``llama3-rope`` (Llama 3.1's scaled rope), ``deepseek_v3-yarn``."""
     import transformers
 
     common = dict(
@@ -81,6 +95,7 @@ def hf_config(family: str, *, tie: bool = False, **overrides):
             head_dim=16, partial_rotary_factor=0.5, attention_bias=True, pad_token_id=None
         ),
         "deepseek_v3": DEEPSEEK_V3,
+        "deepseek_v3-yarn": DEEPSEEK_V3 | {"rope_parameters": DEEPSEEK_YARN},
         "gemma": dict(head_dim=16),
         "gemma2": dict(head_dim=16),
         "gemma3_text": dict(head_dim=16),
@@ -94,6 +109,7 @@ def hf_config(family: str, *, tie: bool = False, **overrides):
         "mistral": "MistralConfig",
         "glm4": "Glm4Config",
         "deepseek_v3": "DeepseekV3Config",
+        "deepseek_v3-yarn": "DeepseekV3Config",
         "gemma": "GemmaConfig",
         "gemma2": "Gemma2Config",
         "gemma3_text": "Gemma3TextConfig",
@@ -101,13 +117,16 @@ def hf_config(family: str, *, tie: bool = False, **overrides):
     return getattr(transformers, classes[family])(**{**common, **extra, **overrides})
 
 
-def save_tiny_model(directory: Path, family: str, *, tie: bool = False, seed: int = 0):
+def save_tiny_model(directory: Path, family: str, *, tie: bool = False, seed: int = 0, **overrides):
     """An fp32 HF model with random weights (norms and biases perturbed so that a wrong
-    mapping shows), saved as safetensors under ``directory``; returns it in eval mode."""
+    mapping shows), saved as safetensors under ``directory``; returns it in eval mode.
+    ``overrides``: config fields (as :func:`hf_config`'s)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(family, tie=tie), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(
+        hf_config(family, tie=tie, **overrides), dtype=torch.float32
+    )
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name or name.endswith("bias"):

@@ -79,10 +79,7 @@ def deepseek_fields(hf_config, rope: dict) -> dict:
 
 def _check_deepseek(hf_config, rope: dict) -> None:
     """Refuse what megatron's MLA and sigmoid router compute differently from HF."""
-    if rope["rope_type"] != "default":
-        raise _refuse(
-            hf_config, f"rope_type {rope['rope_type']!r} (only 'default' is wired to MLA)"
-        )
+    _check_yarn(hf_config, rope)
     if not getattr(hf_config, "rope_interleave", True):
         raise _refuse(hf_config, "rope_interleave false (megatron's MLA rope de-interleaves)")
     if hf_config.attention_bias:
@@ -101,6 +98,18 @@ def _check_deepseek(hf_config, rope: dict) -> None:
         )
 
 
+def _check_yarn(hf_config, rope: dict) -> None:
+    """Refuse YaRN settings where megatron's YaRN scales attention otherwise than HF's."""
+    if rope["rope_type"] != "yarn":
+        return
+    if rope.get("attention_factor") is not None:
+        raise _refuse(hf_config, "a YaRN attention_factor (megatron derives it from mscale)")
+    if not rope.get("truncate", True):
+        raise _refuse(hf_config, "YaRN truncate false (megatron rounds the correction range)")
+    if not rope.get("mscale") and rope.get("mscale_all_dim"):
+        raise _refuse(hf_config, "YaRN mscale_all_dim without mscale")
+
+
 def shape_fields(hf_config, rope: dict, *, tp_size: int = 1) -> dict:
     """The family's ModelShape fields ({} for the Llama-layout families)."""
     if hf_config.model_type == "glm4":
@@ -116,20 +125,38 @@ def shape_fields(hf_config, rope: dict, *, tp_size: int = 1) -> dict:
     return fields
 
 
-def mla_config_kwargs(shape, rotary_base: float) -> dict:
-    """MLATransformerConfig arguments of an MLA shape ({} otherwise)."""
+def mla_config_kwargs(shape, rope: dict) -> dict:
+    """MLATransformerConfig arguments of an MLA shape ({} otherwise); ``rope``:
+    :func:`shape.rope_parameters`."""
     if not shape.kv_lora_rank:
         return {}
-    return dict(
+    return _mla_rope_kwargs(rope) | dict(
         multi_latent_attention=True,
         q_lora_rank=shape.q_lora_rank or None,
         kv_lora_rank=shape.kv_lora_rank,
         qk_head_dim=shape.qk_nope_head_dim,
         qk_pos_emb_head_dim=shape.qk_rope_head_dim,
         v_head_dim=shape.v_head_dim,
-        rope_type="rope",
-        rotary_base=rotary_base,
     )
+
+
+def _mla_rope_kwargs(rope: dict) -> dict:
+    """megatron's rope settings for MLA: plain rope, or YaRN with HF's parameters (HF
+    takes mscale / mscale_all_dim only when both are set, otherwise the plain YaRN
+    attention factor, which megatron's mscale 1 / mscale_all_dim 0 give)."""
+    if rope["rope_type"] != "yarn":
+        return {"rope_type": "rope", "rotary_base": rope["rope_theta"]}
+    both = bool(rope.get("mscale") and rope.get("mscale_all_dim"))
+    return {
+        "rope_type": "yarn",
+        "rotary_base": rope["rope_theta"],
+        "rotary_scaling_factor": float(rope["factor"]),
+        "original_max_position_embeddings": int(rope["original_max_position_embeddings"]),
+        "beta_fast": float(rope.get("beta_fast") or 32.0),
+        "beta_slow": float(rope.get("beta_slow") or 1.0),
+        "mscale": float(rope["mscale"]) if both else 1.0,
+        "mscale_all_dim": float(rope["mscale_all_dim"]) if both else 0.0,
+    }
 
 
 def router_config_kwargs(shape) -> dict:

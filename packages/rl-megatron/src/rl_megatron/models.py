@@ -24,8 +24,8 @@ def rotary_inv_freq(hf_config) -> torch.Tensor | None:
     """HF's inverse rotary frequencies ``[head_dim / 2]`` float32 for a scaled rope type
     (``linear``, ``llama3``), None for ``default`` (megatron computes the same itself)."""
     params = rope_parameters(hf_config)
-    if params["rope_type"] == "default":
-        return None
+    if params["rope_type"] == "default" or model_shape(hf_config).kv_lora_rank:
+        return None  # megatron computes it (MLA: in each attention, default or YaRN)
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[params["rope_type"]](hf_config, "cpu")
@@ -92,7 +92,7 @@ def transformer_config(
         rotary_interleaved=shape.rotary_interleaved,
         **moe_config_kwargs(shape, ep_size=ep_size),
     )
-    mla = mla_config_kwargs(shape, rope_parameters(hf_config)["rope_theta"])
+    mla = mla_config_kwargs(shape, rope_parameters(hf_config))
     config_class = MLATransformerConfig if mla else TransformerConfig
     return config_class(**(defaults | mla | (options or {})))
 

@@ -22,6 +22,8 @@ VOCAB_MULTIPLE = 128
 # Rope types whose inverse frequencies are fixed and whose attention scale is 1: megatron's
 # rotary embedding takes them as a precomputed ``inv_freq`` (see models.rotary_inv_freq).
 STATIC_ROPE_TYPES = ("default", "linear", "llama3")
+# Rope types a family's own attention computes (DeepSeek-V3's MLA builds megatron's YaRN).
+FAMILY_ROPE_TYPES = {"deepseek_v3": ("default", "yarn")}
 # Families users bring that the local layer spec cannot reproduce, and why.
 _UNSUPPORTED = {
     "gemma": "scaled embeddings, (1 + weight) RMSNorm and a GeLU MLP",
@@ -125,10 +127,11 @@ def rope_parameters(hf_config) -> dict:
         or {}
     )
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in STATIC_ROPE_TYPES:
+    family_types = FAMILY_ROPE_TYPES.get(hf_config.model_type)
+    if rope_type not in (family_types or STATIC_ROPE_TYPES):
         raise ValueError(
             f"rl-megatron: {hf_config.model_type} with rope_type {rope_type!r} is not supported "
-            f"(supported: {', '.join(STATIC_ROPE_TYPES)}); use the FSDP backend"
+            f"(supported: {', '.join(family_types or STATIC_ROPE_TYPES)}); use the FSDP backend"
         )
     theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
     return {**params, "rope_type": rope_type, "rope_theta": float(theta or 10000.0)}
