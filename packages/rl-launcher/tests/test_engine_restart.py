@@ -1,10 +1,14 @@
-"""An engine SIGKILLed between two steps of a real run (Ray, an rl-fsdp training actor, two
-embedded engines behind the real sglang-router): the health monitor restarts it with the
-trainer's weights (and a frozen garbage collector), the next step still trains on a full
-batch, and the weight sync after it reaches both engines."""
+"""An engine SIGKILLed between two steps of a real run (Ray, an rl-fsdp training actor with
+rank-8 LoRA adapters synced alone, two embedded engines behind the real sglang-router): the
+health monitor restarts it, gives it the adapter of the current version under the name the
+other engine serves (it scores a sequence as that engine does) and a frozen garbage
+collector; the next step still trains on a full batch, and the sync after it reaches both
+engines."""
 
+import asyncio
 import os
 import signal
+import time
 
 import pytest
 from test_train_loop import shrunk
@@ -17,6 +21,29 @@ from rl_launcher.loops.rl import run_step
 from rl_launcher.session.start import start_run
 
 pytestmark = pytest.mark.integration
+RESTORE_WAIT_S = 120.0
+PROBE_IDS = [3, 11, 5, 14, 7, 2, 9, 12]  # teacher-forced: any ids of the quickstart's 16
+
+
+def restored_within(monitor, timeout_s: float) -> None:
+    """Until the monitor has restarted and restored an engine (or given up on one)."""
+    deadline = time.monotonic() + timeout_s
+    while not (monitor.events or monitor.errors) and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+async def scores(url: str, adapter: str | None) -> list[float]:
+    from rl_sglang.client import EngineClient
+
+    async with EngineClient(url, lora_path=adapter) as client:
+        return await client.prompt_logprobs(PROBE_IDS)
+
+
+async def weight_version(url: str) -> str:
+    from rl_sglang.client import EngineClient
+
+    async with EngineClient(url) as client:
+        return await client.weight_version()
 
 
 def test_killed_engine_is_restarted_and_the_run_goes_on(tmp_path):
@@ -31,6 +58,8 @@ def test_killed_engine_is_restarted_and_the_run_goes_on(tmp_path):
         "0.5",
         "--checkpoint.interval",
         "0",
+        "--model.lora_rank",
+        "8",  # model.lora_sync: adapter, the default
     )
     config, _ = load_config(shrunk(tmp_path / "run", *extra))
     run = start_run(config)
@@ -41,9 +70,16 @@ def test_killed_engine_is_restarted_and_the_run_goes_on(tmp_path):
         assert len(frozen) == 2 and all(a.startswith("Garbage collection frozen") for a in frozen)
         victim = run.rollout.engines.servers[1]
         os.kill(victim.process.pid, signal.SIGKILL)
-        metrics = run_step(run, buffer, 2, SyncFeed(run))
         monitor = run.rollout.engines.monitor
+        restored_within(monitor, RESTORE_WAIT_S)
         assert [event.url for event in monitor.events] == [victim.url], monitor.errors
+        # the restarted engine serves policy_v1 as the other engine does, not its base
+        other = run.rollout.engines.servers[0]
+        assert asyncio.run(weight_version(victim.url)) == "1"
+        adapted = asyncio.run(scores(victim.url, "policy_v1"))
+        assert adapted == pytest.approx(asyncio.run(scores(other.url, "policy_v1")), abs=1e-5)
+        assert adapted != pytest.approx(asyncio.run(scores(victim.url, None)), abs=1e-4)
+        metrics = run_step(run, buffer, 2, SyncFeed(run))
         assert run.rollout.engines.weight_versions() == ["2", "2"]  # the sync reached both
         assert metrics["sync/weight_version"] == 2.0
         step_2 = [r for r in data_order.read(config.logging.run_dir) if r["step"] == 2]

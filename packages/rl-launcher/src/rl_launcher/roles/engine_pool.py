@@ -26,7 +26,8 @@ rl-sglang's :class:`~rl_sglang.health.HealthMonitor` checks every engine each
 ``engine.health_interval_s`` seconds; a dead one is taken out of the router, restarted on
 its port (a placed engine through its own host actor, so in its own bundles), given the
 trainer's current weights (an HF export on disk, loaded with ``/update_weights_from_disk``
-at the pool's :attr:`~EnginePool.weight_version`) and only then put back. Requests that hit
+at the pool's :attr:`~EnginePool.weight_version`; with LoRA adapter sync, the current
+adapter under the name every request gives) and only then put back. Requests that hit
 it meanwhile are retried by the rollout on the other engines, and a weight sync waits until
 the restart is over (:meth:`~EnginePool.wait_for_restarts`). With ``distributed`` weight
 sync a restarted engine would be outside the trainer's weight-update group, and colocated
@@ -45,6 +46,7 @@ from typing import TYPE_CHECKING
 
 from rl_launcher.infra.colocation import engine_threads_env
 from rl_launcher.infra.lifetime import tie_to_this_process
+from rl_launcher.infra.weight_sync import sync_dir
 from rl_launcher.roles.engine_servers import engine_processes
 
 if TYPE_CHECKING:
@@ -208,25 +210,39 @@ class EnginePool:
         ).start()
 
     def _restore(self, engine, export: Callable[[str], bool]) -> None:
-        """Give a restarted ``engine`` the trainer's weights and the run's weight version."""
+        """Give a restarted ``engine`` what the others serve and the run's weight version:
+        the trainer's weights (an HF export), or with ``model.lora_sync: adapter`` the
+        current adapter over the base it restarted with (:func:`restore_adapter`)."""
+        from rl_launcher.roles.lora import restore_adapter, syncs_adapter
         from rl_sglang.client import EngineClient
 
-        path = Path(self.config.logging.run_dir) / "restore_weights"
-        if not export(str(path)):
-            return
-        version = str(self.weight_version)
+        version = self.weight_version
+        if syncs_adapter(self.config):
+            what = "adapter"
+            root = sync_dir(self.config, self.config.logging.run_dir)
 
-        async def load() -> str | None:
+            def load(client):
+                return restore_adapter(client, root, version)
+        else:
+            what = "weights"
+            path = Path(self.config.logging.run_dir) / "restore_weights"
+            if not export(str(path)):
+                return
+
+            def load(client):
+                return client.update_weights_from_disk(str(path), weight_version=str(version))
+
+        async def restore() -> str | None:
             async with EngineClient(engine.url, api_key=engine.api_key) as client:
-                await client.update_weights_from_disk(str(path), weight_version=version)
+                await load(client)
                 if self.config.engine.freeze_gc:  # as the loop did for the engines after step 1
                     return await freeze_gc(client)
             return None
 
-        if frozen := asyncio.run(load()):
+        if frozen := asyncio.run(restore()):
             print(f"rl-train: engine {engine.url}: {frozen}", file=sys.stderr, flush=True)
         print(
-            f"rl-train: engine {engine.url} restarted with the weights of version {version}",
+            f"rl-train: engine {engine.url} restarted with the {what} of version {version}",
             file=sys.stderr,
             flush=True,
         )

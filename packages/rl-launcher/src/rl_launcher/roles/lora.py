@@ -119,6 +119,15 @@ async def load_version(client, name: str, path: Path, version: str) -> None:
         await client.unload_lora_adapter(old)
 
 
+async def restore_adapter(client, root, version: int) -> None:
+    """A restarted engine, holding the base it started with, gets the adapter of
+    ``version`` from the sync directory ``root`` under the name the other engines serve it
+    by, and reports ``version``; version 0 (no sync yet) is the base itself."""
+    if version:
+        name = adapter_name(version)
+        await load_version(client, name, Path(root) / "lora" / name, str(version))
+
+
 def stale_adapters(loaded, *, keep: int) -> list[str]:
     """The run's adapter names in ``loaded`` but the ``keep`` newest versions."""
     versions = sorted(v for v in map(_version_of, loaded) if v is not None)
