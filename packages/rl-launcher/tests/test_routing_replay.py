@@ -30,6 +30,10 @@ BENCH = Path(__file__).resolve().parents[3] / "bench" / "routing_replay.py"
             [MOE, "algorithm.routing_replay=true", "rollout.source=buffer"],
             r"rollout\.source=buffer",
         ),
+        (
+            [MOE, "algorithm.routing_replay=true", "engine.kind=sglang", "cluster.device=cuda"],
+            r"sglang-router \(0\.3\.2\) drops",
+        ),
     ],
 )
 def test_routing_replay_is_refused_where_it_cannot_work(args, message):

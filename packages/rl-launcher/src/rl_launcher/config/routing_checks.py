@@ -21,6 +21,13 @@ def check_routing_replay(config: TrainConfig) -> None:
             f"algorithm.routing_replay=true replays an MoE model's expert choices, but the "
             f"policy (model_type {model_type!r}) is dense; set algorithm.routing_replay=false"
         )
+    if config.engine.kind == "sglang":
+        raise ValueError(
+            "algorithm.routing_replay=true needs each token's experts from the engines, and "
+            "SGLang returns them only to requests that ask return_routed_experts, a field the "
+            "pinned sglang-router (0.3.2) drops from the bodies it forwards; use "
+            "engine.kind=embedded (started for routes, it returns them to every request)"
+        )
     hf_routers = config.engine.kind == "embedded" or config.backend.name == "fsdp"
     if hf_routers and model_type not in HF_REPLAY_MODEL_TYPES:
         raise ValueError(

@@ -421,8 +421,9 @@ class AlgorithmConfig:
         "training passes (both backends; the given experts' weights come from the router's "
         "own softmax, so the router still trains); the KL reference routes on its own. "
         "Hugging Face families qwen3_moe, qwen2_moe, olmoe, mixtral. Refused on a dense "
-        "model, with rollout.source=buffer, and with megatron pipeline parallelism plus "
-        "activation recompute.",
+        "model, with engine.kind=sglang (the pinned sglang-router drops the request's "
+        "return_routed_experts), with rollout.source=buffer, and with megatron pipeline "
+        "parallelism plus activation recompute.",
     )
     max_nonfinite_steps: int = option(
         3,
