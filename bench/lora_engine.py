@@ -22,10 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
-
 from rl_sglang.engine.core import Engine
+from rl_sglang.engine.lora import random_adapter, save_peft_adapter
 from rl_sglang.tiny import byte_tokenizer, random_model, tiny_config
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -33,19 +31,8 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 def write_adapter(model, path: Path, rank: int, seed: int) -> str:
     """A PEFT directory of random rank-``rank`` adapters on every targeted Linear."""
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in TARGETS:
-            a = torch.randn(rank, module.in_features, generator=generator) * 0.05
-            b = torch.randn(module.out_features, rank, generator=generator) * 0.05
-            tensors[f"base_model.model.{name}.lora_A.weight"] = a
-            tensors[f"base_model.model.{name}.lora_B.weight"] = b
-    path.mkdir(parents=True)
-    save_file(tensors, str(path / "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank}
-    (path / "adapter_config.json").write_text(json.dumps(config))
-    return str(path)
+    adapter = random_adapter(model, rank=rank, targets=TARGETS, seed=seed, scale=0.05)
+    return save_peft_adapter(path, adapter, rank=rank, alpha=2 * rank)
 
 
 async def tokens_per_s(engine: Engine, body: dict, repeats: int) -> float:

@@ -5,16 +5,15 @@ an unloaded adapter is refused, and bad payloads get a 400 with the reason."""
 
 import asyncio
 import copy
-import json
 
 import pytest
 import torch
 from aiohttp import web
-from safetensors.torch import save_file
 
 from conftest import teacher_forced_logprobs
 from rl_sglang.client import EngineClient, EngineError
 from rl_sglang.embedded import make_app
+from rl_sglang.engine import lora
 from rl_sglang.engine.core import Engine
 from rl_sglang.tiny import byte_tokenizer, random_model, tiny_config
 
@@ -25,28 +24,11 @@ GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
 
 
 def random_adapter(model, seed: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """``module -> (A [r, in], B [out, r])`` for every targeted Linear (B non-zero)."""
-    generator = torch.Generator().manual_seed(seed)
-    adapter = {}
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in TARGETS:
-            a = torch.randn(RANK, module.in_features, generator=generator) * 0.3
-            b = torch.randn(module.out_features, RANK, generator=generator) * 0.3
-            adapter[name] = (a, b)
-    return adapter
+    return lora.random_adapter(model, rank=RANK, targets=TARGETS, seed=seed, scale=0.3)
 
 
 def write_peft(path, adapter) -> str:
-    """A PEFT LoRA directory of ``adapter`` (what rl-fsdp writes for the engines)."""
-    path.mkdir(parents=True)
-    config = {"peft_type": "LORA", "r": RANK, "lora_alpha": ALPHA, "target_modules": TARGETS}
-    (path / "adapter_config.json").write_text(json.dumps(config))
-    tensors = {}
-    for module, (a, b) in adapter.items():
-        tensors[f"base_model.model.{module}.lora_A.weight"] = a
-        tensors[f"base_model.model.{module}.lora_B.weight"] = b
-    save_file(tensors, str(path / "adapter_model.safetensors"))
-    return str(path)
+    return lora.save_peft_adapter(path, adapter, rank=RANK, alpha=ALPHA)
 
 
 def merged(model, adapter):
@@ -182,14 +164,11 @@ def test_bad_payloads_get_400_with_the_reason(base, adapters, tmp_path, path, bo
 
 def write_big(path, adapter) -> None:
     """A rank-16 PEFT adapter (over the engine's --max-lora-rank)."""
-    path.mkdir(parents=True)
-    config = {"peft_type": "LORA", "r": 16, "lora_alpha": 16}
-    (path / "adapter_config.json").write_text(json.dumps(config))
-    tensors = {}
-    for module, (a, b) in adapter.items():
-        tensors[f"base_model.model.{module}.lora_A.weight"] = torch.zeros(16, a.shape[1])
-        tensors[f"base_model.model.{module}.lora_B.weight"] = torch.zeros(b.shape[0], 16)
-    save_file(tensors, str(path / "adapter_model.safetensors"))
+    zeros = {
+        m: (torch.zeros(16, a.shape[1]), torch.zeros(b.shape[0], 16))
+        for m, (a, b) in adapter.items()
+    }
+    lora.save_peft_adapter(path, zeros, rank=16, alpha=16)
 
 
 def test_an_engine_without_lora_refuses_adapters(base, adapters):

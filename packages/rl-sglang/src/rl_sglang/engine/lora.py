@@ -5,6 +5,9 @@
     lora.use([lora.resolve("policy_v3"), None])  # the next forward's rows: adapter, base
     lora.unload("policy_v3")
 
+Tests and benchmarks make adapters with :func:`random_adapter` and write them with
+:func:`save_peft_adapter`.
+
 An adapter is a PEFT directory (``adapter_config.json`` + ``adapter_model.safetensors``,
 tensors named ``base_model.model.<module>.lora_A.weight`` ``[r, in]`` and ``lora_B.weight``
 ``[out, r]``). Each targeted ``nn.Linear`` of the base model gets a forward hook that adds,
@@ -73,6 +76,40 @@ def read_peft_adapter(name: str, path: str, device, dtype: torch.dtype) -> Adapt
     if not weights:
         raise ValueError(f"{path}: {WEIGHTS_FILE} holds no lora_A / lora_B tensors")
     return Adapter(name=name, path=str(path), rank=rank, scaling=scaling, weights=weights)
+
+
+def random_adapter(
+    model: nn.Module, *, rank: int, targets, seed: int, scale: float
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``module -> (A [r, in], B [out, r])`` of normal entries times ``scale`` for every
+    ``nn.Linear`` of ``model`` whose last name component is in ``targets`` (B non-zero,
+    unlike a fresh LoRA's, so it changes the outputs): adapters for tests and benchmarks."""
+    generator = torch.Generator().manual_seed(seed)
+    adapter = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in targets:
+            a = torch.randn(rank, module.in_features, generator=generator) * scale
+            b = torch.randn(module.out_features, rank, generator=generator) * scale
+            adapter[name] = (a, b)
+    return adapter
+
+
+def save_peft_adapter(path, adapter, *, rank: int, alpha: float) -> str:
+    """``adapter`` (``module -> (A, B)``) as a PEFT LoRA directory at ``path``, what
+    rl-fsdp writes for the engines; returns the path."""
+    from safetensors.torch import save_file
+
+    folder = Path(path)
+    folder.mkdir(parents=True)
+    targets = sorted({module.rsplit(".", 1)[-1] for module in adapter})
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": targets}
+    (folder / CONFIG_FILE).write_text(json.dumps(config))
+    tensors = {}
+    for module, (a, b) in adapter.items():
+        tensors[f"{PEFT_PREFIX}{module}.lora_A.weight"] = a.contiguous()
+        tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"] = b.contiguous()
+    save_file(tensors, str(folder / WEIGHTS_FILE))
+    return str(folder)
 
 
 def _rank_and_alpha(config: dict, path: str) -> tuple[int, float]:
