@@ -1,5 +1,6 @@
 """The two-rank gloo job of test_families.py: GLM-4 at TP=2 and PP=2, DeepSeek-V3 at
-TP=2 (sequence parallel, which megatron needs for MoE with TP) and EP=2, in one spawn.
+TP=2 (sequence parallel, which megatron needs for MoE with TP) and EP=2, and a dense
+DeepSeek-V3 (MLA only) at TP=2 without sequence parallel, in one spawn.
 
 Rank 0 saves what the parent compares against HF and its own one-rank results.
 """
@@ -14,6 +15,7 @@ from dist_job import LENGTHS, POLICY
 LAYOUTS = {
     "glm4": {"tp2": {"tp": 2}, "pp2": {"pp": 2, "max_tokens_per_micro_batch": 28}},
     "deepseek_v3": {"tp2+sp": {"tp": 2, "sequence_parallel": True}, "ep2": {"ep": 2}},
+    "deepseek_v3-dense": {"tp2": {"tp": 2}},
 }
 
 

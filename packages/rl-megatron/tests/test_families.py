@@ -31,6 +31,7 @@ SUPPORTED = [
     "glm4",
     "deepseek_v3",
     "deepseek_v3-yarn",
+    "deepseek_v3-dense",
 ]
 TOLERANCE = {"fp32": {"max": 1e-5, "mean": 1e-6}, "bf16": {"max": 0.02, "mean": 0.003}}
 # DeepSeek-V3's sigmoid router picks 4 of 8 experts among near-equal scores (the tiny
@@ -188,14 +189,15 @@ def test_deepseek_v3_mtp_layers_are_not_built_and_said_so(world1, family_dirs, c
 
 @pytest.fixture(scope="module")
 def layout_job(family_dirs, tmp_path_factory):
-    """GLM-4 at TP=2 and PP=2, DeepSeek-V3 at TP=2 (+SP) and EP=2: one two-rank spawn."""
+    """GLM-4 at TP=2 and PP=2, DeepSeek-V3 at TP=2 (+SP) and EP=2, a dense DeepSeek-V3
+    at TP=2 without SP: one two-rank spawn."""
     import torch.multiprocessing as mp
     from families_job import run
 
     from rl_core.distributed import free_port
 
     out = tmp_path_factory.mktemp("layouts") / "results.pt"
-    dirs = {family: str(family_dirs[family][0]) for family in ("glm4", "deepseek_v3")}
+    dirs = {family: str(family_dirs[family][0]) for family in LAYOUT_FAMILIES}
     mp.spawn(run, args=(2, free_port(), dirs, str(out)), nprocs=2, join=True)
     return torch.load(out, weights_only=False)
 
@@ -206,7 +208,7 @@ def one_rank_grads(world1, family_dirs):
     from dist_job import LENGTHS, POLICY
 
     grads = {}
-    for family in ("glm4", "deepseek_v3"):
+    for family in LAYOUT_FAMILIES:
         backend = MegatronBackend(MegatronConfig(hf_path=family_dirs[family][0], **POLICY))
         backend.forward_backward(tiny.random_batch(LENGTHS, seed=11))
         grads[family] = backend.hf_gradients()
@@ -218,7 +220,9 @@ LAYOUT_CASES = [
     ("glm4", "pp2"),
     ("deepseek_v3", "tp2+sp"),
     ("deepseek_v3", "ep2"),
+    ("deepseek_v3-dense", "tp2"),  # MLA without SP: the rope key's gradient summed over TP
 ]
+LAYOUT_FAMILIES = sorted({family for family, _ in LAYOUT_CASES})
 
 
 @pytest.mark.integration

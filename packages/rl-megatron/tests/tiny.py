@@ -96,6 +96,7 @@ def hf_config(family: str, *, tie: bool = False, **overrides):
         ),
         "deepseek_v3": DEEPSEEK_V3,
         "deepseek_v3-yarn": DEEPSEEK_V3 | {"rope_parameters": DEEPSEEK_YARN},
+        "deepseek_v3-dense": DEEPSEEK_V3 | {"first_k_dense_replace": 3},  # MLA, no experts
         "gemma": dict(head_dim=16),
         "gemma2": dict(head_dim=16),
         "gemma3_text": dict(head_dim=16),
@@ -110,6 +111,7 @@ def hf_config(family: str, *, tie: bool = False, **overrides):
         "glm4": "Glm4Config",
         "deepseek_v3": "DeepseekV3Config",
         "deepseek_v3-yarn": "DeepseekV3Config",
+        "deepseek_v3-dense": "DeepseekV3Config",
         "gemma": "GemmaConfig",
         "gemma2": "Gemma2Config",
         "gemma3_text": "Gemma3TextConfig",

@@ -53,6 +53,8 @@ def deepseek_fields(hf_config, rope: dict) -> dict:
         hf_config.topk_group or 1,
     )
     limited = group_topk < groups  # otherwise every group is kept: plain top-k
+    dense = min(hf_config.first_k_dense_replace or 0, hf_config.num_hidden_layers)
+    moe = dense < hf_config.num_hidden_layers  # else no layer has experts
     return {
         "num_kv_heads": hf_config.num_attention_heads,
         "head_dim": hf_config.qk_nope_head_dim + hf_config.qk_rope_head_dim,
@@ -61,14 +63,12 @@ def deepseek_fields(hf_config, rope: dict) -> dict:
         "qk_nope_head_dim": hf_config.qk_nope_head_dim,
         "qk_rope_head_dim": hf_config.qk_rope_head_dim,
         "v_head_dim": hf_config.v_head_dim,
-        "num_experts": hf_config.n_routed_experts,
+        "num_experts": hf_config.n_routed_experts if moe else 0,
         "moe_ffn_hidden_size": hf_config.moe_intermediate_size,
         "moe_topk": topk,
         "norm_topk_prob": bool(hf_config.norm_topk_prob),
         "shared_ffn_hidden_size": hf_config.moe_intermediate_size * hf_config.n_shared_experts,
-        "first_dense_layers": min(
-            hf_config.first_k_dense_replace or 0, hf_config.num_hidden_layers
-        ),
+        "first_dense_layers": dense,
         "router_score": "sigmoid",
         "router_groups": groups if limited else 0,
         "router_group_topk": group_topk if limited else 0,

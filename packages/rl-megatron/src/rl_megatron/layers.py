@@ -102,7 +102,7 @@ class LatentDownProjection(torch.nn.Module):
     Each rank's heads use the whole rope key, so its gradient is a per-rank part: with
     sequence parallel megatron's sequence gather sums it (and the weight, which then saw
     part of the sequence, is marked ``sequence_parallel``); without it the rope channels
-    pass through ``copy_to_tensor_model_parallel_region`` (identity, gradient summed)."""
+    pass through :class:`_SumGradOverTP`."""
 
     def __init__(self, config):
         super().__init__()
@@ -117,11 +117,28 @@ class LatentDownProjection(torch.nn.Module):
     def forward(self, hidden):
         out = torch.nn.functional.linear(hidden, self.weight)
         if self.sum_rope_grad:
-            from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
-
             latent, rope = out.split([out.shape[-1] - self.rope_channels, self.rope_channels], -1)
-            out = torch.cat([latent, copy_to_tensor_model_parallel_region(rope)], dim=-1)
+            out = torch.cat([latent, _SumGradOverTP.apply(rope)], dim=-1)
         return out, None
+
+
+class _SumGradOverTP(torch.autograd.Function):
+    """Identity whose gradient is summed over the TP group. megatron's
+    ``copy_to_tensor_model_parallel_region`` all-reduces ``grad.contiguous()`` and returns
+    ``grad``: a non-contiguous gradient (a slice of the cat above) would stay unsummed."""
+
+    @staticmethod
+    def forward(ctx, tensor):
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        summed = grad.contiguous()
+        dist.all_reduce(summed, group=ps.get_tensor_model_parallel_group())
+        return summed
 
 
 class LatentRMSNorm(RMSNorm):
