@@ -40,4 +40,6 @@ def model_dirs(tmp_path_factory):
     for name, (family, tie, seed) in specs.items():
         directory = root / name
         dirs[name] = (directory, tiny.save_tiny_model(directory, family, tie=tie, seed=seed))
+    deep = root / "qwen3-4layers"  # two layers per stage at pp=2: one per virtual stage
+    dirs["qwen3-4layers"] = (deep, tiny.save_tiny_model(deep, "qwen3", seed=6, num_hidden_layers=4))
     return dirs

@@ -60,8 +60,20 @@ def test_fields_the_backend_sets_are_refused_naming_the_option():
         split_options({"overlap_grad_reduce": True})  # megatron's DDP is not what runs here
 
 
+def test_virtual_pipeline_stages_set_the_backends_vpp(model_dirs):
+    options = split_options({"virtual_pipeline_model_parallel_size": 2})
+    assert (options.routed, options.transformer) == ({"vpp": 2}, {})
+    path = model_dirs["qwen3"][0]
+    assert (
+        MegatronConfig(hf_path=path, pp=2, megatron={"virtual_pipeline_model_parallel_size": 2}).vpp
+        == 2
+    )
+    with pytest.raises(ValueError, match=r"vpp=2 .* needs pp > 1"):
+        MegatronConfig(hf_path=path, vpp=2)
+    with pytest.raises(ValueError, match=r"vpp=2 .* dense models only"):
+        MegatronConfig(hf_path=model_dirs["qwen3-moe"][0], pp=2, vpp=2)
+
+
 def test_features_the_backend_does_not_run_are_refused_saying_why():
-    with pytest.raises(ValueError, match=r"interleaved pipeline schedule is not implemented"):
-        split_options({"virtual_pipeline_model_parallel_size": 2})  # would split layers wrongly
     with pytest.raises(ValueError, match=r"'fp8' is not supported .* Transformer Engine"):
         split_options({"fp8": "hybrid"})

@@ -264,3 +264,30 @@ def test_dp2_good_step_after_skips_equals_the_run_without_them(job, precision):
     assert got["same_as_reference"]
     assert got["good"][1]["train/nonfinite_skipped"] == 0.0
     assert got["good"][1]["loss/total"] == got["expected"][1]["loss/total"]
+
+
+def test_pp2_with_two_virtual_stages_equals_one_rank(job, world1, model_dirs):
+    """Interleaved 1F1B over two model chunks per stage: loss, gradients, grad norm and
+    log-probs of the unsplit four-layer model; export and checkpoints as without chunks."""
+    got = job["vpp2"]
+    assert got["layers"] == [[1], [3]]  # rank 0's chunks: global layers 1 and 3 (1-based)
+    assert got["micro_batches"] == 3  # run as four: the interleaved schedule needs a multiple of pp
+    path = model_dirs["qwen3-4layers"][0]
+    backend = MegatronBackend(MegatronConfig(hf_path=path, **POLICY))
+    batch = tiny.random_batch(LENGTHS, seed=11)
+    torch.testing.assert_close(
+        got["log_probs"], backend.compute_log_probs(batch), atol=1e-5, rtol=0
+    )
+    metrics = backend.forward_backward(batch)
+    for key in ("loss/total", "loss/pg", "actor/entropy", "pg/clipfrac"):
+        assert got["metrics"][key] == pytest.approx(metrics[key], abs=1e-5), key
+    expected = backend.hf_gradients()
+    assert set(got["grads"]) == set(expected)
+    for hf_name, grad in expected.items():
+        torch.testing.assert_close(got["grads"][hf_name], grad, atol=1e-5, rtol=1e-4, msg=hf_name)
+    full_norm = torch.stack([g.norm() for g in expected.values()]).norm()
+    assert got["grad_norm"] == pytest.approx(float(full_norm), rel=1e-5)
+    original = tiny.hf_files(path)
+    assert set(got["exported"]) == set(original)
+    assert all(torch.equal(got["exported"][n], original[n]) for n in original)
+    assert got["reloaded_equal"] and got["resumed_equal"] and got["loads_without_vpp"]

@@ -102,9 +102,11 @@ class MegatronBackend(WeightsAndStateMixin):
             self.shape = replace(self.shape, tie_embeddings=False)
         if self.shape.num_experts and config.tp > 1 and not config.sequence_parallel:
             raise ValueError("megatron needs sequence_parallel=True for MoE models with tp > 1")
-        self.model = self._build_model()
-        freeze_by_hf_name(self.model, self.shape, self.layout, config.train_only, config.freeze)
-        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self.chunks = self._build_chunks()  # this stage's model chunks (vpp of them)
+        self.model = self.chunks[0]  # the model (with vpp > 1: its first chunk)
+        for chunk in self.chunks:
+            freeze_by_hf_name(chunk, self.shape, self.layout, config.train_only, config.freeze)
+        named = [(n, p) for n, p in self._named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
         self.expert_params = [p for n, p in named if ".mlp.experts." in n]
         self.optimizer = optim.make_optimizer(self.params, config, self.layout, self.dp_cp_group)
@@ -115,7 +117,24 @@ class MegatronBackend(WeightsAndStateMixin):
         self.step = 0
         self.pipeline_stats: dict = {}  # pp > 1: the last step's schedule (peak_held)
 
-    def _build_model(self):
+    def _build_chunks(self) -> list:
+        """One model per virtual pipeline stage of this rank (one without vpp)."""
+        vpp, options = self.config.vpp, self.config.megatron_options().transformer
+        if vpp == 1:
+            return [self._build_model(options)]
+        # batch_p2p_comm off: megatron's batched exchange posts a stage's two receives from
+        # one peer (pp=2) in the opposite order of that peer's sends; the unbatched one
+        # keeps the two directions on two process groups
+        virtual = {"virtual_pipeline_model_parallel_size": vpp, "batch_p2p_comm": False}
+        return [self._build_model(options | virtual, vp_stage=c) for c in range(vpp)]
+
+    def _named_parameters(self):
+        """``(name, parameter)`` over the model chunks (:func:`pipeline.chunk_key` names)."""
+        for index, chunk in enumerate(self.chunks):
+            for name, param in chunk.named_parameters():
+                yield pipeline.chunk_key(index, name), param
+
+    def _build_model(self, options: dict, vp_stage: int | None = None):
         build = build_critic_model if self.config.critic else build_gpt_model
         self.route_replay = self._route_replay()  # MoE: the batch's routed_experts (R3)
         model = build(
@@ -127,7 +146,8 @@ class MegatronBackend(WeightsAndStateMixin):
             sequence_parallel=self.config.sequence_parallel,
             dtype=DTYPES[self.config.precision],
             swiglu_fusion=self.config.swiglu_fusion and self._swiglu_fusion_works(),
-            options=self.config.megatron_options().transformer,
+            options=options,
+            vp_stage=vp_stage,
         )
         load_hf_weights(model, SafetensorsReader(self.config.hf_path), self.shape, self.layout)
         return model.to(self.device)
@@ -135,6 +155,7 @@ class MegatronBackend(WeightsAndStateMixin):
     def _swiglu_fusion_works(self) -> bool:
         width = 2 * (self.shape.moe_ffn_hidden_size or self.shape.ffn_hidden_size) // self.config.tp
         return fused_swiglu_works(self.device, DTYPES[self.config.precision], width)
+
     def _route_replay(self) -> RouteReplay:
         """Replay of rollout routes on the policy's routers (routing_replay.py)."""
         layout = self.layout
@@ -146,7 +167,6 @@ class MegatronBackend(WeightsAndStateMixin):
             tp_rank=layout.tp_rank,
             enabled=not self.config.critic,
         )
-
 
     @property
     def data_rank(self) -> int:
@@ -175,24 +195,32 @@ class MegatronBackend(WeightsAndStateMixin):
     def _min_shape(self, part: TrainBatch) -> tuple[int, int]:
         """``[B, T]`` every EP rank pads ``part`` to (their common one; (0, 0) without EP).
         A collective over the EP group: EP peers call it for the same micro-batches."""
-        if self.layout.ep_size == 1:
-            return (0, 0)
+        if self.layout.ep_size == 1:  # an empty (padding) micro-batch: one row of padding
+            return (0, 0) if part.num_seqs else (1, self._multiple())
         local = padded_shape(part.cu_seqlens, self._multiple())
         return ep_common_shape(local, self.ep_group, self.device)
 
-    def _stage_inputs(self, parts: list[TrainBatch]) -> list[pipeline.ModelInputs]:
+    def _stage_inputs(
+        self, parts: list[TrainBatch], *, same_shape: bool = False
+    ) -> list[pipeline.ModelInputs]:
         """Each part's model inputs for the pipeline, computed (with the EP collectives)
-        before the schedule starts: this CP rank's zigzag part of the padded rows."""
+        before the schedule starts: this CP rank's zigzag part of the padded rows;
+        ``same_shape``: all padded to the largest rows and width (megatron's interleaved
+        schedule sends one activation shape)."""
+        shapes = [self._min_shape(part) for part in parts]
+        if same_shape:
+            sizes = shapes + [padded_shape(p.cu_seqlens, self._multiple()) for p in parts]
+            shapes = [tuple(max(size[d] for size in sizes) for d in (0, 1))] * len(parts)
         return [
             model_inputs(
                 part.tokens,
                 part.cu_seqlens,
                 multiple=self._multiple(),
-                min_shape=self._min_shape(part),
+                min_shape=shape,
                 cp_size=self.layout.cp_size,
                 cp_rank=self.layout.cp_rank,
             )
-            for part in parts
+            for part, shape in zip(parts, shapes, strict=True)
         ]
 
     def _head(self, part: TrainBatch, logits, held, *, with_entropy: bool):
@@ -219,7 +247,8 @@ class MegatronBackend(WeightsAndStateMixin):
     @torch.no_grad()
     def _forward_all(self, batch: TrainBatch) -> torch.Tensor:
         """Per-token outputs ``[N]`` of the whole batch (every rank gets all of them)."""
-        self.model.eval()
+        for chunk in self.chunks:
+            chunk.eval()
         bounds = batch.cu_seqlens.tolist()
         groups = self._micro_batches(batch.seq_lengths())
         batch = batch.to(self.device)
@@ -246,14 +275,7 @@ class MegatronBackend(WeightsAndStateMixin):
             return output.sum() * 0.0, {"output": output, "held": held}
 
         self.route_replay.feed(batch, groups)
-        parts = [batch.select(group) for group in groups]
-        reduced = pipeline.run_schedule(
-            self.model,
-            parts,
-            inputs=self._stage_inputs(parts),
-            loss_fn=outputs,
-            forward_only=True,
-        )
+        reduced = self._run_pipeline(batch, groups, outputs, forward_only=True)
         for group, item in zip(groups, reduced, strict=False):
             yield group, item["output"], item["held"]
 
@@ -280,7 +302,7 @@ class MegatronBackend(WeightsAndStateMixin):
         on the host, like the ones read from ``ref_path``)."""
         if self.ref_shards is None:
             raise ValueError("update_reference needs a reference: MegatronConfig.ref_path")
-        params = dict(self.model.named_parameters())
+        params = dict(self._named_parameters())
         self.ref_shards = {
             name: params[name].detach().to("cpu", copy=True) for name in self.ref_shards
         }
@@ -288,7 +310,12 @@ class MegatronBackend(WeightsAndStateMixin):
 
     def _read_reference(self, hf_dir) -> dict[str, torch.Tensor]:
         """This rank's shards of the HF weights in ``hf_dir``, on the host."""
-        return read_shards(self.model, SafetensorsReader(hf_dir), self.shape, self.layout)
+        reader = SafetensorsReader(hf_dir)
+        return {
+            pipeline.chunk_key(index, name): shard
+            for index, chunk in enumerate(self.chunks)
+            for name, shard in read_shards(chunk, reader, self.shape, self.layout).items()
+        }
 
     def save_checkpoint(self, path: Path) -> None:
         """The distributed checkpoint, and a reference :meth:`update_reference` refreshed
@@ -308,7 +335,7 @@ class MegatronBackend(WeightsAndStateMixin):
 
     @contextlib.contextmanager
     def _swapped_weights(self, shards: dict[str, torch.Tensor]):
-        params = dict(self.model.named_parameters())
+        params = dict(self._named_parameters())
         saved = {name: params[name].data for name in shards}
         try:
             for name, shard in shards.items():  # kept in the file's dtype, cast here
@@ -350,7 +377,8 @@ class MegatronBackend(WeightsAndStateMixin):
         batch = self._with_denominators(batch)
         groups = self._micro_batches(batch.seq_lengths())  # before the copy: no device sync
         batch = batch.to(self.device)
-        self.model.train()
+        for chunk in self.chunks:
+            chunk.train()
         if self.config.pp > 1:
             metrics = self._pipeline_forward_backward(batch, groups)
         else:
@@ -377,6 +405,7 @@ class MegatronBackend(WeightsAndStateMixin):
         return actor_loss(self.config, part, first, entropy)
 
         self.route_replay.feed(batch, groups)
+
     def _pipeline_forward_backward(self, batch: TrainBatch, groups) -> dict[str, float]:
         def stage_loss(part, logits, held):
             first, entropy = self._head(
@@ -384,21 +413,38 @@ class MegatronBackend(WeightsAndStateMixin):
             )
             return self._loss(part, first, entropy, held)
 
-        parts = [batch.select(group) for group in groups]
-        reduced = pipeline.run_schedule(
-            self.model,
-            parts,
-            inputs=self._stage_inputs(parts),
-            loss_fn=stage_loss,
-            forward_only=False,
-            schedule=self.config.pp_schedule,
-            stats=self.pipeline_stats,
-        )
+        reduced = self._run_pipeline(batch, groups, stage_loss, forward_only=False)
         metrics: dict[str, float] = defaultdict(float)
         for part_metrics in reduced:
             for key, value in part_metrics.items():
                 metrics[key] += value
         return pipeline.broadcast_from_last_stage(dict(metrics))
+
+    def _run_pipeline(self, batch: TrainBatch, groups, loss_fn, *, forward_only: bool):
+        """The last stage's per-micro-batch metrics of the pipeline schedule: the backend's
+        own 1F1B / GPipe, or with vpp > 1 megatron's interleaved one over the model chunks
+        (micro-batches of one padded shape, their count made a multiple of pp with empty
+        ones)."""
+        parts = [batch.select(group) for group in groups]
+        if self.config.vpp == 1:
+            return pipeline.run_schedule(
+                self.model,
+                parts,
+                inputs=self._stage_inputs(parts),
+                loss_fn=loss_fn,
+                forward_only=forward_only,
+                schedule=self.config.pp_schedule,
+                stats=self.pipeline_stats,
+            )
+        stages = self.config.pp
+        parts += [batch.select([])] * (max(1, -(-len(parts) // stages)) * stages - len(parts))
+        return pipeline.run_interleaved(
+            self.chunks,
+            parts,
+            inputs=self._stage_inputs(parts, same_shape=True),
+            loss_fn=loss_fn,
+            forward_only=forward_only,
+        )
 
     def _reduce_grads(self) -> None:
         """Dense grads summed over DP×CP, expert grads over expert-DP, partial replicas over TP."""
@@ -406,12 +452,14 @@ class MegatronBackend(WeightsAndStateMixin):
         dense = [p for p in self.params if id(p) not in expert_ids]
         optim.all_reduce_grads(dense, self.dp_cp_group)
         optim.all_reduce_grads(self.expert_params, self.expert_dp_group)
-        optim.all_reduce_grads(optim.tp_partial_params(self.model), self.tp_group)
+        for chunk in self.chunks:
+            optim.all_reduce_grads(optim.tp_partial_params(chunk), self.tp_group)
         if self.config.pp > 1 and self.shape.tie_embeddings:  # first-stage and last-stage copies
             from megatron.core import parallel_state as ps
 
             if ps.is_rank_in_embedding_group():
-                weight = self.model.shared_embedding_or_output_weight()
+                holder = self.chunks[0] if self.chunks[0].pre_process else self.chunks[-1]
+                weight = holder.shared_embedding_or_output_weight()
                 optim.all_reduce_grads([weight], ps.get_embedding_group())
 
     def grad_norm(self) -> float:
@@ -426,8 +474,8 @@ class MegatronBackend(WeightsAndStateMixin):
 
     def _norm_params(self) -> list[torch.nn.Parameter]:
         """Every parameter once: the last stage's copy of tied embeddings is left out."""
-        if self.config.pp > 1 and self.shape.tie_embeddings and self.model.post_process:
-            replica = self.model.output_layer.weight
+        if self.config.pp > 1 and self.shape.tie_embeddings and self.chunks[-1].post_process:
+            replica = self.chunks[-1].output_layer.weight
             return [p for p in self.params if p is not replica]
         return self.params
 
@@ -455,13 +503,14 @@ def _parallel_layout(config: MegatronConfig):
 
     if ps.model_parallel_is_initialized():
         layout = current_layout()
-        sizes = (layout.tp_size, layout.pp_size, layout.cp_size, layout.ep_size)
-        if sizes == (config.tp, config.pp, config.cp, config.ep):
+        sizes = (layout.tp_size, layout.pp_size, layout.cp_size, layout.ep_size, layout.vpp_size)
+        if sizes == (config.tp, config.pp, config.cp, config.ep, config.vpp):
             return layout
     return initialize_parallel(
         tp=config.tp,
         pp=config.pp,
         cp=config.cp,
+        vpp=config.vpp,
         ep=config.ep,
         seed=config.seed,
         device=config.device,

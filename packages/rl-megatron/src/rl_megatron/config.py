@@ -51,6 +51,11 @@ class MegatronConfig:
     pp_schedule: str = "1f1b"
     """Pipeline schedule with pp > 1: "1f1b" (at most pp micro-batches' activations held
     per stage) or "gpipe" (all forwards, then all backwards)."""
+    vpp: int = 1
+    """Model chunks per pipeline stage (megatron's ``virtual_pipeline_model_parallel_size``,
+    also settable through :attr:`megatron`): with vpp > 1 each stage holds ``vpp``
+    non-adjacent runs of layers and megatron-core's interleaved 1F1B schedule runs them
+    (``pp_schedule`` is not used); dense models, layers divisible by pp · vpp."""
     cp: int = 1
     """Context-parallel size: each sequence split zigzag over cp ranks (token-level losses
     only: ppo or cispo with token-mean or seq-mean-token-sum aggregation)."""
@@ -127,7 +132,7 @@ class MegatronConfig:
             self.swiglu_fusion = self.device == "cuda"
         for name, value in self.megatron_options().routed.items():
             setattr(self, name, value)
-        _positive(tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep)
+        _positive(tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, vpp=self.vpp)
         _positive(max_tokens_per_micro_batch=self.max_tokens_per_micro_batch)
         _positive(lr=self.lr, logprob_chunk_size=self.logprob_chunk_size)
         check_schedule(
@@ -140,6 +145,13 @@ class MegatronConfig:
             raise ValueError(f"clip_grad must be >= 0 (0 disables), got {self.clip_grad}")
         if self.cp > 1:
             self._check_context_parallel()
+        if self.vpp > 1 and self.pp == 1:
+            raise ValueError(
+                f"vpp={self.vpp} (virtual pipeline stages) splits each pipeline stage; it "
+                "needs pp > 1: set pp, or vpp=1"
+            )
+        if self.vpp > 1:
+            self._check_virtual_stages()
         if self.pp_schedule not in ("1f1b", "gpipe"):
             raise ValueError(f"pp_schedule must be '1f1b' or 'gpipe', got {self.pp_schedule!r}")
 
@@ -153,6 +165,18 @@ class MegatronConfig:
     def role(self) -> str:
         """ "policy", "sft" (the objective's mode) or "critic": what the model is trained as."""
         return "critic" if self.critic else self.objective.mode
+
+    def _check_virtual_stages(self) -> None:
+        """Virtual pipeline stages run dense models only (EP's per-micro-batch shapes are
+        not carried into megatron's interleaved schedule)."""
+        from rl_megatron.shape import model_shape
+        from rl_megatron.weights import hf_config_of
+
+        if model_shape(hf_config_of(self.hf_path), tp_size=self.tp).num_experts:
+            raise ValueError(
+                f"vpp={self.vpp} (virtual pipeline stages) runs dense models only, and "
+                f"{self.hf_path} is a mixture-of-experts model: train it with vpp=1"
+            )
 
     def _check_context_parallel(self) -> None:
         """Under CP a rank sees part of each sequence: only per-token sums add up."""

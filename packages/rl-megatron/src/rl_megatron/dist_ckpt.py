@@ -20,6 +20,7 @@ from dataclasses import replace
 import torch
 
 from rl_megatron import optim
+from rl_megatron.pipeline import chunk_key
 
 
 def _fp32_weights(backend) -> list[torch.Tensor]:
@@ -56,7 +57,11 @@ def sharded_state(backend, *, for_load: bool = False) -> tuple[dict, dict]:
     """``(sharded state dict, targets)``: the state of ``backend``, and where each loaded
     tensor goes (``targets["model"][local key] = fp32 tensor``, ``targets["optimizer"]
     [index][slot] = state tensor``). ``for_load``: empty AdamW state is created first."""
-    model_state = backend.model.sharded_state_dict()
+    model_state = {  # megatron's keys are global (layer offsets of each chunk included)
+        chunk_key(index, key): value
+        for index, chunk in enumerate(backend.chunks)
+        for key, value in chunk.sharded_state_dict().items()
+    }
     fp32 = {id(p): w for p, w in zip(backend.params, _fp32_weights(backend), strict=True)}
     sharded_by_param, model_targets = {}, {}
     for key, value in model_state.items():

@@ -37,7 +37,7 @@ def hf_tensors(
     if _world(pp_group) == 1:
         yield from stage_tensors(model, shape, grads=grads, on_device=on_device)
         return
-    device = next(model.parameters()).device
+    device = next((model[0] if isinstance(model, list) else model).parameters()).device
     for src in dist.get_process_group_ranks(pp_group):
         source = src == dist.get_rank()
         mine = list(stage_tensors(model, shape, grads=grads, on_device=on_device)) if source else []
@@ -59,8 +59,12 @@ def stage_tensors(
     """``(hf_name, full tensor)`` for every HF weight, in model order (detached copies, on
     CPU unless ``on_device``);
     ``grads=True`` gives the parameters' gradients (fp32 main grads under bf16) in the same
-    HF layout instead.
+    HF layout instead. ``model`` may be a stage's list of model chunks (virtual pipeline).
     Dense weights are gathered over TP; expert weights over expert-TP, then over EP."""
+    if isinstance(model, list):
+        for chunk in model:
+            yield from stage_tensors(chunk, shape, grads=grads, on_device=on_device)
+        return
     tp_group, etp_group, ep_group = _groups()
     offset = layer_offset(model)
     local_experts = shape.num_experts // _world(ep_group) if shape.num_experts else 0

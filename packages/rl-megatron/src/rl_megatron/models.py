@@ -108,9 +108,12 @@ def build_gpt_model(
     dtype: torch.dtype = torch.float32,
     swiglu_fusion: bool = False,
     options: dict | None = None,
+    vp_stage: int | None = None,
 ):
     """A ``GPTModel`` shard for this rank; weights uninitialised (load them with
-    :func:`rl_megatron.weights.load_hf_weights`); ``options`` as in :func:`transformer_config`."""
+    :func:`rl_megatron.weights.load_hf_weights`); ``options`` as in :func:`transformer_config`.
+    ``vp_stage``: which of this stage's model chunks (``options`` then sets
+    ``virtual_pipeline_model_parallel_size``): its layers, embedding and head follow."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
@@ -133,12 +136,15 @@ def build_gpt_model(
     model = GPTModel(
         config=config,
         transformer_layer_spec=block_spec(
-            shape, get_num_layers_to_build(config), get_transformer_layer_offset(config)
+            shape,
+            get_num_layers_to_build(config, vp_stage=vp_stage),
+            get_transformer_layer_offset(config, vp_stage),
         ),
         vocab_size=shape.padded_vocab_size,
         max_sequence_length=hf_config.max_position_embeddings,
-        pre_process=_first_stage(pp_size),
-        post_process=_last_stage(pp_size),
+        pre_process=_first_stage(pp_size) and not vp_stage,
+        post_process=_last_stage(pp_size) and _last_chunk(config, vp_stage),
+        vp_stage=vp_stage,
         share_embeddings_and_output_weights=shape.tie_embeddings,
         position_embedding_type="rope",
         rotary_base=rope_parameters(hf_config)["rope_theta"],
@@ -161,6 +167,10 @@ def _last_stage(pp_size: int) -> bool:
     from megatron.core import parallel_state as ps
 
     return pp_size == 1 or ps.is_pipeline_last_stage()
+
+
+def _last_chunk(config, vp_stage: int | None) -> bool:
+    return vp_stage is None or vp_stage == config.virtual_pipeline_model_parallel_size - 1
 
 
 def _mark_tensor_parallel(model) -> None:
@@ -201,6 +211,7 @@ def build_critic_model(
     dtype: torch.dtype = torch.float32,
     swiglu_fusion: bool = False,
     options: dict | None = None,
+    vp_stage: int | None = None,
 ):
     """A ``GPTModel`` whose LM head is a :class:`ValueHead` (outputs ``[b, s, 1]``; with
     pipeline stages, on the last one)."""
@@ -218,6 +229,7 @@ def build_critic_model(
         dtype=dtype,
         swiglu_fusion=swiglu_fusion,
         options=options,
+        vp_stage=vp_stage,
     )
     if model.post_process:  # the last pipeline stage (every rank without pp)
         model.output_layer = ValueHead(

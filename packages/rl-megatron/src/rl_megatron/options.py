@@ -67,7 +67,7 @@ OWNED: dict[str, str | None] = {
     **dict.fromkeys(
         (
             "calculate_per_token_loss",  # losses carry global denominators
-            "variable_seq_lengths",  # False: rl_megatron.pipeline exchanges no shapes
+            "variable_seq_lengths",  # False: every stage knows each activation shape
             "use_cpu_initialization",  # weights are loaded into each shard
             "perform_initialization",
             "gradient_accumulation_fusion",  # needs megatron DDP's main_grad buffers
@@ -83,14 +83,15 @@ OWNED: dict[str, str | None] = {
 }
 # TransformerConfig fields whose feature this backend does not run: refused, saying why
 UNSUPPORTED = {
-    "virtual_pipeline_model_parallel_size": "the interleaved pipeline schedule is not "
-    "implemented (rl_megatron.pipeline runs 1F1B or GPipe over one model chunk per stage)",
     "fp8": "FP8 needs Transformer Engine layers, which this backend does not build",
     "fp4": "FP4 needs Transformer Engine layers, which this backend does not build",
     "mtp_num_layers": "multi-token prediction layers have no HF weights or loss here",
 }
 # DDP / optimizer fields that mean something here, and the MegatronConfig field they set
-ROUTED = {"use_distributed_optimizer": "distributed_optimizer"}
+ROUTED = {
+    "use_distributed_optimizer": "distributed_optimizer",
+    "virtual_pipeline_model_parallel_size": "vpp",  # model chunks per pipeline stage
+}
 
 
 @dataclasses.dataclass(frozen=True)

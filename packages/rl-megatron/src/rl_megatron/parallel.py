@@ -19,6 +19,7 @@ class ParallelLayout:
     tp_size: int
     tp_rank: int
     pp_size: int
+    vpp_size: int = 1  # model chunks per pipeline stage
     cp_size: int
     cp_rank: int
     dp_size: int
@@ -31,10 +32,18 @@ class ParallelLayout:
 
 
 def initialize_parallel(
-    *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, seed: int = 1234, device: str = "cuda"
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    ep: int = 1,
+    vpp: int = 1,
+    seed: int = 1234,
+    device: str = "cuda",
 ) -> ParallelLayout:
     """Create the process group (from the usual env vars when none exists) and megatron's
-    groups. On CPU the caller must first install ``rl_megatron.testing.cpu_shim``."""
+    groups (``vpp``: model chunks per pipeline stage). On CPU the caller must first install
+    ``rl_megatron.testing.cpu_shim``."""
     from megatron.core import parallel_state as ps
 
     if not dist.is_initialized():
@@ -55,6 +64,7 @@ def initialize_parallel(
         pipeline_model_parallel_size=pp,
         context_parallel_size=cp,
         expert_model_parallel_size=ep,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
     )
     _seed_rng(seed, device)
     return current_layout()
@@ -67,6 +77,7 @@ def current_layout() -> ParallelLayout:
         tp_size=ps.get_tensor_model_parallel_world_size(),
         tp_rank=ps.get_tensor_model_parallel_rank(),
         pp_size=ps.get_pipeline_model_parallel_world_size(),
+        vpp_size=ps.get_virtual_pipeline_model_parallel_world_size() or 1,
         cp_size=ps.get_context_parallel_world_size(),
         cp_rank=ps.get_context_parallel_rank(),
         dp_size=ps.get_data_parallel_world_size(),

@@ -16,6 +16,10 @@ A backward sends the gradient of the stage's input back.
   most ``P - s`` micro-batches' activations are held at once, whatever M.
 An exchange with a neighbour in both directions goes lower stage first: it sends then
 receives, the higher one receives then sends, so blocking send/recv never deadlock.
+
+With virtual stages (vpp > 1) each stage holds several model chunks and
+:func:`run_interleaved` hands them to megatron-core's interleaved 1F1B schedule (its own
+p2p of one activation shape), with the same inputs and loss function.
 """
 
 from collections.abc import Callable
@@ -80,6 +84,56 @@ def run_schedule(
     if stats is not None:
         stats["peak_held"] = stage.peak_held
     return stage.results
+
+
+def run_interleaved(
+    chunks: list,
+    parts: list[TrainBatch],
+    *,
+    inputs: list[ModelInputs],
+    loss_fn: StageLoss,
+    forward_only: bool,
+) -> list[dict]:
+    """:func:`run_schedule` over this stage's model chunks (virtual stages, ``vpp > 1``)
+    with megatron-core's interleaved 1F1B schedule; ``len(parts)`` must be a positive
+    multiple of the pipeline size (megatron's micro-batch groups) and every part's inputs
+    of one shape. Returns the last stage's
+    per-part metrics in part order (an empty list on other stages)."""
+    from megatron.core.pipeline_parallel.schedules import (
+        forward_backward_pipelining_with_interleaving,
+    )
+
+    def forward_step(indices, chunk):
+        index = next(indices)  # each chunk runs the parts in order
+        input_ids, valid, held = inputs[index]
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        output = chunk(input_ids, positions.expand_as(input_ids), attention_mask=None)
+
+        def loss(logits):
+            # one "token": the loss already carries the step's global denominators
+            value, metrics = loss_fn(parts[index], logits[valid], held)
+            return value, torch.ones((), dtype=torch.int, device=value.device), metrics
+
+        return output, loss
+
+    from megatron.core import parallel_state as ps
+
+    rows, width = inputs[0][0].shape  # every part's: megatron sends one activation shape
+    return forward_backward_pipelining_with_interleaving(
+        forward_step_func=forward_step,
+        data_iterator=[iter(range(len(parts))) for _ in chunks],
+        model=chunks,
+        num_microbatches=len(parts),
+        seq_length=width * ps.get_context_parallel_world_size(),  # megatron divides by cp
+        micro_batch_size=rows,
+        forward_only=forward_only,
+    )
+
+
+def chunk_key(index: int, name: str) -> str:
+    """A name unique over a stage's model chunks: chunk 0's own, later ones prefixed (each
+    chunk numbers its layers from 0)."""
+    return name if index == 0 else f"chunk{index}.{name}"
 
 
 def _stage(model, parts, inputs, loss_fn) -> _Stage:

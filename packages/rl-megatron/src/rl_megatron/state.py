@@ -1,8 +1,8 @@
 """Weights and state of a :class:`rl_megatron.backend.MegatronBackend`: HF export for the
 engines, atomic checkpoints, offload/onload for colocation.
 
-The mixin expects the backend's attributes: ``config``, ``model``, ``shape``,
-``hf_config``, ``params``, ``optimizer``, ``step`` and ``device``.
+The mixin expects the backend's attributes: ``config``, ``chunks`` (the model chunks),
+``shape``, ``hf_config``, ``params``, ``optimizer``, ``step`` and ``device``.
 """
 
 from collections.abc import Iterator
@@ -20,7 +20,7 @@ class WeightsAndStateMixin:
         """Full HF-named tensors in buckets of at most ``bucket_bytes`` (every rank gets all),
         on the model's device (the engines' transports take them from there)."""
         self._check_exportable()
-        return export.hf_buckets(self.model, self.shape, bucket_bytes=bucket_bytes, on_device=True)
+        return export.hf_buckets(self.chunks, self.shape, bucket_bytes=bucket_bytes, on_device=True)
 
     def _check_exportable(self) -> None:
         if self.config.critic:
@@ -28,7 +28,7 @@ class WeightsAndStateMixin:
 
     def hf_gradients(self) -> dict[str, torch.Tensor]:
         """Current gradients gathered into full HF-named tensors (for checks)."""
-        return dict(export.hf_tensors(self.model, self.shape, grads=True))
+        return dict(export.hf_tensors(self.chunks, self.shape, grads=True))
 
     def export_hf(
         self,
@@ -41,7 +41,7 @@ class WeightsAndStateMixin:
         (atomic; all ranks call, global rank 0 writes). Same call as rl-fsdp's."""
         self._check_exportable()
         export.save_hf_directory(
-            self.model, self.shape, self.hf_config, path, shard_bytes=bucket_bytes, dtype=dtype
+            self.chunks, self.shape, self.hf_config, path, shard_bytes=bucket_bytes, dtype=dtype
         )
 
     def _meta(self) -> dict:

@@ -17,6 +17,8 @@ never by the backend on GPUs. What it changes:
 5. Activation recompute (megatron's ``tensor_parallel.checkpoint``) saves and restores the
    CUDA generator's state with the CPU one and the tracker's: on CPU there is none, so the
    CUDA part reads as empty and setting it does nothing.
+6. megatron's pipeline schedules allocate their token counter with ``device="cuda"``: their
+   module's ``torch.zeros`` puts such tensors on the CPU.
 
 Call :func:`install` once per process before building a model; it is idempotent.
 """
@@ -42,6 +44,9 @@ def install(seed: int = 1234) -> None:
 
         mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
         mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
+        from megatron.core.pipeline_parallel import schedules
+
+        schedules.torch = _TorchOnCpu()
         _INSTALLED = True
     seed_cpu_rng_tracker(seed)
 
@@ -65,6 +70,17 @@ def _pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> t
     chunks = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1 :])
     picked = chunks.index_select(seq_dim, index)
     return picked.view(*picked.shape[:seq_dim], -1, *picked.shape[seq_dim + 2 :])
+
+
+class _TorchOnCpu:
+    """``torch`` for megatron's schedules module, with ``zeros(device="cuda")`` on the CPU."""
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs):
+        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
 
 
 class CpuRNGStatesTracker:
