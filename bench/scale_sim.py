@@ -28,6 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from unittest import mock
 
@@ -231,7 +232,7 @@ def instrumented(probe: Probe, stack: contextlib.ExitStack) -> None:
     from rl_launcher.data import buffer as buffer_module
     from rl_launcher.infra import ray_placement
     from rl_launcher.loops import rl
-    from rl_launcher.roles import engine_pool
+    from rl_launcher.roles import engine_pool, rollout_workers
 
     start_run, run_step, save = rl.start_run, rl.run_step, rl.save
     store = probe.startup
@@ -270,15 +271,17 @@ def instrumented(probe: Probe, stack: contextlib.ExitStack) -> None:
     stack.enter_context(mock.patch.object(rl, "start_run", start_run_timed))
     stack.enter_context(mock.patch.object(rl, "run_step", run_step_timed))
     stack.enter_context(mock.patch.object(rl, "save", save_timed))
-    stack.enter_context(mock.patch.object(rl, "draw_charts", lambda run_dir: None))
+    no_charts = Future()
+    no_charts.set_result(None)
+    stack.enter_context(mock.patch.object(rl, "draw_charts_meanwhile", lambda run_dir: no_charts))
     stack.enter_context(mock.patch.object(rl, "Clock", cpu_clock(probe, rl.Clock)))
-    for name in ("add_groups", "pop_step"):
-        method = getattr(buffer_module.DataBuffer, name)
-        stack.enter_context(
-            mock.patch.object(
-                buffer_module.DataBuffer, name, timed(probe, f"buffer/{name}", method)
-            )
-        )
+    for cls in (buffer_module.DataBuffer, rollout_workers.RowsBuffer):  # data_plane: either
+        for name in ("add_groups", "pop_step"):
+            if name in vars(cls):
+                method = getattr(cls, name)
+                stack.enter_context(
+                    mock.patch.object(cls, name, timed(probe, f"buffer/{name}", method))
+                )
     placement = ray_placement.create_placement
     stack.enter_context(
         mock.patch.object(

@@ -157,19 +157,22 @@ class RankRows:
             _fetched={},
         )
 
-    def fetch(self) -> tuple[list, list | None]:
-        """Each sequence's ids (int64) and engine log-probs (float32 response values, or
-        None for the batch), read from the object store (zero-copy where local)."""
+    def fetch(self, ids: bool = True) -> tuple[list | None, list | None]:
+        """Each sequence's ids (int64; None unless ``ids``) and engine log-probs (float32
+        response values, or None for the batch), read from the object store in one call
+        (zero-copy where local)."""
         import ray
 
-        refs = list(self.tokens_refs) + list(self.log_probs_refs or [])
+        wanted = [self.tokens_refs if ids else None, self.log_probs_refs]
+        refs = [ref for refs in wanted if refs is not None for ref in refs]
         unique = list(dict.fromkeys(refs))
         objects = dict(zip(unique, ray.get(unique), strict=True))
-        ids = [_row(objects[ref], r) for ref, r in zip(self.tokens_refs, self.rows, strict=True)]
-        if self.log_probs_refs is None:
-            return ids, None
-        pairs = zip(self.log_probs_refs, self.rows, strict=True)
-        return ids, [_row(objects[ref], r) for ref, r in pairs]
+        return tuple(
+            None
+            if refs is None
+            else [_row(objects[ref], r) for ref, r in zip(refs, self.rows, strict=True)]
+            for refs in wanted
+        )
 
     def placed(self, rows) -> Any:
         """float32 ``[N]``: each sequence's response values (``rows[i]``) at the positions
@@ -185,10 +188,8 @@ class RankRows:
         return out
 
     def mask_rows(self) -> list:
-        return [
-            [1.0] * n if mask is None else mask
-            for n, mask in zip(self.response_lengths, self.loss_masks, strict=True)
-        ]
+        """Each response's loss mask for :meth:`placed` (1.0 fills a response: no list)."""
+        return [1.0 if mask is None else mask for mask in self.loss_masks]
 
     def advantage_rows(self) -> list:
         import numpy as np
@@ -210,8 +211,8 @@ class RankRows:
 
         if self.log_probs_refs is None:
             return None
-        if "rollout" not in self._fetched:
-            _, log_probs = self.fetch()
+        if "rollout" not in self._fetched:  # the log-probs' objects only, not the ids'
+            _, log_probs = self.fetch(ids=False)
             self._fetched["rollout"] = torch.from_numpy(self.placed(log_probs))
         return self._fetched["rollout"]
 
