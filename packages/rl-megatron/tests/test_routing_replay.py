@@ -1,25 +1,21 @@
 """Rollout routing replay in Megatron's routers (one gloo rank, tiny Qwen3-MoE, 4 experts,
 top-2): forced routes give the log-probs of the HF model forced to the same experts (so
-replay is applied, with HF's weights), and the loss's gradient still reaches the router."""
+replay is applied, with HF's weights), and the loss's gradient still reaches the router;
+on two ranks, TP=2 with sequence parallel, CP=2 and PP=2 replay as one rank does."""
 
 import itertools
 from dataclasses import replace
 
+import pytest
+import routing_replay_job as job
 import tiny
 import torch
+import torch.multiprocessing as mp
+from routing_replay_job import forced_routes
 from test_single_rank import LENGTHS, make_backend
 
-from rl_core.routing import NO_ROUTE, hf_moe_routers, replay_topk
-
-
-def forced_routes(batch, num_layers: int) -> torch.Tensor:
-    """``[N, L, 2]``: token t of the batch to experts (t mod 4, t + 1 mod 4) in every layer;
-    each sequence's last token routes on its own."""
-    first = torch.arange(batch.num_tokens) % 4
-    pair = torch.stack([first, (first + 1) % 4], dim=-1)
-    routes = pair[:, None].expand(-1, num_layers, -1).to(torch.int16).clone()
-    routes[batch.cu_seqlens[1:].long() - 1] = NO_ROUTE
-    return routes
+from rl_core.distributed import free_port
+from rl_core.routing import hf_moe_routers, replay_topk
 
 
 def hf_forced_log_probs(model, batch, routes) -> torch.Tensor:
@@ -76,3 +72,19 @@ def test_gradients_reach_the_router_under_replay(world1, model_dirs):
         if name.endswith("router.weight")
     ]
     assert router_grads and all(float(g.abs().sum()) > 0 for g in router_grads)
+
+
+@pytest.mark.integration
+def test_replay_under_tp_cp_and_pp_equals_one_rank(world1, model_dirs, tmp_path):
+    """The routes follow the tokens into each layout: SP's split of the sequence, CP's
+    zigzag halves, the pipeline's stages (the second stage's router is layer 1)."""
+    hf_path = str(model_dirs["qwen3-moe"][0])
+    out = tmp_path / "results.pt"
+    mp.spawn(job.run, args=(2, free_port(), hf_path, str(out)), nprocs=2, join=True)
+    results = torch.load(out, weights_only=False)
+    reference = job.replayed(hf_path)
+    for name, got in results.items():
+        assert got["num_replayed"] > 0, name
+        torch.testing.assert_close(got["log_probs"], reference["log_probs"], atol=1e-5, rtol=0)
+        for key in (k for k in reference["metrics"] if "loss" in k):
+            assert got["metrics"][key] == pytest.approx(reference["metrics"][key], abs=1e-5), key

@@ -1,0 +1,57 @@
+"""The two-rank gloo job of test_routing_replay.py: rollout routing replay under TP=2 with
+sequence parallel, CP=2 and PP=2 (one layer per stage), each the log-probs and the loss of
+a batch with forced routes. Rank 0 saves the results."""
+
+import os
+from dataclasses import replace
+
+import tiny
+import torch
+import torch.distributed as dist
+
+from rl_core.objective import Objective
+from rl_core.routing import NO_ROUTE
+
+LENGTHS = [9, 14, 6, 11]
+POLICY = dict(device="cpu", lr=1e-3, clip_grad=0.0, objective=Objective(entropy_coef=0.01))
+LAYOUTS = {
+    "tp2+sp": {"tp": 2, "sequence_parallel": True},
+    "cp2": {"cp": 2},
+    "pp2": {"pp": 2, "max_tokens_per_micro_batch": 28},
+}
+
+
+def forced_routes(batch, num_layers: int) -> torch.Tensor:
+    """``[N, L, 2]``: token t to experts (t mod 4, t + 1 mod 4) in every layer; sequence
+    ends route on their own."""
+    first = torch.arange(batch.num_tokens) % 4
+    pair = torch.stack([first, (first + 1) % 4], dim=-1)
+    routes = pair[:, None].expand(-1, num_layers, -1).to(torch.int16).clone()
+    routes[batch.cu_seqlens[1:].long() - 1] = NO_ROUTE
+    return routes
+
+
+def replayed(hf_path: str, **layout) -> dict:
+    from rl_megatron.backend import MegatronBackend
+    from rl_megatron.config import MegatronConfig
+
+    backend = MegatronBackend(MegatronConfig(hf_path=hf_path, **POLICY, **layout))
+    batch = tiny.random_batch(LENGTHS, seed=11)
+    batch = replace(batch, routed_experts=forced_routes(batch, 2))
+    result = {"log_probs": backend.compute_log_probs(batch)}
+    result["metrics"] = backend.forward_backward(batch)
+    result["num_replayed"] = backend.route_replay.num_replayed
+    return result
+
+
+def run(rank: int, world: int, port: int, hf_path: str, out_path: str) -> None:
+    from rl_megatron.testing import cpu_shim
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cpu_shim.install()
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results = {name: replayed(hf_path, **layout) for name, layout in LAYOUTS.items()}
+    if rank == 0:
+        torch.save(results, out_path)
+    dist.destroy_process_group()
