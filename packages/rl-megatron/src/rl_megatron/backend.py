@@ -33,8 +33,8 @@ from rl_megatron.moe import ep_common_shape, ep_synced_groups
 from rl_megatron.objective import actor_loss, critic_loss
 from rl_megatron.parallel import current_layout, initialize_parallel
 from rl_megatron.precision import DTYPES, finish_accumulation
-from rl_megatron.shape import model_shape
 from rl_megatron.routing_replay import RouteReplay
+from rl_megatron.shape import model_shape
 from rl_megatron.state import WeightsAndStateMixin
 from rl_megatron.weights import (
     SafetensorsReader,
@@ -116,6 +116,7 @@ class MegatronBackend(WeightsAndStateMixin):
         self.reference_refreshed = False  # by update_reference: checkpoints then keep it
         self.step = 0
         self.pipeline_stats: dict = {}  # pp > 1: the last step's schedule (peak_held)
+        self.route_replay = self._route_replay()  # MoE: the batch's routed_experts (R3)
 
     def _build_chunks(self) -> list:
         """One model per virtual pipeline stage of this rank (one without vpp)."""
@@ -136,7 +137,6 @@ class MegatronBackend(WeightsAndStateMixin):
 
     def _build_model(self, options: dict, vp_stage: int | None = None):
         build = build_critic_model if self.config.critic else build_gpt_model
-        self.route_replay = self._route_replay()  # MoE: the batch's routed_experts (R3)
         model = build(
             self.hf_config,
             tp_size=self.config.tp,
@@ -152,10 +152,6 @@ class MegatronBackend(WeightsAndStateMixin):
         load_hf_weights(model, SafetensorsReader(self.config.hf_path), self.shape, self.layout)
         return model.to(self.device)
 
-    def _swiglu_fusion_works(self) -> bool:
-        width = 2 * (self.shape.moe_ffn_hidden_size or self.shape.ffn_hidden_size) // self.config.tp
-        return fused_swiglu_works(self.device, DTYPES[self.config.precision], width)
-
     def _route_replay(self) -> RouteReplay:
         """Replay of rollout routes on the policy's routers (routing_replay.py)."""
         layout = self.layout
@@ -167,6 +163,10 @@ class MegatronBackend(WeightsAndStateMixin):
             tp_rank=layout.tp_rank,
             enabled=not self.config.critic,
         )
+
+    def _swiglu_fusion_works(self) -> bool:
+        width = 2 * (self.shape.moe_ffn_hidden_size or self.shape.ffn_hidden_size) // self.config.tp
+        return fused_swiglu_works(self.device, DTYPES[self.config.precision], width)
 
     @property
     def data_rank(self) -> int:
@@ -252,6 +252,7 @@ class MegatronBackend(WeightsAndStateMixin):
         bounds = batch.cu_seqlens.tolist()
         groups = self._micro_batches(batch.seq_lengths())
         batch = batch.to(self.device)
+        self.route_replay.feed(batch, groups)
         result = torch.zeros(batch.num_tokens, device=self.device)
         for group, output, held in self._forward_outputs(batch, groups):
             token_index = [torch.arange(bounds[i], bounds[i + 1]) for i in group]
@@ -274,7 +275,6 @@ class MegatronBackend(WeightsAndStateMixin):
             output, _ = self._head(part, logits, held, with_entropy=False)
             return output.sum() * 0.0, {"output": output, "held": held}
 
-        self.route_replay.feed(batch, groups)
         reduced = self._run_pipeline(batch, groups, outputs, forward_only=True)
         for group, item in zip(groups, reduced, strict=False):
             yield group, item["output"], item["held"]
@@ -377,6 +377,7 @@ class MegatronBackend(WeightsAndStateMixin):
         batch = self._with_denominators(batch)
         groups = self._micro_batches(batch.seq_lengths())  # before the copy: no device sync
         batch = batch.to(self.device)
+        self.route_replay.feed(batch, groups)
         for chunk in self.chunks:
             chunk.train()
         if self.config.pp > 1:
@@ -403,8 +404,6 @@ class MegatronBackend(WeightsAndStateMixin):
         if self.config.critic:
             return critic_loss(self.config, part, first)
         return actor_loss(self.config, part, first, entropy)
-
-        self.route_replay.feed(batch, groups)
 
     def _pipeline_forward_backward(self, batch: TrainBatch, groups) -> dict[str, float]:
         def stage_loss(part, logits, held):
