@@ -191,3 +191,18 @@ def test_rl_train_with_a_reward_that_hangs_on_some_samples_finishes_and_counts_t
         # both timed out: no scored sample left to compare with, the group is dropped
         assert record["rollout/groups_dropped_reward_error"] == 1.0
         assert record["buffer/groups_aborted"] == 0.0  # the engine aborted nothing
+
+
+@pytest.mark.parametrize(
+    ("extra", "kind", "grouped"),
+    [
+        ([], "sglang", True),
+        (["--model.lora_rank", "8"], "embedded", True),  # n requests with adapters work there
+        (["--model.lora_rank", "8"], "sglang", False),  # sglang#36894: unload after n > 1 hangs
+        (["--model.lora_rank", "8", "--model.lora_sync", "merged"], "sglang", True),
+    ],
+)
+def test_sglang_adapter_runs_send_one_request_per_sample(tmp_path, extra, kind, grouped):
+    config, _ = load_config(shrunk(tmp_path / "run", *extra))
+    config.engine.kind = kind  # set after loading: sglang is refused on this CPU machine
+    assert rollout_settings(config, 4, {"max_new_tokens": 4}).group_requests is grouped

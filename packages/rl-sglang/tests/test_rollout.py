@@ -4,6 +4,7 @@ evaluation pass@k and the multi-turn calculator's token bookkeeping."""
 
 import asyncio
 import copy
+from dataclasses import replace
 
 import pytest
 
@@ -337,6 +338,10 @@ def test_fresh_groups_go_as_one_n_request_mapped_back_in_order(cluster, tokenize
                 return parity_reward(sample)
 
             result = await default_rollout(ctx, iter(prompts(2)), reward, config)
+            grouped_bodies = list(router.bodies)
+            per_sample = replace(config, group_requests=False)  # one request a sample
+            apart = await default_rollout(ctx, iter(prompts(2)), reward, per_sample)
+            apart_bodies = router.bodies[len(grouped_bodies) :]
             singles = [  # sample i of an n request is seeded sampling_seed + i
                 await router.generate(
                     input_ids=tokenizer.encode("question 0:"),
@@ -345,12 +350,15 @@ def test_fresh_groups_go_as_one_n_request_mapped_back_in_order(cluster, tokenize
                 )
                 for i in range(4)
             ]
-            return result, router.bodies, singles
+            return result, grouped_bodies, singles, apart, apart_bodies
         finally:
             await router.close()
 
-    result, bodies, singles = run(go())
+    result, bodies, singles, apart, apart_bodies = run(go())
     assert [b["sampling_params"]["n"] for b in bodies[:2]] == [4, 4]  # one request per group
+    assert len(apart_bodies) == 8 and all("n" not in b["sampling_params"] for b in apart_bodies)
+    assert sorted(len(g) for g in apart.groups) == [4, 4]
+    assert all(s.reward == parity_reward(s) for g in apart.groups for s in g)
     assert len({tuple(single["output_ids"]) for single in singles}) > 1  # seeds tell them apart
     group = next(g for g in result.groups if g[0].label == 0)
     body = next(b for b in bodies[:2] if b["input_ids"] == tokenizer.encode("question 0:"))

@@ -85,11 +85,23 @@ def rollout_settings(config, num_groups: int, sampling_params: dict, filtered: b
         partial_rollout=True,
         max_concurrency=num_groups * rollout.group_size,
         generate_fn=None if rollout.function == "default" else rollout.function,
+        group_requests=not unloads_sglang_adapters(config),
         reward_timeout_s=None,
         reward_on_error="raise",
         reward_key=algorithm.reward_key,
         group_filter=algorithm.group_filter if filtered else None,
     )
+
+
+def unloads_sglang_adapters(config) -> bool:
+    """SGLang engines that get LoRA adapters by name (``model.lora_sync: adapter``): each
+    sync unloads an old adapter, and SGLang 0.5's ``/unload_lora_adapter`` never returns
+    once parallel-sampling requests (``n`` > 1) used the adapter, wedging the scheduler
+    (sgl-project/sglang#36894: its usage counter stays off zero). Such runs send one request
+    per sample instead; the engine still batches them."""
+    from rl_launcher.roles.lora import syncs_adapter
+
+    return config.engine.kind == "sglang" and syncs_adapter(config)
 
 
 def refills(config) -> bool:

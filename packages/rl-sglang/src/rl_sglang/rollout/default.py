@@ -59,6 +59,7 @@ class RolloutConfig:
     partial_rollout: bool = False
     offpolicy_tokens: str = "keep"
     generate_fn: str | None = None
+    group_requests: bool = True  # a fresh group as one request with n samples (else n requests)
     max_retries: int = 3
     retry_backoff_s: float = 0.5
     reward_timeout_s: float | None = None  # set: sync rewards run in a thread, timed out
@@ -116,7 +117,8 @@ class _GroupRunner:
     def _one_request(self, group: list[Sample]) -> bool:
         """The default generate function on a fresh group: one request with n samples."""
         fits = len(group) <= self.config.max_concurrency
-        return self.generate is generate_sample and fits and fresh_group(group)
+        wanted = self.config.group_requests
+        return wanted and self.generate is generate_sample and fits and fresh_group(group)
 
     async def _group(self, group: list[Sample]) -> list[Sample]:
         taken = 0
