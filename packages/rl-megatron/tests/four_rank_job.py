@@ -1,5 +1,6 @@
-"""The four-rank gloo job of test_four_ranks.py: pipeline stages combined with context and
-with expert parallelism (PP=2 x CP=2 on Qwen3, PP=2 x EP=2 on Qwen3-MoE).
+"""The four-rank gloo job of test_four_ranks.py: pipeline stages combined with context, with
+expert and with tensor parallelism (PP=2 x CP=2 on Qwen3, PP=2 x EP=2 on Qwen3-MoE, PP=2 x
+TP=2 with sequence parallel on Qwen3).
 
 Global rank 0 saves everything the parent compares against its own one-rank results.
 """
@@ -22,6 +23,9 @@ def run(rank: int, world: int, port: int, dirs: dict, out_path: str) -> None:
     results = {
         "pp2_cp2": layout_checks(dirs["qwen3"], f"{out_path}.cp", pp=2, cp=2),
         "pp2_ep2": layout_checks(dirs["qwen3-moe"], f"{out_path}.ep", pp=2, ep=2),
+        "tp2_pp2": layout_checks(
+            dirs["qwen3"], f"{out_path}.tp", pp=2, tp=2, sequence_parallel=True
+        ),
     }
     if rank == 0:
         torch.save(results, out_path)
@@ -38,11 +42,8 @@ def layout_checks(hf_path: str, ckpt: str, **layout) -> dict:
     config = MegatronConfig(hf_path=hf_path, max_tokens_per_micro_batch=28, **layout, **POLICY)
     backend = MegatronBackend(config)
     sizes = backend.layout
-    assert (sizes.pp_size, sizes.cp_size, sizes.ep_size) == (
-        2,
-        layout.get("cp", 1),
-        layout.get("ep", 1),
-    )
+    sizes_wanted = (2, *(layout.get(k, 1) for k in ("tp", "cp", "ep")))
+    assert (sizes.pp_size, sizes.tp_size, sizes.cp_size, sizes.ep_size) == sizes_wanted
     full = tiny.random_batch(LENGTHS, seed=11)
     result = {"log_probs": backend.compute_log_probs(full)}
     result["exported"] = dict(p for b in backend.export_weights(bucket_bytes=1 << 20) for p in b)

@@ -1,6 +1,6 @@
 """Four gloo ranks on 127.0.0.1 (one spawn for the module): pipeline parallelism combined
-with context parallelism (PP=2 x CP=2) and with expert parallelism (PP=2 x EP=2, so DP=2)
-equals the unsplit model: log-probs, loss, gradients, grad norm, HF export; checkpoints
+with context parallelism (PP=2 x CP=2), with expert parallelism (PP=2 x EP=2, so DP=2) and
+with tensor parallelism (PP=2 x TP=2 + SP) equals the unsplit model: log-probs, loss, gradients, grad norm, HF export; checkpoints
 resume exactly."""
 
 import pytest
@@ -15,7 +15,7 @@ from rl_megatron.backend import MegatronBackend
 from rl_megatron.config import MegatronConfig
 
 pytestmark = pytest.mark.integration
-LAYOUTS = {"pp2_cp2": "qwen3", "pp2_ep2": "qwen3-moe"}
+LAYOUTS = {"pp2_cp2": "qwen3", "pp2_ep2": "qwen3-moe", "tp2_pp2": "qwen3"}
 
 
 @pytest.fixture(scope="module")
