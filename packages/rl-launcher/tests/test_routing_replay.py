@@ -34,6 +34,22 @@ BENCH = Path(__file__).resolve().parents[3] / "bench" / "routing_replay.py"
             [MOE, "algorithm.routing_replay=true", "engine.kind=sglang", "cluster.device=cuda"],
             r"sglang-router \(0\.3\.2\) drops",
         ),
+        (
+            [MOE, "algorithm.routing_replay=true", "rollout.data_plane=workers"],
+            r"data_plane=workers generates without",
+        ),
+        (
+            [
+                MOE,
+                "algorithm.routing_replay=true",
+                "backend.name=megatron",
+                "backend.pipeline_parallel=2",
+                "backend.num_ranks=2",
+                "cluster.devices_per_node=2",
+                "model.gradient_checkpointing=true",
+            ],
+            r"pipeline parallelism and activation recompute",
+        ),
     ],
 )
 def test_routing_replay_is_refused_where_it_cannot_work(args, message):
