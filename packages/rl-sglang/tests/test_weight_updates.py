@@ -97,7 +97,6 @@ def test_update_from_tensor(cluster, restore_weights, flatten):
     check_engines_use(cluster, model, version)
 
 
-@pytest.mark.parametrize("flatten", [False, True])
 def shm_file(buffer: transports.SendBuffer) -> str:
     """The /dev/shm name of a kept CPU send buffer."""
     return buffer.storage.untyped_storage()._share_filename_cpu_()[1].decode()
@@ -153,6 +152,7 @@ def test_kept_buffer_is_opened_once_and_carries_every_sync(cluster, restore_weig
     assert own_shm_files() <= files_before
 
 
+@pytest.mark.parametrize("flatten", [False, True])
 def test_update_from_distributed_gloo_in_two_buckets(cluster, restore_weights, flatten):
     model, named = new_weights(303 + flatten)
     version = f"dist-{int(flatten)}"
