@@ -55,12 +55,11 @@ def simulated_cluster(num_nodes: int):
     """A head without CPUs (the driver's node) and ``num_nodes`` 8-"GPU" nodes at their own
     loopback addresses, as packages/rl-launcher/tests/cluster_fixtures.py makes them."""
     import ray
-    from ray.cluster_utils import Cluster
 
     temp_dir = tempfile.mkdtemp(prefix="rls", dir="/tmp")
     previous_key = os.environ.get("RL_SGLANG_API_KEY")
     os.environ["RL_SGLANG_API_KEY"] = API_KEY  # before the raylets: every node holds it
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "temp_dir": temp_dir})
+    cluster = started_head(temp_dir)
     try:
         forget_default_address(cluster)
         for index in range(num_nodes):
@@ -80,6 +79,23 @@ def simulated_cluster(num_nodes: int):
             os.environ.pop("RL_SGLANG_API_KEY", None)
         else:
             os.environ["RL_SGLANG_API_KEY"] = previous_key
+
+
+def started_head(temp_dir: str, attempts: int = 3):
+    """The cluster's head (no CPUs), tried ``attempts`` times: Ray gives a raylet 30 s to
+    register, which a loaded 2-core machine (load average 60) sometimes misses."""
+    from ray.cluster_utils import Cluster
+
+    for attempt in range(1, attempts + 1):
+        try:
+            return Cluster(
+                initialize_head=True, head_node_args={"num_cpus": 0, "temp_dir": temp_dir}
+            )
+        except Exception as error:  # "timed out during startup": try again, then give up
+            if attempt == attempts:
+                raise
+            print(f"scale_sim: head start {attempt} failed ({error}); again", file=sys.stderr)
+    raise AssertionError("unreachable")
 
 
 def forget_default_address(cluster) -> None:
