@@ -2,17 +2,23 @@
 holds, what a weight sync sends and how long it takes, time per step and the reward
 curve's ends.
 
-    uv run --package rl-launcher python bench/lora_quickstart.py [--steps 100] \
-        [--runs-dir /tmp/lora_bench] [--reuse]
+    uv run --package rl-launcher python bench/lora_quickstart.py [--base random|sft] \
+        [--steps 100] [--seeds 1] [--sft-steps 20] [--runs-dir /tmp/lora_bench] [--reuse]
 
-Runs ``rl-train`` side by side (so they share the machine's load) on
-examples/quickstart/config.yaml (full, the baseline), on examples/quickstart/lora.yaml
-(rank 8, the engines getting the adapters alone: ``model.lora_sync: adapter``) and on the
-same with ``model.lora_sync=merged`` (the merged weights, every base weight each sync),
-each for ``--steps`` steps (``--reuse``: read the run directories a previous call left),
-then builds the full and LoRA trainers in this process (one CPU rank) and takes one
-optimizer step to count trainable parameters and AdamW state bytes. Prints one JSON
-object: per run the figures, and each LoRA arm over full.
+``--base random`` (the default) trains the quickstart's randomly initialised model:
+examples/quickstart/config.yaml (full, the baseline), examples/quickstart/lora.yaml (rank
+8, the engines getting the adapters alone: ``model.lora_sync: adapter``) and the same with
+``model.lora_sync=merged`` (the merged weights, every base weight each sync). ``--base sft``
+first builds a trained base as a user would, the SFT stage of examples/sft_then_grpo
+(sft.yaml for ``--sft-steps`` steps, its HF export), then runs GRPO from it with full
+fine-tuning (grpo.yaml, lr 1e-3) and with rank-8 LoRA (grpo_lora.yaml, lr 3e-3), the same
+config otherwise, once per seed of ``--seeds``, evaluation off.
+
+Every GRPO run goes side by side (so they share the machine's load) for ``--steps`` steps
+(``--reuse``: read the run directories a previous call left); then the full and LoRA
+trainers are built in this process (one CPU rank) and take one optimizer step to count
+trainable parameters and AdamW state bytes. Prints one JSON object: per run the figures,
+per arm their mean over seeds, and each LoRA arm over full.
 """
 
 import argparse
@@ -27,40 +33,68 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = {"full": "examples/quickstart/config.yaml", "lora": "examples/quickstart/lora.yaml"}
-# run name -> (config, overrides): the baseline and the two ways LoRA reaches the engines
+# base -> arm -> (config, overrides); the first arm is the baseline
 ARMS = {
-    "full": (CONFIGS["full"], []),
-    "lora": (CONFIGS["lora"], []),
-    "lora_merged": (CONFIGS["lora"], ["model.lora_sync=merged"]),
+    "random": {
+        "full": ("examples/quickstart/config.yaml", []),
+        "lora": ("examples/quickstart/lora.yaml", []),
+        "lora_merged": ("examples/quickstart/lora.yaml", ["model.lora_sync=merged"]),
+    },
+    "sft": {
+        "full": ("examples/sft_then_grpo/grpo.yaml", ["eval.interval=0"]),
+        "lora": ("examples/sft_then_grpo/grpo_lora.yaml", ["eval.interval=0"]),
+    },
 }
+SFT_CONFIG = "examples/sft_then_grpo/sft.yaml"
 EDGE = 10  # steps averaged at each end of the reward curve
 STARTS = 3  # tries of each run's start
 
 
-def start_training(name: str, run_dir: Path, steps: int) -> subprocess.Popen:
-    config, overrides = ARMS[name]
-    cmd = [
-        sys.executable,
-        "-m",
-        "rl_launcher.cli",
-        "--config",
-        config,
-        f"num_steps={steps}",
-        f"logging.run_dir={run_dir}",
-        *overrides,
-    ]
+def rl_train(config: str, overrides: list[str]) -> list[str]:
+    return [sys.executable, "-m", "rl_launcher.cli", "--config", config, *overrides]
+
+
+def sft_base(runs_dir: Path, steps: int, reuse: bool) -> Path:
+    """The SFT stage's HF export after ``steps`` steps (trained here unless reused)."""
+    run_dir = runs_dir / "sft"
+    export = run_dir / "checkpoints" / f"step_{steps:06d}" / "hf"
+    overrides = [f"num_steps={steps}", f"checkpoint.interval={steps}"]
+    overrides.append(f"logging.run_dir={run_dir}")
+    for _ in range(0 if reuse else STARTS):  # Ray's start-up wait can run out under load
+        shutil.rmtree(run_dir, ignore_errors=True)
+        if subprocess.run(rl_train(SFT_CONFIG, overrides), cwd=ROOT).returncode == 0:
+            break
+    if not export.is_dir():
+        raise RuntimeError(f"the SFT stage left no {export}; see the output above")
+    return export
+
+
+def plan_runs(base: str, seeds: list[int], base_dir: Path | None) -> dict[str, tuple]:
+    """Run name -> (config, overrides): each arm once, or once per seed from ``base_dir``."""
+    if base_dir is None:
+        return ARMS[base]
+    runs = {}
+    for seed in seeds:
+        for arm, (config, overrides) in ARMS[base].items():
+            extra = [f"model.path={base_dir}", f"seed={seed}"]
+            runs[f"{arm}_seed{seed}"] = (config, [*overrides, *extra])
+    return runs
+
+
+def start_training(run: tuple, run_dir: Path, steps: int) -> subprocess.Popen:
+    config, overrides = run
+    cmd = rl_train(config, [f"num_steps={steps}", f"logging.run_dir={run_dir}", *overrides])
     return subprocess.Popen(cmd, cwd=ROOT)
 
 
-def train_side_by_side(runs_dir: Path, steps: int) -> None:
-    """Every arm at once, each started once the one before has finished its first step
+def train_side_by_side(runs_dir: Path, steps: int, plan: dict) -> None:
+    """Every run at once, each started once the one before has finished its first step
     (three local Ray clusters starting together timed out on a loaded 2-core machine)."""
     runs = {}
-    for name in ARMS:
+    for name, run in plan.items():
         for _ in range(STARTS):  # Ray's 30 s start-up wait can run out under heavy load
             shutil.rmtree(runs_dir / name, ignore_errors=True)
-            runs[name] = start_training(name, runs_dir / name, steps)
+            runs[name] = start_training(run, runs_dir / name, steps)
             while runs[name].poll() is None and not (runs_dir / name / "metrics.jsonl").exists():
                 time.sleep(2)
             if runs[name].poll() in (None, 0):
@@ -106,8 +140,8 @@ def checkpoint_tensor_bytes(dcp_dir: Path) -> int:
     )
 
 
-def trainer_figures(name: str, run_dir: Path) -> dict:
-    """Trainable parameters and AdamW state bytes of the run's trainer after one step."""
+def trainer_figures(config_path: str, overrides: list[str], model_dir: Path) -> dict:
+    """Trainable parameters and AdamW state bytes of a run's trainer after one step."""
     import torch
 
     from rl_core.batch import TrainBatch
@@ -116,8 +150,8 @@ def trainer_figures(name: str, run_dir: Path) -> dict:
     from rl_launcher.config.loader import load_config
     from rl_launcher.roles.backends import fsdp_config
 
-    config, _ = load_config(["--config", str(ROOT / CONFIGS[name])])
-    backend = FSDPBackend(fsdp_config(config, model_dir=run_dir / "initial_model"))
+    config, _ = load_config(["--config", str(ROOT / config_path), *overrides])
+    backend = FSDPBackend(fsdp_config(config, model_dir=model_dir))
     tokens = torch.randint(0, 16, (24,), generator=torch.Generator().manual_seed(0))
     batch = TrainBatch(
         tokens=tokens,
@@ -134,32 +168,55 @@ def trainer_figures(name: str, run_dir: Path) -> dict:
     }
 
 
+def arm_means(figures: dict, arms, seeds: list[int]) -> dict:
+    """Per arm, the mean over seeds of each figure every seed's run has."""
+    means = {}
+    for arm in arms:
+        runs = [figures[f"{arm}_seed{seed}"] for seed in seeds]
+        keys = set.intersection(*(set(run) for run in runs))
+        means[arm] = {k: statistics.fmean(run[k] for run in runs) for k in sorted(keys)}
+    return means
+
+
+RATIO_KEYS = (
+    "trainable_params",
+    "optimizer_state_bytes",
+    "sync_bytes",
+    "sync_s_median",
+    "step_s_median",
+    "checkpoint_tensor_bytes",
+)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base", choices=sorted(ARMS), default="random")
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1], help="with --base sft")
+    parser.add_argument("--sft-steps", type=int, default=20, help="with --base sft")
     parser.add_argument("--runs-dir", type=Path, default=Path("/tmp/lora_bench"))
     parser.add_argument("--reuse", action="store_true", help="read existing run directories")
     args = parser.parse_args()
     from rl_core.distributed import init_distributed
 
+    base_dir = sft_base(args.runs_dir, args.sft_steps, args.reuse) if args.base == "sft" else None
+    plan = plan_runs(args.base, args.seeds, base_dir)
     if not args.reuse:
-        train_side_by_side(args.runs_dir, args.steps)
-    figures = {name: run_figures(args.runs_dir / name) for name in ARMS}
+        train_side_by_side(args.runs_dir, args.steps, plan)
+    figures = {name: run_figures(args.runs_dir / name) for name in plan}
     init_distributed(device="cpu")
-    for name in CONFIGS:
-        figures[name] |= trainer_figures(name, args.runs_dir / name)
-    ratio_keys = (
-        "trainable_params",
-        "optimizer_state_bytes",
-        "sync_bytes",
-        "sync_s_median",
-        "step_s_median",
-        "checkpoint_tensor_bytes",
-    )
-    for name in ("lora", "lora_merged"):
-        arm, full = figures[name], figures["full"]
-        figures[f"{name}_over_full"] = {
-            k: arm[k] / full[k] for k in ratio_keys if k in arm and k in full
+    for name, (config_path, overrides) in plan.items():
+        if name.startswith(("full", "lora")) and "merged" not in name:
+            model_dir = base_dir or args.runs_dir / name / "initial_model"
+            figures[name] |= trainer_figures(config_path, overrides, model_dir)
+    arms = figures if base_dir is None else arm_means(figures, ARMS["sft"], args.seeds)
+    if base_dir is not None:
+        figures["mean_over_seeds"] = arms
+    for arm in [name for name in ARMS[args.base] if name != "full"]:
+        figures[f"{arm}_over_full"] = {
+            k: arms[arm][k] / arms["full"][k]
+            for k in RATIO_KEYS
+            if k in arms[arm] and k in arms["full"]
         }
     figures["hardware"] = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
     figures["command"] = " ".join(["python bench/lora_quickstart.py", *sys.argv[1:]])
