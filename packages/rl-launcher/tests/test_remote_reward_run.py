@@ -5,14 +5,13 @@ The pool is wrapped by a function that records ``ctx.step``; the run goes two st
 ``--resume``s for two more with ``rollout.loop=one_step_async``."""
 
 import json
-import threading
 import urllib.error
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import ClassVar
 
 import pytest
+from aiohttp import web
 from recording_rollout import STEPS_FILE
+from recording_server import RecordingServer
 from test_train_loop import ROOT
 
 from rl_core.types import Sample
@@ -25,42 +24,24 @@ TOKEN = "s3cret"
 WRONG = 0.25  # what the server pays a wrong answer: no built-in reward gives it
 
 
-class ScoringServer(BaseHTTPRequestHandler):
+async def score_with_token(body: dict, request) -> tuple[dict, dict]:
     """POST {response, label} with the bearer token -> {"score": 1 or WRONG}; else 401."""
-
-    requests: ClassVar[list[dict]] = []
-
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        if self.headers.get("Authorization") != f"Bearer {TOKEN}":
-            self.send_error(401)
-            return
-        self.requests.append(body)
-        score = 1.0 if body["response"].strip() == body["label"] else WRONG
-        reply = json.dumps({"score": score}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(reply)))
-        self.end_headers()
-        self.wfile.write(reply)
-
-    def log_message(self, *args):
-        """Quiet."""
+    if request.headers.get("Authorization") != f"Bearer {TOKEN}":
+        raise web.HTTPUnauthorized()
+    score = 1.0 if body["response"].strip() == body["label"] else WRONG
+    return body, {"score": score}
 
 
 @pytest.fixture(scope="module")
 def server():
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), ScoringServer)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}/score"
-    httpd.shutdown()
+    with RecordingServer("/score", score_with_token) as scoring:
+        yield scoring
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, ray_cluster, server):
     run_dir = tmp_path_factory.mktemp("remote") / "run"
-    options = json.dumps({"url": server, "token": TOKEN, "timeout_s": 10})
+    options = json.dumps({"url": f"{server.url}/score", "token": TOKEN, "timeout_s": 10})
     mp = pytest.MonkeyPatch()
     mp.chdir(ROOT)  # the config's relative tokenizer and data paths
     try:
@@ -87,14 +68,14 @@ def dumped(run_dir: Path, step: int) -> list[Sample]:
     return [Sample.from_json(line) for line in path.read_text().splitlines()]
 
 
-def test_the_remote_server_scored_every_trained_sample_with_the_token(run_dir):
+def test_the_remote_server_scored_every_trained_sample_with_the_token(run_dir, server):
     trained = [s for step in (1, 2, 3, 4) for s in dumped(run_dir, step)]
     assert len(trained) == 4 * 8 * 8  # four steps of batch_size groups of group_size
     for sample in trained:
         correct = sample.response.strip() == sample.label
         assert sample.reward == (1.0 if correct else WRONG)
     # every trained sample was asked about (stragglers the pool aborted may add requests)
-    assert len(ScoringServer.requests) >= len(trained)
+    assert len(server.seen) >= len(trained)
 
 
 def test_the_rollout_function_made_each_step(run_dir):
@@ -118,6 +99,8 @@ def test_the_context_carries_the_step_across_a_resume(run_dir):
 
 
 def test_a_wrong_token_is_refused_by_the_server_not_retried(server):
-    reward = get_reward("remote", url=server, token="wrong", retries=3, backoff_s=5.0)
+    reward = get_reward(
+        "remote", url=f"{server.url}/score", token="wrong", retries=3, backoff_s=5.0
+    )
     with pytest.raises(urllib.error.HTTPError, match="401"):
         reward("7", "7")  # a 4xx fails at once: retried, it would take 35 s

@@ -3,20 +3,18 @@ TP rank j of the engine gets the tensor handles of the training rank on its own 
 
 Two training ranks' copies of a bucket (filled with the rank's number, so the copies tell
 apart) are serialized as each rank does, routed as the sender routes what the ranks'
-all-gather returned, and sent to an HTTP engine endpoint that opens every TP rank's payload
-the way SGLang's TP workers do (``serialized_named_tensors[j]``) and records what each TP
-rank read. The collective around it (all-gather, barrier) runs for real on the GPU machine
-(test_gpu_backends.py, an SGLang engine of TP size 2).
+all-gather returned, and sent to an HTTP engine endpoint (recording_server.py) that opens
+every TP rank's payload the way SGLang's TP workers do (``serialized_named_tensors[j]``) and
+records what each TP rank read. The collective around it (all-gather, barrier) runs for real
+on the GPU machine (test_gpu_backends.py, an SGLang engine of TP size 2).
 """
 
 import asyncio
-import threading
 
 import pytest
 import torch
-from aiohttp import web
+from recording_server import RecordingServer
 
-from rl_core.distributed import free_port
 from rl_launcher.infra.placement import plan_layout
 from rl_launcher.infra.weight_sync import engine_tp_ranks, payloads_of_sender
 from rl_sglang.client import EngineClient
@@ -24,41 +22,15 @@ from rl_sglang.engine.weights import deserialize_bucket
 from rl_sglang.transports import send_payloads, serialize_bucket
 
 
-class TensorParallelEndpoint:
-    """``POST /update_weights_from_tensor`` of a TP engine: item j of the payload list is
-    opened by TP rank j; each rank's first value is recorded."""
-
-    def __init__(self):
-        self.seen: list[dict] = []
-        self.port = free_port()
-        self._ready = threading.Event()
-        threading.Thread(target=self._serve, daemon=True).start()
-        self._ready.wait(10)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    async def _update(self, request):
-        body = await request.json()
-        per_rank = [deserialize_bucket(p) for p in body["serialized_named_tensors"]]
-        self.seen.append(
-            {
-                "version": body.get("weight_version"),
-                "values": [{name: t.flatten()[0].item() for name, t in b} for b in per_rank],
-            }
-        )
-        return web.json_response({"success": True, "message": "ok"})
-
-    def _serve(self):
-        loop = asyncio.new_event_loop()
-        app = web.Application()
-        app.router.add_post("/update_weights_from_tensor", self._update)
-        runner = web.AppRunner(app)
-        loop.run_until_complete(runner.setup())
-        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
-        self._ready.set()
-        loop.run_forever()
+async def open_per_tp_rank(body: dict, _request) -> tuple[dict, dict]:
+    """``/update_weights_from_tensor`` of a TP engine: item j of the payload list is opened
+    by TP rank j; each rank's first value is recorded."""
+    per_rank = [deserialize_bucket(p) for p in body["serialized_named_tensors"]]
+    record = {
+        "version": body.get("weight_version"),
+        "values": [{name: t.flatten()[0].item() for name, t in b} for b in per_rank],
+    }
+    return record, {"success": True, "message": "ok"}
 
 
 def colocated_tp_two() -> dict:
@@ -103,19 +75,19 @@ def shared_buckets(names_by_rank: list[list[str]]) -> tuple[list, list]:
 
 
 def test_each_tp_rank_opens_the_copy_of_the_rank_on_its_device():
-    engine = TensorParallelEndpoint()
     how = colocated_tp_two()
     assert how["tp_ranks"] == [[0, 1]]
     shared, _keep_alive = shared_buckets([["w.a", "w.b"], ["w.a", "w.b"]])
-    assert payloads_of_sender(shared, [engine.url], how["tp_ranks"], rank=1) == {}
-    mine = payloads_of_sender(shared, [engine.url], how["tp_ranks"], rank=0)
-    assert list(mine) == [engine.url]
+    with RecordingServer("/update_weights_from_tensor", open_per_tp_rank) as engine:
+        assert payloads_of_sender(shared, [engine.url], how["tp_ranks"], rank=1) == {}
+        mine = payloads_of_sender(shared, [engine.url], how["tp_ranks"], rank=0)
+        assert list(mine) == [engine.url]
 
-    async def send():
-        async with EngineClient(engine.url) as client:
-            return await send_payloads([client], list(mine.values()), weight_version="3")
+        async def send():
+            async with EngineClient(engine.url) as client:
+                return await send_payloads([client], list(mine.values()), weight_version="3")
 
-    asyncio.run(send())
+        asyncio.run(send())
     assert engine.seen == [
         {"version": "3", "values": [{"w.a": 0.0, "w.b": 0.0}, {"w.a": 1.0, "w.b": 1.0}]}
     ]

@@ -7,52 +7,30 @@ takes its time "applying" it, then reads what the buffer holds: a buffer refille
 early would show the next bucket's values."""
 
 import asyncio
-import threading
 import time
 
 import torch
-from aiohttp import web
+from recording_server import RecordingServer
 
-from rl_core.distributed import free_port
 from rl_launcher.infra.weight_sync import EngineWeightSync, kept_buffers
 from rl_sglang.engine.weights import named_tensors_from_payload
 
 APPLY_S = 0.2  # the endpoint's time per bucket
 
 
-class SlowEngine:
-    """``POST /update_weights_from_tensor``: opens the payload, sleeps, then records the
-    bucket's names and values as it reads them after the sleep."""
+async def apply_slowly(body: dict, _request) -> tuple[dict, dict]:
+    """``/update_weights_from_tensor`` of a slow engine: opens the payload, sleeps, then
+    records the bucket's names and values as it reads them after the sleep."""
+    received = time.perf_counter()
+    named = named_tensors_from_payload(body["serialized_named_tensors"], body["load_format"])
+    await asyncio.sleep(APPLY_S)
+    values = {name: t.clone() for name, t in named}
+    record = {"values": values, "received": received, "answered": time.perf_counter()}
+    return record, {"success": True, "weight_version": body["weight_version"]}
 
-    def __init__(self):
-        self.seen: list[dict] = []
-        self.port = free_port()
-        self._ready = threading.Event()
-        threading.Thread(target=self._serve, daemon=True).start()
-        self._ready.wait(10)
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    async def _update(self, request):
-        body = await request.json()
-        received = time.perf_counter()
-        named = named_tensors_from_payload(body["serialized_named_tensors"], body["load_format"])
-        await asyncio.sleep(APPLY_S)
-        values = {name: t.clone() for name, t in named}
-        self.seen.append({"values": values, "received": received, "answered": time.perf_counter()})
-        return web.json_response({"success": True, "weight_version": body["weight_version"]})
-
-    def _serve(self):
-        loop = asyncio.new_event_loop()
-        app = web.Application(client_max_size=1 << 26)
-        app.router.add_post("/update_weights_from_tensor", self._update)
-        runner = web.AppRunner(app)
-        loop.run_until_complete(runner.setup())
-        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
-        self._ready.set()
-        loop.run_forever()
+def slow_engine() -> RecordingServer:
+    return RecordingServer("/update_weights_from_tensor", apply_slowly)
 
 
 def buckets(num: int, made_at: list[float]):
@@ -67,19 +45,20 @@ HOW = {"transport": "tensor", "flatten": True, "buffer": "kept", "tp_size": 1, "
 
 
 def test_kept_buffers_stream_buckets_through_two_slots():
-    engine, sync, made_at = SlowEngine(), EngineWeightSync(0), []
-    sent = sync.sync(buckets(5, made_at), [engine.url], "v1", HOW)
-    assert sent == 5 * (64 * 32 + 32) * 4
-    assert [s["values"]["w"].unique().tolist() for s in engine.seen] == [[k] for k in range(5)]
-    assert [s["values"]["b"].unique().tolist() for s in engine.seen] == [[k] for k in range(5)]
-    # bucket k+1 was made and packed before the engine answered for bucket k (serially,
-    # it would be made after), and sent after that answer
-    for k in range(4):
-        assert made_at[k + 1] < engine.seen[k]["answered"] < engine.seen[k + 1]["received"]
-    assert [b.num_allocations for b in sync.buffers] == [1, 1]
-    again = sync.sync(buckets(3, []), [engine.url], "v2", HOW)  # the next sync: same buffers
-    assert again and [b.num_allocations for b in sync.buffers] == [1, 1]
-    assert engine.seen[-1]["values"]["w"].unique().tolist() == [2]
+    with slow_engine() as engine:
+        sync, made_at = EngineWeightSync(0), []
+        sent = sync.sync(buckets(5, made_at), [engine.url], "v1", HOW)
+        assert sent == 5 * (64 * 32 + 32) * 4
+        applied = [{n: t.unique().tolist() for n, t in s["values"].items()} for s in engine.seen]
+        assert applied == [{"w": [k], "b": [k]} for k in range(5)]
+        # bucket k+1 was made and packed before the engine answered for bucket k (serially,
+        # it would be made after), and sent after that answer
+        for k in range(4):
+            assert made_at[k + 1] < engine.seen[k]["answered"] < engine.seen[k + 1]["received"]
+        assert [b.num_allocations for b in sync.buffers] == [1, 1]
+        again = sync.sync(buckets(3, []), [engine.url], "v2", HOW)  # the next sync: same buffers
+        assert again and [b.num_allocations for b in sync.buffers] == [1, 1]
+        assert engine.seen[-1]["values"]["w"].unique().tolist() == [2]
     sync.release_buffers()
     assert [b.nbytes for b in sync.buffers] == [0, 0]
 
