@@ -54,12 +54,20 @@ needs_sglang = pytest.mark.skipif(
 )
 
 
-def gpu_run_args(run_dir: Path, *extra: str) -> list[str]:
+def gpu_run_args(
+    run_dir: Path,
+    *extra: str,
+    config: str = "examples/quickstart/config.yaml",
+    num_steps: int = 2,
+    lr: str = "1e-3",
+) -> list[str]:
+    """rl-train's arguments for ``config`` on the GPU machine: the bf16 model of SHAPE,
+    one SGLang engine at a third of the GPU's memory, small batches; ``extra`` last."""
     return [
         "--config",
-        str(ROOT / "examples/quickstart/config.yaml"),
+        str(ROOT / config),
         "--num_steps",
-        "2",
+        str(num_steps),
         "--optimizer.schedule",
         "constant",  # the Megatron backend trains at a constant lr
         "--cluster.device",
@@ -81,7 +89,7 @@ def gpu_run_args(run_dir: Path, *extra: str) -> list[str]:
         "--algorithm.num_minibatches",
         "1",
         "--optimizer.lr",
-        "1e-3",
+        lr,
         "--engine.kind",
         "sglang",
         "--engine.mem_fraction",

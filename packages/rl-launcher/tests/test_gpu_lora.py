@@ -16,7 +16,7 @@ Run on the GPU machine as test_gpu_backends.py (see examples/gpu/README.md):
 import asyncio
 
 import pytest
-from test_gpu_backends import MEAN_LOGPROB_GAP, ROOT, SGLANG, SHAPE, needs_sglang
+from test_gpu_backends import MEAN_LOGPROB_GAP, gpu_run_args, needs_sglang
 
 from rl_launcher.config.loader import load_config
 from rl_launcher.data.buffer import DataBuffer
@@ -38,50 +38,16 @@ def lora_run_args(run_dir, *extra: str) -> list[str]:
     """The LoRA quickstart on one GPU with a real SGLang engine; an entropy bonus and
     LoRA's usual ~10x lr move the adapters in three steps even where every sample of a
     group gets the same reward (no advantage)."""
-    return [
-        "--config",
-        str(ROOT / "examples/quickstart/lora.yaml"),
-        "--num_steps",
-        str(STEPS),
-        "--optimizer.schedule",
-        "constant",
-        "--optimizer.lr",
-        "1e-2",
-        "--algorithm.entropy_coef",
-        "0.1",
-        "--algorithm.num_minibatches",
-        "1",
-        "--model.lora_rank",
-        "8",
-        "--model.lora_sync",
-        "adapter",
-        "--cluster.device",
-        "cuda",
-        "--model.dtype",
-        "bfloat16",
-        "--model.init_config",
-        SHAPE,
-        "--model.tokenizer_path",
-        str(ROOT / "examples/quickstart/tokenizer"),
-        "--data.train.0.path",
-        str(ROOT / "examples/quickstart/data/train.jsonl"),
-        "--rollout.batch_size",
-        "8",
-        "--rollout.group_size",
-        "4",
-        "--rollout.max_response_tokens",
-        "8",
-        "--engine.kind",
-        "sglang",
-        "--engine.mem_fraction",
-        "0.3",
-        "--checkpoint.interval",
-        "0",
-        "--logging.run_dir",
-        str(run_dir),
-        *SGLANG,
+    lora = ["--model.lora_rank", "8", "--model.lora_sync", "adapter"]
+    lora += ["--algorithm.entropy_coef", "0.1", "--checkpoint.interval", "0"]
+    return gpu_run_args(
+        run_dir,
+        *lora,
         *extra,
-    ]
+        config="examples/quickstart/lora.yaml",
+        num_steps=STEPS,
+        lr="1e-2",
+    )
 
 
 async def probe(url: str, adapter: str) -> tuple[list[float], list[float]]:
