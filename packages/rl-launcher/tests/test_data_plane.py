@@ -3,7 +3,9 @@ to 2 steps of 16 samples (Ray, an embedded engine behind the router, an rl-fsdp 
 a reward that fails on some responses under ``rollout.on_reward_error=skip``. The worker
 path (a rollout worker generating and scoring, token data in the object store, the rank
 assembling its batch from references) records the same metrics, step for step: samples,
-rewards, skipped rewards, advantages, losses, gradient norms."""
+rewards, skipped rewards, advantages, losses, gradient norms, the KL to the reference and
+the trainer/engine log-prob gap (the worker path keeps the old and reference log-probs on
+the rank and reduces the gap from the rank's scalars)."""
 
 import os
 from pathlib import Path
@@ -34,6 +36,8 @@ def records(root, plane: str) -> list[dict]:
         "skip",
         "--rollout.data_plane",
         plane,
+        "--algorithm.kl_coef",
+        "0.05",  # reference log-probs: held by the rank on the worker path
     )
     assert main(args) == 0
     return [
@@ -51,4 +55,5 @@ def test_workers_record_the_driver_paths_steps(ray_cluster, tmp_path, monkeypatc
     for expected, got in zip(driver, workers, strict=True):
         assert got == expected
     assert "loss/pg" in driver[-1] and "mismatch/logprob_abs_diff_mean" in driver[-1]
+    assert driver[-1]["loss/kl"] != 0 and driver[-1]["mismatch/logprob_abs_diff_max"] > 0
     assert sum(r["rollout/reward_errors"] for r in driver) > 0  # skipped rewards were merged

@@ -15,8 +15,16 @@ from rl_core.types import Sample, SampleStatus
 from rl_launcher.config.loader import load_config
 from rl_launcher.data.buffer import DataBuffer
 from rl_launcher.loops.step import minibatches
-from rl_launcher.loops.step_metrics import fresh_only, mismatch
+from rl_launcher.loops.step_metrics import (
+    fresh_only,
+    fresh_seqs,
+    log_prob_gap,
+    mismatch,
+    with_gap_seqs,
+)
 from rl_launcher.roles.rollout_workers import RowsBuffer, merged_metrics, stored
+from rl_launcher.roles.worker_rows import HeldValues
+from rl_launcher.roles.worker_rows import log_prob_gap as log_prob_gap_of_rank
 
 GROUP_SIZE, NUM_GROUPS, NUM_RANKS = 4, 6, 3
 
@@ -81,19 +89,46 @@ def test_rows_give_the_driver_paths_batches(ray_cluster, estimator):
         assert torch.equal(plan.rollout_log_probs, want.rollout_log_probs)
         assert_same_batch(want, plan.to_train_batch())
 
-    # the old log-probs the trainer hands back, then the loop's minibatches and gap metric
+    # the old log-probs the trainer computes: handed back (driver) or held by the rank with
+    # its gap's scalars (workers); then the loop's minibatches and the gap metric
+    version = 0  # group 4's samples began on version -1: not fresh
     old = [torch.randn(b.num_tokens) for b in expected.rank_batches]
     want_batches = [
         replace(b, old_log_probs=o) for b, o in zip(expected.rank_batches, old, strict=True)
     ]
-    plans = [replace(p, old_log_probs=o) for p, o in zip(got.rank_batches, old, strict=True)]
+    marked = with_gap_seqs(got, trainer_version=version)
+    assert [p.gap_seqs for p in marked] == fresh_seqs(expected, trainer_version=version)
+    assert any(len(p.gap_seqs) < p.num_seqs for p in marked)  # a rank with a stale sequence
+    plans = [
+        replace(p, old_log_probs=p.hold(o.numpy(), rank_gap(p, o)))
+        for p, o in zip(marked, old, strict=True)
+    ]
+    assert all(isinstance(p.old_log_probs, HeldValues) for p in plans)  # not on the driver
     for want_part, part in zip(minibatches(want_batches, 2), minibatches(plans, 2), strict=True):
         for want, plan in zip(want_part, part, strict=True):
+            assert isinstance(plan.old_log_probs, HeldValues)
             assert_same_batch(want, plan.to_train_batch())
-    version = 0  # group 4's samples began on version -1: not fresh
-    assert mismatch(fresh_only(plans, got, trainer_version=version)) == mismatch(
-        fresh_only(want_batches, expected, trainer_version=version)
+    want_gap = log_prob_gap(want_batches, expected, trainer_version=version)
+    got_gap = log_prob_gap(plans, got, trainer_version=version)
+    assert want_gap == mismatch(fresh_only(want_batches, expected, trainer_version=version))
+    assert (
+        got_gap.keys()
+        == want_gap.keys()
+        == {
+            "mismatch/logprob_abs_diff_mean",
+            "mismatch/logprob_abs_diff_max",
+        }
     )
+    assert got_gap["mismatch/logprob_abs_diff_max"] == want_gap["mismatch/logprob_abs_diff_max"]
+    mean = "mismatch/logprob_abs_diff_mean"  # float32 sums in another order: last bits
+    assert got_gap[mean] == pytest.approx(want_gap[mean], rel=1e-6)
+    one = log_prob_gap(plans[:1], got, trainer_version=version)  # one rank: the same number
+    assert one == mismatch([want_batches[0].select(marked[0].gap_seqs)])
+
+
+def rank_gap(plan, old):
+    """What a rank's log-prob pass measures (TrainWorker.log_probs)."""
+    return log_prob_gap_of_rank(plan.to_train_batch(), old, plan.gap_seqs)
 
 
 def test_workers_metrics_merge_as_one_rollout():
@@ -121,7 +156,7 @@ QUICKSTART = "examples/quickstart/config.yaml"
 @pytest.mark.parametrize(
     "extra, named",
     [
-        (["--rollout.loop", "async"], "rollout.loop=async"),
+        (["--logging.dump_train_batch", "true"], "logging.dump_train_batch"),
         (["--rollout.dump_dir", "/tmp/d"], "rollout.dump_dir"),
         (["--algorithm.old_log_probs", "rollout"], "algorithm.old_log_probs=rollout"),
         (["--algorithm.advantage_estimator", "gae"], "algorithm.advantage_estimator=gae"),

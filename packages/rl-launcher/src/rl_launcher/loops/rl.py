@@ -33,12 +33,12 @@ from rl_launcher.loops.rl_state import resume, save, sync
 from rl_launcher.loops.step import Clock, draw_charts_meanwhile, finish_step, minibatches
 from rl_launcher.loops.step_metrics import (
     empty_step,
-    fresh_only,
-    mismatch,
+    log_prob_gap,
     split_step,
     staleness,
     trained_tokens,
     turn_times,
+    with_gap_seqs,
 )
 from rl_launcher.loops.train_phase import (
     dump_train_batches,
@@ -139,12 +139,13 @@ def run_step(run: Run, buffer: DataBuffer, step: int, feed=None) -> dict[str, fl
         return metrics | empty_step(groups, config) | buffer.take_counts() | clock.times()
     batch = buffer.pop_step(buffer.num_ready_groups)
     metrics[faults.TRAINED_KEY] = float(len(batch.samples))
-    rank_batches = with_old_policy(run, batch.rank_batches)  # recompute, rollout, train_step
+    rank_batches = with_gap_seqs(batch, trainer_version=step - 1)  # data_plane=workers
+    rank_batches = with_old_policy(run, rank_batches)  # recompute, rollout, train_step
     rank_batches = with_reference(run, buffer, batch, rank_batches)  # KL in loss and/or reward
     clock.lap("log_probs")
     metrics |= batch.metrics | staleness(batch, trainer_version=step - 1)
     if config.algorithm.old_log_probs == "recompute":  # else the train step measures the gap
-        metrics |= mismatch(fresh_only(rank_batches, batch, trainer_version=step - 1))
+        metrics |= log_prob_gap(rank_batches, batch, trainer_version=step - 1)
     dump_train_batches(run, step, rank_batches)  # logging.dump_train_batch
     parts = minibatches(rank_batches, config.algorithm.num_minibatches)
     metrics |= train_policy(run, step, parts)  # the last minibatch's train metrics are kept

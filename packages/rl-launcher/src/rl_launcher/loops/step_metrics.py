@@ -2,10 +2,13 @@
 colocated turn times), how stale its samples are, and how far the engines' log-probs are
 from the trainer's on the same weights."""
 
+from dataclasses import replace
+
 import torch
 
 from rl_core.types import SampleStatus
 from rl_launcher.infra import faults
+from rl_launcher.roles.worker_rows import RankRows, held_gap
 from rl_launcher.session.run import Run
 
 
@@ -84,16 +87,41 @@ def fresh_only(rank_batches, batch, *, trainer_version: int) -> list:
     there do engine and trainer log-probs measure the same policy. A rank whose sequences
     are all fresh (every rank, in the synchronous loop) is its batch itself: copying every
     token of the step for a metric was the driver's largest per-token cost (docs/scale.md)."""
-    current = {str(trainer_version)}
-    fresh = [
-        [j for j, i in enumerate(part) if set(batch.samples[i].weight_versions) <= current]
-        for part in batch.partitions
-    ]
+    fresh = fresh_seqs(batch, trainer_version=trainer_version)
     return [
         b if len(keep) == b.num_seqs else b.select(keep)
         for b, keep in zip(rank_batches, fresh, strict=True)
         if keep
     ]
+
+
+def fresh_seqs(batch, *, trainer_version: int) -> list[list[int]]:
+    """Per rank, the sequences of its batch generated entirely with the trainer's current
+    weights (see :func:`fresh_only`)."""
+    current = {str(trainer_version)}
+    return [
+        [j for j, i in enumerate(part) if set(batch.samples[i].weight_versions) <= current]
+        for part in batch.partitions
+    ]
+
+
+def with_gap_seqs(batch, *, trainer_version: int) -> list:
+    """The step's rank batches; RankRows (``rollout.data_plane: workers``) told which
+    sequences their rank measures the log-prob gap on (:func:`fresh_seqs`), so the rank
+    measures it where the log-probs are and hands back scalars."""
+    if not any(isinstance(b, RankRows) for b in batch.rank_batches):
+        return batch.rank_batches
+    fresh = fresh_seqs(batch, trainer_version=trainer_version)
+    return [replace(b, gap_seqs=f) for b, f in zip(batch.rank_batches, fresh, strict=True)]
+
+
+def log_prob_gap(rank_batches, batch, *, trainer_version: int) -> dict[str, float]:
+    """The step's log-prob gap metric (:func:`mismatch` over the fresh sequences): from
+    the ranks' scalars when they hold the log-probs (``data_plane: workers``), else from
+    the batches on the driver."""
+    if any(isinstance(b, RankRows) for b in rank_batches):
+        return held_gap(rank_batches)
+    return mismatch(fresh_only(rank_batches, batch, trainer_version=trainer_version))
 
 
 def mismatch(rank_batches) -> dict[str, float]:

@@ -25,7 +25,7 @@ from rl_launcher.infra import faults
 from rl_launcher.infra.gc_pauses import GcPauses, freeze_startup
 from rl_launcher.infra.rendezvous import GroupMember, meet, spans_nodes
 from rl_launcher.roles.backends import BackendSpec, fsdp_config  # noqa: F401  (re-exported)
-from rl_launcher.roles.worker_rows import as_train_batch
+from rl_launcher.roles.worker_rows import RankRows, as_train_batch, log_prob_gap
 
 
 class TimedIter:
@@ -84,13 +84,19 @@ class TrainWorker(GroupMember):
         return self.backend.data_rank
 
     def log_probs(self, batch: TrainBatch, model: str = "actor"):
-        """``[N]`` log-probs of this rank's batch, on CPU."""
+        """``[N]`` log-probs of this rank's batch, on CPU. A RankRows (rollout.data_plane=
+        workers) is fetched from the workers, and its log-probs stay here: the driver gets
+        them by reference, with the rank's log-prob gap (the policy's pass only)."""
         self.onload()
-        batch = as_train_batch(batch)  # rollout.data_plane=workers: fetched from the workers
+        rows = batch if isinstance(batch, RankRows) else None
+        batch = as_train_batch(batch)
         start = time.perf_counter()
         log_probs = self.backend.compute_log_probs(batch, model=model).cpu()
         self.busy_s["log_probs_compute"] += time.perf_counter() - start
-        return log_probs
+        if rows is None:
+            return log_probs
+        gap = log_prob_gap(batch, log_probs, rows.gap_seqs) if model == "actor" else None
+        return rows.hold(log_probs.float().numpy(), gap)
 
     def update_reference(self) -> None:
         """The KL reference becomes the policy as it is now (algorithm.ref_update_interval)."""

@@ -15,6 +15,11 @@ masks other than all ones, the advantages of each response token). The rank turn
 its :class:`~rl_core.batch.TrainBatch` (:meth:`RankRows.to_train_batch`), fetching the
 objects from the workers' nodes: the tokens never pass through the driver.
 
+The trainer's old and reference log-probs of a RankRows stay on the rank that computed
+them (:class:`HeldValues`: an object it put, by reference); the driver selects minibatches
+from them without reading a value, and gets the log-prob gap metric as each rank's
+scalars (:meth:`RankRows.hold`, :func:`held_gap`).
+
 No torch or Ray at import: the simulated ranks (:mod:`rl_launcher.simulated.trainer`)
 unpickle :class:`RankRows` without torch.
 """
@@ -85,8 +90,10 @@ class RankRows:
     sequence i: ``tokens_refs[i]`` / ``log_probs_refs[i]`` hold it at row ``rows[i]``;
     ``lengths[i]`` tokens, ``response_lengths[i]`` of them the response, ``loss_masks[i]``
     its response loss mask (None: all ones). ``advantages``: float32 ``[sum(response_lengths)]``,
-    each response's values in turn. ``old_log_probs`` / ``ref_log_probs``: ``[N]`` as in a
-    TrainBatch, set by the driver from the trainer. Offers what the loop asks of a
+    each response's values in turn. ``old_log_probs`` / ``ref_log_probs``: the trainer's
+    :class:`HeldValues` (or ``[N]`` as in a TrainBatch). ``gap_seqs``: the sequences whose
+    engine and trainer log-probs measure the same weights (the log-prob gap metric's; set
+    by the driver before the old-policy pass, see :meth:`hold`). Offers what the loop asks of a
     TrainBatch on the driver (``num_seqs``, ``num_tokens``, :meth:`select`,
     :meth:`with_global_denominators`, ``loss_mask`` and ``rollout_log_probs`` for the
     log-prob gap metric, fetched then)."""
@@ -102,6 +109,7 @@ class RankRows:
     ref_log_probs: Any = None
     global_num_tokens: float = 0.0
     global_num_seqs: float = 0.0
+    gap_seqs: list[int] | None = None
     _fetched: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __getstate__(self) -> dict:
@@ -152,6 +160,7 @@ class RankRows:
             response_lengths=pick(self.response_lengths),
             loss_masks=pick(self.loss_masks),
             advantages=_gather(self.advantages, self.response_lengths, picked),
+            gap_seqs=None,  # measured on the whole batch
             old_log_probs=_gather(self.old_log_probs, self.lengths, picked),
             ref_log_probs=_gather(self.ref_log_probs, self.lengths, picked),
             _fetched={},
@@ -242,16 +251,94 @@ class RankRows:
             rollout_log_probs=None
             if log_probs is None
             else torch.from_numpy(self.placed(log_probs)),
-            old_log_probs=tensor(self.old_log_probs),
-            ref_log_probs=tensor(self.ref_log_probs),
+            old_log_probs=tensor(_read(self.old_log_probs)),
+            ref_log_probs=tensor(_read(self.ref_log_probs)),
             global_num_tokens=self.global_num_tokens,
             global_num_seqs=self.global_num_seqs,
         )
+
+    def hold(self, values, gap: tuple[float, int, float] | None = None) -> "HeldValues":
+        """The rank's ``[N]`` float32 ``values`` of this batch (a numpy array) put into the
+        object store by the rank (it owns them), with its log-prob ``gap`` (see
+        :func:`log_prob_gap`): what the rank's log-prob pass hands the driver."""
+        import ray
+
+        return HeldValues(ref=ray.put(values), lengths=list(self.lengths), picked=None, gap=gap)
+
+
+@dataclass
+class HeldValues:
+    """Per-token values of a rank's batch (old or reference log-probs), kept in the object
+    store by the rank that computed them: ``ref`` (an ObjectRef of its ``[N]`` float32
+    array), ``lengths`` (the tokens of each sequence of the batch they were computed for)
+    and ``picked`` (the sequences of that batch these are, in order; None: all). ``gap``:
+    the rank's log-prob gap on its ``gap_seqs`` (:func:`log_prob_gap`), None for the
+    reference's. The driver selects from it without reading a value."""
+
+    ref: Any
+    lengths: list[int]
+    picked: list[int] | None
+    gap: tuple[float, int, float] | None = None
+
+    def select(self, picked: list[int]) -> "HeldValues":
+        whole = self.picked
+        chosen = list(picked) if whole is None else [whole[i] for i in picked]
+        return replace(self, picked=chosen, gap=None)
+
+    def read(self):
+        """The values (numpy), the picked sequences' in turn: read where the rank is."""
+        import ray
+
+        values = ray.get(self.ref)
+        if self.picked is None:
+            return values
+        return _gather(values, self.lengths, self.picked)
+
+
+def log_prob_gap(batch, log_probs, seqs: list[int] | None) -> tuple[float, int, float] | None:
+    """``|log_probs - batch.rollout_log_probs|`` over the loss tokens of sequences ``seqs``
+    of ``batch`` (a TrainBatch; None: no sequence): its mean, count and max, computed as
+    :func:`rl_launcher.loops.step_metrics.mismatch` computes them over the driver's
+    batches. None without engine log-probs or a sequence to measure."""
+    import torch
+
+    if not seqs or batch.rollout_log_probs is None:
+        return None
+    lengths = batch.cu_seqlens.diff().long()
+    chosen = torch.zeros(len(lengths), dtype=torch.bool)
+    chosen[torch.as_tensor(seqs)] = True
+    keep = chosen.repeat_interleave(lengths) & (batch.loss_mask > 0)
+    diff = (log_probs - batch.rollout_log_probs).abs()[keep]
+    if not len(diff):
+        return None
+    return float(diff.mean()), len(diff), float(diff.max())
+
+
+def held_gap(rank_batches: list) -> dict[str, float]:
+    """The log-prob gap metric (``mismatch/logprob_abs_diff_mean`` and ``_max``) from each
+    rank's scalars: the mean weighted by the tokens each measured."""
+    gaps = [
+        b.old_log_probs.gap
+        for b in rank_batches
+        if isinstance(b.old_log_probs, HeldValues) and b.old_log_probs.gap is not None
+    ]
+    if not gaps:
+        return {}
+    tokens = sum(count for _, count, _ in gaps)
+    return {
+        "mismatch/logprob_abs_diff_mean": sum(mean * count for mean, count, _ in gaps) / tokens,
+        "mismatch/logprob_abs_diff_max": max(top for *_, top in gaps),
+    }
 
 
 def as_train_batch(batch):
     """A rank's batch as a TrainBatch: a :class:`RankRows` is assembled, others pass."""
     return batch.to_train_batch() if isinstance(batch, RankRows) else batch
+
+
+def _read(values):
+    """Held values read (on the rank), others as they are."""
+    return values.read() if isinstance(values, HeldValues) else values
 
 
 def _row(group_object: tuple, row: int):
@@ -264,6 +351,8 @@ def _gather(values, lengths: list[int], picked: list[int]):
     ``picked`` pieces, in that order; None stays None."""
     if values is None:
         return None
+    if isinstance(values, HeldValues):  # still where the rank put them
+        return values.select(picked)
     import numpy as np
 
     bounds = np.cumsum([0, *lengths])

@@ -17,7 +17,9 @@ With ``rollout.data_plane: workers`` the per-rank batches are
 :class:`~rl_launcher.roles.worker_rows.RankRows` (references to the rollout workers'
 objects): they go to the node actor as they are, and it fetches every rank's rows from the
 object store (:func:`fetch_rows`, numpy only) before its modeled compute, as a real rank
-assembles its batch (``time/rows_fetch``, ``rows/fetched_bytes``).
+assembles its batch (``time/rows_fetch``, ``rows/fetched_bytes``); its old log-probs stay
+in the node actor's objects (:class:`~rl_launcher.roles.worker_rows.HeldValues`), as a
+real rank's do.
 """
 
 import asyncio
@@ -31,7 +33,7 @@ from pathlib import Path
 
 import ray
 
-from rl_launcher.roles.worker_rows import RankRows
+from rl_launcher.roles.worker_rows import HeldValues, RankRows
 from rl_launcher.simulated.engine import SimModel, rss_bytes
 
 REF_BYTES = 100  # an ObjectRef in a task's arguments: 28-byte id and its owner's address
@@ -63,12 +65,12 @@ class SimNode:
             "rows/fetched_bytes": float(fetched),
         }
 
-    def log_probs(self, batches: list) -> list[bytes]:
-        """``batches[r]``: rank r's token count, or its RankRows (fetched first)."""
+    def log_probs(self, batches: list, model: str = "actor") -> list:
+        """``batches[r]``: rank r's token count, or its RankRows (fetched first, its
+        log-probs kept here as a real rank keeps them: the driver gets references)."""
         fetch_rows([b for b in batches if not isinstance(b, int)])
         time.sleep(self.model.log_probs_s)
-        counts = [b if isinstance(b, int) else b.num_tokens for b in batches]
-        return [bytes(4 * n) for n in counts]  # float32 zeros: what comes back from a rank
+        return [held(b, model) if isinstance(b, RankRows) else bytes(4 * b) for b in batches]
 
     def sync_weights(self, engine_urls: list[str], version: str, how: dict) -> dict:
         start = time.perf_counter()
@@ -134,21 +136,43 @@ class SimNode:
             (directory / f"rank_{rank:05d}.bin").write_bytes(b"simulated shard")
 
     def noop(self, *args, **kwargs) -> None:
-        """offload, onload, empty_cache, update_reference, export_hf: nothing to model."""
+        """empty_cache, update_reference, export_hf: nothing to model."""
+
+    def offload(self) -> None:
+        """The node's ranks move their training state to host memory, side by side."""
+        time.sleep(self.model.offload_s)
+
+    def onload(self) -> None:
+        time.sleep(self.model.onload_s)
 
     def load(self, path: str) -> int:
         return 0
 
 
+def held(batch: RankRows, model: str) -> HeldValues:
+    """A rank's float32 zeros for ``batch``, kept in the object store, and (the policy's
+    pass) its log-prob gap as scalars over its ``gap_seqs`` (0: no real log-probs here)."""
+    import numpy as np
+
+    values = np.zeros(batch.num_tokens, dtype=np.float32)
+    seqs = batch.gap_seqs or []
+    measured = sum(batch.response_lengths[i] for i in seqs)
+    gap = (0.0, measured, 0.0) if model == "actor" and measured else None
+    return batch.hold(values, gap)
+
+
 def fetch_rows(batches: list) -> int:
     """Bytes the ranks read from the object store for ``batches`` (RankRows among them;
-    the rest pass): each rank's token ids and engine log-probs, as a real rank assembles
-    its TrainBatch (numpy only: no torch here)."""
+    the rest pass): each rank's token ids and engine log-probs, and the old and reference
+    log-probs it holds, as a real rank assembles its TrainBatch (numpy only: no torch)."""
     total = 0
     for batch in batches:
         if isinstance(batch, RankRows):
             ids, log_probs = batch.fetch()
             total += sum(a.nbytes for a in ids) + sum(a.nbytes for a in log_probs or [])
+            for values in (batch.old_log_probs, batch.ref_log_probs):
+                if isinstance(values, HeldValues):
+                    total += values.read().nbytes
     return total
 
 
@@ -159,6 +183,11 @@ def payload_bytes(batch) -> int:
         return len(pickle.dumps(batch))
     refs = len(batch.tokens_refs) + len(batch.log_probs_refs or [])
     bare = dataclasses.replace(batch, tokens_refs=[None] * batch.num_seqs, log_probs_refs=None)
+    for name in ("old_log_probs", "ref_log_probs"):
+        values = getattr(bare, name)
+        if isinstance(values, HeldValues):  # kept on the rank: a reference and its picks
+            bare = dataclasses.replace(bare, **{name: dataclasses.replace(values, ref=None)})
+            refs += 1
     return len(pickle.dumps(bare)) + refs * REF_BYTES
 
 
@@ -202,14 +231,26 @@ class SimTrainGroup:
             ]
         return ray.get(refs)
 
+    def _turn(self, phase: str) -> None:
+        """Colocated: the devices go to the ranks (``training``) or the sync (``syncing``),
+        as the real group hands them over (:class:`~rl_launcher.infra.colocation.Turns`)."""
+        if self.turns is not None:
+            getattr(self.turns, phase)()
+
     def log_probs(self, batches: list, model: str = "actor") -> list:
         import torch
 
+        self._turn("training")
         self.sent_bytes += sum(payload_bytes(b) for b in batches)
         sent = [b if isinstance(b, RankRows) else b.num_tokens for b in batches]
-        per_node = self._gather("log_probs", self._per_node(sent))
+        per_node = self._gather("log_probs", self._per_node(sent), model=model)
         flat = [blob for node in per_node for blob in node]
-        return [torch.frombuffer(bytearray(blob), dtype=torch.float32) for blob in flat]
+        return [
+            torch.frombuffer(bytearray(blob), dtype=torch.float32)
+            if isinstance(blob, bytes)
+            else blob  # data_plane=workers: held on the rank
+            for blob in flat
+        ]
 
     def train_step(self, batches: list) -> dict:
         return self.train_steps([batches])
@@ -217,6 +258,7 @@ class SimTrainGroup:
     def train_steps(self, parts: list[list]) -> dict:
         self.sent_bytes += sum(payload_bytes(b) for part in parts for b in part)
         per_rank = [[_sent(part[d]) for part in parts] for d in range(self.num_data_ranks)]
+        self._turn("training")
         sent = time.time()
         metrics = self._gather("train_steps", self._per_node(per_rank))[0]
         entered, left = metrics.pop("time/train_entered_at"), metrics.pop("time/train_left_at")
@@ -232,6 +274,7 @@ class SimTrainGroup:
         return sent
 
     def sync_weights(self, engine_urls: list[str], version: str, **how) -> dict:
+        self._turn("syncing")
         results = self._gather("sync_weights", engine_urls=engine_urls, version=version, how=how)
         return next(r for r, ranks in zip(results, self.node_ranks, strict=True) if 0 in ranks)
 
@@ -242,13 +285,14 @@ class SimTrainGroup:
         return self._gather("load", path=str(Path(path).absolute()))[0]
 
     def update_reference(self) -> None:
+        self._turn("training")
         self._gather("noop")
 
     def offload(self) -> None:
-        self._gather("noop")
+        self._gather("offload")
 
     def onload(self) -> None:
-        self._gather("noop")
+        self._gather("onload")
 
     def empty_cache(self) -> None:
         self._gather("noop")
