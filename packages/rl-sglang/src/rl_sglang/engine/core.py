@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from rl_core.fp8 import dequantize_named
 from rl_sglang.engine import weights
 from rl_sglang.engine.lora import ALL_TARGETS, LoRAManager, read_peft_adapter
 from rl_sglang.engine.request import Request
@@ -26,6 +27,8 @@ def load_model(model_path: str, *, device: str = "cpu", dtype: str = "auto", see
     file (the tokenizer is then the byte-level one of :mod:`rl_sglang.tiny`)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from rl_sglang.fp8_checkpoint import is_fp8_checkpoint, load_fp8_model
+
     torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
     path = Path(model_path)
     if path.is_file():  # a bare config: random weights, for benchmarks
@@ -36,6 +39,9 @@ def load_model(model_path: str, *, device: str = "cpu", dtype: str = "auto", see
         dtype_for_init = torch.float32 if torch_dtype == "auto" else torch_dtype
         model = AutoModelForCausalLM.from_config(config, dtype=dtype_for_init)
         tokenizer = byte_tokenizer()
+    elif is_fp8_checkpoint(path):  # served dequantised: see rl_sglang.fp8_checkpoint
+        model = load_fp8_model(path, torch_dtype)
+        tokenizer = AutoTokenizer.from_pretrained(path) if _has_tokenizer(path) else None
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
         tokenizer = AutoTokenizer.from_pretrained(path) if _has_tokenizer(path) else None
@@ -81,6 +87,7 @@ class Engine:
     ):
         self.model, self.tokenizer, self.model_path = model, tokenizer, model_path
         self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype  # FP8 updates are dequantised to it
         eos = model.generation_config.eos_token_id if model.generation_config else None
         eos = eos if eos is not None else model.config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
@@ -294,6 +301,7 @@ class Engine:
             self.scheduler.abort_now(None, message="aborted for a weight update")
         if self._weight_targets is None:  # the parameters' current storage
             self._weight_targets = self.model.state_dict()
+        named = dequantize_named(named, self.dtype)  # FP8 weights + scales: see README
         count = weights.copy_into_model(self.model, named, self._weight_targets)
         if hasattr(self.scheduler.runner, "refresh_weights"):  # its fused copies
             self.scheduler.runner.refresh_weights()
