@@ -101,7 +101,10 @@ class RolloutManager:
         ``resume`` then ``num_prompts`` new prompts until ``num_groups`` are done (the
         asynchronous loop's chunks: their step is the first that may take them)."""
         ctx = context_of(self, num_groups, self.engines.weight_version + 1)
-        result = await generate_groups(ctx, num_prompts, resume=resume)
+        if self.workers:  # rollout.data_plane=workers: the workers generate, and hold leftovers
+            result = await self.rollout_function.generate(ctx, num_prompts, resume=resume)
+        else:
+            result = await generate_groups(ctx, num_prompts, resume=resume)
         take_rollout_counts(self.reward_fn, result.metrics)
         return result
 

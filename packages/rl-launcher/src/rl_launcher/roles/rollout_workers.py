@@ -15,16 +15,19 @@ Ray (docs/scale.md measured ~4-6 us of the driver's serial CPU a token). Here:
 
 The step is the driver path's: same prompts (drawn and remembered here for checkpoints),
 same samples for the same seed (each prompt's requests carry their own sampling seed), same
-rewards, advantages, per-rank split and loss. Pieces that read token data on the driver
-are refused before Ray starts (:func:`check_data_plane`) rather than given empty samples.
-Left on the driver: the trainer's old (and reference) log-probs cross it as contiguous
-tensors (4 bytes a token each way), and the log-prob gap metric fetches the engines'
-log-probs of the step.
+rewards, advantages, per-rank split and loss. The trainer's old and reference log-probs
+stay on the ranks that computed them, and the log-prob gap metric comes back as each
+rank's scalars (:class:`~rl_launcher.roles.worker_rows.HeldValues`). In the asynchronous
+loop each worker generates the producer's chunks of its share and holds the groups a
+weight update paused until the next chunk resumes them (:meth:`WorkerRollout.generate`).
+Pieces that read token data on the driver are refused before Ray starts
+(:func:`check_data_plane`) rather than given empty samples. Left on the driver: the
+advantages (4 bytes a response token, computed there) go to the ranks with the batches.
 """
 
 import asyncio
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rl_core.advantages import AdvantageInputs
 from rl_core.packing import balanced_partitions
@@ -43,7 +46,6 @@ def check_data_plane(config) -> None:
     rollout, algorithm, logging = config.rollout, config.algorithm, config.logging
     refused = (
         (f"mode={config.mode}", config.mode != "rl"),
-        ("rollout.loop=async", rollout.loop == "async"),
         ("rollout.source=buffer", rollout.source == "buffer"),
         ("rollout.replay_dir", rollout.replay_dir),
         ("rollout.rollout_only", rollout.rollout_only),
@@ -70,12 +72,14 @@ def check_data_plane(config) -> None:
 @dataclass
 class WorkerOutput:
     """One worker's share of a rollout: groups that finished (``kept``) and groups with an
-    aborted sample (``left``: the buffer counts and drops them, as on the driver path)."""
+    aborted sample (``left``: the buffer counts and drops them, as on the driver path; in
+    the asynchronous loop's chunks the worker holds those a pause aborted, see ``held``)."""
 
     kept: list[list[SampleRow]]
     left: list[list[SampleRow]]
     metrics: dict[str, float]
     reward_counts: dict[str, int]
+    held: list[int] = field(default_factory=list)  # draws of the groups the worker holds
 
 
 class RolloutWorker:
@@ -88,12 +92,19 @@ class RolloutWorker:
         self.config, self.tokenizer, self.url, self.api_key = config, tokenizer, url, api_key
         self.reward = load_run_reward(config, tokenizer)  # reward processes start here
         self.client = None
+        self.held: dict[int, list[Sample]] = {}  # draw -> a group a pause aborted (async)
 
     def ready(self) -> bool:
         return True
 
-    async def rollout(self, templates: list[Sample], sampling_params: dict) -> WorkerOutput:
-        """``group_size`` scored samples of each prompt of ``templates``, stored."""
+    async def rollout(
+        self, templates: list[Sample], sampling_params: dict, resume: tuple[int, ...] = ()
+    ) -> WorkerOutput:
+        """``group_size`` scored samples of each prompt of ``templates``, stored. ``resume``
+        (the asynchronous loop's chunks): draws of groups this worker holds, generated first
+        (their partial responses go on with ``rollout.partial_rollout``, else restart); groups
+        a pause aborts then stay here for the next chunk (:attr:`WorkerOutput.held`)."""
+        from rl_launcher.roles.async_rollout import failed, restart
         from rl_launcher.roles.default_rollout import relabel, rollout_settings
         from rl_sglang.client import EngineClient
         from rl_sglang.rollout.default import default_rollout
@@ -101,19 +112,26 @@ class RolloutWorker:
 
         if self.client is None:  # made on the actor's event loop
             self.client = EngineClient(self.url, api_key=self.api_key)
+        groups = [self.held.pop(draw) for draw in resume]
         result = await default_rollout(
             GenerateContext(client=self.client, tokenizer=self.tokenizer),
             iter(templates),
             self.reward.rollout_fn,
-            rollout_settings(self.config, len(templates), sampling_params),
+            rollout_settings(self.config, len(groups) + len(templates), sampling_params),
+            resume=groups,
         )
         for group in [*result.groups, *result.leftovers]:
             relabel(group)
+        if self.config.rollout.loop == "async":  # paused, not failed: resumed next chunk
+            partial = self.config.rollout.partial_rollout
+            for group in (g for g in result.leftovers if not failed(g)):
+                self.held[group[0].group_index] = group if partial else restart(group)
         return WorkerOutput(
             kept=[stored(group) for group in result.groups],
             left=[stored(group) for group in result.leftovers],
             metrics=result.metrics,
             reward_counts=self.reward.take_counts(),
+            held=sorted(self.held),
         )
 
     def close(self) -> None:
@@ -140,6 +158,7 @@ class WorkerRollout:
 
     def __init__(self, workers: list):
         self.workers = workers
+        self.holder: dict[int, int] = {}  # draw of a paused group -> the worker holding it
         self.__qualname__ = type(self).__qualname__  # run_rollout names the function by it
 
     async def __call__(self, ctx) -> list[list[Sample]]:
@@ -154,6 +173,34 @@ class WorkerRollout:
         outputs = await asyncio.gather(*calls)
         ctx.metrics.update(merged_metrics(outputs))
         return [group for out in outputs for group in (*out.kept, *out.left)]
+
+    async def generate(self, ctx, num_prompts: int, resume=()):
+        """The asynchronous loop's chunk (:meth:`RolloutManager.generate`'s, a RolloutResult):
+        ``resume`` (the last chunk's paused groups, as rows: each worker holds its own)
+        then ``num_prompts`` new prompts drawn here, dealt so that the workers' loads even
+        out; every group launched runs to its end or the next pause."""
+        from rl_sglang.rollout.default import RolloutResult
+
+        loads = [[] for _ in self.workers]  # per worker: draws to resume
+        for group in resume:
+            draw = group[0].group_index
+            loads[self.holder.pop(draw)].append(draw)
+        shares = [[] for _ in self.workers]
+        for template in ctx.prompts(num_prompts):
+            lightest = min(range(len(shares)), key=lambda w: len(loads[w]) + len(shares[w]))
+            shares[lightest].append(template)
+        busy = [w for w in range(len(self.workers)) if shares[w] or loads[w]]
+        outputs = await asyncio.gather(
+            *(
+                self.workers[w].rollout.remote(shares[w], ctx.sampling_params, tuple(loads[w]))
+                for w in busy
+            )
+        )
+        for w, out in zip(busy, outputs, strict=True):
+            self.holder |= dict.fromkeys(out.held, w)
+        groups = sorted((g for out in outputs for g in out.kept), key=lambda g: g[0].group_index)
+        left = [g for out in outputs for g in out.left]
+        return RolloutResult(groups, left, merged_metrics(outputs))
 
 
 def merged_metrics(outputs: list[WorkerOutput]) -> dict[str, float]:

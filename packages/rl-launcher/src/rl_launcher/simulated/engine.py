@@ -43,6 +43,12 @@ class SimModel:
     train_s: float = 0.2  # one optimizer step on a rank
     log_probs_s: float = 0.05  # the old-policy forward on a rank
     checkpoint_s: float = 0.1  # a rank writing its shard
+    # colocated turns, as rl-fsdp with SGLang took them on 4x H200 (2026-11-22, the
+    # driver's wall time per transition: docs/results/2026-11-22-h200x4-host-batches)
+    release_s: float = 0.04  # an engine releasing weights, KV cache and CUDA graphs
+    resume_s: float = 0.02  # an engine resuming them
+    offload_s: float = 0.16  # a rank moving its training state to host memory
+    onload_s: float = 0.23  # and back
     vocab_size: int = 16
     seed: int = 0
 
@@ -183,11 +189,19 @@ def make_app(state: SimEngineState, api_key: str = "") -> web.Application:
 
     @routes.route("*", "/flush_cache")
     @routes.route("*", "/freeze_gc")
-    @routes.post("/release_memory_occupation")
-    @routes.post("/resume_memory_occupation")
     @routes.post("/init_weights_update_group")
     async def ok(request):
         return web.json_response({"success": True, "message": "simulated"})
+
+    @routes.post("/release_memory_occupation")
+    async def release(request):
+        await asyncio.sleep(state.model.release_s)
+        return web.json_response({"success": True, "message": "released (simulated)"})
+
+    @routes.post("/resume_memory_occupation")
+    async def resume_memory(request):
+        await asyncio.sleep(state.model.resume_s)
+        return web.json_response({"success": True, "message": "resumed (simulated)"})
 
     @routes.post("/update_weights_from_distributed")
     @routes.post("/update_weights_from_tensor")
