@@ -1,9 +1,8 @@
 """The two-rank gloo job of test_two_ranks.py: one spawn checks TP=2, then DP=2.
 
-Rank 0 saves everything the parent compares against its own one-rank results.
+Rank 0's results go back to the parent, which compares them with its own one-rank results
+(multi_rank.spawn_gloo).
 """
-
-import os
 
 import faults_job
 import tiny
@@ -22,13 +21,8 @@ BF16_LAYOUTS = {
 }
 
 
-def run(rank: int, world: int, port: int, dirs: dict, out_path: str) -> None:
-    from rl_megatron.testing import cpu_shim
-
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    cpu_shim.install()
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def rank_checks(rank: int, dirs: dict, out_path: str) -> dict:
+    """Every check of the two-rank job, in order (each rank runs all of them)."""
     results = {"tp2": {name: tp2_checks(dirs[name], out_path) for name in ("qwen2-tied", "qwen3")}}
     # Sequence parallel, and an MoE model with TP=2 (experts TP-sharded), which needs it.
     for name in ("qwen3", "qwen3-moe"):
@@ -49,9 +43,7 @@ def run(rank: int, world: int, port: int, dirs: dict, out_path: str) -> None:
         for precision in ("fp32", "bf16")
     }
     results["vpp2"] = vpp_checks(dirs["qwen3-4layers"], out_path)
-    if rank == 0:
-        torch.save(results, out_path)
-    dist.destroy_process_group()
+    return results
 
 
 def tp2_checks(hf_path: str, out_path: str, sequence_parallel: bool = False) -> dict:

@@ -2,14 +2,11 @@
 TP=2 (sequence parallel, which megatron needs for MoE with TP) and EP=2, and a dense
 DeepSeek-V3 (MLA only) at TP=2 without sequence parallel, in one spawn.
 
-Rank 0 saves what the parent compares against HF and its own one-rank results.
+Rank 0's results go back to the parent, which compares them with HF and its own one-rank
+results (multi_rank.spawn_gloo).
 """
 
-import os
-
 import tiny
-import torch
-import torch.distributed as dist
 from dist_job import LENGTHS, POLICY
 
 LAYOUTS = {
@@ -19,21 +16,13 @@ LAYOUTS = {
 }
 
 
-def run(rank: int, world: int, port: int, dirs: dict, out_path: str) -> None:
-    from rl_megatron.testing import cpu_shim
-
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    cpu_shim.install()
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    results = {
+def rank_checks(rank: int, dirs: dict) -> dict:
+    """Every (family, layout) of LAYOUTS (each rank runs all of them)."""
+    return {
         (family, name): layout_checks(dirs[family], **layout)
         for family, layouts in LAYOUTS.items()
         for name, layout in layouts.items()
     }
-    if rank == 0:
-        torch.save(results, out_path)
-    dist.destroy_process_group()
 
 
 def layout_checks(hf_path: str, **layout) -> dict:

@@ -2,34 +2,24 @@
 expert and with tensor parallelism (PP=2 x CP=2 on Qwen3, PP=2 x EP=2 on Qwen3-MoE, PP=2 x
 TP=2 with sequence parallel on Qwen3).
 
-Global rank 0 saves everything the parent compares against its own one-rank results.
+Global rank 0's results go back to the parent, which compares them with its own one-rank
+results (multi_rank.spawn_gloo).
 """
-
-import os
 
 import tiny
 import torch
-import torch.distributed as dist
 from dist_job import LENGTHS, POLICY
 
 
-def run(rank: int, world: int, port: int, dirs: dict, out_path: str) -> None:
-    from rl_megatron.testing import cpu_shim
-
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    cpu_shim.install()
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    results = {
+def rank_checks(rank: int, dirs: dict, out_path: str) -> dict:
+    """The three layouts, one after the other (each rank runs all of them)."""
+    return {
         "pp2_cp2": layout_checks(dirs["qwen3"], f"{out_path}.cp", pp=2, cp=2),
         "pp2_ep2": layout_checks(dirs["qwen3-moe"], f"{out_path}.ep", pp=2, ep=2),
         "tp2_pp2": layout_checks(
             dirs["qwen3"], f"{out_path}.tp", pp=2, tp=2, sequence_parallel=True
         ),
     }
-    if rank == 0:
-        torch.save(results, out_path)
-    dist.destroy_process_group()
 
 
 def layout_checks(hf_path: str, ckpt: str, **layout) -> dict:

@@ -1,19 +1,16 @@
 """The two-rank gloo job of test_routing_replay.py: rollout routing replay under TP=2 with
 sequence parallel, CP=2 and PP=2 (one layer per stage), each the log-probs and the loss of
-a batch with forced routes. Rank 0 saves the results."""
+a batch with forced routes. Rank 0's results go back to the parent
+(multi_rank.spawn_gloo)."""
 
-import os
 from dataclasses import replace
 
 import tiny
 import torch
-import torch.distributed as dist
+from dist_job import LENGTHS, POLICY
 
-from rl_core.objective import Objective
 from rl_core.routing import NO_ROUTE
 
-LENGTHS = [9, 14, 6, 11]
-POLICY = dict(device="cpu", lr=1e-3, clip_grad=0.0, objective=Objective(entropy_coef=0.01))
 LAYOUTS = {
     "tp2+sp": {"tp": 2, "sequence_parallel": True},
     "cp2": {"cp": 2},
@@ -44,14 +41,6 @@ def replayed(hf_path: str, **layout) -> dict:
     return result
 
 
-def run(rank: int, world: int, port: int, hf_path: str, out_path: str) -> None:
-    from rl_megatron.testing import cpu_shim
-
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    cpu_shim.install()
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    results = {name: replayed(hf_path, **layout) for name, layout in LAYOUTS.items()}
-    if rank == 0:
-        torch.save(results, out_path)
-    dist.destroy_process_group()
+def rank_checks(rank: int, hf_path: str) -> dict:
+    """Every layout of LAYOUTS, replaying the forced routes (each rank runs all of them)."""
+    return {name: replayed(hf_path, **layout) for name, layout in LAYOUTS.items()}

@@ -2,19 +2,15 @@
 at DP=2 on two gloo ranks: each rank keeps half of the AdamW state, and two steps with a
 warm-up / cosine schedule give the same losses and weights as the replicated optimizer."""
 
-import os
-
 import pytest
 import tiny
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from dist_job import LENGTHS
+from multi_rank import spawn_gloo
 
-from rl_core.distributed import free_port
 from rl_core.objective import Objective
 
 pytestmark = pytest.mark.integration
-LENGTHS = [9, 14, 6, 11]
 SCHEDULE = dict(warmup_steps=1, lr_decay="cosine", total_steps=3, min_lr_ratio=0.1)
 
 
@@ -44,24 +40,15 @@ def two_steps(hf_path: str, rank: int, distributed: bool) -> dict:
     }
 
 
-def _job(rank: int, port: int, hf_path: str, out_path: str) -> None:
-    from rl_megatron.testing import cpu_shim
-
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    cpu_shim.install()
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    results = {flag: two_steps(hf_path, rank, flag) for flag in (False, True)}
-    if rank == 0:
-        torch.save(results, out_path)
-    dist.destroy_process_group()
+def both_optimizers(rank: int, hf_path: str) -> dict[bool, dict]:
+    """``two_steps`` with the replicated optimizer (False), then the distributed (True)."""
+    return {flag: two_steps(hf_path, rank, flag) for flag in (False, True)}
 
 
 def test_distributed_optimizer_equals_the_replicated_one_at_dp2(model_dirs, tmp_path):
-    out = tmp_path / "results.pt"
-    args = (free_port(), str(model_dirs["qwen3"][0]), str(out))
-    mp.spawn(_job, args=args, nprocs=2, join=True)
-    replicated, sharded = (torch.load(out, weights_only=False)[flag] for flag in (False, True))
+    hf_path = str(model_dirs["qwen3"][0])
+    results = spawn_gloo(both_optimizers, 2, tmp_path / "results.pt", hf_path)
+    replicated, sharded = results[False], results[True]
     assert replicated["state_params"] == replicated["num_params"]
     assert 0 < sharded["state_params"] < sharded["num_params"]  # this rank's half
     for got, expected in zip(sharded["metrics"], replicated["metrics"], strict=True):

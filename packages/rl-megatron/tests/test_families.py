@@ -191,15 +191,12 @@ def test_deepseek_v3_mtp_layers_are_not_built_and_said_so(world1, family_dirs, c
 def layout_job(family_dirs, tmp_path_factory):
     """GLM-4 at TP=2 and PP=2, DeepSeek-V3 at TP=2 (+SP) and EP=2, a dense DeepSeek-V3
     at TP=2 without SP: one two-rank spawn."""
-    import torch.multiprocessing as mp
-    from families_job import run
-
-    from rl_core.distributed import free_port
+    from families_job import rank_checks
+    from multi_rank import spawn_gloo
 
     out = tmp_path_factory.mktemp("layouts") / "results.pt"
     dirs = {family: str(family_dirs[family][0]) for family in LAYOUT_FAMILIES}
-    mp.spawn(run, args=(2, free_port(), dirs, str(out)), nprocs=2, join=True)
-    return torch.load(out, weights_only=False)
+    return spawn_gloo(rank_checks, 2, out, dirs)
 
 
 @pytest.fixture(scope="module")

@@ -2,19 +2,12 @@
 selective core attention) changes memory, never the numbers: the same loss and gradients
 as without it, on one rank and at TP=2 (+SP) over two gloo ranks."""
 
-import os
-
 import pytest
 import tiny
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from dist_job import LENGTHS, POLICY
+from multi_rank import spawn_gloo
 
-from rl_core.distributed import free_port
-from rl_core.objective import Objective
-
-LENGTHS = [9, 14, 6, 11]
-POLICY = dict(device="cpu", lr=1e-3, clip_grad=0.0, objective=Objective(entropy_coef=0.01))
 RECOMPUTE = {
     "none": {},
     "full-uniform": {
@@ -61,22 +54,11 @@ def test_recompute_keeps_loss_and_grads_on_one_rank(world1, model_dirs):
     assert_same(loss_and_grads(model_dirs["qwen3"][0]))
 
 
-def _tp2_job(rank: int, port: int, hf_path: str, out_path: str) -> None:
-    from rl_megatron.testing import cpu_shim
-
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    cpu_shim.install()
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    results = loss_and_grads(hf_path, tp=2, sequence_parallel=True)
-    if rank == 0:
-        torch.save(results, out_path)
-    dist.destroy_process_group()
+def tp2_loss_and_grads(rank: int, hf_path: str) -> dict[str, dict]:
+    return loss_and_grads(hf_path, tp=2, sequence_parallel=True)
 
 
 @pytest.mark.integration
 def test_recompute_keeps_loss_and_grads_at_tp2(model_dirs, tmp_path):
-    out = tmp_path / "results.pt"
-    args = (free_port(), str(model_dirs["qwen3"][0]), str(out))
-    mp.spawn(_tp2_job, args=args, nprocs=2, join=True)
-    assert_same(torch.load(out, weights_only=False))
+    hf_path = str(model_dirs["qwen3"][0])
+    assert_same(spawn_gloo(tp2_loss_and_grads, 2, tmp_path / "results.pt", hf_path))

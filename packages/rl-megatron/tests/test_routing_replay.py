@@ -10,11 +10,10 @@ import pytest
 import routing_replay_job as job
 import tiny
 import torch
-import torch.multiprocessing as mp
+from multi_rank import spawn_gloo
 from routing_replay_job import forced_routes
 from test_single_rank import LENGTHS, make_backend
 
-from rl_core.distributed import free_port
 from rl_core.routing import hf_moe_routers, replay_topk
 
 
@@ -79,9 +78,7 @@ def test_replay_under_tp_cp_and_pp_equals_one_rank(world1, model_dirs, tmp_path)
     """The routes follow the tokens into each layout: SP's split of the sequence, CP's
     zigzag halves, the pipeline's stages (the second stage's router is layer 1)."""
     hf_path = str(model_dirs["qwen3-moe"][0])
-    out = tmp_path / "results.pt"
-    mp.spawn(job.run, args=(2, free_port(), hf_path, str(out)), nprocs=2, join=True)
-    results = torch.load(out, weights_only=False)
+    results = spawn_gloo(job.rank_checks, 2, tmp_path / "results.pt", hf_path)
     reference = job.replayed(hf_path)
     for name, got in results.items():
         assert got["num_replayed"] > 0, name

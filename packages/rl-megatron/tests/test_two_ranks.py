@@ -5,10 +5,9 @@ import math
 import pytest
 import tiny
 import torch
-import torch.multiprocessing as mp
-from dist_job import LENGTHS, POLICY, SFT, critic_checks, run
+from dist_job import LENGTHS, POLICY, SFT, critic_checks, rank_checks
+from multi_rank import assert_same_step, one_rank_reference, spawn_gloo
 
-from rl_core.distributed import free_port
 from rl_core.logprobs import log_probs_and_entropy
 from rl_megatron.backend import MegatronBackend
 from rl_megatron.config import MegatronConfig
@@ -20,24 +19,16 @@ pytestmark = pytest.mark.integration
 def job(model_dirs, tmp_path_factory):
     out = tmp_path_factory.mktemp("job") / "results.pt"
     dirs = {name: str(d) for name, (d, _) in model_dirs.items()}
-    mp.spawn(run, args=(2, free_port(), dirs, str(out)), nprocs=2, join=True)
-    return torch.load(out, weights_only=False)
+    return spawn_gloo(rank_checks, 2, out, dirs, str(out))
 
 
 @pytest.fixture(scope="module")
 def reference(world1, model_dirs):
-    """The same computations at TP=1 in this process."""
-    results = {}
-    for name in ("qwen2-tied", "qwen3", "qwen3-moe"):
-        backend = MegatronBackend(MegatronConfig(hf_path=model_dirs[name][0], **POLICY))
-        batch = tiny.random_batch(LENGTHS, seed=11)
-        log_probs = backend.compute_log_probs(batch)
-        results[name] = {"log_probs": log_probs, "metrics": backend.forward_backward(batch)}
-        results[name]["grads"] = backend.hf_gradients()
-        backend.optimizer.zero_grad()
-        backend.train_step(batch)
-        results[name]["log_probs_after_step"] = backend.compute_log_probs(batch)
-    return results
+    """The same computations at TP=1 in this process, then one optimizer step."""
+    return {
+        name: one_rank_reference(model_dirs[name][0], train_step=True)
+        for name in ("qwen2-tied", "qwen3", "qwen3-moe")
+    }
 
 
 TP2_VARIANTS = ["qwen2-tied", "qwen3", "qwen3+sp", "qwen3-moe+sp"]
@@ -65,12 +56,7 @@ def test_tp2_export_round_trip_is_exact(job, model_dirs, variant):
 @pytest.mark.parametrize("variant", TP2_VARIANTS)
 def test_tp2_loss_and_grads_equal_tp1(job, reference, variant):
     got, expected = job["tp2"][variant], reference[variant.removesuffix("+sp")]
-    for key in ("loss/total", "loss/pg", "actor/entropy", "pg/clipfrac"):
-        assert got["metrics"][key] == pytest.approx(expected["metrics"][key], abs=1e-5), key
-    for hf_name, grad in expected["grads"].items():
-        torch.testing.assert_close(got["grads"][hf_name], grad, atol=1e-5, rtol=1e-4, msg=hf_name)
-    full_norm = torch.stack([g.norm() for g in expected["grads"].values()]).norm()
-    assert got["grad_norm"] == pytest.approx(float(full_norm), rel=1e-5)
+    assert_same_step(got, expected)
 
 
 @pytest.mark.parametrize("variant", TP2_VARIANTS)
@@ -145,25 +131,14 @@ def test_ep2_equals_one_rank(job, reference, model_dirs):
     original = tiny.hf_files(model_dirs["qwen3-moe"][0])
     assert set(got["exported"]) == set(original)
     assert all(torch.equal(got["exported"][n], original[n]) for n in original)
-    assert got["metrics"]["loss/total"] == pytest.approx(
-        expected["metrics"]["loss/total"], abs=1e-5
-    )
-    for hf_name, grad in expected["grads"].items():
-        torch.testing.assert_close(got["grads"][hf_name], grad, atol=1e-5, rtol=1e-4, msg=hf_name)
-    full_norm = torch.stack([g.norm() for g in expected["grads"].values()]).norm()
-    assert got["grad_norm"] == pytest.approx(float(full_norm), rel=1e-5)
+    assert_same_step(got, expected, metrics=("loss/total",))
     assert got["resumed_equal"]  # experts split over EP ranks, from a distributed checkpoint
 
 
 def test_cp2_equals_one_rank(job, reference):
     got, expected = job["cp2"], reference["qwen3"]
     torch.testing.assert_close(got["log_probs"], expected["log_probs"], atol=1e-5, rtol=0)
-    for key in ("loss/total", "loss/pg", "actor/entropy", "pg/clipfrac"):
-        assert got["metrics"][key] == pytest.approx(expected["metrics"][key], abs=1e-5), key
-    for hf_name, grad in expected["grads"].items():
-        torch.testing.assert_close(got["grads"][hf_name], grad, atol=1e-5, rtol=1e-4, msg=hf_name)
-    full_norm = torch.stack([g.norm() for g in expected["grads"].values()]).norm()
-    assert got["grad_norm"] == pytest.approx(float(full_norm), rel=1e-5)
+    assert_same_step(got, expected)
 
 
 def test_tp2_sequence_parallel_critic_equals_tp1(job, world1, model_dirs):
@@ -194,12 +169,7 @@ def test_pp2_equals_one_rank(job, reference, model_dirs, name):
     original = tiny.hf_files(model_dirs[name][0])
     assert set(got["exported"]) == set(original)
     assert all(torch.equal(got["exported"][n], original[n]) for n in original)
-    for key in ("loss/total", "loss/pg", "actor/entropy", "pg/clipfrac"):
-        assert got["metrics"][key] == pytest.approx(expected["metrics"][key], abs=1e-5), key
-    for hf_name, grad in expected["grads"].items():
-        torch.testing.assert_close(got["grads"][hf_name], grad, atol=1e-5, rtol=1e-4, msg=hf_name)
-    full_norm = torch.stack([g.norm() for g in expected["grads"].values()]).norm()
-    assert got["grad_norm"] == pytest.approx(float(full_norm), rel=1e-5)
+    assert_same_step(got, expected)
     torch.testing.assert_close(
         got["log_probs_after_step"], expected["log_probs_after_step"], atol=1e-5, rtol=0
     )
@@ -273,20 +243,9 @@ def test_pp2_with_two_virtual_stages_equals_one_rank(job, world1, model_dirs):
     assert got["layers"] == [[1], [3]]  # rank 0's chunks: global layers 1 and 3 (1-based)
     assert got["micro_batches"] == 3  # run as four: the interleaved schedule needs a multiple of pp
     path = model_dirs["qwen3-4layers"][0]
-    backend = MegatronBackend(MegatronConfig(hf_path=path, **POLICY))
-    batch = tiny.random_batch(LENGTHS, seed=11)
-    torch.testing.assert_close(
-        got["log_probs"], backend.compute_log_probs(batch), atol=1e-5, rtol=0
-    )
-    metrics = backend.forward_backward(batch)
-    for key in ("loss/total", "loss/pg", "actor/entropy", "pg/clipfrac"):
-        assert got["metrics"][key] == pytest.approx(metrics[key], abs=1e-5), key
-    expected = backend.hf_gradients()
-    assert set(got["grads"]) == set(expected)
-    for hf_name, grad in expected.items():
-        torch.testing.assert_close(got["grads"][hf_name], grad, atol=1e-5, rtol=1e-4, msg=hf_name)
-    full_norm = torch.stack([g.norm() for g in expected.values()]).norm()
-    assert got["grad_norm"] == pytest.approx(float(full_norm), rel=1e-5)
+    expected = one_rank_reference(path)
+    torch.testing.assert_close(got["log_probs"], expected["log_probs"], atol=1e-5, rtol=0)
+    assert_same_step(got, expected)
     original = tiny.hf_files(path)
     assert set(got["exported"]) == set(original)
     assert all(torch.equal(got["exported"][n], original[n]) for n in original)
