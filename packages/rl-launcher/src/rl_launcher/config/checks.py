@@ -3,6 +3,7 @@ while it is built). Each raises ValueError naming the fields involved and a fix.
 
 from rl_launcher.config import TrainConfig
 from rl_launcher.config.extensions import check_extensions
+from rl_launcher.config.fp8_checks import check_fp8_rollout
 from rl_launcher.config.routing_checks import check_routing_replay
 from rl_launcher.config.switch_checks import check_switches
 from rl_launcher.infra.placement import plan_from_config
@@ -32,6 +33,7 @@ def check_consistency(config: TrainConfig) -> None:
         _check_lora,
         _check_megatron,
         check_routing_replay,  # algorithm.routing_replay (config/routing_checks.py)
+        check_fp8_rollout,  # engine.quantization=fp8 (config/fp8_checks.py)
         check_extensions,  # user functions by dotted path: imported, signatures checked
         _check_rollout_function,
         _check_group_reward,

@@ -684,6 +684,19 @@ class EngineConfig:
         "bucket.",
         choices=("kept", "fresh"),
     )
+    quantization: str = option(
+        "none",
+        help="fp8: the engines serve block-wise FP8 weights (float8_e4m3fn with one float32 "
+        "weight_scale_inv per 128x128 block, DeepSeek-V3's layout; slime's FP8 rollout): "
+        "the starting model is converted into <logging.run_dir>/initial_model_fp8 (its "
+        "config.json's quantization_config tells SGLang) and every weight sync quantises "
+        "the trainer's weights on the way, by every transport. Attention and MLP "
+        "projections (and MoE experts) only; embeddings, norms, lm_head and router gates "
+        "stay. SGLang runs FP8 matmuls (its triton block kernels); the embedded engine "
+        "dequantises at load. Correct the trainer/engine gap with "
+        "algorithm.rollout_is_level (TIS/MIS).",
+        choices=("none", "fp8"),
+    )
     sync_every: int = option(1, help="Sync weights every N training steps.", low=1)
     release_when_idle: bool = option(
         True,

@@ -118,6 +118,7 @@ def sync_options(config, run_dir: Path) -> dict:
         "tp_size": engine.devices_per_engine,
         "flatten": engine.weight_flatten,
         "buffer": engine.weight_buffer,  # tensor: kept send buffers, or fresh per bucket
+        "quantization": engine.quantization,  # fp8: buckets quantised on the way (rl_core.fp8)
         "lora_sync": config.model.lora_sync if config.model.lora_rank else None,  # roles/lora
     }
 
@@ -264,6 +265,17 @@ class EngineWeightSync:
             name = f"weight-sync-{self.rank}"
             threading.Thread(target=self._loop.run_forever, name=name, daemon=True).start()
         return asyncio.run_coroutine_threadsafe(work, self._loop)
+
+
+def quantized_buckets(buckets, how: dict):
+    """The buckets as the engines take them: with ``engine.quantization: fp8`` each one's
+    linear weights become FP8 plus their ``weight_scale_inv`` (:mod:`rl_core.fp8`), on the
+    device they were gathered on; else unchanged."""
+    if how.get("quantization", "none") != "fp8":
+        return buckets
+    from rl_core.fp8 import quantize_named
+
+    return (list(quantize_named(bucket)) for bucket in buckets)
 
 
 def kept_buffers(how: dict) -> bool:

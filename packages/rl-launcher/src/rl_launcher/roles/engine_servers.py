@@ -41,6 +41,8 @@ def sglang_server_args(config, *, memory_saver: bool, multi_node: dict | None = 
         args["enable_memory_saver"] = True
     if config.algorithm.routing_replay:  # requests ask return_routed_experts
         args["enable_return_routed_experts"] = True
+    if config.engine.quantization == "fp8":  # FP8 matmuls by SGLang's triton block kernels
+        args |= {"quantization": "fp8", "fp8_gemm_backend": "triton"}
     return args | dict(multi_node or {}) | sglang_lora_args(config) | passthrough
 
 

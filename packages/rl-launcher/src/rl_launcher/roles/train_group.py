@@ -132,12 +132,16 @@ class TrainWorker(GroupMember):
         ``how``: see :func:`rl_launcher.infra.weight_sync.sync_options`. Returns the bytes
         sent (``sync/bytes``), this rank's wall time in the call (``time/sync_call``) and
         the part of it spent producing the buckets (``time/sync_export``: gathering and
-        casting in the backend; the rest is packing and handing them to the engines)."""
+        casting in the backend, and with ``engine.quantization: fp8`` quantising; the rest
+        is packing and handing them to the engines)."""
         if how.get("lora_sync") == "adapter":  # the LoRA adapters alone (roles/lora.py)
             return self.adapter_sync(engine_urls, version, how)
+        from rl_launcher.infra.weight_sync import quantized_buckets
+
         start = time.perf_counter()
         self.onload()
-        buckets = TimedIter(self.backend.export_weights(bucket_bytes=how["bucket_bytes"]))
+        exported = self.backend.export_weights(bucket_bytes=how["bucket_bytes"])
+        buckets = TimedIter(quantized_buckets(exported, how))  # engine.quantization: fp8
         sent = self.weights.sync(buckets, engine_urls, version, how)
         return {
             "sync/bytes": sent,

@@ -12,6 +12,19 @@ from pathlib import Path
 from typing import Any
 
 INITIAL_MODEL = "initial_model"
+FP8_MODEL = "initial_model_fp8"  # engine.quantization=fp8: what the engines start from
+
+
+def engine_model_dir(config, model_dir: str | Path) -> Path:
+    """The directory the engines start from: the starting model, or with
+    ``engine.quantization: fp8`` its block-wise FP8 conversion in
+    ``<run_dir>/initial_model_fp8`` (written atomically, kept while its source is unchanged:
+    :func:`rl_sglang.fp8_checkpoint.write_fp8_checkpoint`)."""
+    if config.engine.quantization != "fp8":
+        return Path(model_dir)
+    from rl_sglang.fp8_checkpoint import write_fp8_checkpoint
+
+    return write_fp8_checkpoint(model_dir, Path(config.logging.run_dir) / FP8_MODEL)
 
 
 def precision_note(config) -> None:

@@ -99,10 +99,11 @@ def start_engines(
     (engines on the default devices); its stop is appended to ``cleanup``. ``reward``: a
     reward that exists already (see :class:`RolloutManager`)."""
     from rl_launcher.roles.rollout_manager import RolloutManager
+    from rl_launcher.session.model import engine_model_dir
 
     manager = RolloutManager(
         config,
-        model_dir=model_dir,
+        model_dir=engine_model_dir(config, model_dir),  # engine.quantization=fp8: converted
         tokenizer=tokenizer,
         source=source,
         log_dir=log_dir,
@@ -236,6 +237,10 @@ def watch_engines(run: Run) -> None:
         if run.trainer is None:  # still starting: never synced, start-up weights are current
             return False
         run.trainer.export_hf(path)
+        if run.config.engine.quantization == "fp8":  # as the engines serve them
+            from rl_sglang.fp8_checkpoint import write_fp8_checkpoint
+
+            write_fp8_checkpoint(path, path)
         return True
 
     run.rollout.engines.watch(export=export, transport=run.sync_options.get("transport"))
@@ -245,7 +250,9 @@ def _start_rollout(run: Run, model_dir: Path, tokenizer, run_dir: Path) -> None:
     from rl_launcher.infra.colocation import check_turns, make_turns, turns_needed
     from rl_launcher.roles.buffer_rollout import BufferRollout
     from rl_launcher.roles.rollout_manager import RolloutManager
+    from rl_launcher.session.model import engine_model_dir
 
+    model_dir = engine_model_dir(run.config, model_dir)  # engine.quantization=fp8: converted
     kind, extra = RolloutManager, {}
     if run.config.rollout.source == "buffer":  # agent workers write the groups
         kind, extra = BufferRollout, {"run_dir": run_dir}
