@@ -83,23 +83,13 @@ def parse_args():
 
 
 def make_batch(args, vocab_size: int):
-    """The batch of bench/train_fsdp.py (same generator use), with advantages for PPO."""
-    from rl_core.batch import TrainBatch
-    from rl_core.packing import cu_seqlens_from_lengths
+    """The batch bench/train_fsdp.py trains on for the same arguments (its builder, the same
+    generator use), with advantages for PPO."""
+    from train_fsdp import lengths_for
+    from train_fsdp import make_batch as packed_batch
 
     gen = torch.Generator().manual_seed(0)
-    if args.data == "full":
-        lengths = [args.max_len] * args.num_seqs
-    else:
-        low = max(args.max_len // 32, 2)
-        lengths = torch.randint(low, args.max_len + 1, (args.num_seqs,), generator=gen).tolist()
-    cu = cu_seqlens_from_lengths(lengths)
-    tokens = torch.randint(0, vocab_size, (int(cu[-1]),), generator=gen)
-    mask = torch.ones(tokens.shape[0])
-    mask[cu[1:].long() - 1] = 0.0
-    advantages = torch.randn(tokens.shape[0], generator=gen)
-    batch = TrainBatch(tokens=tokens, cu_seqlens=cu, loss_mask=mask, advantages=advantages)
-    return batch.with_global_denominators()
+    return packed_batch(lengths_for(args, gen), vocab_size, gen)
 
 
 def matmul_flops_per_s(device: str) -> float:
