@@ -233,6 +233,18 @@ def test_sglang_servers_get_config_options_overridden_by_pass_through(tmp_path, 
         sglang_server_args(config, memory_saver=False)
 
 
+def test_sglang_graphs_cover_the_rollout_concurrency_per_engine():
+    config = gpu_config("--rollout.batch_size", "64", "--rollout.group_size", "16")
+    assert sglang_server_args(config, memory_saver=False)["cuda_graph_max_bs"] == 1024
+    config = gpu_config("--rollout.batch_size", "50", "--rollout.group_size", "10")
+    assert sglang_server_args(config, memory_saver=False)["cuda_graph_max_bs"] == 512
+    config.engine.num_engines = 2  # 250 samples each: SGLang's default graphs
+    assert "cuda_graph_max_bs" not in sglang_server_args(config, memory_saver=False)
+    config = gpu_config("--rollout.batch_size", "64", "--sglang-cuda-graph-max-bs", "160")
+    config.rollout.group_size = 16
+    assert sglang_server_args(config, memory_saver=False)["cuda_graph_max_bs"] == "160"
+
+
 def test_embedded_engines_on_gpus_see_only_their_devices(tmp_path):
     config, _ = load_config(
         [

@@ -43,7 +43,24 @@ def sglang_server_args(config, *, memory_saver: bool, multi_node: dict | None = 
         args["enable_return_routed_experts"] = True
     if config.engine.quantization == "fp8":  # FP8 matmuls by SGLang's triton block kernels
         args |= {"quantization": "fp8", "fp8_gemm_backend": "triton"}
+    graph_batch = cuda_graph_batch(config)
+    if graph_batch is not None:
+        args["cuda_graph_max_bs"] = graph_batch
     return args | dict(multi_node or {}) | sglang_lora_args(config) | passthrough
+
+
+def cuda_graph_batch(config) -> int | None:
+    """SGLang's ``--cuda-graph-max-bs`` for a rollout of more concurrent samples per engine
+    than SGLang captures by default: decode batches above the largest captured graph run
+    eagerly, launch-bound for a small model (a 0.36B model's colocated rollout of 1,024
+    samples took 2.3-2.8 s with the default graphs and 1.3-1.7 s with graphs to 1,024 on an
+    H200). The samples of one step per engine, rounded up to a multiple of 16, at most 1,024;
+    None (SGLang's default) at 256 or fewer."""
+    samples = config.rollout.batch_size * config.rollout.group_size
+    per_engine = -(-samples // config.engine.num_engines)
+    if per_engine <= 256:
+        return None
+    return min(1024, -(-per_engine // 16) * 16)
 
 
 def engine_processes(
