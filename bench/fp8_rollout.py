@@ -46,7 +46,7 @@ SGLANG_ARGS = {
     "dtype": "bfloat16",
     "mem_fraction_static": 0.5,
     "skip_tokenizer_init": True,
-    "cuda_graph_max_bs": 64,
+    "cuda_graph_max_bs_decode": 64,  # SGLang 0.5.15's name (--cuda-graph-max-bs is deprecated)
     # kernels every SGLang build has (the GPU machine's bundle leaves out FA3 and FlashInfer)
     "attention_backend": "triton",
     "sampling_backend": "pytorch",
@@ -54,6 +54,7 @@ SGLANG_ARGS = {
 }
 FP8_ARGS = {"quantization": "fp8", "fp8_gemm_backend": "triton"}
 GAP_PROMPTS, GAP_TOKENS = 16, 64
+DEVICE = "cuda"  # the trainer's device in GPU mode
 CPU_PROMPTS = [
     "Tom has 12 apples and eats 5. How many are left? Answer with the final number.",
     "A box holds 6 rows of 4 eggs. How many eggs are in the box?",
@@ -106,6 +107,11 @@ async def sampled(client, prompts) -> tuple[list, list]:
     return [o["output_ids"] for o in outs], lps
 
 
+def synchronize() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def sync_seconds(url: str, named, quantization: str, repeats: int) -> list[float]:
     """Full syncs of ``named`` as a training rank makes them (rl-train's code path)."""
     from rl_launcher.infra.weight_sync import EngineWeightSync, quantized_buckets
@@ -114,7 +120,7 @@ def sync_seconds(url: str, named, quantization: str, repeats: int) -> list[float
     how = {"transport": "tensor", "flatten": True, "buffer": "kept", "tp_size": 1}
     how |= {"senders": [0], "quantization": quantization}
     for rep in range(repeats + 1):
-        torch.cuda.synchronize()
+        synchronize()
         start = time.perf_counter()
         buckets = quantized_buckets(bucket_by_bytes(iter(named), bucket_bytes=1 << 30), how)
         rank.sync(buckets, [url], f"{quantization}-{rep}", how)
@@ -159,7 +165,7 @@ def measure_engine(kind: str, model_dir: Path, trainers: dict, args) -> dict:
         gap_prompts = prompts[:GAP_PROMPTS]
         outputs, lps = asyncio.run(serve(sampled, gap_prompts))
         result["gap"] = gap_stats(
-            lps, teacher_forced(trainers["old"], gap_prompts, outputs, "cuda")
+            lps, teacher_forced(trainers["old"], gap_prompts, outputs, DEVICE)
         )
         named = unique_tensors(trainers["new"])
         times = sync_seconds(server.url, named, "fp8" if kind == "fp8" else "none", args.repeats)
@@ -170,7 +176,7 @@ def measure_engine(kind: str, model_dir: Path, trainers: dict, args) -> dict:
             "gb_sent": sum(t.numel() * t.element_size() for _, t in sent) / 1e9,
         }
         outputs, lps = asyncio.run(serve(sampled, gap_prompts))
-        after = teacher_forced(trainers["new"], gap_prompts, outputs, "cuda")
+        after = teacher_forced(trainers["new"], gap_prompts, outputs, DEVICE)
         result["gap_after_sync"] = gap_stats(lps, after)
     print(json.dumps({kind: result}), flush=True)
     return result
@@ -184,8 +190,8 @@ def run_gpu(args) -> dict:
     work = Path(tempfile.mkdtemp(prefix="fp8_rollout-"))
     bf16_dir, fp8_dir, fields = save_models(args.shape, work)
     trainers = {
-        "old": AutoModelForCausalLM.from_pretrained(bf16_dir, dtype=torch.bfloat16).cuda(),
-        "new": random_model(tiny_config(**fields), seed=1, dtype=torch.bfloat16).cuda(),
+        "old": AutoModelForCausalLM.from_pretrained(bf16_dir, dtype=torch.bfloat16).to(DEVICE),
+        "new": random_model(tiny_config(**fields), seed=1, dtype=torch.bfloat16).to(DEVICE),
     }
     report = {"shape": args.shape, "batch": args.batch, "new_tokens": args.new_tokens}
     for kind, model_dir in (("bf16", bf16_dir), ("fp8", fp8_dir)):
