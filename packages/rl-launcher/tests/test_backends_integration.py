@@ -67,6 +67,30 @@ def check_weights_reached_the_engines(run, records, *, fp8: bool = False) -> Non
     assert all(0 < r["time/sync_export"] < r["time/sync_call"] for r in records)
 
 
+def check_engine_serves_the_fp8_of_the_trainer(run, tmp_path) -> None:
+    """The engine's log-probs equal, to float32 rounding, those of the trainer's current
+    weights quantised and dequantised: the FP8 sync carried exactly those weights."""
+    import torch
+
+    from rl_sglang.fp8_checkpoint import load_fp8_model, write_fp8_checkpoint
+
+    run.trainer.export_hf(str(tmp_path / "trained"))
+    served = load_fp8_model(write_fp8_checkpoint(tmp_path / "trained", tmp_path / "fp8"))
+    engines, prompt = run.rollout.engines, [3, 4, 5]
+    params = {"max_new_tokens": 4, "ignore_eos": True}
+    out = engines.call(
+        engines.client(engines.urls[0]).generate(
+            input_ids=prompt, return_logprob=True, sampling_params=params
+        )
+    )
+    ids = torch.tensor([prompt + out["output_ids"]])
+    with torch.no_grad():
+        logprobs = torch.log_softmax(served.eval()(ids).logits[0].float(), dim=-1)
+    expected = [logprobs[len(prompt) - 1 + i, t].item() for i, t in enumerate(out["output_ids"])]
+    got = [entry[0] for entry in out["meta_info"]["output_token_logprobs"]]
+    assert got == pytest.approx(expected, abs=LOGPROB_TOL)
+
+
 def test_megatron_tp2_takes_turns_with_the_engine_and_syncs_weights(tmp_path):
     config, _ = load_config(
         shrunk(
@@ -122,6 +146,7 @@ def test_disaggregated_fp8_run_syncs_over_a_gloo_weight_update_group(tmp_path):
         assert run.plan.train_bundles == (0,) and run.plan.engine_bundles == ((1,),)
         records = two_steps(run)
         check_weights_reached_the_engines(run, records, fp8=True)
+        check_engine_serves_the_fp8_of_the_trainer(run, tmp_path)
     finally:
         run.close()
     quant = json.loads((tmp_path / "run/initial_model_fp8/config.json").read_text())
