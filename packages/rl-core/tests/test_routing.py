@@ -8,7 +8,10 @@ from rl_core.routing import (
     NO_ROUTE,
     decode_routes,
     encode_routes,
+    hf_moe_routers,
     packed_routes,
+    replay_hf_router,
+    replay_sigmoid_topk,
     replay_topk,
 )
 from rl_core.types import Sample, SampleStatus
@@ -41,6 +44,59 @@ def test_gradients_reach_the_router_weights():
     p = torch.tensor([0.1, 0.2, 0.3, 0.4])
     expected_dz = 0.1 * (torch.tensor([1.0, 0, 0, 0]) - p)
     torch.testing.assert_close(router_weight.grad, expected_dz[:, None] * LOGITS)
+
+
+# sigmoid of [0, log 3, -log 3, log 4] is [1/2, 3/4, 1/4, 4/5]
+SIGMOID_LOGITS = torch.log(torch.tensor([[1.0, 3.0, 1 / 3, 4.0]]))
+
+
+def test_sigmoid_router_weighs_the_given_experts_by_their_sigmoid_scores():
+    """DeepSeek-V3's router: sigmoid scores at the given experts (whatever the group limit
+    or bias would pick), renormalised, times the scaling factor; own choice on NO_ROUTE."""
+    given = torch.tensor([[2, 0], [NO_ROUTE, NO_ROUTE]], dtype=torch.int16)
+    own = torch.tensor([[3, 1], [3, 1]])
+    weights, experts = replay_sigmoid_topk(
+        SIGMOID_LOGITS.repeat(2, 1), given, own, norm_topk_prob=True, scaling=2.0
+    )
+    assert experts.tolist() == [[2, 0], [3, 1]]
+    # [1/4, 1/2] / (3/4) * 2 and [4/5, 3/4] / (31/20) * 2
+    expected = torch.tensor([[2 / 3, 4 / 3], [32 / 31, 30 / 31]])
+    torch.testing.assert_close(weights, expected)
+    weights, _ = replay_sigmoid_topk(
+        SIGMOID_LOGITS, given[:1], own[:1], norm_topk_prob=False, scaling=1.0
+    )
+    torch.testing.assert_close(weights, torch.tensor([[0.25, 0.5]]))
+
+
+def test_hf_routers_are_found_and_replayed_by_their_kind():
+    """Class names ending in TopKRouter (Qwen3-MoE) or TopkRouter (DeepSeek-V3); a router
+    holding e_score_correction_bias replays with sigmoid scores, others with softmax."""
+
+    class DeepseekV3TopkRouter(torch.nn.Module):
+        norm_topk_prob, routed_scaling_factor = True, 2.0
+
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("e_score_correction_bias", torch.zeros(4))
+
+    class Qwen3MoeTopKRouter(torch.nn.Module):
+        norm_topk_prob = False
+
+    layers = [
+        torch.nn.ModuleDict({"gate": r()}) for r in (Qwen3MoeTopKRouter, DeepseekV3TopkRouter)
+    ]
+    model = torch.nn.ModuleDict({"layers": torch.nn.ModuleList(layers)})
+    routers = hf_moe_routers(model)
+    assert [type(routers[i]).__name__ for i in (0, 1)] == [
+        "Qwen3MoeTopKRouter",
+        "DeepseekV3TopkRouter",
+    ]
+    given = torch.tensor([[2, 0]])
+    output = (SIGMOID_LOGITS, None, torch.tensor([[3, 1]]))
+    weights, _ = replay_hf_router(routers[1], output, given)
+    torch.testing.assert_close(weights, torch.tensor([[2 / 3, 4 / 3]]))
+    weights, _ = replay_hf_router(routers[0], (LOGITS, None, None), given)
+    torch.testing.assert_close(weights, torch.tensor([[0.3, 0.1]]))
 
 
 def test_packed_routes_leave_each_sequence_end_to_the_router():

@@ -1,13 +1,16 @@
 """Rollout routing replay in the FSDP backend (one gloo rank, the families' tiny Qwen3-MoE:
 2 layers, 4 experts, top-2): the experts the batch names are the ones the MoE blocks run,
 replaying the model's own routes changes nothing, other routes change the log-probs, the
-reference pass ignores them, and the loss's gradient still reaches the routers."""
+reference pass ignores them, and the loss's gradient still reaches the routers. The same
+for a tiny DeepSeek-V3 (sigmoid router with an expert bias, 8 experts in 4 groups, top-2
+groups, top-4): the given experts are run even across the group limit, weighted as HF
+weighs the experts it picks."""
 
 from dataclasses import replace
 
 import pytest
 import torch
-from fsdp_tiny import FAMILIES, tokens_batch
+from fsdp_tiny import COMMON, FAMILIES, tokens_batch
 
 from rl_core.objective import Objective
 from rl_core.routing import NO_ROUTE, hf_moe_routers
@@ -16,6 +19,28 @@ from rl_fsdp.forward import token_indices
 from rl_fsdp.lora import LoRASpec
 
 MOE = FAMILIES["qwen3_moe"]
+# after one dense layer, two MoE layers: 8 routed experts in 4 groups (top 2 groups, top 4
+# experts) and a shared one; MLA with query latent 32, kv latent 24, 16 + 8 rope channels
+DEEPSEEK = {
+    **COMMON,
+    "model_type": "deepseek_v3",
+    "num_hidden_layers": 3,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 24,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 4,
+    "n_group": 4,
+    "topk_group": 2,
+    "first_k_dense_replace": 1,
+    "moe_intermediate_size": 32,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+}
 
 
 @pytest.fixture(scope="module")
@@ -33,20 +58,22 @@ def make_backend(world, **overrides) -> FSDPBackend:
     return FSDPBackend(FSDPConfig(**{**settings, **overrides}), dist_info=world)
 
 
-def forced_routes(batch) -> torch.Tensor:
-    """``[N, 2, 2]``: token t to experts (t mod 4, t + 1 mod 4) in both layers; sequence
-    ends route on their own."""
-    first = torch.arange(batch.num_tokens) % 4
-    routes = torch.stack([first, (first + 1) % 4], -1)[:, None].expand(-1, 2, -1).clone()
+def forced_routes(batch, num_layers=2, num_experts=4, top_k=2) -> torch.Tensor:
+    """``[N, L, top_k]``: token t to experts (t, ..., t + top_k - 1) mod num_experts in every
+    layer; sequence ends route on their own."""
+    first = torch.arange(batch.num_tokens)
+    experts = torch.stack([(first + k) % num_experts for k in range(top_k)], -1)
+    routes = experts[:, None].expand(-1, num_layers, -1).clone()
     routes[batch.cu_seqlens[1:].long() - 1] = NO_ROUTE
     return routes.to(torch.int16)
 
 
-def experts_run(backend, batch, routes) -> torch.Tensor:
-    """``[N, L, K]`` (batch order, each row sorted): the experts each MoE block ran."""
+def router_outputs(backend, batch, routes) -> dict[int, tuple]:
+    """Per MoE layer, its router's ``(logits [N, E], weights [N, K], experts [N, K])`` after
+    replay, in batch order."""
     ran = {}  # hooks run in order: this one sees the replayed output
     handles = [
-        router.register_forward_hook(lambda m, a, out, i=i: ran.__setitem__(i, out[2]))
+        router.register_forward_hook(lambda m, a, out, i=i: ran.__setitem__(i, out))
         for i, router in hf_moe_routers(backend.model).items()
     ]
     try:
@@ -55,9 +82,21 @@ def experts_run(backend, batch, routes) -> torch.Tensor:
         for handle in handles:
             handle.remove()
     (seqs,) = backend.plan(batch, backend.config.micro_batch_tokens_for_log_probs)
-    out = torch.empty(batch.num_tokens, len(ran), 2, dtype=torch.long)
-    out[token_indices(batch, seqs)] = torch.stack([ran[i] for i in sorted(ran)], dim=1)
-    return out.sort(-1).values
+    index = token_indices(batch, seqs)
+    result = {}
+    for layer, output in ran.items():
+        result[layer] = []
+        for tensor in output:
+            full = tensor.new_zeros(batch.num_tokens, *tensor.shape[1:])
+            full[index] = tensor.detach()
+            result[layer].append(full)
+    return result
+
+
+def experts_run(backend, batch, routes) -> torch.Tensor:
+    """``[N, L, K]`` (batch order, each row sorted): the experts each MoE block ran."""
+    outputs = router_outputs(backend, batch, routes)
+    return torch.stack([outputs[i][2] for i in sorted(outputs)], dim=1).sort(-1).values
 
 
 def test_the_given_experts_are_the_ones_run(world_of_one):
@@ -108,3 +147,45 @@ def test_gradients_reach_the_routers_under_replay(world_of_one):
         grad = router.weight.grad
         grad = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
         assert float(grad.abs().sum()) > 0
+
+
+def deepseek_backend(world) -> FSDPBackend:
+    """The tiny DeepSeek-V3 with an expert bias as large as its scores' spread."""
+    backend = make_backend(world, model_config=DEEPSEEK)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for router in hf_moe_routers(backend.model).values():
+            router.e_score_correction_bias.copy_(0.03 * torch.randn(8, generator=gen))
+    return backend
+
+
+def test_deepseek_v3_runs_the_given_experts_with_its_sigmoid_weights(world_of_one):
+    """Routes (t..t+3 mod 8) that for odd t span three of the four groups, where the
+    router keeps two: each MoE layer runs exactly the given experts, weighted by the
+    sigmoid of their logits (the bias only picks), renormalised, times 2.5."""
+    backend = deepseek_backend(world_of_one)
+    batch = tokens_batch()
+    routes = forced_routes(batch, num_layers=3, num_experts=8, top_k=4)
+    named = routes[:, 0, 0] >= 0
+    assert max(len(set(row)) for row in (routes[named, 0].long() // 2).tolist()) > 2
+    outputs = router_outputs(backend, batch, routes)
+    assert sorted(outputs) == [1, 2]  # layer 0 is dense
+    for layer, (logits, weights, experts) in outputs.items():
+        given = routes[named, layer].long()
+        assert torch.equal(experts[named], given), layer
+        scores = torch.sigmoid(logits[named]).gather(1, given)
+        expected = 2.5 * scores / scores.sum(-1, keepdim=True)
+        torch.testing.assert_close(weights[named], expected, atol=1e-6, rtol=0)
+
+
+def test_deepseek_v3_own_routes_replayed_change_nothing_other_routes_do(world_of_one):
+    backend = deepseek_backend(world_of_one)
+    batch = tokens_batch()
+    own = torch.stack([o[2] for _, o in sorted(router_outputs(backend, batch, None).items())], 1)
+    own = torch.cat([torch.zeros_like(own[:, :1]), own], dim=1)  # the dense layer's row
+    plain = backend.compute_log_probs(batch)
+    same = backend.compute_log_probs(replace(batch, routed_experts=own.to(torch.int16)))
+    torch.testing.assert_close(same, plain, atol=1e-6, rtol=0)
+    forced = forced_routes(batch, num_layers=3, num_experts=8, top_k=4)
+    moved = backend.compute_log_probs(replace(batch, routed_experts=forced)) - plain
+    assert float(moved.abs().max()) > 1e-3

@@ -10,8 +10,9 @@ In a packed batch the routes are ``[N, L, K]``, one row per token; a row of
 that token to the trainer's own router.
 
 Replay keeps the router differentiable: the experts are given, their weights come from
-the router's own softmax over its logits, so gradients still reach the router weights
-(slime gathers the router's scores at the replayed indices the same way).
+the router's own scores of its logits (softmax, or DeepSeek-V3's sigmoid), so gradients
+still reach the router weights (slime gathers the router's scores at the replayed indices
+the same way).
 
 Shapes: ``T`` tokens, ``E`` experts, ``K`` experts per token, ``L`` hidden layers.
 """
@@ -48,6 +49,48 @@ def replay_topk(
     if norm_topk_prob:
         weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
     return weights_TK, experts_TK
+
+
+def replay_sigmoid_topk(
+    router_logits_TE: torch.Tensor,
+    given_TK: torch.Tensor,
+    own_TK: torch.Tensor,
+    *,
+    norm_topk_prob: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights [T, K] float32, experts [T, K] long)`` of DeepSeek-V3's sigmoid router made
+    to use ``given_TK`` (the router's own choice ``own_TK`` where it holds :data:`NO_ROUTE`).
+    The expert bias (``e_score_correction_bias``) and the group limit only pick experts, so
+    the given ones are used as they are; each weight is the sigmoid of its logit, divided by
+    the sum over the ``K`` chosen when ``norm_topk_prob``, times ``scaling``
+    (``routed_scaling_factor``), as HF weighs the experts it picked. Differentiable in the
+    logits."""
+    experts_TK = replayed_indices(given_TK, own_TK)
+    weights_TK = torch.sigmoid(router_logits_TE.float()).gather(-1, experts_TK)
+    if norm_topk_prob:
+        weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights_TK * scaling, experts_TK
+
+
+def replay_hf_router(
+    router: torch.nn.Module, output: tuple, given_TK: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights [T, K], experts [T, K])`` of a Hugging Face router (:func:`hf_moe_routers`)
+    whose forward returned ``output`` = ``(logits [T, E], weights, experts)``, made to use
+    ``given_TK``: DeepSeek-V3's sigmoid router (it holds ``e_score_correction_bias``) by
+    :func:`replay_sigmoid_topk`, softmax routers by :func:`replay_topk`."""
+    logits_TE, _, own_TK = output
+    if hasattr(router, "e_score_correction_bias"):
+        return replay_sigmoid_topk(
+            logits_TE,
+            given_TK,
+            own_TK,
+            norm_topk_prob=router.norm_topk_prob,
+            scaling=router.routed_scaling_factor,
+        )
+    norm = getattr(router, "norm_topk_prob", True)  # Mixtral always renormalises
+    return replay_topk(logits_TE, given_TK, norm_topk_prob=norm)
 
 
 def packed_routes(routes: Sequence[torch.Tensor | None], lengths: Sequence[int]) -> torch.Tensor:
@@ -89,9 +132,10 @@ def decode_routes(text: str, *, num_layers: int, top_k: int) -> torch.Tensor:
     return flat.view(-1, num_layers, top_k).to(ROUTE_DTYPE)
 
 
-# Hugging Face MoE families whose routers are softmax top-k modules returning
-# ``(logits [T, E], weights [T, K], experts [T, K])`` (class names ending in TopKRouter).
-HF_REPLAY_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
+# Hugging Face MoE families whose routers are top-k modules returning ``(logits [T, E],
+# weights [T, K], experts [T, K])`` (class names ending in TopKRouter, or DeepSeek-V3's
+# TopkRouter): softmax top-k, or DeepSeek-V3's sigmoid router (replay_hf_router).
+HF_REPLAY_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v3")
 
 
 def hf_moe_routers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
@@ -99,7 +143,7 @@ def hf_moe_routers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
     ``...layers.<i>...``); {} for a dense model."""
     routers = {}
     for name, module in model.named_modules():
-        if type(module).__name__.endswith("TopKRouter"):
+        if type(module).__name__.lower().endswith("topkrouter"):
             match = re.search(r"layers\.(\d+)\.", name)
             assert match, f"router {name} is not inside a numbered decoder layer"
             routers[int(match.group(1))] = module
@@ -110,6 +154,6 @@ def check_replay_model_type(model_type: str) -> None:
     """ValueError unless rollout routing replay knows the family's routers."""
     if model_type not in HF_REPLAY_MODEL_TYPES:
         raise ValueError(
-            f"rollout routing replay needs an MoE model with softmax top-k routers "
+            f"rollout routing replay needs an MoE model with top-k routers it knows "
             f"({', '.join(HF_REPLAY_MODEL_TYPES)}); got model_type {model_type!r}"
         )

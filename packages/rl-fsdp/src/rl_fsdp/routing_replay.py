@@ -2,10 +2,11 @@
 the experts the engine chose during rollout (``TrainBatch.routed_experts``).
 
 A forward hook on every router (:func:`rl_core.routing.hf_moe_routers`) replaces its top-k
-with the given experts and their weights with the router's own softmax at those experts
-(:func:`rl_core.routing.replay_topk`), so the loss's gradient still reaches the router
-weights. The routes stay set until the next forward sets others: an activation-checkpointed
-layer recomputed in the backward replays the same routes as its forward did.
+with the given experts and their weights with the router's own scores at those experts
+(:func:`rl_core.routing.replay_hf_router`: softmax top-k routers, DeepSeek-V3's sigmoid
+router with its scaling), so the loss's gradient still reaches the router weights. The
+routes stay set until the next forward sets others: an activation-checkpointed layer
+recomputed in the backward replays the same routes as its forward did.
 
 The backend replays in the old-log-prob pass and the training pass; the KL reference
 routes on its own (it is another model; slime's reference pass does the same).
@@ -15,7 +16,7 @@ Shapes: ``N`` packed tokens of the forward, ``L`` hidden layers, ``K`` experts p
 
 import torch
 
-from rl_core.routing import hf_moe_routers, replay_topk
+from rl_core.routing import hf_moe_routers, replay_hf_router
 
 
 class RouteReplay:
@@ -46,8 +47,7 @@ class RouteReplay:
                     f"layer {layer}: routes for {given_NK.shape[0]} tokens, the router got "
                     f"{logits_NE.shape[0]}"
                 )
-            norm = getattr(router, "norm_topk_prob", True)  # Mixtral always renormalises
-            weights, experts = replay_topk(logits_NE, given_NK, norm_topk_prob=norm)
+            weights, experts = replay_hf_router(router, output, given_NK)
             self.num_replayed += 1
             return logits_NE, weights.to(weights_NK.dtype), experts
 

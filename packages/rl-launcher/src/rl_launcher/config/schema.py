@@ -419,8 +419,9 @@ class AlgorithmConfig:
         "(SGLang's return_routed_experts; engines start with --enable-return-routed-experts), "
         "the samples carry them, and the policy's routers use them in the old-log-prob and "
         "training passes (both backends; the given experts' weights come from the router's "
-        "own softmax, so the router still trains); the KL reference routes on its own. "
-        "Hugging Face families qwen3_moe, qwen2_moe, olmoe, mixtral. Refused on a dense "
+        "own scores: softmax, or DeepSeek-V3's sigmoid renormalised and scaled, so the router "
+        "still trains); the KL reference routes on its own. Hugging Face families "
+        "qwen3_moe, qwen2_moe, olmoe, mixtral, deepseek_v3. Refused on a dense "
         "model, with engine.kind=sglang (the pinned sglang-router drops the request's "
         "return_routed_experts), with rollout.source=buffer, and with megatron pipeline "
         "parallelism plus activation recompute.",
