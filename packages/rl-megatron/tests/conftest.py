@@ -35,6 +35,7 @@ def model_dirs(tmp_path_factory):
         "llama": ("llama", False, 2),
         "qwen3-ref": ("qwen3", False, 3),
         "qwen3-moe": ("qwen3_moe", False, 5),
+        "deepseek_v3": ("deepseek_v3", False, 7),  # sigmoid router, groups, expert bias
     }
     dirs = {}
     for name, (family, tie, seed) in specs.items():
@@ -42,4 +43,9 @@ def model_dirs(tmp_path_factory):
         dirs[name] = (directory, tiny.save_tiny_model(directory, family, tie=tie, seed=seed))
     deep = root / "qwen3-4layers"  # two layers per stage at pp=2: one per virtual stage
     dirs["qwen3-4layers"] = (deep, tiny.save_tiny_model(deep, "qwen3", seed=6, num_hidden_layers=4))
+    deep_moe = root / "qwen3-moe-4layers"  # the same with experts (virtual stages with EP)
+    dirs["qwen3-moe-4layers"] = (
+        deep_moe,
+        tiny.save_tiny_model(deep_moe, "qwen3_moe", seed=8, num_hidden_layers=4),
+    )
     return dirs

@@ -33,6 +33,10 @@ def rank_checks(rank: int, dirs: dict, out_path: str) -> dict:
     results["dp2"] = dp2_checks(dirs["qwen3"], rank, out_path)
     results["ep2"] = ep2_checks(dirs["qwen3-moe"], rank, out_path)
     results["cp2"] = cp2_checks(dirs["qwen3"])
+    # CP=2 x EP=2: the two CP ranks are also the EP group (each holds half the experts)
+    from four_rank_job import layout_checks  # imported here: it imports this module
+
+    results["cp2_ep2"] = layout_checks(dirs["qwen3-moe"], f"{out_path}.cp_ep", cp=2, ep=2)
     results["pp2"] = {name: pp2_checks(dirs[name]) for name in ("qwen2-tied", "qwen3")}
     results["pp2_schedules"] = pp_schedule_checks(dirs["qwen3"])
     results["pp2_resume"] = pp_resume_checks(dirs["qwen2-tied"], out_path)

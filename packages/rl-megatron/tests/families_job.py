@@ -1,6 +1,8 @@
 """The two-rank gloo job of test_families.py: GLM-4 at TP=2 and PP=2, DeepSeek-V3 at
 TP=2 (sequence parallel, which megatron needs for MoE with TP) and EP=2, and a dense
-DeepSeek-V3 (MLA only) at TP=2 without sequence parallel, in one spawn.
+DeepSeek-V3 (MLA only) at TP=2 without sequence parallel, in one spawn; and DeepSeek-V3
+at PP=2 (four layers: a dense and an MoE one per stage) and at CP=2 (plain rope and YaRN)
+through every check of a layout (four_rank_job.layout_checks: loss, grad norm, resume).
 
 Rank 0's results go back to the parent, which compares them with HF and its own one-rank
 results (multi_rank.spawn_gloo).
@@ -8,21 +10,32 @@ results (multi_rank.spawn_gloo).
 
 import tiny
 from dist_job import LENGTHS, POLICY
+from four_rank_job import layout_checks as full_layout_checks
 
 LAYOUTS = {
     "glm4": {"tp2": {"tp": 2}, "pp2": {"pp": 2, "max_tokens_per_micro_batch": 28}},
     "deepseek_v3": {"tp2+sp": {"tp": 2, "sequence_parallel": True}, "ep2": {"ep": 2}},
     "deepseek_v3-dense": {"tp2": {"tp": 2}},
 }
+FULL_LAYOUTS = {
+    "deepseek_v3-4layers": {"pp2": {"pp": 2}},
+    "deepseek_v3": {"cp2": {"cp": 2}},
+    "deepseek_v3-yarn": {"cp2": {"cp": 2}},
+}
 
 
-def rank_checks(rank: int, dirs: dict) -> dict:
-    """Every (family, layout) of LAYOUTS (each rank runs all of them)."""
-    return {
+def rank_checks(rank: int, dirs: dict, out_path: str) -> dict:
+    """Every (family, layout) of LAYOUTS, then of FULL_LAYOUTS (each rank runs all)."""
+    results = {
         (family, name): layout_checks(dirs[family], **layout)
         for family, layouts in LAYOUTS.items()
         for name, layout in layouts.items()
     }
+    for family, layouts in FULL_LAYOUTS.items():
+        for name, layout in layouts.items():
+            ckpt = f"{out_path}.{family}.{name}"
+            results[(family, name)] = full_layout_checks(dirs[family], ckpt, **layout)
+    return results
 
 
 def layout_checks(hf_path: str, **layout) -> dict:

@@ -1,6 +1,7 @@
 """The four-rank gloo job of test_four_ranks.py: pipeline stages combined with context, with
 expert and with tensor parallelism (PP=2 x CP=2 on Qwen3, PP=2 x EP=2 on Qwen3-MoE, PP=2 x
-TP=2 with sequence parallel on Qwen3).
+TP=2 with sequence parallel on Qwen3), and virtual stages with experts (PP=2 x vpp=2 x
+EP=2 on a four-layer Qwen3-MoE).
 
 Global rank 0's results go back to the parent, which compares them with its own one-rank
 results (multi_rank.spawn_gloo).
@@ -10,14 +11,19 @@ import tiny
 import torch
 from dist_job import LENGTHS, POLICY
 
+VIRTUAL = {"virtual_pipeline_model_parallel_size": 2}
+
 
 def rank_checks(rank: int, dirs: dict, out_path: str) -> dict:
-    """The three layouts, one after the other (each rank runs all of them)."""
+    """The four layouts, one after the other (each rank runs all of them)."""
     return {
         "pp2_cp2": layout_checks(dirs["qwen3"], f"{out_path}.cp", pp=2, cp=2),
         "pp2_ep2": layout_checks(dirs["qwen3-moe"], f"{out_path}.ep", pp=2, ep=2),
         "tp2_pp2": layout_checks(
             dirs["qwen3"], f"{out_path}.tp", pp=2, tp=2, sequence_parallel=True
+        ),
+        "pp2_vpp2_ep2": layout_checks(
+            dirs["qwen3-moe-4layers"], f"{out_path}.vpp", pp=2, ep=2, megatron=VIRTUAL
         ),
     }
 
@@ -32,10 +38,11 @@ def layout_checks(hf_path: str, ckpt: str, **layout) -> dict:
     config = MegatronConfig(hf_path=hf_path, max_tokens_per_micro_batch=28, **layout, **POLICY)
     backend = MegatronBackend(config)
     sizes = backend.layout
-    sizes_wanted = (2, *(layout.get(k, 1) for k in ("tp", "cp", "ep")))
+    sizes_wanted = tuple(layout.get(k, 1) for k in ("pp", "tp", "cp", "ep"))
     assert (sizes.pp_size, sizes.tp_size, sizes.cp_size, sizes.ep_size) == sizes_wanted
+    assert sizes.vpp_size == config.vpp
     full = tiny.random_batch(LENGTHS, seed=11)
-    result = {"log_probs": backend.compute_log_probs(full)}
+    result = {"chunks": len(backend.chunks), "log_probs": backend.compute_log_probs(full)}
     result["exported"] = dict(p for b in backend.export_weights(bucket_bytes=1 << 20) for p in b)
     shard = full
     if sizes.dp_size == 2:  # EP splits the data-parallel ranks: rank 0 takes 3 sequences

@@ -43,7 +43,8 @@ BF16_ROUTING = {(f, "bf16"): {"max": 0.06} for f in ("deepseek_v3", "deepseek_v3
 @pytest.fixture(scope="module")
 def family_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
-    return {f: (root / f, tiny.save_tiny_model(root / f, f, seed=7)) for f in SUPPORTED}
+    built = [*SUPPORTED, "deepseek_v3-4layers"]  # the last: for PP=2 only
+    return {f: (root / f, tiny.save_tiny_model(root / f, f, seed=7)) for f in built}
 
 
 def hf_logits(model, batch) -> torch.Tensor:
@@ -189,14 +190,15 @@ def test_deepseek_v3_mtp_layers_are_not_built_and_said_so(world1, family_dirs, c
 
 @pytest.fixture(scope="module")
 def layout_job(family_dirs, tmp_path_factory):
-    """GLM-4 at TP=2 and PP=2, DeepSeek-V3 at TP=2 (+SP) and EP=2, a dense DeepSeek-V3
-    at TP=2 without SP: one two-rank spawn."""
+    """GLM-4 at TP=2 and PP=2, DeepSeek-V3 at TP=2 (+SP), EP=2, PP=2 and CP=2, a dense
+    DeepSeek-V3 at TP=2 without SP: one two-rank spawn."""
     from families_job import rank_checks
     from multi_rank import spawn_gloo
 
     out = tmp_path_factory.mktemp("layouts") / "results.pt"
-    dirs = {family: str(family_dirs[family][0]) for family in LAYOUT_FAMILIES}
-    return spawn_gloo(rank_checks, 2, out, dirs)
+    families = LAYOUT_FAMILIES + [family for family, _ in FULL_CASES]
+    dirs = {family: str(family_dirs[family][0]) for family in families}
+    return spawn_gloo(rank_checks, 2, out, dirs, str(out))
 
 
 @pytest.fixture(scope="module")
@@ -247,6 +249,36 @@ def test_new_families_across_ranks_equal_hf(
         if not torch.allclose(got["grads"][name], grad, atol=1e-5, rtol=1e-4)
     }
     assert not wrong, "; ".join(f"{n}: {v:.2e}" for n, v in wrong.items())  # relative max |Δ|
+
+
+FULL_CASES = [("deepseek_v3-4layers", "pp2"), ("deepseek_v3", "cp2"), ("deepseek_v3-yarn", "cp2")]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("family", "layout"), FULL_CASES)
+def test_deepseek_v3_with_pipeline_or_context_parallel_equals_one_rank(
+    world1, layout_job, family_dirs, family, layout
+):
+    """DeepSeek-V3 at PP=2 (stage 0: the dense layer and an MoE one) and at CP=2 (MLA's
+    rope keys and values all-gathered in zigzag order; plain rope and YaRN), two
+    micro-batches: log-probs equal one rank's and a teacher-forced HF forward; loss,
+    gradients and grad norm one rank's; export bit-identical; resume exact."""
+    from dist_job import LENGTHS
+    from multi_rank import assert_same_step, one_rank_reference
+
+    directory, hf_model = family_dirs[family]
+    got, expected = layout_job[(family, layout)], one_rank_reference(directory)
+    assert got["micro_batches"] == 2
+    torch.testing.assert_close(got["log_probs"], expected["log_probs"], atol=1e-5, rtol=0)
+    batch = tiny.random_batch(LENGTHS, seed=11)
+    mask = batch.loss_mask.bool()
+    hf = tiny.hf_log_probs(hf_model, batch).detach()
+    torch.testing.assert_close(got["log_probs"][mask], hf[mask], atol=2e-5, rtol=0)
+    assert_same_step(got, expected)
+    original = tiny.hf_files(directory)
+    assert set(got["exported"]) == set(original)
+    assert all(torch.equal(got["exported"][n], original[n]) for n in original)
+    assert got["reloaded_equal"] and got["resumed_equal"]
 
 
 @pytest.mark.parametrize("family", ["glm4", "deepseek_v3"])

@@ -1,6 +1,7 @@
 """Four gloo ranks on 127.0.0.1 (one spawn for the module): pipeline parallelism combined
-with context parallelism (PP=2 x CP=2), with expert parallelism (PP=2 x EP=2, so DP=2) and
-with tensor parallelism (PP=2 x TP=2 + SP) equals the unsplit model: log-probs, loss,
+with context parallelism (PP=2 x CP=2), with expert parallelism (PP=2 x EP=2, so DP=2),
+with tensor parallelism (PP=2 x TP=2 + SP) and virtual stages with experts (PP=2 x vpp=2
+x EP=2, megatron's interleaved schedule) equals the unsplit model: log-probs, loss,
 gradients, grad norm, HF export; checkpoints resume exactly."""
 
 import pytest
@@ -10,7 +11,12 @@ from four_rank_job import rank_checks
 from multi_rank import assert_same_step, one_rank_reference, spawn_gloo
 
 pytestmark = pytest.mark.integration
-LAYOUTS = {"pp2_cp2": "qwen3", "pp2_ep2": "qwen3-moe", "tp2_pp2": "qwen3"}
+LAYOUTS = {
+    "pp2_cp2": "qwen3",
+    "pp2_ep2": "qwen3-moe",
+    "tp2_pp2": "qwen3",
+    "pp2_vpp2_ep2": "qwen3-moe-4layers",
+}
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +36,7 @@ def reference(world1, model_dirs):
 def test_pipeline_combination_equals_one_rank(job, reference, model_dirs, layout):
     got, expected = job[layout], reference[LAYOUTS[layout]]
     assert got["micro_batches"] >= 2  # the 1F1B schedule interleaves micro-batches
+    assert got["chunks"] == (2 if "vpp2" in layout else 1)  # model chunks on each stage
     torch.testing.assert_close(got["log_probs"], expected["log_probs"], atol=1e-5, rtol=0)
     assert_same_step(got, expected)
 

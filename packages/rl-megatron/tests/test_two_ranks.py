@@ -141,6 +141,20 @@ def test_cp2_equals_one_rank(job, reference):
     assert_same_step(got, expected)
 
 
+def test_cp2_with_ep2_equals_one_rank(job, reference, model_dirs):
+    """CP=2 x EP=2 on two ranks (the EP group is the CP group): each rank runs its zigzag
+    half of every row and half the experts, which get both halves' tokens; two
+    micro-batches, export, resume."""
+    got, expected = job["cp2_ep2"], reference["qwen3-moe"]
+    assert got["micro_batches"] == 2
+    torch.testing.assert_close(got["log_probs"], expected["log_probs"], atol=1e-5, rtol=0)
+    assert_same_step(got, expected)
+    original = tiny.hf_files(model_dirs["qwen3-moe"][0])
+    assert set(got["exported"]) == set(original)
+    assert all(torch.equal(got["exported"][n], original[n]) for n in original)
+    assert got["reloaded_equal"] and got["resumed_equal"]
+
+
 def test_tp2_sequence_parallel_critic_equals_tp1(job, world1, model_dirs):
     expected = critic_checks(str(model_dirs["qwen3"][0]))
     assert expected["values"].abs().max() > 0.01  # the step moved the zero-initialised head

@@ -97,6 +97,7 @@ def hf_config(family: str, *, tie: bool = False, **overrides):
         "deepseek_v3": DEEPSEEK_V3,
         "deepseek_v3-yarn": DEEPSEEK_V3 | {"rope_parameters": DEEPSEEK_YARN},
         "deepseek_v3-dense": DEEPSEEK_V3 | {"first_k_dense_replace": 3},  # MLA, no experts
+        "deepseek_v3-4layers": DEEPSEEK_V3 | {"num_hidden_layers": 4},  # two per stage at pp=2
         "gemma": dict(head_dim=16),
         "gemma2": dict(head_dim=16),
         "gemma3_text": dict(head_dim=16),
@@ -112,6 +113,7 @@ def hf_config(family: str, *, tie: bool = False, **overrides):
         "deepseek_v3": "DeepseekV3Config",
         "deepseek_v3-yarn": "DeepseekV3Config",
         "deepseek_v3-dense": "DeepseekV3Config",
+        "deepseek_v3-4layers": "DeepseekV3Config",
         "gemma": "GemmaConfig",
         "gemma2": "Gemma2Config",
         "gemma3_text": "Gemma3TextConfig",

@@ -156,7 +156,7 @@ class MegatronBackend(WeightsAndStateMixin):
         """Replay of rollout routes on the policy's routers (routing_replay.py)."""
         layout = self.layout
         return RouteReplay(
-            self.model,
+            self.chunks,
             cp_size=layout.cp_size,
             cp_rank=layout.cp_rank,
             tp_size=layout.tp_size,

@@ -55,12 +55,15 @@ class MegatronConfig:
     """Model chunks per pipeline stage (megatron's ``virtual_pipeline_model_parallel_size``,
     also settable through :attr:`megatron`): with vpp > 1 each stage holds ``vpp``
     non-adjacent runs of layers and megatron-core's interleaved 1F1B schedule runs them
-    (``pp_schedule`` is not used); dense models, layers divisible by pp · vpp."""
+    (``pp_schedule`` is not used); dense or MoE (with or without ep), layers divisible by
+    pp · vpp."""
     cp: int = 1
     """Context-parallel size: each sequence split zigzag over cp ranks (token-level losses
-    only: ppo or cispo with token-mean or seq-mean-token-sum aggregation)."""
+    only: ppo or cispo with token-mean or seq-mean-token-sum aggregation); combines with
+    tp, pp, ep and vpp."""
     ep: int = 1
-    """Expert-parallel size (MoE models; must divide the data-parallel ranks and experts)."""
+    """Expert-parallel size (MoE models; must divide the experts and dp · cp: megatron takes
+    the expert-parallel ranks from the data- and context-parallel ones)."""
     device: str = "cuda"
     """"cuda", or "cpu" (gloo; needs rl_megatron.testing.cpu_shim installed first)."""
     precision: str | None = None
@@ -150,8 +153,6 @@ class MegatronConfig:
                 f"vpp={self.vpp} (virtual pipeline stages) splits each pipeline stage; it "
                 "needs pp > 1: set pp, or vpp=1"
             )
-        if self.vpp > 1:
-            self._check_virtual_stages()
         if self.pp_schedule not in ("1f1b", "gpipe"):
             raise ValueError(f"pp_schedule must be '1f1b' or 'gpipe', got {self.pp_schedule!r}")
 
@@ -166,18 +167,6 @@ class MegatronConfig:
         """ "policy", "sft" (the objective's mode) or "critic": what the model is trained as."""
         return "critic" if self.critic else self.objective.mode
 
-    def _check_virtual_stages(self) -> None:
-        """Virtual pipeline stages run dense models only (EP's per-micro-batch shapes are
-        not carried into megatron's interleaved schedule)."""
-        from rl_megatron.shape import model_shape
-        from rl_megatron.weights import hf_config_of
-
-        if model_shape(hf_config_of(self.hf_path), tp_size=self.tp).num_experts:
-            raise ValueError(
-                f"vpp={self.vpp} (virtual pipeline stages) runs dense models only, and "
-                f"{self.hf_path} is a mixture-of-experts model: train it with vpp=1"
-            )
-
     def _check_context_parallel(self) -> None:
         """Under CP a rank sees part of each sequence: only per-token sums add up."""
         objective = self.objective
@@ -191,8 +180,8 @@ class MegatronConfig:
                 f"cp > 1 needs a token-level policy_loss ({', '.join(CP_POLICY_LOSSES)}), "
                 f"not {objective.policy_loss!r}"
             )
-        if objective.rollout_is_level == "sequence" or self.ep != 1:
-            raise ValueError("cp > 1 needs rollout_is_level 'token' (or None) and ep=1")
+        if objective.rollout_is_level == "sequence":
+            raise ValueError("cp > 1 needs rollout_is_level 'token' (or None)")
 
 
 def _positive(**values: float) -> None:

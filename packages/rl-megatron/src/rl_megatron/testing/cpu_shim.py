@@ -11,9 +11,9 @@ never by the backend on GPUs. What it changes:
 3. ``torch.cuda.synchronize`` is a no-op and ``Tensor.cuda()`` returns the tensor itself
    (pipeline p2p synchronises after each exchange; tied embeddings across pipeline stages
    move their copy with ``.cuda()`` before the initial all-reduce).
-4. Under context parallel, megatron's rotary embedding picks this rank's zigzag chunks with
-   an index tensor it pins and moves with ``.cuda()``; the same selection is done on the
-   embedding's own device instead.
+4. Under context parallel, megatron's rotary embeddings (plain and MLA's YaRN) pick this
+   rank's zigzag chunks with an index tensor they pin and move with ``.cuda()``; the same
+   selection is done on the embedding's own device instead.
 5. Activation recompute (megatron's ``tensor_parallel.checkpoint``) saves and restores the
    CUDA generator's state with the CPU one and the tracker's: on CPU there is none, so the
    CUDA part reads as empty and setting it does nothing.
@@ -34,12 +34,16 @@ def install(seed: int = 1234) -> None:
     """Patch ``torch.cuda.current_device`` and install a CPU RNG tracker seeded with ``seed``."""
     global _INSTALLED
     if not _INSTALLED:
-        from megatron.core.models.common.embeddings import rotary_pos_embedding
+        from megatron.core.models.common.embeddings import (
+            rotary_pos_embedding,
+            yarn_rotary_pos_embedding,
+        )
 
         torch.cuda.current_device = lambda: "cpu"
         torch.cuda.synchronize = lambda *args, **kwargs: None
         torch.Tensor.cuda = lambda self, *args, **kwargs: self
-        rotary_pos_embedding.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank
+        for module in (rotary_pos_embedding, yarn_rotary_pos_embedding):  # MLA's YaRN too
+            module.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank
         from megatron.core.tensor_parallel import random as mrandom
 
         mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
