@@ -27,6 +27,12 @@ SHAPE = dict(
     vocab_size=512,
 )
 PROMPT = [10, 20, 30, 40, 50]
+# mean |engine - reference| log-prob of the sampled tokens, the reference a float32 forward
+# of the dequantised weights: SGLang also rounds each activation to FP8 (per 128-group,
+# activation_scheme dynamic) and computes in bf16. On CPU, that arithmetic on this random
+# model (weights of std 0.2, sharply peaked outputs) gave 0.30-0.36 over three seeds, and
+# 7.8-8.4 against another seed's weights; a bf16 engine alone gives ~0.1 (test_gpu_sglang)
+NEAR = 0.75
 SGLANG_ARGS = {
     "dtype": "bfloat16",
     "mem_fraction_static": 0.2,
@@ -40,12 +46,18 @@ SGLANG_ARGS = {
 }
 
 
-def served_model(model):
-    """``model`` as an FP8 engine computes with it: quantised, dequantised (float32)."""
+def served_model(sent):
+    """The model an FP8 engine computes with after loading ``sent`` (FP8 weights and their
+    scales, other tensors as they are), dequantised to float32."""
     served = random_model(tiny_config(**SHAPE), seed=0).cuda()
-    named = quantize_named(model.state_dict().items())
-    served.load_state_dict(dict(dequantize_named(named, torch.float32)))
+    served.load_state_dict(dict(dequantize_named(sent, torch.float32)))
     return served.eval()
+
+
+def sent_of(model, dtype=torch.float32):
+    """``model``'s weights as FP8 sync sends them (the checkpoint writer quantises the
+    saved float32 weights; rl-train's syncs the trainer's bf16 ones)."""
+    return list(quantize_named((n, t.to(dtype)) for n, t in model.state_dict().items()))
 
 
 def reference_logprobs(model, output_ids):
@@ -78,11 +90,11 @@ def fp8_server(tmp_path_factory):
     fp8_dir = write_fp8_checkpoint(source, root / "initial_model_fp8")
     server = SGLangServer(fp8_dir, sglang_args=SGLANG_ARGS, log_dir=root, ready_timeout_s=600)
     with server:
-        yield server, random_model(tiny_config(**SHAPE), seed=0).cuda().eval()
+        yield server, sent_of(random_model(tiny_config(**SHAPE), seed=0).cuda())
 
 
 def test_sglang_serves_the_fp8_checkpoint_on_triton_kernels(fp8_server):
-    server, exact = fp8_server
+    server, initial = fp8_server
 
     async def info():
         async with EngineClient(server.url) as client:
@@ -90,15 +102,14 @@ def test_sglang_serves_the_fp8_checkpoint_on_triton_kernels(fp8_server):
 
     served = asyncio.run(info())
     assert served["quantization"] == "fp8" and served["fp8_gemm_runner_backend"] == "triton"
-    # a bf16 engine against an fp32 reference of this random model: ~0.1 (test_gpu_sglang)
-    assert gap(server.url, served_model(exact)) < 0.2
+    assert gap(server.url, served_model(initial)) < NEAR
 
 
 @pytest.mark.parametrize("transport", ["tensor", "disk"])
 def test_fp8_weight_updates_replace_the_served_weights(fp8_server, transport, tmp_path):
-    server, old = fp8_server
+    server, initial = fp8_server
     new = random_model(tiny_config(**SHAPE), seed=7 if transport == "tensor" else 8).cuda()
-    named = list(quantize_named((n, t.to(torch.bfloat16)) for n, t in new.state_dict().items()))
+    named = sent_of(new, torch.bfloat16)
     assert any(t.dtype == FP8_DTYPE for _, t in named)
     version = f"fp8-{transport}"
 
@@ -114,6 +125,6 @@ def test_fp8_weight_updates_replace_the_served_weights(fp8_server, transport, tm
             )
 
     assert asyncio.run(update())[0]["success"]
-    near = gap(server.url, served_model(new), version)
-    far = gap(server.url, served_model(old), version)
-    assert near < 0.2 and far > max(0.3, 2 * near), (near, far)
+    near = gap(server.url, served_model(named), version)
+    far = gap(server.url, served_model(initial), version)
+    assert near < NEAR and far > 3 * near, (near, far)
