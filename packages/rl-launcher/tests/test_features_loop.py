@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
+from quickstart_config import PPO, QUICKSTART, write_config
 
 from rl_launcher.cli import main
 from rl_launcher.eval_cli import main as eval_main
@@ -15,40 +15,17 @@ from rl_launcher.infra.dumps import ReplayRollout, dump_files, read_rollout
 from rl_launcher.infra.run_log import read_metrics
 
 pytestmark = pytest.mark.integration
-ROOT = Path(__file__).resolve().parents[3]
-QUICKSTART = ROOT / "examples" / "quickstart"
-
-
-def config_file(directory: Path, **sections) -> Path:
-    """The quickstart config with absolute paths, an eval set and ``sections`` merged in."""
-    tree = yaml.safe_load((QUICKSTART / "config.yaml").read_text())
-    tree["model"]["tokenizer_path"] = str(QUICKSTART / "tokenizer")
-    data = str(QUICKSTART / "data/train.jsonl")
-    tree["data"]["train"] = [{"path": data}]
-    tree["eval"] = {
-        "datasets": [{"path": data, "name": "additions"}],
-        "samples_per_prompt": 2,
-        "pass_k": [1, 2],
-        "temperature": 1.0,
-    }
-    for name, values in sections.items():
-        tree.setdefault(name, {}).update(values)
-    path = directory / "config.yaml"
-    directory.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(tree))
-    return path
-
-
-PPO = {
-    "algorithm": {
-        "advantage_estimator": "gae",
-        "num_minibatches": 2,
-        "entropy_coef": 0.1,
-        "lam": 0.95,
-    },
-    "rollout": {"batch_size": 4, "group_size": 4},
-    "optimizer": {"lr": 0.01, "critic_lr": 0.01},
+EVAL = {
+    "datasets": [{"path": str(QUICKSTART / "data/train.jsonl"), "name": "additions"}],
+    "samples_per_prompt": 2,
+    "pass_k": [1, 2],
+    "temperature": 1.0,
 }
+
+
+def config_file(directory: Path) -> Path:
+    """The quickstart's PPO run with an entropy bonus and an eval set."""
+    return write_config(directory, PPO, {"algorithm": {"entropy_coef": 0.1}, "eval": EVAL})
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +33,7 @@ def ppo_run(ray_cluster, tmp_path_factory):
     """Two PPO steps with a critic, dumping rollouts, evaluating before training and at step 2
     (sampled and greedy), TensorBoard on."""
     root = tmp_path_factory.mktemp("ppo")
-    config = config_file(root, **PPO)
+    config = config_file(root)
     args = [
         "--config",
         str(config),
@@ -116,7 +93,7 @@ def test_each_rollout_is_dumped_as_jsonl(ppo_run):
 
 def test_replaying_the_dumps_trains_exactly_like_the_original_run(ppo_run):
     """Train-only replay: no engines; the same batches give the same losses."""
-    config = config_file(ppo_run / "replay", **PPO)
+    config = config_file(ppo_run / "replay")
     args = [
         "--config",
         str(config),
@@ -142,7 +119,7 @@ def test_replaying_the_dumps_trains_exactly_like_the_original_run(ppo_run):
 
 
 def test_rl_eval_evaluates_an_exported_checkpoint(ppo_run, capsys):
-    config = config_file(ppo_run / "eval", **PPO)
+    config = config_file(ppo_run / "eval")
     out = ppo_run / "eval/summary.json"
     hf = ppo_run / "run/checkpoints/step_000002/hf"
     args = [

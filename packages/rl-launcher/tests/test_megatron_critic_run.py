@@ -7,45 +7,24 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
+from quickstart_config import LOW_DIGIT, PPO, write_config
 
 from rl_launcher.cli import main
 from rl_launcher.infra.run_log import read_metrics
 
 pytestmark = pytest.mark.integration
-ROOT = Path(__file__).resolve().parents[3]
-QUICKSTART = ROOT / "examples" / "quickstart"
-PPO = {
-    "algorithm": {"advantage_estimator": "gae", "num_minibatches": 2, "lam": 0.95},
-    "optimizer": {"lr": 0.01, "critic_lr": 0.01},
-    "rollout": {"batch_size": 4, "group_size": 4, "reward": "critic_rewards:low_digit"},
+ON_MEGATRON = {
+    "rollout": {"reward": LOW_DIGIT},  # returns differ
     "backend": {"name": "megatron", "pipeline_parallel": 2},
     "cluster": {"devices_per_node": 2},
     "logging": {"dump_train_batch": True},
 }
-# About a third of the untrained model's one-token answers are paid: returns differ.
-VARIED_REWARD = """
-def low_digit(response: str, label: str) -> float:
-    return float(response.strip() in ("0", "1", "2", "3", "4"))
-"""
-
-
-def config_file(root: Path) -> Path:
-    tree = yaml.safe_load((QUICKSTART / "config.yaml").read_text())
-    tree["model"]["tokenizer_path"] = str(QUICKSTART / "tokenizer")
-    tree["data"]["train"] = [{"path": str(QUICKSTART / "data/train.jsonl")}]
-    for section, values in PPO.items():
-        tree.setdefault(section, {}).update(values)
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "critic_rewards.py").write_text(VARIED_REWARD)  # found beside the config
-    (root / "config.yaml").write_text(yaml.safe_dump(tree))
-    return root / "config.yaml"
 
 
 @pytest.fixture(scope="module")
 def root(ray_cluster, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("megatron_ppo")
-    args = ["--config", str(config_file(root)), "--num_steps", "2"]
+    args = ["--config", str(write_config(root, PPO, ON_MEGATRON)), "--num_steps", "2"]
     assert main([*args, "--logging.run_dir", str(root / "run")]) == 0
     return root
 

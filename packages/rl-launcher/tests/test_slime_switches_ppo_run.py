@@ -7,44 +7,21 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
+from quickstart_config import LOW_DIGIT, PPO, write_config
 
 from rl_launcher.cli import main
 from rl_launcher.infra.run_log import read_metrics
 
 pytestmark = pytest.mark.integration
-ROOT = Path(__file__).resolve().parents[3]
-QUICKSTART = ROOT / "examples" / "quickstart"
-PPO = {
-    "algorithm": {
-        "advantage_estimator": "gae",
-        "num_minibatches": 2,
-        "lam": 0.95,
-        "critic_warmup_steps": 1,
-        "value_clip": 0.001,
-        "normalize_advantages": False,
-    },
-    "optimizer": {"lr": 0.01, "critic_lr": 0.01},
-    "rollout": {"batch_size": 4, "group_size": 4, "reward": "switch_rewards:low_digit"},
+SWITCHES = {
+    "algorithm": {"critic_warmup_steps": 1, "value_clip": 0.001, "normalize_advantages": False},
+    "rollout": {"reward": LOW_DIGIT},  # rewards differ
     "logging": {"dump_train_batch": True},
 }
-# About a third of the untrained model's one-token answers are paid: rewards differ.
-VARIED_REWARD = """
-def low_digit(response: str, label: str) -> float:
-    return float(response.strip() in ("0", "1", "2", "3", "4"))
-"""
 
 
 def config_file(root: Path) -> Path:
-    tree = yaml.safe_load((QUICKSTART / "config.yaml").read_text())
-    tree["model"]["tokenizer_path"] = str(QUICKSTART / "tokenizer")
-    tree["data"]["train"] = [{"path": str(QUICKSTART / "data/train.jsonl")}]
-    for section, values in PPO.items():
-        tree.setdefault(section, {}).update(values)
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "switch_rewards.py").write_text(VARIED_REWARD)  # found beside the config
-    (root / "config.yaml").write_text(yaml.safe_dump(tree))
-    return root / "config.yaml"
+    return write_config(root, PPO, SWITCHES)
 
 
 @pytest.fixture(scope="module")

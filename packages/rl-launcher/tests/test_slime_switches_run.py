@@ -11,15 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
+from quickstart_config import LOW_DIGIT, write_config
 from safetensors.torch import load_file
 
 from rl_launcher.cli import main
 from rl_launcher.infra.run_log import read_metrics
 
 pytestmark = pytest.mark.integration
-ROOT = Path(__file__).resolve().parents[3]
-QUICKSTART = ROOT / "examples" / "quickstart"
 SWITCHES = {
     "algorithm": {
         "old_log_probs": "rollout",
@@ -34,17 +32,9 @@ SWITCHES = {
     },
     "model": {"freeze": ["embed_tokens"]},
     "logging": {"dump_train_batch": True},
-    "rollout": {"batch_size": 4, "group_size": 4, "reward": "switch_rewards:low_digit"},
+    "rollout": {"batch_size": 4, "group_size": 4, "reward": LOW_DIGIT},
     "checkpoint": {"save_hf": True},
 }
-
-
-# The untrained quickstart model never answers right; this pays about a third of its
-# one-token answers, so groups disagree and advantages are not all zero.
-VARIED_REWARD = """
-def low_digit(response: str, label: str) -> float:
-    return float(response.strip() in ("0", "1", "2", "3", "4"))
-"""
 
 
 def hf_weights(directory: Path) -> dict[str, torch.Tensor]:
@@ -57,14 +47,7 @@ def hf_weights(directory: Path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def run_dir(ray_cluster, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("switches")
-    tree = yaml.safe_load((QUICKSTART / "config.yaml").read_text())
-    tree["model"]["tokenizer_path"] = str(QUICKSTART / "tokenizer")
-    tree["data"]["train"] = [{"path": str(QUICKSTART / "data/train.jsonl")}]
-    for section, values in SWITCHES.items():
-        tree.setdefault(section, {}).update(values)
-    (root / "config.yaml").write_text(yaml.safe_dump(tree))
-    (root / "switch_rewards.py").write_text(VARIED_REWARD)  # found beside the config
-    args = ["--config", str(root / "config.yaml"), "--num_steps", "4"]
+    args = ["--config", str(write_config(root, SWITCHES)), "--num_steps", "4"]
     assert main([*args, "--logging.run_dir", str(root / "run"), "--checkpoint.interval", "3"]) == 0
     return root / "run"
 
