@@ -82,14 +82,22 @@ def teacher_forced(model, prompts, outputs, device) -> list[list[float]]:
 
 
 # ---- GPU: real SGLang --------------------------------------------------------------------
-def save_models(shape: str, work: Path) -> tuple[Path, Path, dict]:
-    from rl_sglang.tiny import byte_tokenizer, random_model, tiny_config
+def trainer_model(shape: str, seed: int):
+    """A random-weight bf16 model of ``shape``, made on the trainer's device (fast)."""
+    from rl_sglang.tiny import random_model, tiny_config
 
     fields = {**SHAPES[shape], "max_position_embeddings": 4096}
-    model = random_model(tiny_config(**fields), seed=0, dtype=torch.bfloat16)
+    with torch.device(DEVICE):
+        return random_model(tiny_config(**fields), seed=seed, dtype=torch.bfloat16)
+
+
+def save_models(model, work: Path) -> tuple[Path, Path]:
+    """``model`` saved in bf16 and as the FP8 checkpoint rl-train writes from it."""
+    from rl_sglang.tiny import byte_tokenizer
+
     model.save_pretrained(work / "bf16")
     byte_tokenizer().save_pretrained(work / "bf16")
-    return work / "bf16", write_fp8_checkpoint(work / "bf16", work / "fp8"), fields
+    return work / "bf16", write_fp8_checkpoint(work / "bf16", work / "fp8")
 
 
 async def decode_tps(client, prompts, new_tokens: int) -> float:
@@ -183,17 +191,12 @@ def measure_engine(kind: str, model_dir: Path, trainers: dict, args) -> dict:
 
 
 def run_gpu(args) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    from rl_sglang.tiny import random_model, tiny_config
-
     work = Path(tempfile.mkdtemp(prefix="fp8_rollout-"))
-    bf16_dir, fp8_dir, fields = save_models(args.shape, work)
-    trainers = {
-        "old": AutoModelForCausalLM.from_pretrained(bf16_dir, dtype=torch.bfloat16).to(DEVICE),
-        "new": random_model(tiny_config(**fields), seed=1, dtype=torch.bfloat16).to(DEVICE),
-    }
+    started = time.perf_counter()
+    trainers = {"old": trainer_model(args.shape, 0), "new": trainer_model(args.shape, 1)}
+    bf16_dir, fp8_dir = save_models(trainers["old"], work)
     report = {"shape": args.shape, "batch": args.batch, "new_tokens": args.new_tokens}
+    report["models_saved_s"] = time.perf_counter() - started  # bf16 and FP8 checkpoints
     for kind, model_dir in (("bf16", bf16_dir), ("fp8", fp8_dir)):
         report[kind] = measure_engine(kind, model_dir, trainers, args)
     report["decode_speedup_fp8_over_bf16"] = (
