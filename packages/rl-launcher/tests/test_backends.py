@@ -172,6 +172,11 @@ def test_megatron_refuses_what_it_cannot_do():
     }
     with pytest.raises(ValueError, match=re.escape("set optimizer.name=adamw")):  # at load
         load_config(["--backend.name", "megatron", "--optimizer.name", "sgd"])
+    pipeline = ["backend.name=megatron", "backend.num_ranks=2", "cluster.devices_per_node=2"]
+    assert load_config([*pipeline, "backend.pipeline_parallel=2"])[0].backend.pipeline_parallel == 2
+    virtual = "backend.megatron={virtual_pipeline_model_parallel_size: 2}"
+    with pytest.raises(ValueError, match=r"= 4 model chunks do not split the policy's 2 layers"):
+        load_config([*pipeline, "backend.pipeline_parallel=2", virtual])
 
 
 def gpu_config(*extra: str):

@@ -63,14 +63,19 @@ def test_fields_the_backend_sets_are_refused_naming_the_option():
 def test_virtual_pipeline_stages_set_the_backends_vpp(model_dirs):
     options = split_options({"virtual_pipeline_model_parallel_size": 2})
     assert (options.routed, options.transformer) == ({"vpp": 2}, {})
-    path = model_dirs["qwen3"][0]
+    path = model_dirs["qwen3-4layers"][0]
     assert (
         MegatronConfig(hf_path=path, pp=2, megatron={"virtual_pipeline_model_parallel_size": 2}).vpp
         == 2
     )
     with pytest.raises(ValueError, match=r"vpp=2 .* needs pp > 1"):
         MegatronConfig(hf_path=path, vpp=2)
-    assert MegatronConfig(hf_path=model_dirs["qwen3-moe"][0], pp=2, vpp=2, ep=2).vpp == 2
+    assert MegatronConfig(hf_path=model_dirs["qwen3-moe-4layers"][0], pp=2, vpp=2, ep=2).vpp == 2
+    two_layers = model_dirs["qwen3-moe"][0]  # megatron would stop at an assertion
+    with pytest.raises(
+        ValueError, match=r"has 2 layers, which do not split evenly over pp=2 x vpp=2"
+    ):
+        MegatronConfig(hf_path=two_layers, pp=2, vpp=2)
 
 
 def test_features_the_backend_does_not_run_are_refused_saying_why():

@@ -153,6 +153,8 @@ class MegatronConfig:
                 f"vpp={self.vpp} (virtual pipeline stages) splits each pipeline stage; it "
                 "needs pp > 1: set pp, or vpp=1"
             )
+        if self.pp > 1:
+            self._check_layer_split()
         if self.pp_schedule not in ("1f1b", "gpipe"):
             raise ValueError(f"pp_schedule must be '1f1b' or 'gpipe', got {self.pp_schedule!r}")
 
@@ -166,6 +168,18 @@ class MegatronConfig:
     def role(self) -> str:
         """ "policy", "sft" (the objective's mode) or "critic": what the model is trained as."""
         return "critic" if self.critic else self.objective.mode
+
+    def _check_layer_split(self) -> None:
+        """megatron builds the same number of layers in each of the pp · vpp model chunks."""
+        from rl_megatron.weights import hf_config_of
+
+        layers, chunks = hf_config_of(self.hf_path).num_hidden_layers, self.pp * self.vpp
+        if layers % chunks:
+            raise ValueError(
+                f"{self.hf_path} has {layers} layers, which do not split evenly over pp={self.pp}"
+                f" x vpp={self.vpp} = {chunks} model chunks (megatron builds as many layers in "
+                f"each); pick pp and vpp whose product divides {layers}"
+            )
 
     def _check_context_parallel(self) -> None:
         """Under CP a rank sees part of each sequence: only per-token sums add up."""

@@ -93,6 +93,27 @@ def _check_megatron(config: TrainConfig) -> None:
             "optimizer.name=adamw, or backend.name=fsdp"
         )
     megatron_options(config)  # names checked against megatron-core's dataclasses
+    _check_layer_split(config)
+
+
+def _check_layer_split(config: TrainConfig) -> None:
+    """megatron builds as many layers in each of the pipeline's model chunks (stages times
+    virtual stages): the policy's layers must split evenly."""
+    backend = config.backend
+    virtual = backend.megatron.get("virtual_pipeline_model_parallel_size") or 1
+    chunks = backend.pipeline_parallel * virtual
+    if chunks == 1:
+        return
+    from rl_launcher.config.switch_checks import policy_hf_config
+
+    layers = policy_hf_config(config).num_hidden_layers
+    if layers % chunks:
+        raise ValueError(
+            f"backend.pipeline_parallel={backend.pipeline_parallel} x {virtual} virtual stages "
+            f"(backend.megatron.virtual_pipeline_model_parallel_size) = {chunks} model chunks "
+            f"do not split the policy's {layers} layers evenly (megatron builds as many in "
+            f"each); pick sizes whose product divides {layers}"
+        )
 
 
 def _check_lora(config: TrainConfig) -> None:
