@@ -36,6 +36,7 @@ def model_dirs(tmp_path_factory):
         "qwen3-ref": ("qwen3", False, 3),
         "qwen3-moe": ("qwen3_moe", False, 5),
         "deepseek_v3": ("deepseek_v3", False, 7),  # sigmoid router, groups, expert bias
+        "deepseek_v3-4layers": ("deepseek_v3-4layers", False, 7),  # for pp=2
     }
     dirs = {}
     for name, (family, tie, seed) in specs.items():

@@ -1,7 +1,8 @@
 """The two-rank gloo job of test_routing_replay.py: rollout routing replay under TP=2 with
 sequence parallel, CP=2, PP=2 (one layer per stage), CP=2 x EP=2 and PP=2 with two virtual
-stages (a four-layer Qwen3-MoE), and DeepSeek-V3's sigmoid router at CP=2 x EP=2, each the
-log-probs and the loss of a batch with forced routes. Rank 0's results go back to the parent (multi_rank.spawn_gloo)."""
+stages (a four-layer Qwen3-MoE), and DeepSeek-V3's sigmoid router at CP=2 x EP=2 and PP=2
+(four layers, the first dense), each the log-probs and the loss of a batch with forced
+routes. Rank 0's results go back to the parent (multi_rank.spawn_gloo)."""
 
 from dataclasses import replace
 
@@ -20,6 +21,7 @@ LAYOUTS = {
     "cp2+ep2": ("qwen3-moe", {"cp": 2, "ep": 2}),
     "pp2+vpp2": ("qwen3-moe-4layers", {"pp": 2, "megatron": VIRTUAL}),
     "deepseek_v3 cp2+ep2": ("deepseek_v3", {"cp": 2, "ep": 2}),
+    "deepseek_v3 pp2": ("deepseek_v3-4layers", {"pp": 2, "max_tokens_per_micro_batch": 28}),
 }
 
 

@@ -4,7 +4,7 @@ groups, top-4): forced routes give the log-probs of the HF model forced to the s
 (so replay is applied, with HF's weights), DeepSeek-V3's router uses the given experts even
 across its group limit, with HF's sigmoid weights, and the loss's gradient still reaches
 the router; on two ranks, TP=2 with sequence parallel, CP=2, PP=2, CP=2 x EP=2 and virtual
-pipeline stages replay as one rank does."""
+pipeline stages (Qwen3-MoE), CP=2 x EP=2 and PP=2 (DeepSeek-V3) replay as one rank does."""
 
 import itertools
 from dataclasses import replace
