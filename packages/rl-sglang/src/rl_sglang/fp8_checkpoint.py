@@ -37,10 +37,8 @@ def write_fp8_checkpoint(source: str | Path, target: str | Path) -> Path:
     from safetensors.torch import load_file, save_file
 
     source, target = Path(source), Path(target)
-    stamp = _stamp(source)
-    if (target / "fp8_source.json").is_file() and json.loads(
-        (target / "fp8_source.json").read_text()
-    ) == stamp:
+    stamp, stamp_file = _stamp(source), target / "fp8_source.json"
+    if stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp:
         return target
     staging = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}")
     staging.mkdir(parents=True)
