@@ -10,7 +10,13 @@ from rl_core.batch import TrainBatch
 from rl_core.importance import rollout_importance_weights
 from rl_core.kl import approx_kl
 from rl_core.losses import ppo_policy_loss
-from rl_core.objective import Objective, objective_loss, policy_inputs, policy_objective
+from rl_core.objective import (
+    Objective,
+    batch_objective_loss,
+    objective_loss,
+    policy_inputs,
+    policy_objective,
+)
 from rl_core.packing import cu_seqlens_from_lengths
 
 LOG_PROBS = torch.tensor([[-1.0, -0.5, -2.0], [-0.3, -1.2, -0.7]])
@@ -175,3 +181,33 @@ def test_policy_inputs_refuse_a_batch_they_cannot_correct():
     batch.advantages = None
     with pytest.raises(ValueError, match=r"needs batch\.advantages"):
         policy_inputs(Objective(), batch, torch.zeros(5))
+
+
+def test_a_batch_loss_is_the_objective_loss_of_the_batch_and_its_policy_inputs():
+    """What both backends call per micro-batch: the old log-probs, the importance weights
+    and their metrics of policy_inputs, the batch's tensors and global denominators."""
+    log_probs = torch.tensor([-1.0, -0.5, -2.0, -0.3, -1.2])
+    old = torch.tensor([-1.1, -0.5, -1.0, -0.3, -2.0])
+    rollout = torch.tensor([-1.0, -0.7, -1.0, -0.5, -2.0])
+    entropy = torch.tensor([0.5, 0.25, 1.0, 2.0, 0.5])
+    objective = Objective(entropy_coef=0.1, rollout_is_level="token", rollout_is_cap=2.0)
+    batch = packed(old, rollout)
+    loss, metrics = batch_objective_loss(objective, batch, log_probs, entropy)
+    _, weights, is_metrics = policy_inputs(objective, batch, log_probs)
+    expected, loss_metrics = objective_loss(
+        objective,
+        log_probs=log_probs,
+        mask=batch.loss_mask,
+        old_log_probs=old,
+        advantages=batch.advantages,
+        entropy=entropy,
+        importance_weights=weights,
+        num_tokens=10.0,
+        num_seqs=4.0,
+        cu_seqlens=batch.cu_seqlens,
+    )
+    assert torch.equal(loss, expected) and is_metrics
+    assert metrics == is_metrics | loss_metrics
+    sft, sft_metrics = batch_objective_loss(Objective(mode="sft"), batch, log_probs)
+    assert float(sft) == pytest.approx(float(-log_probs.sum()) / 10)  # no advantages used
+    assert set(sft_metrics) == {"loss/sft", "loss/total"}

@@ -244,6 +244,41 @@ def _rollout_correction(
     return weights, {key: value * share for key, value in metrics.items()}
 
 
+def batch_objective_loss(
+    objective: Objective,
+    batch: TrainBatch,
+    log_probs: torch.Tensor,
+    entropy: torch.Tensor | None = None,
+    *,
+    tensor_metrics: bool = False,
+) -> tuple[torch.Tensor, dict]:
+    """:func:`objective_loss` of one packed micro-batch, as every backend computes it from
+    its per-token ``log_probs`` ``[N]`` (and ``entropy`` ``[N]``): the batch's mask,
+    advantages and reference log-probs over the step's global denominators; in "policy"
+    mode the old log-probs and rollout importance weights of :func:`policy_inputs`, whose
+    metrics join the loss's."""
+    old, weights, metrics = (
+        policy_inputs(objective, batch, log_probs, tensor_metrics=tensor_metrics)
+        if objective.mode == "policy"
+        else (None, None, {})
+    )
+    loss, loss_metrics = objective_loss(
+        objective,
+        log_probs=log_probs,
+        mask=batch.loss_mask,
+        old_log_probs=old,
+        advantages=batch.advantages,
+        entropy=entropy,
+        ref_log_probs=batch.ref_log_probs,
+        importance_weights=weights,
+        num_tokens=batch.global_num_tokens,
+        num_seqs=batch.global_num_seqs,
+        cu_seqlens=batch.cu_seqlens,
+        tensor_metrics=tensor_metrics,
+    )
+    return loss, metrics | loss_metrics
+
+
 def objective_loss(
     objective: Objective,
     *,

@@ -21,7 +21,7 @@ import torch
 from rl_core.batch import TrainBatch
 from rl_core.distributed import DistInfo
 from rl_core.kl import approx_kl
-from rl_core.objective import aggregate_batch, objective_loss, policy_inputs
+from rl_core.objective import aggregate_batch, batch_objective_loss
 from rl_core.packing import first_fit_pack
 from rl_fsdp import checkpoint
 from rl_fsdp.config import FSDPConfig
@@ -168,32 +168,13 @@ class FSDPBackend(ShardedTrainer):
         return [[seq for pair in part for seq in (2 * pair, 2 * pair + 1)] for part in parts]
 
     def micro_batch_loss(self, mb: TrainBatch) -> tuple[torch.Tensor, dict]:
-        """rl_core.objective.objective_loss of the config's objective, metrics as 0-d
+        """rl_core.objective.batch_objective_loss of the config's objective, metrics as 0-d
         device tensors (summed on the device, read back once per step)."""
         objective = self.config.objective
         policy = objective.mode == "policy"
         budget = self.config.max_tokens_per_micro_batch
         log_probs, entropy = self._log_probs(self.model, mb, with_entropy=policy, budget=budget)
-        old, weights, metrics = (
-            policy_inputs(objective, mb, log_probs, tensor_metrics=True)
-            if policy
-            else (None, None, {})
-        )
-        loss, objective_metrics = objective_loss(
-            objective,
-            log_probs=log_probs,
-            mask=mb.loss_mask,
-            old_log_probs=old,
-            advantages=mb.advantages,
-            entropy=entropy,
-            ref_log_probs=mb.ref_log_probs,
-            importance_weights=weights,
-            num_tokens=mb.global_num_tokens,
-            num_seqs=mb.global_num_seqs,
-            cu_seqlens=mb.cu_seqlens,
-            tensor_metrics=True,
-        )
-        metrics.update(objective_metrics)
+        loss, metrics = batch_objective_loss(objective, mb, log_probs, entropy, tensor_metrics=True)
         if policy and mb.ref_log_probs is not None and objective.kl_coef == 0.0:
             kl = approx_kl(log_probs.detach(), mb.ref_log_probs, kind=objective.kl_kind)
             metrics["actor/kl"] = aggregate_batch(objective, kl, mb)  # reported even if unused

@@ -1,5 +1,5 @@
 """The loss of one micro-batch from the backend's per-token outputs, all maths from rl_core:
-the config's :class:`rl_core.objective.Objective` through ``objective_loss``.
+the config's :class:`rl_core.objective.Objective` through ``batch_objective_loss``.
 
 Every loss is aggregated with the step's global denominators carried by the batch, so
 summing micro-batches and ranks gives the full-batch loss.
@@ -9,7 +9,7 @@ import torch
 
 from rl_core.batch import TrainBatch
 from rl_core.losses import value_loss
-from rl_core.objective import aggregate_batch, objective_loss, policy_inputs
+from rl_core.objective import aggregate_batch, batch_objective_loss
 from rl_megatron.config import MegatronConfig
 
 
@@ -17,28 +17,7 @@ def actor_loss(
     config: MegatronConfig, part: TrainBatch, log_probs: torch.Tensor, entropy: torch.Tensor | None
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """SFT or policy loss of ``part`` from its log-probs ``[N]`` (and entropy ``[N]``)."""
-    denominators = {
-        "num_tokens": part.global_num_tokens,
-        "num_seqs": part.global_num_seqs,
-        "cu_seqlens": part.cu_seqlens,
-    }
-    if config.objective.mode == "sft":
-        return objective_loss(
-            config.objective, log_probs=log_probs, mask=part.loss_mask, **denominators
-        )
-    old, weights, is_metrics = policy_inputs(config.objective, part, log_probs)
-    loss, metrics = objective_loss(
-        config.objective,
-        log_probs=log_probs,
-        mask=part.loss_mask,
-        old_log_probs=old,
-        advantages=part.advantages,
-        entropy=entropy,
-        ref_log_probs=part.ref_log_probs,
-        importance_weights=weights,
-        **denominators,
-    )
-    return loss, {**metrics, **is_metrics}
+    return batch_objective_loss(config.objective, part, log_probs, entropy)
 
 
 def critic_loss(
