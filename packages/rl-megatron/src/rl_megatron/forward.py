@@ -78,19 +78,11 @@ def padded_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]
 
 
 def forward_logits(
-    model,
-    tokens: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    *,
-    multiple: int = 1,
-    min_shape: tuple[int, int] = (0, 0),
-    cp_size: int = 1,
-    cp_rank: int = 0,
+    model, tokens: torch.Tensor, cu_seqlens: torch.Tensor, **layout
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(logits [N_held, V/tp] (values [N_held, 1] for a critic), held [N_held])``."""
-    input_ids, valid, held = model_inputs(
-        tokens, cu_seqlens, multiple=multiple, min_shape=min_shape, cp_size=cp_size, cp_rank=cp_rank
-    )
+    """``(logits [N_held, V/tp] (values [N_held, 1] for a critic), held [N_held])``;
+    ``layout``: :func:`model_inputs`' keywords (multiple, min_shape, cp_size, cp_rank)."""
+    input_ids, valid, held = model_inputs(tokens, cu_seqlens, **layout)
     positions = torch.arange(input_ids.shape[1], device=tokens.device).expand_as(input_ids)
     # Megatron derives rotary positions from the row length (and the CP rank); attention
     # mask None means causal.

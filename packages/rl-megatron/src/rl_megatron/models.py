@@ -200,37 +200,15 @@ class ValueHead(torch.nn.Module):
         return torch.nn.functional.linear(hidden, self.weight), None
 
 
-def build_critic_model(
-    hf_config,
-    *,
-    tp_size: int = 1,
-    ep_size: int = 1,
-    cp_size: int = 1,
-    pp_size: int = 1,
-    sequence_parallel: bool = False,
-    dtype: torch.dtype = torch.float32,
-    swiglu_fusion: bool = False,
-    options: dict | None = None,
-    vp_stage: int | None = None,
-):
+def build_critic_model(hf_config, *, dtype: torch.dtype = torch.float32, **layout):
     """A ``GPTModel`` whose LM head is a :class:`ValueHead` (outputs ``[b, s, 1]``; with
-    pipeline stages, on the last one)."""
+    pipeline stages, on the last one); ``layout``: the other keywords of
+    :func:`build_gpt_model`."""
     import copy
 
     untied = copy.deepcopy(hf_config)
     untied.tie_word_embeddings = False
-    model = build_gpt_model(
-        untied,
-        tp_size=tp_size,
-        ep_size=ep_size,
-        cp_size=cp_size,
-        pp_size=pp_size,
-        sequence_parallel=sequence_parallel,
-        dtype=dtype,
-        swiglu_fusion=swiglu_fusion,
-        options=options,
-        vp_stage=vp_stage,
-    )
+    model = build_gpt_model(untied, dtype=dtype, **layout)
     if model.post_process:  # the last pipeline stage (every rank without pp)
         model.output_layer = ValueHead(
             hf_config.hidden_size, sequence_parallel=model.config.sequence_parallel, dtype=dtype
