@@ -88,6 +88,10 @@ class ServerProcess:
     def command(self) -> list[str]:
         raise NotImplementedError
 
+    def module_command(self, module: str, *args: str) -> list[str]:
+        """``python -m module --host H --port P *args``, with this interpreter."""
+        return [sys.executable, "-m", module, "--host", self.host, "--port", str(self.port), *args]
+
     def start(self, wait: bool = True) -> "ServerProcess":
         if self.alive():
             raise RuntimeError(f"{self.name} on {self.url} is already running")
@@ -198,16 +202,10 @@ class EmbeddedEngine(ServerProcess):
         self.extra_args = list(extra_args)
 
     def command(self) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
+        return self.module_command(
             "rl_sglang.embedded",
             "--model-path",
             self.model_path,
-            "--host",
-            self.host,
-            "--port",
-            str(self.port),
             "--device",
             self.device,
             "--dtype",
@@ -217,7 +215,7 @@ class EmbeddedEngine(ServerProcess):
             "--weight-version",
             self.weight_version,
             *self.extra_args,
-        ]
+        )
 
 
 class SGLangServer(ServerProcess):
@@ -261,17 +259,7 @@ class SGLangServer(ServerProcess):
             self.env.setdefault("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "0")
 
     def command(self) -> list[str]:
-        argv = [
-            sys.executable,
-            "-m",
-            "sglang.launch_server",
-            "--model-path",
-            self.model_path,
-            "--host",
-            self.host,
-            "--port",
-            str(self.port),
-        ]
+        argv = self.module_command("sglang.launch_server", "--model-path", self.model_path)
         if self.api_key:  # SGLang reads it from argv only
             argv += ["--api-key", self.api_key]
         for key, value in self.sglang_args.items():

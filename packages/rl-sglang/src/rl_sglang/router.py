@@ -11,7 +11,6 @@ It binds 127.0.0.1 (the binary's own default is 0.0.0.0); another ``host`` needs
 """
 
 import json
-import sys
 import time
 import urllib.request
 
@@ -46,18 +45,12 @@ class Router(ServerProcess):
         self.extra_args = list(extra_args)
 
     def command(self) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
+        return self.module_command(
             "sglang_router.launch_router",
             "--worker-urls",
             *self.initial_workers,
             "--policy",
             self.policy,
-            "--host",
-            self.host,
-            "--port",
-            str(self.port),
             "--prometheus-host",
             self.host,
             "--prometheus-port",
@@ -70,7 +63,7 @@ class Router(ServerProcess):
             "warn",
             *self._auth_args(),
             *self.extra_args,
-        ]
+        )
 
     def _auth_args(self) -> list[str]:
         """One key for everything: clients' /generate, the router's calls to its workers
