@@ -57,3 +57,14 @@ def test_conversion_is_kept_for_the_same_source_and_redone_for_a_new_one(tmp_pat
     save_tiny_model(source, seed=2)
     write_fp8_checkpoint(source, target)
     assert (target / "model.safetensors").stat().st_mtime_ns != first
+
+
+def test_an_export_converts_in_place(tmp_path):
+    """A health-restarted engine's weights: the trainer's HF export, converted where it is."""
+    export = save_tiny_model(tmp_path / "restore_weights", seed=4)
+    assert write_fp8_checkpoint(export, export) == export and is_fp8_checkpoint(export)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["restore_weights"]
+    model, _ = load_model(str(export))
+    with safe_open(export / "model.safetensors", framework="pt") as handle:
+        assert handle.get_tensor(Q_PROJ).dtype == FP8_DTYPE
+    assert model.state_dict()[Q_PROJ].dtype == torch.float32
