@@ -8,7 +8,7 @@ MFU (model FLOPs, recomputation not counted) is relative to the bf16 matmul rate
 here. rl-fsdp runs first (its warm-up step includes compiling FlexAttention / the layers),
 then the plain loop (fewer measured steps: it is the slower one). Progress goes to stderr;
 prints one JSON object, whose ``figure.levers`` says which GPU-step levers ran (compiled
-MLPs / norms / attention modules, single-rank FSDP settings; each has a flag turning it
+decoder layers or MLPs / norms, single-rank FSDP settings; each has a flag turning it
 off: --no-compile-blocks, --no-compile-attention, --reshard-after-forward,
 --reshard-after-backward, --reduce-fp32, --fsdp-on-one-rank)
 and ``figure.fallback_errors`` what failed and was measured the simpler way. With
@@ -18,11 +18,16 @@ kernels and their time by category (rl_fsdp.profiling). With --sync-debug, one m
 counts where the host waited for the device (``figure.syncs``, by source line). With
 --host-profile, one more step runs under cProfile (``figure.host_profile``: the functions
 taking the host's time). --baseline-steps 0 skips the plain loop (A/B runs of rl-fsdp only).
+``figure.compile`` counts what torch.compile did over the whole run: graph breaks (and why),
+graphs, frames compiled (recompiles included). --device cpu --compile-blocks runs the
+compiled GPU path's structure on CPU (inductor's C++ kernels): breaks and recompiles show
+there too.
 
     python bench/train_fsdp.py                                  # CPU, tiny shape
     python bench/train_fsdp.py --shape 1.5b --data full         # GPU: 4 x 2048 tokens
     python bench/train_fsdp.py --shape 1.5b --data varlen       # GPU: lengths 128..4096
     python bench/train_fsdp.py --shape 1.5b --data varlen --profile   # + where time goes
+    python bench/train_fsdp.py --device cpu --compile-blocks --baseline-steps 0   # CPU, compiled
 """
 
 import argparse
@@ -49,6 +54,12 @@ from rl_fsdp.torch_varlen import PROBE_ERRORS
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    parser.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="auto: cuda when available, except for the tiny shape",
+    )
     parser.add_argument("--data", choices=["full", "varlen"], default="varlen")
     parser.add_argument("--num-seqs", type=int, default=None, help="sequences per step")
     parser.add_argument("--max-len", type=int, default=None, help="longest sequence")
@@ -71,7 +82,14 @@ def parse_args(argv=None):
         "--no-compile-blocks", action="store_true", help="eager MLPs and norms (no fusion)"
     )
     parser.add_argument(
-        "--no-compile-attention", action="store_true", help="eager q/k/v bias, rotary, reshapes"
+        "--compile-blocks",
+        action="store_true",
+        help="compiled layers / blocks where they are off by default (CPU)",
+    )
+    parser.add_argument(
+        "--no-compile-attention",
+        action="store_true",
+        help="compile MLPs and norms only, not whole layers (attention modules eager)",
     )
     parser.add_argument(
         "--reshard-after-forward", action="store_true", help="ZeRO-3 resharding on one rank"
@@ -244,7 +262,7 @@ def _fsdp_step(args, model_config: dict, batch: TrainBatch, device):
         attention=args.attention,
         activation_checkpointing=args.checkpointing,
         compile_layers=args.compile_layers,
-        compile_blocks=False if args.no_compile_blocks or args.compile_layers else None,
+        compile_blocks=_compile_blocks(args),
         compile_attention=not args.no_compile_attention,
         reshard_after_forward=True if args.reshard_after_forward else None,
         reshard_after_backward=True if args.reshard_after_backward else None,
@@ -272,6 +290,29 @@ def _fsdp_step(args, model_config: dict, batch: TrainBatch, device):
         HOST.update(host_profile(lambda: backend.train_step(batch), device))
         _log(f"host profile: {HOST['functions'][:3]}")
     return step_s, backend
+
+
+def _compile_blocks(args) -> bool | None:
+    if args.no_compile_blocks or args.compile_layers:
+        return False
+    return True if args.compile_blocks else None
+
+
+def compile_report() -> dict:
+    """What torch.compile did in this process so far: graph breaks by reason (first
+    line), graphs, and frames compiled (first compiles and recompiles)."""
+    from torch._dynamo.utils import counters
+
+    reasons: dict[str, int] = {}
+    for reason, count in counters["graph_break"].items():
+        line = reason.strip().splitlines()[0][:120]
+        reasons[line] = reasons.get(line, 0) + count
+    return {
+        "graph_breaks": sum(reasons.values()),
+        "break_reasons": reasons,
+        "unique_graphs": counters["stats"]["unique_graphs"],
+        "frames_compiled": counters["frames"]["total"],
+    }
 
 
 PROFILE: dict = {}  # --profile: one more rl-fsdp step under torch.profiler
@@ -323,7 +364,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.host_threads:
         torch.set_num_threads(args.host_threads)
-    device = torch.device("cuda" if torch.cuda.is_available() and args.shape != "tiny" else "cpu")
+    device = pick_device(args)
     big = args.shape != "tiny"
     full = args.data == "full"
     if args.max_len is None:
@@ -338,6 +379,7 @@ def main(argv=None) -> dict:
     peak = matmul_tflops(device)
     _log(f"matmul rate {peak:.0f} TFLOP/s")
     fsdp_s, backend = fsdp_step(args, model_config, batch, device)
+    compiled = compile_report() if "torch._dynamo" in sys.modules else {}
     flops = train_flops(
         backend.model_config,
         num_tokens=batch.num_tokens,
@@ -360,6 +402,7 @@ def main(argv=None) -> dict:
             "activation_checkpointing": args.checkpointing,
             "compile_layers": args.compile_layers,
             "levers": lever_report,
+            "compile": compiled,
             "fallback_errors": FALLBACK_ERRORS + fusion.COMPILE_FAILURES + PROBE_ERRORS,
             "steps": args.steps,
             "host_threads": torch.get_num_threads(),
@@ -380,6 +423,12 @@ def main(argv=None) -> dict:
     }
     print(json.dumps(result, indent=2))
     return result
+
+
+def pick_device(args) -> torch.device:
+    if args.device != "auto":
+        return torch.device(args.device)
+    return torch.device("cuda" if torch.cuda.is_available() and args.shape != "tiny" else "cpu")
 
 
 def baseline_report(args, batch: TrainBatch, flops: float, peak: float, seconds) -> dict:

@@ -32,9 +32,14 @@ import torch.nn.functional as F
 from rl_core.batch import to_device
 from rl_fsdp.flex import bucket_length, document_block_mask, flex_available, flex_packed_attention
 from rl_fsdp.grouped import build_groups, grouped_attention
-from rl_fsdp.torch_varlen import probe, varlen_attention, varlen_function
+from rl_fsdp.torch_varlen import kernel_and_plan, probe, varlen_attention, varlen_function
 
 PACKED_ATTENTION = "rl_packed"
+# Traced whole inside a compiled decoder layer (rl_fsdp.fusion): graph-safe kernels (torch's
+# varlen op is a custom op with its autograd; SDPA) fed by what PackedLayout built on the
+# host, so a layer is one graph. The others run eager behind a graph break (host lengths,
+# Python loops over sequences); flex keeps its own compiled kernel per length bucket.
+TRACED_IMPLS = ("torch_varlen", "sdpa_mask")
 # sdpa_grouped runs layouts of at most this many sequences one SDPA call per sequence: a
 # few launches cost nothing, and long sequences then never pay for padding (the GPU bench
 # figures for 128..4096-token sequences were measured that way)
@@ -45,15 +50,20 @@ PER_DOC_UP_TO = 8
 class PackedLayout:
     """Boundaries of the packed sequences of one forward pass.
 
-    cu_seqlens ``[B + 1]`` int32 on the compute device; lengths on the host; for
-    ``impl="flex"`` the FlexAttention ``BlockMask``, for ``impl="sdpa_grouped"`` the
-    groups and their ``restore`` order (built once, shared by all layers).
+    cu_seqlens ``[B + 1]`` int32 on the compute device; lengths and the longest on the
+    host; for ``impl="flex"`` the FlexAttention ``BlockMask``, for ``"sdpa_mask"`` the
+    ``[N, N]`` block-causal mask, for ``"torch_varlen"`` the kernel and its call plan,
+    for ``"sdpa_grouped"`` the groups and their ``restore`` order (built once, shared by
+    all layers).
     """
 
     cu_seqlens: torch.Tensor
     lengths: tuple[int, ...]
     impl: str
+    max_seqlen: int = 0
     block_mask: object = None
+    dense_mask: torch.Tensor | None = None
+    varlen: tuple | None = None  # (varlen_attn, CallPlan)
     groups: list | None = None
     restore: torch.Tensor | None = None
 
@@ -67,18 +77,27 @@ class PackedLayout:
         host = cu_seqlens.cpu()
         lengths = tuple((host[1:] - host[:-1]).tolist())
         on_device = to_device(host.to(torch.int32), device)
-        mask = groups = restore = None
+        layout = cls(on_device, lengths, impl, max(lengths, default=0))
         if impl == "flex":
-            mask = document_block_mask(on_device, bucket_length(max(int(host[-1]), pad_to)))
+            total = bucket_length(max(int(host[-1]), pad_to))
+            layout.block_mask = document_block_mask(on_device, total)
+        if impl == "sdpa_mask":
+            layout.dense_mask = block_causal_mask(on_device, int(host[-1]))
+        if impl == "torch_varlen":
+            layout.varlen = kernel_and_plan()
         if impl == "sdpa_grouped" and len(lengths) <= PER_DOC_UP_TO:
-            impl = "sdpa_per_doc"
-        if impl == "sdpa_grouped":
-            groups, restore = build_groups(lengths, device)
-        return cls(on_device, lengths, impl, mask, groups, restore)
+            layout.impl = "sdpa_per_doc"
+        if layout.impl == "sdpa_grouped":
+            layout.groups, layout.restore = build_groups(lengths, device)
+        return layout
 
-    @property
-    def max_seqlen(self) -> int:
-        return max(self.lengths, default=0)
+    def dynamic_dims(self) -> list[tuple[torch.Tensor, int]]:
+        """``(tensor, dim)`` whose size changes between micro-batches: a compiled layer
+        marks them dynamic up front (no recompile per layout)."""
+        dims = [(self.cu_seqlens, 0)]
+        if self.dense_mask is not None:
+            dims += [(self.dense_mask, 0), (self.dense_mask, 1)]
+        return dims
 
 
 def flash_attn_available() -> bool:
@@ -150,15 +169,28 @@ def packed_attention(
 ):
     """The registered attention function; returns ``([1, N, H, D], None)``.
 
-    Traced by torch.compile (an attention module compiled by :mod:`rl_fsdp.fusion`), every
-    implementation but flex runs eager behind a graph break: the projections and rotary
-    around it are fused, the kernel and its host-side layout are not traced."""
+    Traced by torch.compile (a decoder layer compiled by :mod:`rl_fsdp.fusion`), the
+    :data:`TRACED_IMPLS` and flex are traced with the layer (one graph); the others, and
+    the exact per-sequence path, run eager behind a graph break."""
     layout: PackedLayout | None = kwargs.get("rl_layout")
-    if layout is not None and layout.impl != "flex" and torch.compiler.is_compiling():
+    if layout is not None and torch.compiler.is_compiling() and not _traceable(layout, kwargs):
         return _behind_graph_break()(
             module, query, key, value, attention_mask, scaling, dropout, **kwargs
         )
     return _attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+
+
+def _traceable(layout: PackedLayout, kwargs: dict) -> bool:
+    if layout.impl == "flex":
+        return True
+    return layout.impl in TRACED_IMPLS and not _needs_exact(layout, kwargs)
+
+
+def _needs_exact(layout: PackedLayout, kwargs: dict) -> bool:
+    """Whether the layer has what the fast kernels skip: a softcap, or a sliding window
+    shorter than the longest sequence."""
+    window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    return softcap is not None or (window is not None and layout.max_seqlen > window)
 
 
 def _attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs):
@@ -171,14 +203,15 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, **kw
         )
     if query.shape[0] != 1:
         raise ValueError(f"packed attention takes one packed row, got batch {query.shape[0]}")
-    window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
-    if softcap is not None or (window is not None and layout.max_seqlen > window):
+    if _needs_exact(layout, kwargs):
+        window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
         return _exact_per_doc(query, key, value, layout, scaling, dropout, window, softcap), None
     if layout.impl == "flash_varlen":
         return _flash_varlen(query, key, value, layout, scaling, dropout), None
     if layout.impl == "torch_varlen":
+        fn, plan = layout.varlen or (None, None)
         out = varlen_attention(
-            query, key, value, layout.cu_seqlens, layout.max_seqlen, scaling, dropout
+            query, key, value, layout.cu_seqlens, layout.max_seqlen, scaling, dropout, fn, plan
         )
         return out, None
     if layout.impl == "flex":
@@ -189,9 +222,8 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, **kw
     if layout.impl == "sdpa_grouped":
         out = grouped_attention(query, key, value, layout.groups, layout.restore, scaling, dropout)
     elif layout.impl == "sdpa_mask":
-        mask = block_causal_mask(layout.cu_seqlens, query.shape[2])
         out = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling
+            query, key, value, attn_mask=layout.dense_mask, dropout_p=dropout, scale=scaling
         )
     elif len(layout.lengths) == 1:
         out = F.scaled_dot_product_attention(
@@ -247,10 +279,11 @@ def _masked_attention(q, k, v, allowed, scale: float, dropout: float, softcap):
 
 @functools.cache
 def _behind_graph_break():
-    """``_attention`` behind a graph break. The compiled code after it (output projection)
-    is compiled for the first length, then once more with a dynamic length at the second
-    (automatic dynamic). Made on first use: ``torch.compiler.disable`` imports the compiler
-    stack (about 0.9 s), which uncompiled runs (CPU) never need."""
+    """``_attention`` behind a graph break. The compiled code after it (the rest of the
+    layer) is compiled for the first length, then once more with a dynamic length at the
+    second (Hugging Face hands it the input shape as Python ints). Made on first use:
+    ``torch.compiler.disable`` imports the compiler stack (about 0.9 s), which uncompiled
+    runs (CPU) never need."""
     return torch.compiler.disable(_attention)
 
 

@@ -56,14 +56,16 @@ class FSDPConfig:
     activation_checkpointing). The first steps compile (tens of seconds); best with
     attention "flex" (other implementations break the graph or recompile per layout)."""
     compile_blocks: bool | None = None
-    """torch.compile each MLP, RMSNorm and (``compile_attention``) attention module: fused
-    SwiGLU, norms and rotary, forward and backward; the packed attention kernel stays eager
+    """torch.compile each decoder layer whole (``compile_attention``; fused norms, SwiGLU,
+    rotary, forward and backward; with attention "torch_varlen" or "sdpa_mask" the kernel
+    is traced too: one graph per layer, no graph break), else each MLP and RMSNorm
     (:mod:`rl_fsdp.fusion`). A module class whose compilation fails runs eager. None = on
     for device cuda without activation_checkpointing / compile_layers; True works on CPU."""
     compile_attention: bool = True
-    """With compile_blocks: compile the attention modules too, around their eager kernel
-    (fused q/k/v bias, rotary and reshapes; the packed attention call is a graph break).
-    Not with attention "flex" (its kernel is compiled per length bucket on its own)."""
+    """With compile_blocks: compile the attention with the layer (the other packed
+    implementations run eager behind a graph break inside it); False compiles only MLPs
+    and RMSNorms. Not with attention "flex" (its kernel is compiled per length bucket on
+    its own)."""
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state on CPU (FSDP2 offload policy)."""
     fsdp_on_one_rank: bool | None = None

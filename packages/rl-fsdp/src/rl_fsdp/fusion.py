@@ -1,5 +1,5 @@
-"""torch.compile of the memory-bound parts of each decoder layer: the MLP, the RMSNorms
-and the attention module around its kernel (projections, rotary).
+"""torch.compile of each decoder layer as one graph (or, without the attention modules,
+of its MLP and RMSNorms alone): the memory-bound parts fused, and no Python between them.
 
 In eager Hugging Face code these are chains of elementwise kernels (RMSNorm upcasts to
 float32 and makes ~7 passes over ``[N, hidden]``; SwiGLU reads and writes ``[N, inter]``
@@ -7,14 +7,22 @@ three times; rotary makes ~6 passes over the queries and keys), forward and back
 8192 tokens on the 1.5B shape, ~6 GB of memory traffic per layer. Compiled, each becomes
 one or two fused kernels.
 
-The attention kernel itself is *not* traced: inside a compiled attention module,
-:func:`rl_fsdp.attention.packed_attention` runs eager behind a graph break (the packed
-implementations keep their own kernels and host-side layouts; compiling flex attention
-with dynamic shapes was what failed). Every instance of a class shares one compiled graph
-(dynamo guards on the module structure, not its identity), and the token dimension
-(dim 1 of ``[1, N, ...]``) is dynamic from the first call: one graph serves every
-micro-batch length (hidden sizes, the reduction dimensions, stay static); only the code
-after the attention graph break compiles twice (static, then dynamic at a second length).
+With the attention modules (``attention=True``) the unit is the whole decoder layer:
+norms, projections, rotary, the packed attention kernel and the MLP in one graph, forward
+and backward, for the implementations traced whole (``torch_varlen``, ``sdpa_mask``:
+:data:`rl_fsdp.attention.TRACED_IMPLS`). The others run eager behind one graph break in
+the middle of the layer (their host-side layouts and per-sequence loops are not traced).
+Layers with mixture-of-experts blocks (data-dependent routing) keep the per-module units:
+MLP, RMSNorms and the attention module around its eager kernel (a graph break). Flex
+attention (compiled per length bucket on its own; with dynamic shapes it failed) is
+called with ``attention=False``: MLPs and RMSNorms only.
+
+Every instance of a class shares one compiled graph (dynamo guards on the module
+structure, not its identity), and the token dimension (dim 1 of ``[1, N, ...]``, and the
+packed layout's boundaries and mask) is dynamic from the first call: one graph serves
+every micro-batch length (hidden sizes, the reduction dimensions, stay static). The
+longest sequence (a host int the varlen kernel takes) turns dynamic at its second value
+(one recompile).
 
 A module whose compiled forward raises falls back to its eager forward for good; the error
 is kept in :data:`COMPILE_FAILURES` (the bench reports it).
@@ -27,6 +35,7 @@ from torch import nn
 
 COMPILED_SUFFIXES = ("MLP", "RMSNorm")
 ATTENTION_SUFFIX = "Attention"
+PER_MODULE_ONLY = ("moe", "expert")  # class-name parts of layers kept per module
 COMPILE_FAILURES: list[str] = []
 _RECOMPILE_LIMIT = 64  # graphs per code object: shapes x grad mode x norm kinds
 
@@ -63,11 +72,15 @@ class CompiledOrEager:
 
 def _mark_tokens_dynamic(args: tuple, kwargs: dict) -> None:
     """Dim 1 (the tokens of ``[1, N, ...]``) of every tensor argument, also inside tuples
-    (rotary ``(cos, sin)``), is dynamic: one graph serves every micro-batch length."""
+    (rotary ``(cos, sin)``), and the packed layout's sizes are dynamic: one graph serves
+    every micro-batch length."""
     for value in (*args, *kwargs.values()):
         for tensor in value if isinstance(value, tuple) else (value,):
             if isinstance(tensor, torch.Tensor) and tensor.dim() >= 2:
                 torch._dynamo.maybe_mark_dynamic(tensor, 1)
+    layout = kwargs.get("rl_layout")
+    for tensor, dim in layout.dynamic_dims() if layout is not None else ():
+        torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
 
 def fusible_modules(model: nn.Module, *, attention: bool = True) -> list[nn.Module]:
@@ -84,20 +97,38 @@ def compile_blocks(
     backend: str = "inductor",
     dynamic: bool | None = None,
 ) -> int:
-    """Compile every MLP and RMSNorm of ``model`` in place (parameter names unchanged), and
-    with ``attention`` the attention modules around their (eager) kernel: projections and
-    rotary. Returns how many modules were wrapped. Idempotent."""
+    """Compile ``model``'s blocks in place (parameter names unchanged): with ``attention``
+    each decoder layer whole (see the module docstring) and the RMSNorms outside them;
+    without it, or for layers of :data:`PER_MODULE_ONLY` kinds, every MLP and RMSNorm.
+    Returns how many modules were wrapped. Idempotent."""
     _raise_recompile_limit()
     count, failed_classes = 0, set()
-    for module in fusible_modules(model, attention=attention):
+    for module in compile_units(model, attention=attention):
         if not isinstance(module.__dict__.get("forward"), CompiledOrEager):
             module.forward = CompiledOrEager(module, backend, dynamic, failed_classes)
             count += 1
     return count
 
 
+def compile_units(model: nn.Module, *, attention: bool) -> list[nn.Module]:
+    """The modules :func:`compile_blocks` wraps: whole decoder layers (with ``attention``,
+    where allowed) and the MLPs, RMSNorms (and with ``attention`` the attention modules,
+    around an eager kernel) outside them."""
+    from rl_fsdp.modeling import decoder_layers
+
+    whole = [layer for layer in decoder_layers(model) if attention and _whole(layer)]
+    inside = {id(m) for layer in whole for m in layer.modules()}
+    rest = fusible_modules(model, attention=attention)
+    return whole + [m for m in rest if id(m) not in inside]
+
+
+def _whole(layer: nn.Module) -> bool:
+    names = (type(m).__name__.lower() for m in layer.modules())
+    return not any(part in name for name in names for part in PER_MODULE_ONLY)
+
+
 def _wrappers(model: nn.Module) -> list[CompiledOrEager]:
-    wrappers = [m.__dict__.get("forward") for m in fusible_modules(model)]
+    wrappers = [m.__dict__.get("forward") for m in model.modules()]
     return [w for w in wrappers if isinstance(w, CompiledOrEager)]
 
 

@@ -83,21 +83,31 @@ def call_kwargs(plan: CallPlan, *, scaling, head_dim: int, heads: int, kv_heads:
     return kwargs, repeat
 
 
-def varlen_attention(query, key, value, cu_seqlens, max_seqlen: int, scaling, dropout, fn=None):
+def varlen_attention(
+    query, key, value, cu_seqlens, max_seqlen: int, scaling, dropout, fn=None, plan=None
+):
     """``query [1, H, N, D]``, ``key/value [1, H_kv, N, D]`` -> ``[1, N, H, D]``, each
-    sequence of ``cu_seqlens`` attending causally to itself only."""
+    sequence of ``cu_seqlens`` attending causally to itself only. ``fn`` and its ``plan``
+    default to torch's kernel; pass both (from :func:`kernel_and_plan`, outside) when
+    traced by torch.compile, which cannot inspect a signature."""
     if dropout:
         raise ValueError("attention='torch_varlen' has no dropout; set attention_dropout=0")
     fn = fn or varlen_function()
     heads, kv_heads, head_dim = query.shape[1], key.shape[1], query.shape[3]
     kwargs, repeat = call_kwargs(
-        call_plan(fn), scaling=scaling, head_dim=head_dim, heads=heads, kv_heads=kv_heads
+        plan or call_plan(fn), scaling=scaling, head_dim=head_dim, heads=heads, kv_heads=kv_heads
     )
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [N, H, D]
     if repeat > 1:
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
     out = fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
     return out.unsqueeze(0)
+
+
+def kernel_and_plan():
+    """torch's ``varlen_attn`` and its :class:`CallPlan`, or ``(None, None)`` without it."""
+    fn = varlen_function()
+    return (fn, call_plan(fn)) if fn is not None else (None, None)
 
 
 @functools.lru_cache(maxsize=4)
