@@ -236,13 +236,17 @@ def test_a_run_that_learns_nothing_fails_naming_the_cause(tmp_path, marker):  # 
     # start-up said what it was doing, phase by phase, before the first step
     phases = [
         "rl-train: model and prompts ready in ",
+        "rl-train: 1 embedded engine(s) loading while Ray starts",
         "rl-train: Ray ready in ",
-        "rl-train: trainer ready (fsdp, 1 rank(s)) in ",
-        "rl-train: 1 embedded engine(s) and router ready in ",
         "rl-train: started in ",
         f"s; step 1/{NUM_STEPS} running",
         f"step 1/{NUM_STEPS} |",
     ]
     at = [log.index(phase) for phase in phases]
     assert at == sorted(at)
+    for ready in (
+        "trainer ready (fsdp, 1 rank(s)) in ",
+        "1 embedded engine(s) and router ready in ",
+    ):
+        assert at[2] < log.index(f"rl-train: {ready}") < at[3]  # side by side, in either order
     all_gone(token)

@@ -14,7 +14,7 @@ from rl_launcher.data.buffer import DataBuffer
 from rl_launcher.infra import checkpoints
 from rl_launcher.infra.run_log import read_metrics
 from rl_launcher.loops.rl import run_step
-from rl_launcher.session.start import start_run
+from rl_launcher.session.start import engines_start_first, start_run
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[3]
@@ -120,11 +120,25 @@ def test_two_ranks_sync_weights_and_engine_log_probs_match_the_trainer(tmp_path)
     assert (engine - before).abs().max() > 100 * LOGPROB_TOL
 
 
+def test_engines_start_before_ray_only_on_a_lone_cpu_node():
+    assert engines_start_first(load_config([])[0])
+    for override in (
+        ["--cluster.device", "cuda"],  # devices come from the placement
+        ["--cluster.num_nodes", "2", "--cluster.devices_per_node", "1"],
+        ["--cluster.ray_address", "10.0.0.1:6379"],
+        ["--rollout.data_plane", "workers"],  # workers go to the engines' nodes
+    ):
+        assert not engines_start_first(load_config(override)[0]), override
+
+
 def test_cli_trains_checkpoints_and_resumes(tmp_path, capsys):
     run_dir = tmp_path / "run"
     kl = ("--algorithm.kl_coef", "0.01")  # the reference model's log-probs join the loss
     assert main(shrunk(run_dir, "--num_steps", "2", *kl)) == 0
-    assert "step 2/2 | reward" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "step 2/2 | reward" in out
+    # Ray started by this run, on this CPU machine alone: the engine loaded while it started
+    assert out.index("engine(s) loading while Ray starts") < out.index("Ray ready")
     assert [s for s, _ in checkpoints.complete_checkpoints(run_dir / "checkpoints")] == [2]
     assert main(shrunk(run_dir, *kl)) == 2  # a second fresh run into the same directory
     assert "already holds a run; pass --resume" in capsys.readouterr().err

@@ -68,6 +68,7 @@ class EnginePool:
         self.servers: list = []  # rl-sglang ServerProcess or engine_hosts.PlacedEngine
         self.router = None
         self.sites: EngineSites | None = None  # under Ray (set by session.start): placed
+        self.local_node: str | None = None  # started here, under Ray: this node's id
         self.turns: Turns | None = None  # colocated GPUs (set by session.start)
         self.monitor: HealthMonitor | None = None  # set by watch()
         self.weight_version = 0  # the version the engines hold (last confirmed sync)
@@ -80,11 +81,12 @@ class EnginePool:
 
     def start(self, *, max_batch_size: int) -> "EnginePool":
         """Start the engines (each on its own node under Ray) all at once, wait for each,
-        then the router in front of them, on this node."""
+        then the router in front of them, on this node. Servers the pool holds already
+        (started before Ray by the session) are only waited for."""
         from rl_sglang.router import Router
 
         engine = self.config.engine
-        self.servers = start_servers(
+        self.servers = self.servers or start_servers(
             self.config,
             model_dir=self.model_dir,
             log_dir=self.log_dir,
@@ -114,9 +116,9 @@ class EnginePool:
         return self.router.url if self.router else self.servers[0].url
 
     def nodes(self) -> list[str | None]:
-        """Each engine's Ray node; None for engines started here without Ray."""
+        """Each engine's Ray node; None for engines started without Ray."""
         if self.sites is None:
-            return [None] * len(self.servers)
+            return [self.local_node] * len(self.servers)
         return [engine.node_id for engine in self.servers]
 
     def client(self, url: str):

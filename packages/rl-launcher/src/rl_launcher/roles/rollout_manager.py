@@ -62,15 +62,11 @@ class RolloutManager:
 
     def start(self) -> "RolloutManager":
         """Start the engines and the router (:meth:`EnginePool.start`)."""
-        self.engines.start(max_batch_size=self._batch_limit())
+        self.engines.start(max_batch_size=engine_batch_limit(self.config))
         if self.config.rollout.data_plane == "workers":  # samples stay on the workers
             self.workers = start_rollout_workers(self)
             self.rollout_function = WorkerRollout(self.workers)
         return self
-
-    def _batch_limit(self) -> int:
-        samples = self.config.rollout.batch_size * self.config.rollout.group_size
-        return max(1, min(256, -(-samples // self.config.engine.num_engines)))
 
     def rollout(
         self, num_groups: int, step: int | None = None
@@ -173,3 +169,10 @@ def request_seed(seed: int, key: int | str) -> int:
     of their samples) never meet, and runs whose seeds differ by one share none."""
     digest = hashlib.blake2b(f"{seed}/{key}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") >> 2
+
+
+def engine_batch_limit(config) -> int:
+    """Requests an embedded engine batches at once: the step's samples per engine, at most
+    256."""
+    samples = config.rollout.batch_size * config.rollout.group_size
+    return max(1, min(256, -(-samples // config.engine.num_engines)))

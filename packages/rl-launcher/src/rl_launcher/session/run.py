@@ -36,6 +36,7 @@ class Run:
     plan: "PlacementPlan | None" = None  # under Ray
     placement: "OrderedPlacement | None" = None  # under Ray
     engine_sites: "EngineSites | None" = None  # where the engines start (RL runs under Ray)
+    early_servers: list = field(default_factory=list)  # engines started before Ray, here
     critic: "CriticGroup | None" = None  # PPO's critic, when the algorithm has one
     extras: dict[str, Any] = field(default_factory=dict)  # optional features (the evaluator)
     _cleanup: list[Callable[[], None]] = field(default_factory=list)

@@ -11,6 +11,7 @@ Colocated on GPUs, trainer and engines then take turns (:mod:`rl_launcher.infra.
 """
 
 import os
+import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -47,6 +48,7 @@ def start_run(config) -> Run:
     run._cleanup.append(run.metrics_log.close)
     _start_gpu_monitor(run)
     try:
+        _launch_engines_first(run, model_dir, run_dir)
         rollout = partial(_start_rollout, run, model_dir, tokenizer, run_dir)
         start_trainer(run, model_dir, meanwhile=None if _takes_turns(config) else rollout)
         start_critic(run, model_dir)  # PPO with a critic (gae) only
@@ -66,6 +68,53 @@ def _takes_turns(config) -> bool:
     from rl_launcher.infra.placement import plan_from_config
 
     return turns_needed(config, plan_from_config(config))
+
+
+def engines_start_first(config) -> bool:
+    """Whether the engines start here, before Ray, loading while Ray and the training ranks
+    start: a CPU run on this machine alone (Ray started here, one node) with the driver's
+    data plane and no colocation turns. Elsewhere an engine's node and devices come from
+    the placement, so the engines start once Ray has placed them."""
+    from rl_launcher.infra.ray_cluster import cluster_address
+
+    cluster = config.cluster
+    return (
+        cluster.device == "cpu"
+        and cluster.num_nodes == 1
+        and cluster_address(cluster.ray_address)[0] is None
+        and config.rollout.data_plane == "driver"
+        and not _takes_turns(config)
+    )
+
+
+def _launch_engines_first(run: Run, model_dir: Path, run_dir: Path) -> None:
+    """With :func:`engines_start_first`, start the engine servers now, not yet waited for
+    (:func:`_start_rollout` hands them to the pool); they are stopped with the run if it
+    fails before the pool holds them."""
+    from rl_launcher.roles.engine_pool import start_servers
+    from rl_launcher.roles.rollout_manager import engine_batch_limit
+    from rl_launcher.session.model import engine_model_dir
+
+    config = run.config
+    ray = sys.modules.get("ray")
+    if not engines_start_first(config) or (ray is not None and ray.is_initialized()):
+        return  # (a Ray the caller started may span several nodes)
+    if config.logging.progress:
+        what = f"{config.engine.num_engines} {config.engine.kind} engine(s)"
+        print(f"rl-train: {what} loading while Ray starts", flush=True)
+    run.early_servers = start_servers(
+        config,
+        model_dir=engine_model_dir(config, model_dir),
+        log_dir=run_dir / "logs",
+        max_batch_size=engine_batch_limit(config),
+    )
+
+    def stop_unclaimed():
+        if run.rollout is None:
+            for server in run.early_servers:
+                server.stop()
+
+    run._cleanup.append(stop_unclaimed)
 
 
 def start_replay_run(config) -> Run:
@@ -265,7 +314,13 @@ def _start_rollout(run: Run, model_dir: Path, tokenizer, run_dir: Path) -> None:
         **extra,
     )
     engines = run.rollout.engines
-    engines.sites = run.engine_sites  # each engine on its node, by a Ray actor
+    if run.early_servers:  # started here before Ray (engines_start_first)
+        import ray
+
+        engines.servers = run.early_servers
+        engines.local_node = ray.get_runtime_context().get_node_id()
+    else:
+        engines.sites = run.engine_sites  # each engine on its node, by a Ray actor
     if turns_needed(run.config, run.plan):
         check_turns(run.config)
         engines.turns = run.trainer.turns = make_turns(run.config, run.trainer, engines)
