@@ -1,7 +1,8 @@
 """The loop with the other backends and transports, on CPU with real Ray, embedded engines
 behind the real sglang-router: rl-megatron (TP=2 over two Ray actors, CPU shim) taking
 turns with the engine as colocated GPUs do, and a disaggregated layout whose weights go
-over a gloo weight-update group (the distributed transport)."""
+over a gloo weight-update group (the distributed transport). Both runs serve FP8 rollout
+(engine.quantization=fp8): the engines must hold exactly the trainer's weights quantised."""
 
 import json
 from pathlib import Path
@@ -102,6 +103,8 @@ def test_megatron_tp2_takes_turns_with_the_engine_and_syncs_weights(tmp_path):
             "--cluster.devices_per_node",
             "2",
             "--megatron-sequence-parallel",
+            "--engine.quantization",
+            "fp8",
         )
     )
     run = start_run(config)
@@ -111,7 +114,9 @@ def test_megatron_tp2_takes_turns_with_the_engine_and_syncs_weights(tmp_path):
         engines = run.rollout.engines
         turns = engines.turns = run.trainer.turns = Turns(run.trainer, engines)
         records = two_steps(run)
-        check_weights_reached_the_engines(run, records)
+        # FP8 rollout from rl-megatron's export, through kept tensor buffers
+        check_weights_reached_the_engines(run, records, fp8=True)
+        check_engine_serves_the_fp8_of_the_trainer(run, tmp_path)
     finally:
         run.close()
     train_then_sync = [
