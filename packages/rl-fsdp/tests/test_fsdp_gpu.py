@@ -190,11 +190,11 @@ def test_compiled_blocks_match_eager_blocks(backend):
     assert fusion.compiled_count(compiled.model) == (2 + 1, 0)  # the layers whole, final norm
 
 
-@pytest.mark.parametrize("lengths", [[37, 120, 64, 9], [500, 400, 3, 300, 200, 1]])
+@pytest.mark.parametrize("lengths", [[37, 120, 64, 9], [500, 400, 3, 300, 200, 1], [256] * 3])
 def test_torch_varlen_logits_and_grads_equal_per_sequence_sdpa(lengths):
-    """torch's varlen kernel (bf16, GQA 4/2 heads) against one causal SDPA per sequence in
-    bf16, both measured against the fp32 per-sequence result: no further from it than
-    bf16 SDPA is (x1.5), logits and parameter gradients."""
+    """torch's varlen kernel (bf16, GQA 4/2 heads; equal lengths: batched SDPA) against one
+    causal SDPA per sequence in bf16, both measured against the fp32 per-sequence result:
+    no further from it than bf16 SDPA is (x1.5), logits and parameter gradients."""
     from rl_fsdp.attention import register_packed_attention, resolve_attention
     from rl_fsdp.forward import packed_forward
 

@@ -249,8 +249,9 @@ def _register_cpu_kernels() -> None:
 def test_real_varlen_op_is_traced_whole_in_compiled_layers(family):
     """torch's own ``varlen_attn`` (its custom op, autograd and fake implementation; CPU
     kernels stand in for CUDA's) inside compiled decoder layers: no graph break, one graph
-    per layer (plus the final norm, and one recompile when the longest sequence changes),
-    logits and gradients equal ``sdpa_per_doc``'s in the eager model over four layouts."""
+    per layout kind (equal lengths take batched SDPA), each recompiled once when the
+    longest sequence changes, plus the final norm; logits and gradients equal
+    ``sdpa_per_doc``'s in the eager model over five layouts."""
     from torch._dynamo.utils import counters
 
     _register_cpu_kernels()
@@ -260,7 +261,7 @@ def test_real_varlen_op_is_traced_whole_in_compiled_layers(family):
     fusion.compile_blocks(compiled, backend="aot_eager")
     torch._dynamo.reset()  # count this test's graphs only (code is cached per code object)
     counters.clear()
-    for lengths in ([9, 17, 5], [30, 1, 2], [12, 12, 12, 4], [50]):
+    for lengths in ([9, 17, 5], [30, 1, 2], [12, 12, 12, 4], [16, 16, 16], [50]):
         batch = tokens_batch(lengths=lengths)
         want, want_grads = _logits_and_grads(model, batch, "sdpa_per_doc")
         got, grads = _logits_and_grads(compiled, batch, "torch_varlen")
@@ -268,5 +269,5 @@ def test_real_varlen_op_is_traced_whole_in_compiled_layers(family):
         for a, b in zip(grads, want_grads, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     assert dict(counters["graph_break"]) == {}
-    assert counters["stats"]["unique_graphs"] <= 3
+    assert counters["stats"]["unique_graphs"] <= 5
     assert fusion.compiled_count(compiled) == (CONFIGS[family]["num_hidden_layers"] + 1, 0)

@@ -8,6 +8,9 @@ implementations, all equal to running each sequence alone:
 - ``flash_varlen``: flash-attn's ``flash_attn_varlen_func`` with cu_seqlens (GPU, fastest);
 - ``torch_varlen``: the same FlashAttention-2 varlen kernel as shipped inside torch >= 2.10
   (:mod:`rl_fsdp.torch_varlen`; one launch per layer; the CUDA default without flash-attn);
+  a micro-batch whose sequences all have one length runs one batched causal SDPA call
+  instead (:func:`uniform_attention`: SDPA's fastest backend, cuDNN's fused attention on
+  Hopper, which took half FA2's time in Megatron's profile of 2026-11-27);
 - ``flex``: FlexAttention with a document-causal block mask (:mod:`rl_fsdp.flex`),
   compiled once on CUDA (GPU without flash-attn);
 - ``sdpa_mask``: one SDPA call with a block-diagonal causal mask ``[N, N]`` (CPU, short N);
@@ -61,6 +64,7 @@ class PackedLayout:
     lengths: tuple[int, ...]
     impl: str
     max_seqlen: int = 0
+    uniform: bool = False  # every sequence of one length (torch_varlen: batched SDPA)
     block_mask: object = None
     dense_mask: torch.Tensor | None = None
     varlen: tuple | None = None  # (varlen_attn, CallPlan)
@@ -85,6 +89,7 @@ class PackedLayout:
             layout.dense_mask = block_causal_mask(on_device, int(host[-1]))
         if impl == "torch_varlen":
             layout.varlen = kernel_and_plan()
+            layout.uniform = len(set(lengths)) == 1
         if impl == "sdpa_grouped" and len(lengths) <= PER_DOC_UP_TO:
             layout.impl = "sdpa_per_doc"
         if layout.impl == "sdpa_grouped":
@@ -208,6 +213,8 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, **kw
         return _exact_per_doc(query, key, value, layout, scaling, dropout, window, softcap), None
     if layout.impl == "flash_varlen":
         return _flash_varlen(query, key, value, layout, scaling, dropout), None
+    if layout.impl == "torch_varlen" and layout.uniform:
+        return uniform_attention(query, key, value, layout.max_seqlen, scaling, dropout), None
     if layout.impl == "torch_varlen":
         fn, plan = layout.varlen or (None, None)
         out = varlen_attention(
@@ -245,6 +252,17 @@ def _attention(module, query, key, value, attention_mask, scaling, dropout, **kw
             dim=2,
         )
     return out.transpose(1, 2).contiguous(), None
+
+
+def uniform_attention(query, key, value, length: int, scaling, dropout) -> torch.Tensor:
+    """Packed sequences all ``length`` long as one causal SDPA call over ``[B, H, L, D]``
+    (views of the packed row; key/value heads repeated, which every SDPA backend takes);
+    returns ``[1, N, H, D]``."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    q, k, v = (t[0].unflatten(1, (-1, length)).transpose(0, 1) for t in (query, key, value))
+    out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, is_causal=True)
+    return out.transpose(1, 2).reshape(1, query.shape[2], query.shape[1], query.shape[3])
 
 
 def _exact_per_doc(query, key, value, layout: PackedLayout, scaling, dropout, window, softcap):

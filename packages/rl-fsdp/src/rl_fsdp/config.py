@@ -43,7 +43,8 @@ class FSDPConfig:
     weights and fp32 gradient reduction)."""
     attention: str = "auto"
     """Packed attention: "flash_varlen" (flash-attn), "torch_varlen" (the same varlen
-    kernel shipped in torch >= 2.10, bf16 on cuda), "flex" (FlexAttention with a
+    kernel shipped in torch >= 2.10, bf16 on cuda; a micro-batch of sequences of one
+    length runs one batched causal SDPA call instead), "flex" (FlexAttention with a
     document-causal block mask, compiled on cuda), "sdpa_mask" (one SDPA call with a
     block-diagonal causal mask), "sdpa_grouped" (sequences of similar length padded into a
     few batched causal SDPA calls), "sdpa_per_doc" (one causal SDPA per sequence) or "auto"
