@@ -8,8 +8,9 @@
 #   bash bench/ab.sh run ARGS...            # on the GPU machine: for each ab/<REV> and the
 #                                           # working tree ("head"), twice in turn,
 #                                           # python bench/train_fsdp.py ARGS
-# `run` prints one line per run (variant, exit status, rl-fsdp and plain-loop tokens/s) and
-# writes each run's JSON report to $OUT/ab_<variant>_<round>.json (OUT defaults to runs/ab).
+# `run` prints one line per run (variant, exit status, rl-fsdp and plain-loop tokens/s; with
+# --profile the profiled step's busy share, idle gaps and attention time; the graph breaks
+# and graphs where the variant's bench reports them) and writes each run's JSON report to $OUT/ab_<variant>_<round>.json (OUT defaults to runs/ab).
 # VARIANT_ARGS="exp_cuda-graphs:--fill-micro-batches --compile-mode reduce-overhead" adds
 # arguments for one variant only (entries separated by ';'; flags only its bench knows).
 # BENCH=bench/train_megatron.py switches the bench, ROUNDS=N the number of rounds (2),
@@ -60,8 +61,17 @@ except ValueError:
     sys.exit()
 json.dump(report, open(out, "w"), indent=1)
 fig, base = report.get("figure", {}), report.get("baseline", {})
-print(f"{name}: exit {status}, {fig.get('tokens_per_s', 0):,.0f} tokens/s "
-      f"(MFU {100 * (fig.get('mfu') or 0):.1f} %), plain loop {base.get('tokens_per_s', 0):,.0f}")
+line = (f"{name}: exit {status}, {fig.get('tokens_per_s', 0):,.0f} tokens/s "
+        f"(MFU {100 * (fig.get('mfu') or 0):.1f} %), plain loop {base.get('tokens_per_s', 0):,.0f}")
+prof, comp = fig.get("profile"), fig.get("compile")
+if prof:  # --profile: busy share, idle gaps and attention kernel time of the profiled step
+    gaps, cats = prof["idle_gaps"], prof["categories_ms"]
+    line += (f"; profiled step {prof['step_ms']:.1f} ms, busy {100 * prof['busy_fraction']:.1f} %,"
+             f" idle gaps {gaps['total_ms']:.1f} ms in {gaps['count']},"
+             f" attention {cats.get('attention', 0):.1f} ms, gemm {cats.get('gemm', 0):.1f} ms")
+if comp:
+    line += f"; graph breaks {comp['graph_breaks']}, graphs {comp['unique_graphs']}"
+print(line)
 EOF
 }
 
