@@ -10,7 +10,8 @@
 #                                           # python bench/train_fsdp.py ARGS
 # `run` prints one line per run (variant, exit status, rl-fsdp and plain-loop tokens/s; with
 # --profile the profiled step's busy share, idle gaps and attention time; the graph breaks
-# and graphs where the variant's bench reports them) and writes each run's JSON report to $OUT/ab_<variant>_<round>.json (OUT defaults to runs/ab).
+# and graphs where the variant's bench reports them) and writes each run's JSON report to
+# $OUT/ab_<variant>_<round>.json (OUT defaults to runs/ab).
 # VARIANT_ARGS="exp_cuda-graphs:--fill-micro-batches --compile-mode reduce-overhead" adds
 # arguments for one variant only (entries separated by ';'; flags only its bench knows).
 # BENCH=bench/train_megatron.py switches the bench, ROUNDS=N the number of rounds (2),
