@@ -122,15 +122,42 @@ def test_failed_compilation_falls_back_to_eager():
     eager = plain_model(CONFIGS["qwen2"])
     model = copy.deepcopy(eager)
     before = len(fusion.COMPILE_FAILURES)
+    torch._dynamo.reset()
     wrapped = fusion.compile_blocks(model, backend=broken_backend)
     with pytest.warns(UserWarning, match="running eager"):
         got, _ = _logits_and_grads(model, lengths=(9,))
     expected, _ = _logits_and_grads(eager, lengths=(9,))
     torch.testing.assert_close(got[0], expected[0], rtol=0, atol=0)
-    assert fusion.compiled_count(model) == (0, wrapped)
+    blocks = CONFIGS["qwen2"]["num_hidden_layers"] * 4  # each failed layer's, wrapped then
+    assert fusion.compiled_count(model) == (0, wrapped + blocks)
     assert fusion.compiled_classes(model) == []
     assert "lowering failed" in fusion.COMPILE_FAILURES[before]
-    assert len(fusion.COMPILE_FAILURES) - before == 2  # once per class, not per module
+    assert len(fusion.COMPILE_FAILURES) - before == 4  # once per class, not per module
+
+
+def test_a_layer_that_fails_whole_falls_back_to_its_blocks():
+    """A backend that cannot lower attention (any graph with SDPA in it) fails the whole
+    layers; each then runs its blocks compiled one by one: MLPs and norms compiled, the
+    attention module (SDPA traced in it too) eager; logits equal eager ones."""
+
+    def no_attention(graph_module, example_inputs):
+        if "scaled_dot_product_attention" in graph_module.code:
+            raise RuntimeError("cannot lower attention")
+        return graph_module.forward
+
+    eager = plain_model(CONFIGS["qwen2"])
+    model = copy.deepcopy(eager)
+    before = len(fusion.COMPILE_FAILURES)
+    torch._dynamo.reset()
+    fusion.compile_blocks(model, backend=no_attention)
+    with pytest.warns(UserWarning, match="running eager"):
+        got, _ = _logits_and_grads(model, lengths=(9, 14))
+    expected, _ = _logits_and_grads(eager, lengths=(9, 14))
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert fusion.compiled_classes(model) == ["Qwen2MLP", "Qwen2RMSNorm"]
+    failed = [line.split(":")[0] for line in fusion.COMPILE_FAILURES[before:]]
+    assert failed == ["Qwen2DecoderLayer", "Qwen2Attention"]
 
 
 @pytest.fixture(scope="module")

@@ -24,10 +24,12 @@ every micro-batch length (hidden sizes, the reduction dimensions, stay static). 
 longest sequence (a host int the varlen kernel takes) turns dynamic at its second value
 (one recompile).
 
-A module whose compiled forward raises falls back to its eager forward for good; the error
-is kept in :data:`COMPILE_FAILURES` (the bench reports it).
+A module whose compiled forward raises falls back to its eager forward for good (a whole
+layer to its blocks compiled one by one, as without ``attention``, attention module
+included); the error is kept in :data:`COMPILE_FAILURES` (the bench reports it).
 """
 
+import functools
 import warnings
 
 import torch
@@ -43,13 +45,17 @@ _RECOMPILE_LIMIT = 64  # graphs per code object: shapes x grad mode x norm kinds
 class CompiledOrEager:
     """A module's ``forward`` replacement: the compiled forward, or the eager one once the
     compiled one has failed, for every module of the same class in ``failed_classes``
-    (shared by one :func:`compile_blocks` call: a class fails once, not once per layer)."""
+    (shared by one :func:`compile_blocks` call: a class fails once, not once per layer).
+    ``fallback`` runs once, before the first eager call (a layer compiles its blocks)."""
 
-    def __init__(self, module: nn.Module, backend, dynamic: bool | None, failed_classes: set):
+    def __init__(
+        self, module: nn.Module, backend, dynamic: bool | None, failed_classes: set, fallback=None
+    ):
         self.eager = module.forward
         self.compiled = torch.compile(self.eager, backend=backend, dynamic=dynamic)
         self.name = type(module).__name__
         self.failed_classes = failed_classes
+        self.fallback = fallback
 
     @property
     def failed(self) -> bool:
@@ -67,6 +73,9 @@ class CompiledOrEager:
                 COMPILE_FAILURES.append(f"{self.name}: {err!r}"[:400])
                 message = f"torch.compile of {self.name} failed, running eager: {err!r}"
                 warnings.warn(message, stacklevel=2)
+        if self.fallback is not None:
+            self.fallback, fallback = None, self.fallback
+            fallback()
         return self.eager(*args, **kwargs)
 
 
@@ -102,10 +111,21 @@ def compile_blocks(
     without it, or for layers of :data:`PER_MODULE_ONLY` kinds, every MLP and RMSNorm.
     Returns how many modules were wrapped. Idempotent."""
     _raise_recompile_limit()
-    count, failed_classes = 0, set()
+    failed_classes = set()
+    wrap = functools.partial(_wrap, backend=backend, dynamic=dynamic, failed=failed_classes)
+    layers, count = {id(layer) for layer in decoder_layers(model)}, 0
     for module in compile_units(model, attention=attention):
+        blocks = fusible_modules(module) if id(module) in layers else []  # a whole layer's
+        count += wrap([module], fallback=functools.partial(wrap, blocks) if blocks else None)
+    return count
+
+
+def _wrap(modules, *, backend, dynamic, failed: set, fallback=None) -> int:
+    """Wrap the ``forward`` of each of ``modules`` not wrapped yet; how many were."""
+    count = 0
+    for module in modules:
         if not isinstance(module.__dict__.get("forward"), CompiledOrEager):
-            module.forward = CompiledOrEager(module, backend, dynamic, failed_classes)
+            module.forward = CompiledOrEager(module, backend, dynamic, failed, fallback)
             count += 1
     return count
 
@@ -114,12 +134,16 @@ def compile_units(model: nn.Module, *, attention: bool) -> list[nn.Module]:
     """The modules :func:`compile_blocks` wraps: whole decoder layers (with ``attention``,
     where allowed) and the MLPs, RMSNorms (and with ``attention`` the attention modules,
     around an eager kernel) outside them."""
-    from rl_fsdp.modeling import decoder_layers
-
     whole = [layer for layer in decoder_layers(model) if attention and _whole(layer)]
     inside = {id(m) for layer in whole for m in layer.modules()}
     rest = fusible_modules(model, attention=attention)
     return whole + [m for m in rest if id(m) not in inside]
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    from rl_fsdp.modeling import decoder_layers as layers  # (modeling imports this module)
+
+    return layers(model)
 
 
 def _whole(layer: nn.Module) -> bool:
