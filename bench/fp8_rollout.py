@@ -8,24 +8,47 @@ prints and writes one JSON object.
     # CPU, the embedded engine, a real model (HF dir or .gguf): the log-prob gap only
     python bench/fp8_rollout.py --device cpu --model-path SmolLM2-135M-Instruct.Q4_1.gguf
 
-GPU: a random-weight model of ``bench/model_shapes.py``'s shape is saved in bf16 and as the
+The random model (GPU, and CPU without ``--model-path``): ``bench/model_shapes.py``'s shape
+with every matrix drawn from N(0, 0.02) (the config's ``initializer_range``) and the final
+norm's weight set to 5, so logits have a spread of about 4 (entropy ~7.6 nats over the 152k
+vocabulary) and the network is well-conditioned: a bf16 forward against a float32 one of the
+same weights differs by ~0.03 nats a token, an FP8 round trip of the weights by ~0.3. (The
+N(0, 0.2) init used before made attention and logits so sharp that any rounding moved
+log-probs by nats: bf16 against bf16 gave 1.07, FP8 against its own dequantised weights
+~7-12, both on CPU and on SGLang, which hid whether FP8 computed the right thing.)
+
+GPU: the random model is saved in bf16 and as the
 FP8 checkpoint rl-train writes (``rl_sglang.fp8_checkpoint``); SGLang serves each in turn
 (FP8 with ``--quantization fp8 --fp8-gemm-backend triton``: the bundle has no DeepGEMM, so
 its triton block kernels do the matmuls). Per engine: greedy decode of ``--batch`` prompts
 (``--prompt-len`` random ids, ``--new-tokens`` each, after a warm-up request); the gap on
 16 sampled responses (temperature 1) against a teacher-forced HF forward in bf16 (the
-trainer's dtype on GPU); a full weight sync of new trainer weights as a training rank makes
+trainer's dtype on GPU), and for FP8 also against the trainer's weights after an FP8 round
+trip (quantised and dequantised: what the engine should compute; what is left is SGLang's
+activation quantisation and kernels); a full weight sync of new trainer weights as a training rank makes
 it (``EngineWeightSync``: kept send buffers, ``engine.weight_bucket_bytes`` buckets; FP8:
 quantised on the GPU on the way), median of ``--repeats`` after a warm-up; then the gap
 again against the new weights (the sync reached the engine).
 
-CPU: the trainer is the model in float32 (rl-train's CPU dtype); engines in float32
-(baseline), bfloat16, and FP8 dequantised to float32 and to bfloat16 (the embedded engine's
-FP8) each sample ``--cpu-prompts`` responses of ``--cpu-new-tokens`` tokens at temperature 1.
+CPU, ``--model-path``: the trainer is the model in float32 (rl-train's CPU dtype); engines in
+float32 (baseline), bfloat16, and FP8 dequantised to float32 and to bfloat16 (the embedded
+engine's FP8) each sample ``--cpu-prompts`` responses of ``--cpu-new-tokens`` tokens at
+temperature 1.
+
+CPU, no ``--model-path``: the gap the GPU run should show, simulated on the random model of
+``--shape`` (``--layers``: fewer decoder layers). The trainer is the model in float32; on the
+same sampled tokens (``--cpu-prompts`` random prompts of ``--prompt-len`` ids, sampled by the
+simulated FP8 engine) it scores the same weights in bf16 (the bf16 engine's floor), the FP8
+round trip of the weights, and SGLang's FP8 arithmetic: round-trip weights and activations
+quantised per token in groups of 128 (``per_token_group_quant_fp8``), in float32 and bf16.
+
+    python bench/fp8_rollout.py --device cpu --shape 1.5b --prompt-len 32 --cpu-new-tokens 16
 """
 
 import argparse
 import asyncio
+import contextlib
+import copy
 import json
 import platform
 import statistics
@@ -38,7 +61,15 @@ import torch
 from model_shapes import SHAPES
 from report import write_report
 
-from rl_core.fp8 import dequantize_named, quantize_named
+from rl_core.fp8 import (
+    FP8_DTYPE,
+    FP8_MAX,
+    dequantize_block_fp8,
+    dequantize_named,
+    is_quantized_weight,
+    quantize_block_fp8,
+    quantize_named,
+)
 from rl_core.weights import bucket_by_bytes
 from rl_sglang.fp8_checkpoint import write_fp8_checkpoint
 
@@ -54,6 +85,9 @@ SGLANG_ARGS = {
 }
 FP8_ARGS = {"quantization": "fp8", "fp8_gemm_backend": "triton"}
 GAP_PROMPTS, GAP_TOKENS = 16, 64
+INIT_STD = 0.02  # every matrix of the random model (the config's initializer_range)
+FINAL_NORM_SCALE = 5.0  # the final norm's weight: logits with a spread of ~4 (module text)
+ACTIVATION_GROUP = 128  # SGLang's FP8 block kernels quantise activations per 1 x 128 group
 DEVICE = "cuda"  # the trainer's device in GPU mode
 CPU_PROMPTS = [
     "Tom has 12 apples and eats 5. How many are left? Answer with the final number.",
@@ -81,14 +115,44 @@ def teacher_forced(model, prompts, outputs, device) -> list[list[float]]:
     return result
 
 
-# ---- GPU: real SGLang --------------------------------------------------------------------
-def trainer_model(shape: str, seed: int):
-    """A random-weight bf16 model of ``shape``, made on the trainer's device (fast)."""
-    from rl_sglang.tiny import random_model, tiny_config
+def trainer_model(shape: str, seed: int, device: str = DEVICE, layers: int | None = None):
+    """The random bf16 model of ``shape`` (module text), made on ``device``; ``layers``:
+    fewer decoder layers (a CPU simulation)."""
+    from transformers import AutoModelForCausalLM
+
+    from rl_sglang.tiny import tiny_config
 
     fields = {**SHAPES[shape], "max_position_embeddings": 4096}
-    with torch.device(DEVICE):
-        return random_model(tiny_config(**fields), seed=seed, dtype=torch.bfloat16)
+    if layers:
+        fields["num_hidden_layers"] = layers
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(tiny_config(**fields), dtype=torch.bfloat16)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, INIT_STD)
+        model.model.norm.weight.fill_(FINAL_NORM_SCALE)
+    return model.eval()
+
+
+def round_trip_fp8(model) -> None:
+    """Each weight an FP8 engine quantises replaced, in place, by its dequantised FP8 form."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if is_quantized_weight(name, param.shape):
+                quantized, scale = quantize_block_fp8(param)
+                param.copy_(dequantize_block_fp8(quantized, scale, param.dtype))
+
+
+def fp8_twin(model):
+    """A copy of ``model`` with the weights an FP8 engine computes with."""
+    twin = copy.deepcopy(model)
+    round_trip_fp8(twin)
+    return twin
+
+
+# ---- GPU: real SGLang --------------------------------------------------------------------
 
 
 def save_models(model, work: Path) -> tuple[Path, Path]:
@@ -147,6 +211,18 @@ def unique_tensors(model) -> list[tuple[str, torch.Tensor]]:
     return named
 
 
+def engine_gaps(kind: str, lps, trainers: dict, which: str, prompts, outputs) -> dict:
+    """The gap against the trainer's weights, and for FP8 also against their FP8 round trip
+    (``trainers["<which>_fp8"]``: what the engine should compute)."""
+    gaps = {"gap": gap_stats(lps, teacher_forced(trainers[which], prompts, outputs, DEVICE))}
+    if kind == "fp8":
+        twin = trainers[f"{which}_fp8"]
+        gaps["gap_vs_fp8_round_trip"] = gap_stats(
+            lps, teacher_forced(twin, prompts, outputs, DEVICE)
+        )
+    return gaps
+
+
 def measure_engine(kind: str, model_dir: Path, trainers: dict, args) -> dict:
     """One SGLang server: decode tokens/s, gap, sync time, gap after the sync."""
     from rl_sglang.client import EngineClient
@@ -172,9 +248,7 @@ def measure_engine(kind: str, model_dir: Path, trainers: dict, args) -> dict:
         result["decode_tokens_per_s"] = asyncio.run(serve(decode_tps, prompts, args.new_tokens))
         gap_prompts = prompts[:GAP_PROMPTS]
         outputs, lps = asyncio.run(serve(sampled, gap_prompts))
-        result["gap"] = gap_stats(
-            lps, teacher_forced(trainers["old"], gap_prompts, outputs, DEVICE)
-        )
+        result |= engine_gaps(kind, lps, trainers, "old", gap_prompts, outputs)
         named = unique_tensors(trainers["new"])
         times = sync_seconds(server.url, named, "fp8" if kind == "fp8" else "none", args.repeats)
         sent = list(quantize_named(named)) if kind == "fp8" else named
@@ -184,8 +258,8 @@ def measure_engine(kind: str, model_dir: Path, trainers: dict, args) -> dict:
             "gb_sent": sum(t.numel() * t.element_size() for _, t in sent) / 1e9,
         }
         outputs, lps = asyncio.run(serve(sampled, gap_prompts))
-        after = teacher_forced(trainers["new"], gap_prompts, outputs, DEVICE)
-        result["gap_after_sync"] = gap_stats(lps, after)
+        after = engine_gaps(kind, lps, trainers, "new", gap_prompts, outputs)
+        result |= {f"{key}_after_sync": value for key, value in after.items()}
     print(json.dumps({kind: result}), flush=True)
     return result
 
@@ -194,6 +268,7 @@ def run_gpu(args) -> dict:
     work = Path(tempfile.mkdtemp(prefix="fp8_rollout-"))
     started = time.perf_counter()
     trainers = {"old": trainer_model(args.shape, 0), "new": trainer_model(args.shape, 1)}
+    trainers |= {f"{name}_fp8": fp8_twin(model) for name, model in list(trainers.items())}
     bf16_dir, fp8_dir = save_models(trainers["old"], work)
     report = {"shape": args.shape, "batch": args.batch, "new_tokens": args.new_tokens}
     report["models_saved_s"] = time.perf_counter() - started  # bf16 and FP8 checkpoints
@@ -268,6 +343,81 @@ def run_cpu(args) -> dict:
     return report
 
 
+# ---- CPU: the random model's expected gap -------------------------------------------------
+def quantize_activation_groups(x: torch.Tensor) -> torch.Tensor:
+    """``x`` after SGLang's dynamic FP8 activation quantisation: e4m3 with one scale per
+    token and group of 128 input features (amax / 448), dequantised. A last partial group
+    is padded with zeros (no effect on its amax)."""
+    features = x.shape[-1]
+    padded = torch.nn.functional.pad(x.float(), (0, -features % ACTIVATION_GROUP))
+    groups = padded.unflatten(-1, (-1, ACTIVATION_GROUP))
+    scale = groups.abs().amax(-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    quantized = (groups / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float() * scale
+    return quantized.flatten(-2)[..., :features].to(x.dtype)
+
+
+@contextlib.contextmanager
+def fp8_activations(model):
+    """Within: the inputs of every FP8 linear layer quantised as SGLang's kernels do."""
+    hooks = [
+        module.register_forward_pre_hook(lambda _, args: (quantize_activation_groups(args[0]),))
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear)
+        and is_quantized_weight(f"{name}.weight", module.weight.shape)
+    ]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def run_cpu_random(args) -> dict:
+    """The gaps an engine should show on the random model of the GPU run (module text)."""
+    model = trainer_model(args.shape, 0, "cpu", args.layers).float()
+    exact = {n: p.detach().clone() for n, p in model.named_parameters()}
+    gen = torch.Generator().manual_seed(0)
+    shape = (args.cpu_prompts, args.prompt_len)
+    prompts = torch.randint(0, model.config.vocab_size, shape, generator=gen).tolist()
+    round_trip_fp8(model)
+    with fp8_activations(model):
+        outputs = sample_outputs(model, prompts, args.cpu_new_tokens)
+    scored = {}
+    with fp8_activations(model):
+        scored["fp8_float32"] = teacher_forced(model, prompts, outputs, "cpu")
+    scored["fp8_weights_float32"] = teacher_forced(model, prompts, outputs, "cpu")
+    with fp8_activations(model.to(torch.bfloat16)):
+        scored["fp8_bfloat16"] = teacher_forced(model, prompts, outputs, "cpu")
+    model.load_state_dict(exact)  # back to the trainer's weights, in bf16
+    scored["bfloat16"] = teacher_forced(model, prompts, outputs, "cpu")
+    trainer = teacher_forced(model.float(), prompts, outputs, "cpu")
+    round_trip = scored["fp8_weights_float32"]
+    gaps = {name: gap_stats(lps, trainer) for name, lps in scored.items()}
+    gaps["fp8_float32_vs_fp8_round_trip"] = gap_stats(scored["fp8_float32"], round_trip)
+    gaps["fp8_bfloat16_vs_fp8_round_trip"] = gap_stats(scored["fp8_bfloat16"], round_trip)
+    layers = model.config.num_hidden_layers
+    return {"shape": args.shape, "layers": layers, "prompt_len": args.prompt_len, "gap": gaps}
+
+
+def sample_outputs(model, prompts, new_tokens: int) -> list[list[int]]:
+    """``new_tokens`` ids per prompt sampled at temperature 1 (HF ``generate``, seeded)."""
+    torch.manual_seed(1)
+    ids = torch.tensor(prompts)
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=0,
+        )
+    return out[:, ids.shape[1] :].tolist()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -277,14 +427,13 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--model-path", help="--device cpu: an HF directory or .gguf file")
+    parser.add_argument("--layers", type=int, help="--device cpu, random model: fewer layers")
     parser.add_argument("--cpu-prompts", type=int, default=4)
     parser.add_argument("--cpu-new-tokens", type=int, default=32)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.device == "cpu":
-        if not args.model_path:
-            parser.error("--device cpu needs --model-path (an HF directory or .gguf file)")
-        report = run_cpu(args)
+        report = run_cpu(args) if args.model_path else run_cpu_random(args)
     else:
         if not torch.cuda.is_available():
             sys.exit("bench/fp8_rollout.py needs CUDA and SGLang; --device cpu for the gap alone")
