@@ -1,13 +1,15 @@
 """Start-up pieces that cut a small run's wall time (issue 21): the training ranks start
-on a worker thread while the engines start on the main thread, and the OMP_NUM_THREADS
-rl-train was started with reaches every CPU training rank."""
+on a worker thread while the engines start on the main thread, the OMP_NUM_THREADS
+rl-train was started with reaches every CPU training rank, and on a local Ray a rank
+takes a worker Ray prestarted (no runtime_env of its own when it would change nothing)."""
 
+import os
 import threading
 import time
 
 import pytest
 
-from rl_launcher.roles.train_group import cpu_threads_env
+from rl_launcher.roles.train_group import cpu_threads_env, with_import_path, without_inherited
 from rl_launcher.session.start import beside
 
 
@@ -63,3 +65,70 @@ def test_started_with_threads_go_to_every_rank(monkeypatch):
     assert cpu_threads_env(1, "1")["env_vars"] == {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     assert cpu_threads_env(16, "3")["env_vars"]["OMP_NUM_THREADS"] == "3"
     assert cpu_threads_env(3, None)["env_vars"]["OMP_NUM_THREADS"] == "2"  # the share
+
+
+def test_only_variables_the_workers_would_not_inherit_stay_in_the_runtime_env():
+    env = {"env_vars": {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}}
+    assert without_inherited(env, {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}) is None
+    kept = without_inherited(env, {"OMP_NUM_THREADS": "1"})
+    assert kept == {"env_vars": {"MKL_NUM_THREADS": "1"}}
+    assert without_inherited(env, None) == env  # attached to a cluster: everything kept
+    assert without_inherited({}, None) is None
+
+
+def test_a_rank_on_a_local_ray_takes_a_prestarted_worker_with_the_started_with_threads(
+    monkeypatch,
+):
+    """The env rl-train gives a CPU rank, on a Ray this process started: a worker that
+    existed before the actor was asked for, with the OMP/MKL threads rl-train was started
+    with; a value the workers did not inherit still reaches the rank. stop_local_ray then
+    stops that Ray, its autoscaler monitor killed first."""
+    import ray
+
+    from rl_launcher.infra.ray_cluster import connect, stop_local_ray
+
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.setenv(name, "1")
+    assert connect(num_cpus=2) == "started"
+    try:
+        inherited = dict(os.environ)  # as start_trainer takes it
+        monitor = ray._private.worker._global_node.all_processes["monitor"][0].process
+
+        @ray.remote(num_cpus=1)
+        class Rank:
+            def environment(self):
+                threads = (os.environ.get(n) for n in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"))
+                return os.getpid(), *threads
+
+        env = without_inherited(with_import_path(cpu_threads_env(1, "1")), inherited)
+        assert env is None
+        prestarted = prestarted_workers(ray._private.worker._global_node)
+        pid, omp, mkl = ray.get(Rank.options(runtime_env=env).remote().environment.remote())
+        assert (omp, mkl) == ("1", "1")
+        assert pid in prestarted
+
+        env = without_inherited(cpu_threads_env(1, "2"), inherited)  # not what they inherit
+        pid, omp, mkl = ray.get(Rank.options(runtime_env=env).remote().environment.remote())
+        assert (omp, mkl) == ("2", "2")
+        assert pid not in prestarted  # a runtime_env: a worker started for it
+    finally:
+        stop_local_ray()
+    assert not ray.is_initialized() and monitor.poll() is not None
+
+
+def prestarted_workers(node, timeout_s: float = 60.0) -> set[int]:
+    """The pids of the idle workers the raylet started with the driver (waited for)."""
+    import psutil
+
+    raylet = psutil.Process(node.all_processes["raylet"][0].process.pid)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        workers = {
+            child.pid
+            for child in raylet.children()
+            if child.cmdline()[:1] == ["ray::IDLE"]  # a worker's title until it has a task
+        }
+        if workers:
+            return workers
+        time.sleep(0.1)
+    raise AssertionError("the raylet prestarted no worker")

@@ -53,10 +53,20 @@ def not_wired(config) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     """``rl-train``: returns the process exit status (0 ok, 1 the run stopped on a fault,
-    2 bad input or not available, 128 + N stopped by signal N)."""
+    2 bad input or not available, 128 + N stopped by signal N). From the command line
+    (``argv`` None) the process ends here with that status, without the interpreter's
+    teardown (:func:`rl_launcher.infra.lifetime.exit_now`)."""
+    if argv is None:
+        from rl_launcher.infra.lifetime import exit_now
+
+        exit_now(train_command(sys.argv[1:]))
+    return train_command(argv)
+
+
+def train_command(argv: list[str]) -> int:
+    """:func:`main` on ``argv``: the exit status."""
     from rl_launcher.config.loader import config_to_yaml, load_config
 
-    argv = sys.argv[1:] if argv is None else argv
     if "-h" in argv or "--help" in argv:
         from rl_launcher.config.docs import option_groups
 

@@ -8,10 +8,17 @@ tiny launcher that asks Linux to SIGKILL it when this process dies (``PR_SET_PDE
 kept across ``exec``), then becomes the server. Elsewhere the command is left unchanged.
 
     server = tie_to_this_process(EmbeddedEngine(model_dir)).start()
+
+:func:`exit_now` ends the process once the run has closed, without the interpreter's
+teardown.
 """
 
+import atexit
+import contextlib
 import os
 import sys
+import threading
+from typing import NoReturn
 
 # argv: PARENT_PID COMMAND...; exits at once if the parent is already gone
 _LAUNCHER = """\
@@ -39,3 +46,18 @@ def tie_to_this_process(server):
     command, parent = server.command, os.getpid()
     server.command = lambda: tied_command(command(), parent)
     return server
+
+
+def exit_now(code: int) -> NoReturn:
+    """End the process with status ``code``: what a normal exit does first (join the
+    threads that are not daemons, run the atexit handlers, flush stdout and stderr), then
+    ``os._exit``, skipping the interpreter's teardown that follows: freeing the modules and
+    objects of torch, transformers and Ray one by one, 1.5-2.5 s of CPU on a 2-core
+    machine once the run has closed (engines, router, ranks and Ray stopped), with nothing
+    left to write."""
+    threading._shutdown()  # as at exit: thread pools' exit hooks, then joins the threads
+    atexit._run_exitfuncs()  # logging's flush, Ray's own shutdown (a no-op by now), ...
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # closed, or its reader gone
+            stream.flush()
+    os._exit(code)

@@ -147,3 +147,25 @@ def connect(
         configure_logging=False,
     )
     return "started"
+
+
+def stop_local_ray() -> None:
+    """``ray.shutdown()`` of the local Ray this process started, less its wait on the
+    autoscaler's monitor: Ray stops its processes one by one, each given 1 s to exit on
+    SIGTERM, and the monitor (which has nothing to save on a local Ray) takes the whole
+    second; it is SIGKILLed first, the rest stop as Ray stops them (raylet, GCS, ...)."""
+    import ray
+
+    _kill_monitor(getattr(ray._private.worker, "_global_node", None))
+    ray.shutdown()
+
+
+def _kill_monitor(node) -> None:
+    from ray._private import ray_constants
+
+    if node is None or not node.is_head():
+        return
+    for info in node.all_processes.get(ray_constants.PROCESS_TYPE_MONITOR, []):
+        if info.process.poll() is None:
+            info.process.kill()
+            info.process.wait(5)  # reaped: ray.shutdown then passes over it

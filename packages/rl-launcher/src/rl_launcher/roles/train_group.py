@@ -219,6 +219,19 @@ def cpu_threads_env(ranks_per_node: int, threads: str | None = None) -> dict:
     return {"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}}
 
 
+def without_inherited(env: dict, inherited: dict | None) -> dict | None:
+    """``env`` less the variables that the workers inherit with these values anyway
+    (``inherited``: the environment a local Ray was started with, which its workers get),
+    or None when nothing is left: an actor with a ``runtime_env`` gets a fresh worker
+    process of its own (Ray's setup, then importing ray: about 1 s on a busy 2-core CPU,
+    on the start-up's critical path), one without takes a worker Ray started beforehand."""
+    if inherited is None:  # attached to a cluster: its workers never saw our environment
+        return env or None
+    kept = {k: v for k, v in env.get("env_vars", {}).items() if inherited.get(k) != v}
+    rest = {k: v for k, v in env.items() if k != "env_vars"}
+    return ({"env_vars": kept} if kept else {}) | rest or None
+
+
 def with_import_path(env: dict) -> dict:
     """``env`` with the run's PYTHONPATH (config/extensions.py: the working directory and the
     config's directory first), so a rank imports the dotted paths the driver checked."""
@@ -235,7 +248,9 @@ class TrainGroup:
 
     Per-rank arguments are given per data-parallel rank (``num_data_ranks`` of them);
     per-rank results come back the same way. ``address``: where the ranks met (rank 0's
-    node, loopback when all ranks share it); ``node_ids[r]``: rank r's Ray node."""
+    node, loopback when all ranks share it); ``node_ids[r]``: rank r's Ray node.
+    ``inherited_env``: the environment of the local Ray this process started (None when
+    Ray runs elsewhere), see :func:`without_inherited`."""
 
     def __init__(
         self,
@@ -246,11 +261,13 @@ class TrainGroup:
         num_cpus: float,
         num_gpus: float = 0,
         ranks_per_node: int = 1,
+        inherited_env: dict | None = None,
     ):
         actor, world = ray.remote(TrainWorker), len(slots)
         threads = os.environ.get("OMP_NUM_THREADS")  # the user's, if set
         env = cpu_threads_env(ranks_per_node, threads) if spec.device != "cuda" else {}
         env = with_import_path(env)  # user losses by dotted path import in the ranks too
+        env = without_inherited(env, inherited_env)
         run_spans_nodes = len(set(placement.node_ids)) > 1
         self.workers = [
             actor.options(

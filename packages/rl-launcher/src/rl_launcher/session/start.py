@@ -176,11 +176,9 @@ def start_trainer(run: Run, model_dir: Path, meanwhile: Callable[[], None] | Non
     ``meanwhile``: run on this thread while the training ranks start (the engines: each
     loads its model while the ranks load theirs; servers it starts stay tied to the main
     thread, see :func:`rl_launcher.infra.lifetime.tie_to_this_process`)."""
-    import ray
-
     from rl_launcher.infra.colocation import engines_beside_training
     from rl_launcher.infra.placement import plan_from_config
-    from rl_launcher.infra.ray_cluster import connect
+    from rl_launcher.infra.ray_cluster import connect, stop_local_ray
     from rl_launcher.infra.ray_placement import create_placement
     from rl_launcher.infra.shared_dirs import check_shared_dirs
     from rl_launcher.roles.backends import backend_spec
@@ -193,8 +191,10 @@ def start_trainer(run: Run, model_dir: Path, meanwhile: Callable[[], None] | Non
     cpus = max(os.cpu_count() or 1, plan.num_bundles * cluster.cpus_per_bundle)
     show = config.logging.progress
     with stopping.ray_starting(), startup_phase("Ray ready", show=show):  # stop signals: ours
-        if connect(cluster.ray_address, num_cpus=int(cpus)) == "started":
-            run._cleanup.append(ray.shutdown)
+        started_here = connect(cluster.ray_address, num_cpus=int(cpus)) == "started"
+        if started_here:
+            run._cleanup.append(stop_local_ray)
+    ray_env = dict(os.environ) if started_here else None  # what Ray's workers inherit
     placement = create_placement(
         plan,
         use_gpu=use_gpu,
@@ -218,6 +218,7 @@ def start_trainer(run: Run, model_dir: Path, meanwhile: Callable[[], None] | Non
         num_cpus=cluster.cpus_per_bundle,
         num_gpus=num_gpus,
         ranks_per_node=sharing,
+        inherited_env=ray_env,  # the ranks take workers that Ray prestarted
     )
     what = f"trainer ready ({config.backend.name}, {len(slots)} rank(s))"
     stopped_after = len(run._cleanup)  # what ``meanwhile`` starts (the engines)
