@@ -16,7 +16,7 @@ from rl_core.types import Sample, SampleStatus
 from rl_sglang import transports
 from rl_sglang.client import EngineClient
 from rl_sglang.health import HealthMonitor, LastWeights
-from rl_sglang.process import EmbeddedEngine, ServerProcess, free_port
+from rl_sglang.process import EmbeddedEngine, ServerProcess, free_port, stop_all
 from rl_sglang.rollout.default import RolloutConfig, default_rollout
 from rl_sglang.rollout.generate import GenerateContext
 from rl_sglang.router import Router
@@ -249,3 +249,51 @@ def test_retries_exhausted_groups_come_back_as_leftovers_with_the_error():
     assert sorted(s.index for s in leftovers) == list(range(6))
     assert all(s.status is SampleStatus.PENDING and s.response_length == 0 for s in leftovers)
     assert all("ClientConnectorError" in s.metadata["error"] for s in leftovers)
+
+
+def test_stopping_the_monitor_does_not_wait_for_a_health_check_in_flight(tmp_path):
+    """A hung server's /health holds the monitor's check for ``timeout_s``; stop() returns
+    before that, and the check's failure restarts nothing afterwards."""
+    server = _StaticHealth(log_dir=tmp_path).start()
+    monitor = HealthMonitor([server], interval_s=0.05, timeout_s=3.0, failures_to_restart=1)
+    try:
+        os.killpg(server.process.pid, signal.SIGSTOP)
+        monitor.start()
+        time.sleep(0.5)  # the first check is waiting on the stopped server
+        asked = time.monotonic()
+        monitor.stop()
+        assert time.monotonic() - asked < 2.0  # not the check's 3 s
+        time.sleep(3.5)  # the check fails meanwhile: past stop(), no restart
+        assert monitor.events == [] and monitor.errors == []
+    finally:
+        os.killpg(server.process.pid, signal.SIGCONT)
+        server.stop()
+
+
+class _SlowToStop(_StaticHealth):
+    """Takes 0.5 s to exit on SIGTERM, writing when it got the signal and when it left."""
+
+    def command(self):
+        code = (
+            "import signal, sys, time\n"
+            "def leave(*_):\n"
+            "    print('term', time.time(), flush=True); time.sleep(0.5)\n"
+            "    print('exit', time.time(), flush=True); sys.exit(0)\n"
+            "signal.signal(signal.SIGTERM, leave)\n"
+            "print('up', flush=True)\n"
+            "while True: time.sleep(1)\n"
+        )
+        return [sys.executable, "-c", code]
+
+
+def test_stop_all_signals_every_server_before_waiting_for_any(tmp_path):
+    servers = [_SlowToStop(log_dir=tmp_path).start(wait=False) for _ in range(2)]
+    for server in servers:  # each has its SIGTERM handler before it is stopped
+        while "up" not in (server.log_path.read_text() if server.log_path.exists() else ""):
+            time.sleep(0.05)
+    stop_all(servers)
+    stamps = [
+        dict(line.split() for line in s.log_path.read_text().splitlines()[1:]) for s in servers
+    ]
+    assert all(not s.alive() for s in servers)
+    assert max(float(s["term"]) for s in stamps) < min(float(s["exit"]) for s in stamps)

@@ -267,15 +267,15 @@ class EnginePool:
     def stop(self) -> None:
         """The monitor first (or it would restart the engines stopped here), any task still
         on the loop (a rollout a stop signal abandoned ends quietly), the clients, the
-        router and the engines, then the loop."""
+        router and the engines (together), then the loop."""
+        from rl_sglang.process import stop_all
+
         if self.monitor is not None:
             self.monitor.stop()
         self.call(_cancel_in_flight())
         clients, self._clients = list(self._clients.values()), {}
         self.call(_close_all(clients))
-        for server in [self.router, *self.servers]:
-            if server is not None:
-                server.stop()
+        stop_all([s for s in [self.router, *self.servers] if s is not None])  # at once
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join()
         self.loop.close()
