@@ -197,7 +197,9 @@ class SimTrainGroup:
 
     model = SimModel()  # set by rl_launcher.simulated.simulated_roles
 
-    def __init__(self, spec, placement, slots, *, num_cpus, num_gpus=0, ranks_per_node=1):
+    def __init__(
+        self, spec, placement, slots, *, num_cpus, num_gpus=0, ranks_per_node=1, inherited_env=None
+    ):  # inherited_env: the node actors take no runtime environment of their own
         by_node: dict[str, list[int]] = defaultdict(list)
         for rank, slot in enumerate(slots):
             by_node[placement.node_ids[slot]].append(rank)
