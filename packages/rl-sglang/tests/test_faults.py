@@ -288,8 +288,10 @@ class _SlowToStop(_StaticHealth):
 
 def test_stop_all_signals_every_server_before_waiting_for_any(tmp_path):
     servers = [_SlowToStop(log_dir=tmp_path).start(wait=False) for _ in range(2)]
+    deadline = time.monotonic() + 30
     for server in servers:  # each has its SIGTERM handler before it is stopped
         while "up" not in (server.log_path.read_text() if server.log_path.exists() else ""):
+            assert time.monotonic() < deadline, server.log_tail()
             time.sleep(0.05)
     stop_all(servers)
     stamps = [
