@@ -299,3 +299,15 @@ def test_stop_all_signals_every_server_before_waiting_for_any(tmp_path):
     ]
     assert all(not s.alive() for s in servers)
     assert max(float(s["term"]) for s in stamps) < min(float(s["exit"]) for s in stamps)
+
+
+def test_stop_all_lets_servers_running_elsewhere_stop_themselves(tmp_path):
+    class PlacedElsewhere:  # an engine a Ray actor runs on its node: no process here
+        stopped = False
+
+        def stop(self):
+            self.stopped = True
+
+    placed, here = PlacedElsewhere(), _SlowToStop(log_dir=tmp_path).start(wait=False)
+    stop_all([placed, here])
+    assert placed.stopped and not here.alive()

@@ -173,11 +173,16 @@ class ServerProcess:
         self.stop()
 
 
-def stop_all(servers: list[ServerProcess], grace_s: float = 10.0) -> None:
+def stop_all(servers: list, grace_s: float = 10.0) -> None:
     """Stop ``servers`` together: SIGTERM to each process group at once, then each waited
     for (SIGKILLed after ``grace_s``), so that their shut-downs overlap: a run's router and
-    engines take the longest one's time to stop, not the sum."""
-    running = [s for s in servers if s.process is not None and s.process.poll() is None]
+    engines take the longest one's time to stop, not the sum. Servers that are not a
+    process of this one (an engine a Ray actor runs on its node) stop themselves first."""
+    for server in servers:
+        if not isinstance(server, ServerProcess):
+            server.stop()
+    here = [s for s in servers if isinstance(s, ServerProcess)]
+    running = [s for s in here if s.process is not None and s.process.poll() is None]
     for server in running:
         server._signal(signal.SIGTERM)
     for server in running:
