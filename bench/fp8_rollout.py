@@ -17,17 +17,17 @@ N(0, 0.2) init used before made attention and logits so sharp that any rounding 
 log-probs by nats: bf16 against bf16 gave 1.07, FP8 against its own dequantised weights
 ~7-12, both on CPU and on SGLang, which hid whether FP8 computed the right thing.)
 
-GPU: the random model is saved in bf16 and as the
-FP8 checkpoint rl-train writes (``rl_sglang.fp8_checkpoint``); SGLang serves each in turn
-(FP8 with ``--quantization fp8 --fp8-gemm-backend triton``: the bundle has no DeepGEMM, so
-its triton block kernels do the matmuls). Per engine: greedy decode of ``--batch`` prompts
-(``--prompt-len`` random ids, ``--new-tokens`` each, after a warm-up request); the gap on
-16 sampled responses (temperature 1) against a teacher-forced HF forward in bf16 (the
-trainer's dtype on GPU), and for FP8 also against the trainer's weights after an FP8 round
-trip (quantised and dequantised: what the engine should compute; what is left is SGLang's
-activation quantisation and kernels); a full weight sync of new trainer weights as a training rank makes
-it (``EngineWeightSync``: kept send buffers, ``engine.weight_bucket_bytes`` buckets; FP8:
-quantised on the GPU on the way), median of ``--repeats`` after a warm-up; then the gap
+GPU: the random model is saved in bf16 and as the FP8 checkpoint rl-train writes
+(``rl_sglang.fp8_checkpoint``); SGLang serves each in turn (FP8 with ``--quantization fp8
+--fp8-gemm-backend triton``: the bundle has no DeepGEMM, so its triton block kernels do the
+matmuls). Per engine: greedy decode of ``--batch`` prompts (``--prompt-len`` random ids,
+``--new-tokens`` each, after a warm-up request); the gap on 16 sampled responses
+(temperature 1) against a teacher-forced HF forward in bf16 (the trainer's dtype on GPU),
+and for FP8 also against the trainer's weights after an FP8 round trip (quantised and
+dequantised: what the engine should compute; what is left is SGLang's activation rounding
+and kernels); a full weight sync of new trainer weights as a training rank makes it
+(``EngineWeightSync``: kept send buffers, ``engine.weight_bucket_bytes`` buckets; FP8:
+quantised on the GPU on the way), median of ``--repeats`` after a warm-up; then the gaps
 again against the new weights (the sync reached the engine).
 
 CPU, ``--model-path``: the trainer is the model in float32 (rl-train's CPU dtype); engines in
@@ -50,6 +50,7 @@ import asyncio
 import contextlib
 import copy
 import json
+import math
 import platform
 import statistics
 import sys
@@ -86,6 +87,9 @@ SGLANG_ARGS = {
 FP8_ARGS = {"quantization": "fp8", "fp8_gemm_backend": "triton"}
 GAP_PROMPTS, GAP_TOKENS = 16, 64
 INIT_STD = 0.02  # every matrix of the random model (the config's initializer_range)
+# the layers that write into the residual stream: N(0, INIT_STD / sqrt(2 * layers)), as
+# Megatron's scaled init has them, so that rounding anywhere is not amplified by depth
+RESIDUAL_OUTPUTS = ("o_proj.weight", "down_proj.weight")
 FINAL_NORM_SCALE = 5.0  # the final norm's weight: logits with a spread of ~4 (module text)
 ACTIVATION_GROUP = 128  # SGLang's FP8 block kernels quantise activations per 1 x 128 group
 DEVICE = "cuda"  # the trainer's device in GPU mode
@@ -128,21 +132,27 @@ def trainer_model(shape: str, seed: int, device: str = DEVICE, layers: int | Non
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(tiny_config(**fields), dtype=torch.bfloat16)
+    output_std = INIT_STD / math.sqrt(2 * fields["num_hidden_layers"])
     with torch.no_grad():
-        for param in model.parameters():
+        for name, param in model.named_parameters():
             if param.dim() > 1:
-                param.normal_(0.0, INIT_STD)
+                scaled = name.endswith(RESIDUAL_OUTPUTS)
+                param.normal_(0.0, output_std if scaled else INIT_STD)
         model.model.norm.weight.fill_(FINAL_NORM_SCALE)
     return model.eval()
+
+
+def quantized_params(model) -> list[tuple[str, torch.nn.Parameter]]:
+    """The weights an FP8 engine quantises."""
+    return [(n, p) for n, p in model.named_parameters() if is_quantized_weight(n, p.shape)]
 
 
 def round_trip_fp8(model) -> None:
     """Each weight an FP8 engine quantises replaced, in place, by its dequantised FP8 form."""
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if is_quantized_weight(name, param.shape):
-                quantized, scale = quantize_block_fp8(param)
-                param.copy_(dequantize_block_fp8(quantized, scale, param.dtype))
+        for _, param in quantized_params(model):
+            quantized, scale = quantize_block_fp8(param)
+            param.copy_(dequantize_block_fp8(quantized, scale, param.dtype))
 
 
 def fp8_twin(model):
@@ -375,7 +385,7 @@ def fp8_activations(model):
 def run_cpu_random(args) -> dict:
     """The gaps an engine should show on the random model of the GPU run (module text)."""
     model = trainer_model(args.shape, 0, "cpu", args.layers).float()
-    exact = {n: p.detach().clone() for n, p in model.named_parameters()}
+    exact = {n: p.detach().to(torch.bfloat16) for n, p in quantized_params(model)}  # lossless
     gen = torch.Generator().manual_seed(0)
     shape = (args.cpu_prompts, args.prompt_len)
     prompts = torch.randint(0, model.config.vocab_size, shape, generator=gen).tolist()
@@ -388,7 +398,9 @@ def run_cpu_random(args) -> dict:
     scored["fp8_weights_float32"] = teacher_forced(model, prompts, outputs, "cpu")
     with fp8_activations(model.to(torch.bfloat16)):
         scored["fp8_bfloat16"] = teacher_forced(model, prompts, outputs, "cpu")
-    model.load_state_dict(exact)  # back to the trainer's weights, in bf16
+    with torch.no_grad():  # back to the trainer's weights, in bf16
+        for name, param in quantized_params(model):
+            param.copy_(exact[name])
     scored["bfloat16"] = teacher_forced(model, prompts, outputs, "cpu")
     trainer = teacher_forced(model.float(), prompts, outputs, "cpu")
     round_trip = scored["fp8_weights_float32"]
