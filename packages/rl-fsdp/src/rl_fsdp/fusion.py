@@ -141,9 +141,12 @@ def compile_units(model: nn.Module, *, attention: bool) -> list[nn.Module]:
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    from rl_fsdp.modeling import decoder_layers as layers  # (modeling imports this module)
-
-    return layers(model)
+    """The transformer blocks (one FSDP unit each), found by the model's no-split classes."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"{type(model).__name__}: no decoder layers found to shard")
+    return layers
 
 
 def _whole(layer: nn.Module) -> bool:

@@ -15,7 +15,7 @@ from torch import nn
 from rl_core.freezing import check_patterns, is_trained
 from rl_fsdp.attention import register_packed_attention
 from rl_fsdp.config import FSDPConfig
-from rl_fsdp.fusion import compile_blocks
+from rl_fsdp.fusion import compile_blocks, decoder_layers
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -52,15 +52,6 @@ def build_model(config: FSDPConfig, *, head: str = "causal_lm") -> nn.Module:
         )
     model.config.use_cache = False
     return model
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks (one FSDP unit each), found by the model's no-split classes."""
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    layers = [m for m in model.modules() if type(m).__name__ in names]
-    if not layers:
-        raise ValueError(f"{type(model).__name__}: no decoder layers found to shard")
-    return layers
 
 
 def shard_model(model: nn.Module, config: FSDPConfig, device: torch.device) -> nn.Module:
