@@ -2,10 +2,18 @@
 
 import importlib.util
 import os
+import socket
+import sys
 
 import pytest
 
-from rl_sglang.process import EmbeddedEngine, SGLangServer, free_port, sglang_args_from_cli
+from rl_sglang.process import (
+    EmbeddedEngine,
+    ServerProcess,
+    SGLangServer,
+    free_port,
+    sglang_args_from_cli,
+)
 
 
 def test_sglang_args_passthrough_strips_the_prefix():
@@ -98,3 +106,33 @@ def test_zero_valued_sglang_options_reach_the_server(tmp_path):
     assert argv[argv.index("--random-seed") + 1] == "0"
     assert argv[argv.index("--node-rank") + 1] == "0"
     assert "--enable-memory-saver" in argv and "--log-requests" not in argv
+
+
+class _HttpServer(ServerProcess):
+    """Python's own HTTP server: it exits with 'Address already in use' on a taken port."""
+
+    ready_path = "/"
+    name = "http"
+
+    def command(self):
+        return [sys.executable, "-m", "http.server", str(self.port), "--bind", self.host]
+
+
+def test_a_server_whose_chosen_port_was_taken_moves_to_another(tmp_path):
+    server = _HttpServer(log_dir=tmp_path, ready_timeout_s=60)
+    taken = server.port
+    with socket.socket() as squatter:  # another process bound it between choice and start
+        squatter.bind(("127.0.0.1", taken))
+        squatter.listen()
+        try:
+            server.start()
+            assert server.port != taken and server.alive()
+            assert "address already in use" in (tmp_path / f"http-{taken}.log").read_text().lower()
+        finally:
+            server.stop()
+    given = _HttpServer(port=taken, log_dir=tmp_path, ready_timeout_s=60)
+    with socket.socket() as squatter:  # a port the user gave is not moved
+        squatter.bind(("127.0.0.1", taken))
+        squatter.listen()
+        with pytest.raises(RuntimeError, match="exited with"):
+            given.start()

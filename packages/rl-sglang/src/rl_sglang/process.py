@@ -18,11 +18,15 @@ import urllib.request
 from pathlib import Path
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+def free_port(host: str = "127.0.0.1", avoid: tuple[int, ...] = ()) -> int:
+    """A TCP port nothing listens on right now, none of ``avoid`` (ports handed out for a
+    server that has not bound them yet: the system may hand them out again)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+        if port not in avoid:
+            return port
 
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -57,6 +61,7 @@ class ServerProcess:
 
     ready_path = "/health"
     name = "server"
+    port_retries = 3  # fresh ports after "address already in use", when none was given
 
     def __init__(
         self,
@@ -72,6 +77,9 @@ class ServerProcess:
         check_exposure(host, api_key, self.name)
         self.api_key = api_key
         self.host, self.port = host, port or free_port(host)
+        # chosen here and not yet served on: another may be chosen on a clash (once it has
+        # answered, clients and the router know the port, and a restart keeps it)
+        self.ports_movable = port is None
         self.log_dir = Path(log_dir or os.environ.get("RL_LOG_DIR", "/tmp/rl_sglang_logs"))
         self.env = env or {}
         self.ready_timeout_s = ready_timeout_s
@@ -118,19 +126,37 @@ class ServerProcess:
         """Poll :attr:`ready_path` until it answers 200; on exit or timeout raise with the
         last lines of the log."""
         timeout_s = timeout_s or self.ready_timeout_s
-        deadline = time.monotonic() + timeout_s
+        deadline, retries = time.monotonic() + timeout_s, self.port_retries
         while time.monotonic() < deadline:
             if not self.alive():
+                if retries and self._lost_its_port():  # taken between choice and bind
+                    retries -= 1
+                    self.choose_ports()
+                    self.start(wait=False)
+                    continue
                 raise RuntimeError(
                     f"{self.name} exited with {self.process.poll()}\n{self.log_tail()}"
                 )
             if http_ok(self.url + self.ready_path):
+                self.ports_movable = False
                 return
             time.sleep(0.2)
         raise TimeoutError(
             f"{self.name} on {self.url}: {self.url + self.ready_path} did not answer 200 "
             f"within {timeout_s:g}s\n{self.log_tail()}"
         )
+
+    def _lost_its_port(self) -> bool:
+        """Whether the server exited because a port chosen for it was taken meanwhile
+        (a free port is only free until someone binds it: Ray starting beside a server
+        binds ports of its own)."""
+        if not self.ports_movable or not self.log_path.exists():
+            return False
+        return "address already in use" in self.log_path.read_text(errors="replace").lower()
+
+    def choose_ports(self) -> None:
+        """Fresh ports for a start after a clash (subclasses with more ports extend it)."""
+        self.port = free_port(self.host, avoid=(self.port,))
 
     def log_tail(self, num_lines: int = 30) -> str:
         if not self.log_path.exists():

@@ -40,9 +40,14 @@ class Router(ServerProcess):
             raise ValueError(f"unknown router policy {policy!r}; choose one of {POLICIES}")
         super().__init__(**kwargs)
         self.initial_workers, self.policy = list(worker_urls), policy
-        self.prometheus_port = prometheus_port or free_port(self.host)
+        self.prometheus_port = prometheus_port or free_port(self.host, avoid=(self.port,))
+        self.ports_movable = self.ports_movable and prometheus_port is None
         self.health_check_interval_s = health_check_interval_s
         self.extra_args = list(extra_args)
+
+    def choose_ports(self) -> None:
+        super().choose_ports()
+        self.prometheus_port = free_port(self.host, avoid=(self.port, self.prometheus_port))
 
     def command(self) -> list[str]:
         return self.module_command(

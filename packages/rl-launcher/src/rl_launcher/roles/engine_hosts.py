@@ -251,14 +251,16 @@ class EngineHost:
             "host_pid": os.getpid(),
         }
 
-    def wait_ready(self, timeout_s: float | None = None) -> None:
+    def wait_ready(self, timeout_s: float | None = None) -> str:
         """Until the server answers; a server without HTTP (node rank > 0), until it is
-        seen running (asked after node rank 0 answered, which needs every node's rank)."""
+        seen running (asked after node rank 0 answered, which needs every node's rank).
+        Its URL (a first start that found its port taken moved to another)."""
         if self.serves_http:
             self.server.wait_ready(timeout_s)
         elif not self.server.alive():
             code = self.server.process.poll() if self.server.process is not None else None
             raise RuntimeError(f"{self.server.name} exited with {code}\n{self.log_tail()}")
+        return self.server.url
 
     def alive(self) -> bool:
         return self.server.alive()
@@ -339,7 +341,7 @@ class PlacedEngine:
     def wait_ready(self, timeout_s: float | None = None) -> None:
         """Node rank 0 answers (SGLang's other ranks have joined it), then every other
         part is still running."""
-        self.call("wait_ready", timeout_s)
+        self.url = self.call("wait_ready", timeout_s)
         self.call_all("wait_ready", timeout_s, parts=range(1, len(self.actors)))
 
     def alive(self) -> bool:
