@@ -8,6 +8,8 @@ import asyncio
 
 import pytest
 import torch
+from test_gpu_sglang import PROMPT, SHAPE, reference_logprobs
+from test_gpu_sglang import SGLANG_ARGS as BF16_ARGS
 
 from rl_core.fp8 import FP8_DTYPE, dequantize_named, quantize_named
 from rl_sglang import transports
@@ -17,30 +19,15 @@ from rl_sglang.process import SGLangServer
 from rl_sglang.tiny import random_model, save_tiny_model, tiny_config
 
 pytestmark = pytest.mark.gpu
-# every merged width a multiple of 128 (q 256, k/v 2 x 64, gate/up 512), as SGLang's FP8
-# layers need
-SHAPE = dict(
-    hidden_size=256,
-    intermediate_size=512,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=512,
-)
-PROMPT = [10, 20, 30, 40, 50]
+# test_gpu_sglang's SHAPE: every merged width a multiple of 128 (q 256, k/v 2 x 64,
+# gate/up 512), as SGLang's FP8 layers need
 # mean |engine - reference| log-prob of the sampled tokens, the reference a float32 forward
 # of the dequantised weights: SGLang also rounds each activation to FP8 (per 128-group,
 # activation_scheme dynamic) and computes in bf16. On CPU, that arithmetic on this random
 # model (weights of std 0.2, sharply peaked outputs) gave 0.30-0.36 over three seeds, and
 # 7.8-8.4 against another seed's weights; a bf16 engine alone gives ~0.1 (test_gpu_sglang)
 NEAR = 0.75
-SGLANG_ARGS = {
-    "dtype": "bfloat16",
-    "mem_fraction_static": 0.2,
-    "disable_cuda_graph": True,
-    "skip_tokenizer_init": True,
-    "attention_backend": "triton",
-    "sampling_backend": "pytorch",
-    "grammar_backend": "none",
+SGLANG_ARGS = BF16_ARGS | {
     "quantization": "fp8",
     "fp8_gemm_backend": "triton",  # the bundle has no DeepGEMM; rl-train passes the same
 }
@@ -60,13 +47,6 @@ def sent_of(model, dtype=torch.float32):
     return list(quantize_named((n, t.to(dtype)) for n, t in model.state_dict().items()))
 
 
-def reference_logprobs(model, output_ids):
-    ids = torch.tensor([PROMPT + output_ids], device="cuda")
-    with torch.no_grad():
-        logprobs = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
-    return [logprobs[len(PROMPT) - 1 + i, t].item() for i, t in enumerate(output_ids)]
-
-
 def gap(url, model, version=None) -> float:
     async def go():
         async with EngineClient(url) as client:
@@ -79,7 +59,7 @@ def gap(url, model, version=None) -> float:
     if version is not None:
         assert out["meta_info"]["weight_version"] == version
     got = [e[0] for e in out["meta_info"]["output_token_logprobs"]]
-    ref = reference_logprobs(model, out["output_ids"])
+    ref = reference_logprobs(model, PROMPT, out["output_ids"])
     return sum(abs(a - b) for a, b in zip(got, ref, strict=True)) / len(got)
 
 
