@@ -1,11 +1,14 @@
 """``rollout.data_plane: workers`` against the default, on real runs: the quickstart shrunk
 to 2 steps of 16 samples (Ray, an embedded engine behind the router, an rl-fsdp rank), with
-a reward that fails on some responses under ``rollout.on_reward_error=skip``. The worker
+a reward that fails on some responses under ``rollout.on_reward_error=skip``, in the
+one-step off-policy loop (step 2's rollout runs while step 1 trains; the synchronous loop
+runs the same rollout function, and ``test_scale_sim`` runs it on both planes). The worker
 path (a rollout worker generating and scoring, token data in the object store, the rank
 assembling its batch from references) records the same metrics, step for step: samples,
-rewards, skipped rewards, advantages, losses, gradient norms, the KL to the reference and
-the trainer/engine log-prob gap (the worker path keeps the old and reference log-probs on
-the rank and reduces the gap from the rank's scalars)."""
+rewards, skipped rewards, staleness, advantages, losses, gradient norms, the KL to the
+reference and the trainer/engine log-prob gap (the worker path keeps the old and reference
+log-probs on the rank and reduces the gap from the rank's scalars; step 2's samples are a
+version old, so only step 1 has a gap)."""
 
 import os
 from pathlib import Path
@@ -38,6 +41,8 @@ def records(root, plane: str) -> list[dict]:
         plane,
         "--algorithm.kl_coef",
         "0.05",  # reference log-probs: held by the rank on the worker path
+        "--rollout.loop",
+        "one_step_async",  # step 2's rollout runs on the workers while step 1 trains
     )
     assert main(args) == 0
     return [
@@ -54,6 +59,7 @@ def test_workers_record_the_driver_paths_steps(ray_cluster, tmp_path, monkeypatc
     assert [r["step"] for r in workers] == list(range(1, NUM_STEPS + 1))
     for expected, got in zip(driver, workers, strict=True):
         assert got == expected
-    assert "loss/pg" in driver[-1] and "mismatch/logprob_abs_diff_mean" in driver[-1]
-    assert driver[-1]["loss/kl"] != 0 and driver[-1]["mismatch/logprob_abs_diff_max"] > 0
+    assert "loss/pg" in driver[-1] and driver[-1]["loss/kl"] != 0
+    assert driver[-1]["rollout/staleness_max"] == 1  # generated while step 1 trained
+    assert driver[0]["mismatch/logprob_abs_diff_max"] > 0  # step 2's samples are a step old
     assert sum(r["rollout/reward_errors"] for r in driver) > 0  # skipped rewards were merged
