@@ -1,8 +1,9 @@
 """The two-rank gloo job of test_families.py: GLM-4 at TP=2 and PP=2, DeepSeek-V3 at
 TP=2 (sequence parallel, which megatron needs for MoE with TP) and EP=2, and a dense
 DeepSeek-V3 (MLA only) at TP=2 without sequence parallel, in one spawn; and DeepSeek-V3
-at PP=2 (four layers: a dense and an MoE one per stage) and at CP=2 (plain rope and YaRN)
-through every check of a layout (four_rank_job.layout_checks: loss, grad norm, resume).
+at PP=2 and PP=2 x vpp=2 (four layers, the first dense) and at CP=2 (plain rope and YaRN),
+and GLM-4 at CP=2, through every check of a layout (four_rank_job.layout_checks: loss,
+grad norm, resume).
 
 Rank 0's results go back to the parent, which compares them with HF and its own one-rank
 results (multi_rank.spawn_gloo).
@@ -17,10 +18,16 @@ LAYOUTS = {
     "deepseek_v3": {"tp2+sp": {"tp": 2, "sequence_parallel": True}, "ep2": {"ep": 2}},
     "deepseek_v3-dense": {"tp2": {"tp": 2}},
 }
+VIRTUAL = {"virtual_pipeline_model_parallel_size": 2}
 FULL_LAYOUTS = {
-    "deepseek_v3-4layers": {"pp2": {"pp": 2}},
+    # pp2+vpp2: stage 0 holds layers 0 (dense) and 2 (MoE); 3 micro-batches run as 4
+    "deepseek_v3-4layers": {
+        "pp2": {"pp": 2},
+        "pp2+vpp2": {"pp": 2, "megatron": VIRTUAL, "max_tokens_per_micro_batch": 20},
+    },
     "deepseek_v3": {"cp2": {"cp": 2}},
     "deepseek_v3-yarn": {"cp2": {"cp": 2}},
+    "glm4": {"cp2": {"cp": 2}},  # partial interleaved rope on zigzag chunks
 }
 
 

@@ -190,8 +190,8 @@ def test_deepseek_v3_mtp_layers_are_not_built_and_said_so(world1, family_dirs, c
 
 @pytest.fixture(scope="module")
 def layout_job(family_dirs, tmp_path_factory):
-    """GLM-4 at TP=2 and PP=2, DeepSeek-V3 at TP=2 (+SP), EP=2, PP=2 and CP=2, a dense
-    DeepSeek-V3 at TP=2 without SP: one two-rank spawn."""
+    """GLM-4 at TP=2, PP=2 and CP=2, DeepSeek-V3 at TP=2 (+SP), EP=2, PP=2, PP=2 x vpp=2
+    and CP=2, a dense DeepSeek-V3 at TP=2 without SP: one two-rank spawn."""
     from families_job import rank_checks
     from multi_rank import spawn_gloo
 
@@ -251,24 +251,34 @@ def test_new_families_across_ranks_equal_hf(
     assert not wrong, "; ".join(f"{n}: {v:.2e}" for n, v in wrong.items())  # relative max |Δ|
 
 
-FULL_CASES = [("deepseek_v3-4layers", "pp2"), ("deepseek_v3", "cp2"), ("deepseek_v3-yarn", "cp2")]
+FULL_CASES = [
+    ("deepseek_v3-4layers", "pp2"),
+    ("deepseek_v3-4layers", "pp2+vpp2"),
+    ("deepseek_v3", "cp2"),
+    ("deepseek_v3-yarn", "cp2"),
+    ("glm4", "cp2"),
+]
 
 
 @pytest.mark.integration
 @pytest.mark.parametrize(("family", "layout"), FULL_CASES)
-def test_deepseek_v3_with_pipeline_or_context_parallel_equals_one_rank(
+def test_new_families_with_pipeline_or_context_parallel_equal_one_rank(
     world1, layout_job, family_dirs, family, layout
 ):
-    """DeepSeek-V3 at PP=2 (stage 0: the dense layer and an MoE one) and at CP=2 (MLA's
-    rope keys and values all-gathered in zigzag order; plain rope and YaRN), two
-    micro-batches: log-probs equal one rank's and a teacher-forced HF forward; loss,
-    gradients and grad norm one rank's; export bit-identical; resume exact."""
+    """DeepSeek-V3 at PP=2 (stage 0: the dense layer and an MoE one), at PP=2 x vpp=2
+    (megatron's interleaved schedule; stage 0: the dense layer 0 and the MoE layer 2) and
+    at CP=2 (MLA's rope keys and values all-gathered in zigzag order; plain rope and YaRN),
+    GLM-4 at CP=2 (its partial interleaved rope cut to each rank's zigzag chunks), over
+    two micro-batches (three with virtual stages, run as four): log-probs equal one rank's
+    and a teacher-forced HF forward; loss, gradients and grad norm one rank's; export
+    bit-identical; resume exact."""
     from dist_job import LENGTHS
     from multi_rank import assert_same_step, one_rank_reference
 
     directory, hf_model = family_dirs[family]
     got, expected = layout_job[(family, layout)], one_rank_reference(directory)
-    assert got["micro_batches"] == 2
+    virtual = "vpp2" in layout
+    assert (got["micro_batches"], got["chunks"]) == ((3, 2) if virtual else (2, 1))
     torch.testing.assert_close(got["log_probs"], expected["log_probs"], atol=1e-5, rtol=0)
     batch = tiny.random_batch(LENGTHS, seed=11)
     mask = batch.loss_mask.bool()

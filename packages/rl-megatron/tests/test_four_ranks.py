@@ -1,7 +1,8 @@
 """Four gloo ranks on 127.0.0.1 (one spawn for the module): pipeline parallelism combined
 with context parallelism (PP=2 x CP=2), with expert parallelism (PP=2 x EP=2, so DP=2),
-with tensor parallelism (PP=2 x TP=2 + SP) and virtual stages with experts (PP=2 x vpp=2
-x EP=2, megatron's interleaved schedule) equals the unsplit model: log-probs, loss,
+with tensor parallelism (PP=2 x TP=2 + SP; the last two also on DeepSeek-V3's MLA and
+sigmoid-routed shared-expert MoE) and virtual stages with experts (PP=2 x vpp=2 x EP=2,
+megatron's interleaved schedule) equals the unsplit model: log-probs, loss,
 gradients, grad norm, HF export; checkpoints resume exactly."""
 
 import pytest
@@ -16,6 +17,8 @@ LAYOUTS = {
     "pp2_ep2": "qwen3-moe",
     "tp2_pp2": "qwen3",
     "pp2_vpp2_ep2": "qwen3-moe-4layers",
+    "deepseek_pp2_ep2": "deepseek_v3-4layers",
+    "deepseek_tp2_pp2": "deepseek_v3-4layers",
 }
 
 
