@@ -7,7 +7,8 @@ once the other rank has met it at ``--dist-init-addr``, the other rank serves no
 - One engine of 2 devices over the 2 nodes: one EngineHost actor per node of the engine
   (Ray's actor table), each the parent of the server it launched with ``--nnodes 2
   --node-rank r --dist-init-addr <node 0>:<port> --tp-size 2`` on its own node's address;
-  only node rank 0's URL joins the router; generation goes through the router; a part
+  only node rank 0's URL joins the router; generation goes through the router (a request
+  for routed experts, which the router would strip, to the engine itself); a part
   that dies makes the engine dead, and a restart starts both parts again.
 - Refused before Ray: an embedded engine over several nodes, and tensor weight sync to
   one; the weight-update group counts tp_size ranks for such an engine.
@@ -29,6 +30,7 @@ ray = pytest.importorskip("ray")
 
 from cluster_fixtures import node_address, simulated_cluster  # noqa: E402
 
+from rl_core.routing import decode_routes  # noqa: E402
 from rl_launcher.config.loader import load_config  # noqa: E402
 from rl_launcher.infra.placement import plan_from_config  # noqa: E402
 from rl_launcher.infra.ray_placement import create_placement  # noqa: E402
@@ -135,6 +137,15 @@ def test_an_engine_over_two_nodes_runs_a_part_on_each(cluster, tmp_path):
         assert listening_addresses(int(option(by_rank[1], "--port"))) == []  # no HTTP there
         assert pool.router.worker_urls() == pool.urls == [engine.url]  # node rank 0 only
         assert generate(pool.url)["output_ids"] == [1]  # through the router
+        # routing replay: the router drops return_routed_experts; the pool's router client
+        # sends such a request to the engine itself (rl_sglang.router_client)
+        routed = pool.call(
+            pool.client(pool.url).generate(
+                input_ids=[3, 4], sampling_params={"max_new_tokens": 1}, return_routed_experts=True
+            )
+        )
+        routes = decode_routes(routed["meta_info"]["routed_experts"], num_layers=1, top_k=1)
+        assert routes.flatten().tolist() == [3, 4]  # the stand-in's experts: the token ids
         assert pool.weight_versions() == ["0"]
         # the engine is its parts: one dead part is a dead engine, a restart starts both
         os.kill(by_rank[1]["pid"], signal.SIGKILL)

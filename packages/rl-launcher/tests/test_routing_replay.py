@@ -1,8 +1,8 @@
 """algorithm.routing_replay (R3): refused before Ray starts where it cannot work, the engines
-started and the rollouts asking for routes where it can; and, at bench/routing_replay.py's
-smallest size (a bf16 embedded engine, the fp32 FSDP backend, a small Qwen3-MoE), replaying
-the engine's routes closes most of the trainer/engine log-prob gap that routing alone
-opens."""
+(embedded or SGLang) started and the rollouts asking for routes where it can; and, at
+bench/routing_replay.py's smallest size (a bf16 embedded engine, the fp32 FSDP backend, a
+small Qwen3-MoE), replaying the engine's routes closes most of the trainer/engine log-prob
+gap that routing alone opens."""
 
 import importlib.util
 from pathlib import Path
@@ -31,10 +31,6 @@ BENCH = Path(__file__).resolve().parents[3] / "bench" / "routing_replay.py"
             r"rollout\.source=buffer",
         ),
         (
-            [MOE, "algorithm.routing_replay=true", "engine.kind=sglang", "cluster.device=cuda"],
-            r"sglang-router \(0\.3\.2\) drops",
-        ),
-        (
             [MOE, "algorithm.routing_replay=true", "rollout.data_plane=workers"],
             r"data_plane=workers generates without",
         ),
@@ -60,7 +56,12 @@ def test_routing_replay_is_refused_where_it_cannot_work(args, message):
 def test_engines_start_for_routes_and_rollouts_ask_for_them(tmp_path):
     config, _ = load_config([MOE, "algorithm.routing_replay=true"])
     assert routed_experts_shape(config) == (2, 2)
-    assert sglang_server_args(config, memory_saver=False)["enable_return_routed_experts"]
+    # SGLang behind the router too (its requests for routes go to the workers: the pool's
+    # RouterClient, tests/test_multinode_engines.py and rl-sglang's test_router_client.py)
+    sglang, _ = load_config(
+        [MOE, "algorithm.routing_replay=true", "engine.kind=sglang", "cluster.device=cuda"]
+    )
+    assert sglang_server_args(sglang, memory_saver=False)["enable_return_routed_experts"]
     engine = engine_process(
         config,
         model_dir=tmp_path,

@@ -45,8 +45,9 @@ class EngineClient:
     ):
         self.url = url.rstrip("/")
         self.lora_path = lora_path
-        api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
+        self.headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        self.timeout_s = timeout_s
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.retries, self.backoff_s = retries, backoff_s
         self._session: aiohttp.ClientSession | None = None
@@ -92,13 +93,17 @@ class EngineClient:
         body = self._with_adapter(body)
         for attempt in range(self.retries + 1):
             try:
-                return await self.request("POST", "/generate", body)
+                return await self._post_generate(body)
             except (aiohttp.ClientConnectionError, EngineError) as error:
                 retryable = not isinstance(error, EngineError) or error.status >= 500
                 if not retryable or attempt == self.retries:
                     raise
                 await asyncio.sleep(self.backoff_s * (2**attempt))
         raise AssertionError("unreachable")
+
+    async def _post_generate(self, body: dict) -> Any:
+        """One /generate attempt (rl_sglang.router_client sends some past the router)."""
+        return await self.request("POST", "/generate", body)
 
     def _with_adapter(self, body: dict) -> dict:
         if self.lora_path is None or "lora_path" in body:

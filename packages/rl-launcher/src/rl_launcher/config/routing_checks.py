@@ -8,7 +8,9 @@ MOE_EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 def check_routing_replay(config: TrainConfig) -> None:
     """An MoE policy whose routers both the engines and the backend can replay, routes
-    from every rollout request, and no recompute the Megatron pipeline would replay wrong."""
+    from every rollout request, and no recompute the Megatron pipeline would replay wrong.
+    SGLang engines behind sglang-router work: the router drops return_routed_experts, so
+    the rollout's client sends those requests to the workers (rl_sglang.router_client)."""
     if not config.algorithm.routing_replay:
         return
     from rl_core.routing import HF_REPLAY_MODEL_TYPES
@@ -20,13 +22,6 @@ def check_routing_replay(config: TrainConfig) -> None:
         raise ValueError(
             f"algorithm.routing_replay=true replays an MoE model's expert choices, but the "
             f"policy (model_type {model_type!r}) is dense; set algorithm.routing_replay=false"
-        )
-    if config.engine.kind == "sglang":
-        raise ValueError(
-            "algorithm.routing_replay=true needs each token's experts from the engines, and "
-            "SGLang returns them only to requests that ask return_routed_experts, a field the "
-            "pinned sglang-router (0.3.2) drops from the bodies it forwards; use "
-            "engine.kind=embedded (started for routes, it returns them to every request)"
         )
     hf_routers = config.engine.kind == "embedded" or config.backend.name == "fsdp"
     if hf_routers and model_type not in HF_REPLAY_MODEL_TYPES:

@@ -421,9 +421,11 @@ class AlgorithmConfig:
         "training passes (both backends; the given experts' weights come from the router's "
         "own scores: softmax, or DeepSeek-V3's sigmoid renormalised and scaled, so the router "
         "still trains); the KL reference routes on its own. Hugging Face families "
-        "qwen3_moe, qwen2_moe, olmoe, mixtral, deepseek_v3. Refused on a dense "
-        "model, with engine.kind=sglang (the pinned sglang-router drops the request's "
-        "return_routed_experts), with rollout.source=buffer, and with megatron pipeline "
+        "qwen3_moe, qwen2_moe, olmoe, mixtral, deepseek_v3. With engine.kind=sglang the "
+        "requests that ask for experts go from the rollout straight to the router's "
+        "healthy workers (sglang-router 0.3.2 drops return_routed_experts from what it "
+        "forwards); the rest still go through the router. Refused on a dense model, with "
+        "rollout.source=buffer or rollout.data_plane=workers, and with megatron pipeline "
         "parallelism plus activation recompute.",
     )
     max_nonfinite_steps: int = option(

@@ -122,11 +122,17 @@ class EnginePool:
         return [engine.node_id for engine in self.servers]
 
     def client(self, url: str):
-        """The pool's client of ``url``: its connections stay open across steps."""
+        """The pool's client of ``url``: its connections stay open across steps. The
+        router's is a RouterClient: a /generate asking for routed experts (which
+        sglang-router drops) goes to one of its workers, through their pool clients."""
         from rl_sglang.client import EngineClient
+        from rl_sglang.router_client import RouterClient
 
         if url not in self._clients:
-            self._clients[url] = EngineClient(url)
+            if self.router is not None and url == self.router.url:
+                self._clients[url] = RouterClient(url, worker_client=self.client)
+            else:
+                self._clients[url] = EngineClient(url)
         return self._clients[url]
 
     def call(self, coroutine):

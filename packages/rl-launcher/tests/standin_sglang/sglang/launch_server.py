@@ -7,11 +7,14 @@ It writes its command line, pid, parent pid and CUDA_VISIBLE_DEVICES to
 ``--dist-init-addr`` before the engine is ready: node rank 0 listens there (on node 0's
 address) until every other rank has connected; then it alone serves HTTP on
 ``--host:--port`` (/health, /health_generate, /get_model_info, /model_info,
-/get_server_info, /server_info, /generate answering one token). The other ranks serve
-nothing and run until they are stopped.
+/get_server_info, /server_info, /generate answering one token, and to a request with
+``return_routed_experts`` SGLang's ``meta_info["routed_experts"]`` of one layer, top-1,
+each token's expert its id). The other ranks serve nothing and run until they are stopped.
 """
 
 import argparse
+import array
+import base64
 import json
 import os
 import socket
@@ -90,6 +93,9 @@ def handler(args: argparse.Namespace):
                 "output_token_logprobs": [[-0.5, 1, None]],
                 "weight_version": info["weight_version"],
             }
+            if body.get("return_routed_experts"):  # SGLang's form: 1 layer, top-1 = token id
+                ran = array.array("i", [*prompt, 1][:-1])  # every token but the last
+                meta["routed_experts"] = base64.b64encode(ran.tobytes()).decode("ascii")
             return self.answer({"text": "1", "output_ids": [1], "meta_info": meta})
 
         def answer(self, payload: dict, status: int = 200) -> None:

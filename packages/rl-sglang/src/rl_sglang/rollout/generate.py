@@ -107,9 +107,9 @@ def append_response(
     if routed_experts_shape is not None and ids and "routed_experts" not in meta:
         raise ValueError(
             "the engine answered without meta_info routed_experts: start it with "
-            "--enable-return-routed-experts (an sglang-router that drops the request's "
-            "return_routed_experts, as 0.3.2 does, needs the embedded engine, which returns "
-            "them for every request)"
+            "--enable-return-routed-experts, and generate behind sglang-router with "
+            "rl_sglang.router_client.RouterClient (the router drops return_routed_experts "
+            "from the requests it forwards)"
         )
     if routed_experts_shape is not None and "routed_experts" in meta:
         num_layers, top_k = routed_experts_shape
