@@ -126,6 +126,8 @@ def test_sglang_routes_through_the_router_replay_in_an_hf_forward(moe_router):
     replay_module = pytest.importorskip("rl_fsdp.routing_replay")
     samples = rollout(moe_router.url)
     model = moe_model().to(DEVICE).eval()
+    if hasattr(model, "set_experts_implementation"):  # a plain loop over the experts in
+        model.set_experts_implementation("eager")  # float32, not a grouped GEMM
     replay = replay_module.RouteReplay(model)
     gaps = {"replayed": [], "own": [], "one_off": []}
     agree = []
