@@ -9,8 +9,8 @@ and checkpoints, driven with stand-in engines and training ranks whose compute i
 
 Per size, layout and loop: start-up (placement, trainer, engines and router), then per
 step the loop's own wall times (``time/rollout``, ``time/train``, ``time/sync``,
-``time/train_dispatch`` ...), the driver's CPU seconds in each part of the step, the
-buffer's time (groups in, advantages and per-rank batches out), the bytes handed to Ray
+``time/train_dispatch`` ...), the driver's CPU seconds in each part of the step (and in
+the per-token advantages, ``driver_cpu/advantages``: its thread's CPU), the buffer's time (groups in, advantages and per-rank batches out), the bytes handed to Ray
 (the per-rank batches), the router's added latency (median of sequential
 ``max_new_tokens=0`` requests through the router minus straight to one engine), the
 checkpoint's wall time, and the driver's and router's memory. Prints one JSON line per
@@ -188,6 +188,19 @@ def timed(probe: Probe, key: str, fn, *, store=None):
     return wrapper
 
 
+def thread_cpu_timed(probe: Probe, key: str, fn):
+    """``fn`` whose CPU seconds on the calling thread add to ``probe.current[key]``."""
+
+    def wrapper(*args, **kwargs):
+        start = time.thread_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            probe.add(key, time.thread_time() - start)
+
+    return wrapper
+
+
 def cpu_clock(probe: Probe, base):
     """The loop's Clock, also taking the driver's CPU seconds of each lap."""
 
@@ -298,6 +311,15 @@ def instrumented(probe: Probe, stack: contextlib.ExitStack) -> None:
                 stack.enter_context(
                     mock.patch.object(cls, name, timed(probe, f"buffer/{name}", method))
                 )
+    advantages = (  # the per-token advantages, on the driver on either data plane
+        (buffer_module.DataBuffer, "advantages"),
+        (rollout_workers.RowsBuffer, "packed_advantages"),
+    )
+    for cls, name in advantages:
+        method = getattr(cls, name)
+        stack.enter_context(
+            mock.patch.object(cls, name, thread_cpu_timed(probe, "driver_cpu/advantages", method))
+        )
     placement = ray_placement.create_placement
     stack.enter_context(
         mock.patch.object(

@@ -30,13 +30,13 @@ GROUP_SIZE, NUM_GROUPS, NUM_RANKS = 4, 6, 3
 
 
 def a_group(draw: int, rng: random.Random) -> list[Sample]:
-    """A scored group of ragged samples: some with a tool-turn loss mask, one (in group 2)
-    whose reward failed and was skipped."""
+    """A scored group of ragged samples: some with a tool-turn loss mask, some with an
+    engine's all-ones mask (a list), one (in group 2) whose reward failed and was skipped."""
     prompt = [rng.randrange(50) for _ in range(rng.randint(1, 6))]
     group = []
     for i in range(GROUP_SIZE):
         length = rng.randint(1, 9)
-        mask = [rng.choice((0, 1)) for _ in range(length)] if i == 1 else None
+        mask = {1: [rng.choice((0, 0, 1)) for _ in range(length)], 2: [1] * length}.get(i)
         sample = Sample(
             tokens=prompt + [rng.randrange(50) for _ in range(length)],
             response_length=length,
@@ -75,6 +75,9 @@ def test_rows_give_the_driver_paths_batches(ray_cluster, estimator):
     groups = [a_group(draw, rng) for draw in range(NUM_GROUPS)]
     rows = [stored(group) for group in groups]  # put into the object store
     assert all(len(s.tokens) == 0 for g in rows for s in g)  # no token lists left
+    masks = [(s.index % GROUP_SIZE, s.loss_mask) for g in rows for s in g]
+    assert all(mask is None for i, mask in masks if i == 2)  # all ones: no list either
+    assert any(mask is not None for i, mask in masks if i == 1)
 
     settings = {"group_size": GROUP_SIZE, "num_ranks": NUM_RANKS, "advantage_estimator": estimator}
     driver, workers = DataBuffer(**settings), RowsBuffer(**settings)
