@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+from rl_core import names
 from rl_core._dtype import wide
-from rl_core.registry import CallShape, Registry
+from rl_core.registry import Registry
 
 
 def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -245,10 +246,9 @@ class AdvantageInputs:
 
 # fn(inputs) -> (advantages [B, T], returns [B, T])
 AdvantageFn = Callable[[AdvantageInputs], tuple[torch.Tensor, torch.Tensor]]
-ADVANTAGE_SHAPE = CallShape(
-    1, (), "fn(inputs: rl_core.advantages.AdvantageInputs) -> (advantages [B, T], returns [B, T])"
-)
-ADVANTAGE_ESTIMATORS: Registry[AdvantageFn] = Registry("advantage estimator", ADVANTAGE_SHAPE)
+# by name, torch-free in rl_core.names (a config's estimator is checked without torch)
+ADVANTAGE_SHAPE = names.ADVANTAGE_SHAPE
+ADVANTAGE_ESTIMATORS: Registry[AdvantageFn] = names.ADVANTAGE_ESTIMATORS
 # The built-in estimators that whiten when AdvantageInputs.whiten is None (a caller that adds
 # to the advantages before whitening, as on-policy distillation does, asks with whiten=False
 # and whitens the sum itself; tests/test_advantages.py checks this against the estimators).

@@ -12,34 +12,9 @@ gradient accumulation and parallel layout never change the result.
 import torch
 
 from rl_core._dtype import wide
-from rl_core.registry import CallShape, is_dotted, load_checked
-
-AGGREGATION_MODES = (
-    "token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-)
-# A custom reducer (a dotted path given as ``mode``) is called as aggregate is, less ``mode``.
-REDUCER_SHAPE = CallShape(
-    2,
-    ("cu_seqlens", "num_tokens", "num_seqs", "norm_length"),
-    "fn(per_token, mask, *, cu_seqlens, num_tokens, num_seqs, norm_length) -> scalar tensor "
-    "(divide by the global num_tokens / num_seqs, so micro-batches and ranks add up)",
-)
-
-
-def load_reducer(mode: str):
-    """The built-in ``mode`` name as is, or the custom reducer at the dotted path ``mode``
-    (imported and its signature checked); ValueError naming the known modes otherwise."""
-    if is_dotted(mode):
-        return load_checked(mode, REDUCER_SHAPE, "loss aggregation")
-    if mode not in AGGREGATION_MODES:
-        raise ValueError(
-            f"unknown aggregation mode {mode!r}; choose one of: {', '.join(AGGREGATION_MODES)} "
-            "or a dotted path 'pkg.module:function'"
-        )
-    return mode
+from rl_core.names import AGGREGATION_MODES as AGGREGATION_MODES  # torch-free, re-exported
+from rl_core.names import REDUCER_SHAPE as REDUCER_SHAPE
+from rl_core.names import load_reducer
 
 
 def aggregate(

@@ -23,9 +23,8 @@ import torch
 
 from rl_core._dtype import wide
 from rl_core.aggregation import row_sums_and_counts, segment_ids
+from rl_core.names import IS_LEVELS, IS_MODES
 
-IS_LEVELS = ("token", "sequence")
-IS_MODES = ("truncate", "mask")
 _MAX_LOG_RATIO = 20.0
 
 

@@ -21,8 +21,7 @@ unbiased KL; slime's ``--use-unbiased-kl``).
 import torch
 
 from rl_core._dtype import wide
-
-KL_KINDS = ("k1", "k2", "k3", "low_var_kl")
+from rl_core.names import KL_KINDS
 
 _LOW_VAR_KL_BOUND = 10.0
 _MAX_LOG_RATIO = 20.0

@@ -11,9 +11,10 @@ from collections.abc import Callable
 
 import torch
 
+from rl_core import names
 from rl_core._dtype import wide
 from rl_core.aggregation import AGGREGATION_MODES, aggregate, row_sums_and_counts, segment_ids
-from rl_core.registry import CallShape, Registry
+from rl_core.registry import Registry
 
 __all__ = [
     "AGGREGATION_MODES",
@@ -169,13 +170,8 @@ def entropy_loss(entropy: torch.Tensor) -> torch.Tensor:
 # Policy losses by name, with one signature so a trainer can pick one from its config:
 # fn(log_probs, old_log_probs, advantages, mask, *, clip_low, clip_high, dual_clip, cu_seqlens)
 PolicyLossFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-POLICY_LOSS_SHAPE = CallShape(
-    4,
-    ("clip_low", "clip_high", "dual_clip", "cu_seqlens"),
-    "fn(log_probs, old_log_probs, advantages, mask, *, clip_low, clip_high, dual_clip, "
-    "cu_seqlens) -> (per_token_loss, clipped): per-token tensors shaped like log_probs",
-)
-POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss", POLICY_LOSS_SHAPE)
+POLICY_LOSS_SHAPE = names.POLICY_LOSS_SHAPE  # torch-free in rl_core.names, as the registry
+POLICY_LOSSES: Registry[PolicyLossFn] = names.POLICY_LOSSES
 
 
 @POLICY_LOSSES.register("ppo")

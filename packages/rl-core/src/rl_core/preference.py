@@ -20,8 +20,7 @@ import torch.nn.functional as F
 
 from rl_core._dtype import wide
 from rl_core.aggregation import row_sums_and_counts
-
-PREFERENCE_LOSSES = ("sigmoid", "ipo")
+from rl_core.names import PREFERENCE_LOSSES
 
 
 def sequence_log_probs(

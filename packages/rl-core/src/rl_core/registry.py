@@ -9,6 +9,7 @@ called fails at load with the expected signature, not in the middle of a step.
 import functools
 import importlib
 import inspect
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -85,15 +86,29 @@ class Registry(Generic[T]):
     >>> losses.get("ppo")
     """
 
-    def __init__(self, kind: str, shape: CallShape | None = None):
-        """``shape``: how entries are called; with it, :meth:`get` also takes dotted paths."""
-        self.kind, self.shape = kind, shape
+    def __init__(
+        self,
+        kind: str,
+        shape: CallShape | None = None,
+        *,
+        home: str | None = None,
+        builtins: tuple[str, ...] = (),
+    ):
+        """``shape``: how entries are called; with it, :meth:`get` also takes dotted paths.
+        ``builtins``: names that the module ``home`` registers when imported; they are known
+        (listed, checked, taken) without importing it, which the first :meth:`get` of one
+        does (so a config's names are checked without importing torch)."""
+        assert home is not None or not builtins, "built-in names need their home module"
+        self.kind, self.shape, self.home = kind, shape, home
+        self._builtins = frozenset(builtins)
         self._entries: dict[str, T] = {}
 
     def register(self, name: str) -> Callable[[T], T]:
         """Decorator adding ``obj`` under ``name``; a name already taken raises ValueError."""
 
         def add(obj: T) -> T:
+            if name in self._builtins and self.home not in sys.modules:
+                self._load_builtins()  # a built-in's name: taken, once its home registers it
             if name in self._entries:
                 raise ValueError(
                     f"{self.kind} {name!r} is already registered; pick another name "
@@ -110,6 +125,8 @@ class Registry(Generic[T]):
         listing the known ones."""
         if self.shape is not None and is_dotted(name):
             return load_checked(name, self.shape, self.kind)
+        if name in self._builtins and name not in self._entries:
+            self._load_builtins()
         try:
             return self._entries[name]
         except KeyError:
@@ -118,14 +135,20 @@ class Registry(Generic[T]):
                 + (" or a dotted path 'pkg.module:function'" if self.shape else "")
             ) from None
 
+    def _load_builtins(self) -> None:
+        """Import ``home``, which registers the built-in entries (once per process)."""
+        importlib.import_module(self.home)
+        missing = self._builtins - self._entries.keys()
+        assert not missing, f"{self.home} registers no {self.kind} {sorted(missing)}"
+
     def names(self) -> list[str]:
-        return sorted(self._entries)
+        return sorted(self._builtins | self._entries.keys())
 
     def __contains__(self, name: object) -> bool:
-        return name in self._entries
+        return name in self._entries or name in self._builtins
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._builtins | self._entries.keys())

@@ -2,14 +2,13 @@
 while it is built). Each raises ValueError naming the fields involved and a fix."""
 
 from rl_launcher.config import TrainConfig
+from rl_launcher.config.data_plane_checks import check_data_plane
 from rl_launcher.config.extensions import check_extensions
 from rl_launcher.config.fp8_checks import check_fp8_rollout
 from rl_launcher.config.routing_checks import check_routing_replay
 from rl_launcher.config.switch_checks import check_switches
 from rl_launcher.infra.placement import plan_from_config
 from rl_launcher.infra.weight_sync import resolve_transport
-from rl_launcher.roles.backends import megatron_options
-from rl_launcher.roles.rollout_workers import check_data_plane
 
 # Estimators whose baseline is the other samples of the prompt: a group of one sample has
 # zero advantage (rloo refuses it), so nothing would be learnt from rewards.
@@ -92,6 +91,8 @@ def _check_megatron(config: TrainConfig) -> None:
             f"backend.name=megatron trains with AdamW (optimizer.name={opt.name}): set "
             "optimizer.name=adamw, or backend.name=fsdp"
         )
+    from rl_launcher.roles.backends import megatron_options  # imports torch: megatron only
+
     megatron_options(config)  # names checked against megatron-core's dataclasses
     _check_layer_split(config)
 

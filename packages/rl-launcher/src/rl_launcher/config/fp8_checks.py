@@ -1,7 +1,6 @@
 """``engine.quantization: fp8`` (FP8 rollout): what it cannot go with, refused before Ray
 starts."""
 
-from rl_core.fp8 import BLOCK_SIZE
 from rl_launcher.config import TrainConfig
 from rl_launcher.infra.weight_sync import resolve_transport
 
@@ -31,6 +30,7 @@ def check_fp8_rollout(config: TrainConfig) -> None:
 def _check_sglang_blocks(config: TrainConfig) -> None:
     """SGLang's FP8 linear layers need every merged part (q, k, v; gate, up) and every
     tensor-parallel slice to fill whole 128-wide blocks."""
+    from rl_core.fp8 import BLOCK_SIZE  # torch: only for engine.quantization=fp8
     from rl_launcher.config.switch_checks import policy_hf_config
 
     hf = policy_hf_config(config)

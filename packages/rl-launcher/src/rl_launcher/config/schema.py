@@ -10,13 +10,17 @@ Loading, overrides and validation live in :mod:`rl_launcher.config.loader`.
 from dataclasses import MISSING, dataclass, field
 from typing import Any
 
-from rl_core.advantages import ADVANTAGE_ESTIMATORS
-from rl_core.aggregation import AGGREGATION_MODES, load_reducer
 from rl_core.filters import GROUP_FILTERS
-from rl_core.importance import IS_LEVELS, IS_MODES
-from rl_core.kl import KL_KINDS
-from rl_core.losses import POLICY_LOSSES
-from rl_core.preference import PREFERENCE_LOSSES
+from rl_core.names import (  # torch-free: a config is checked without importing torch
+    ADVANTAGE_ESTIMATORS,
+    AGGREGATION_MODES,
+    IS_LEVELS,
+    IS_MODES,
+    KL_KINDS,
+    POLICY_LOSSES,
+    PREFERENCE_LOSSES,
+    load_reducer,
+)
 
 # bound -> (how a message says it, how docs/config.md says it)
 BOUNDS = {

@@ -21,8 +21,9 @@ rank's scalars (:class:`~rl_launcher.roles.worker_rows.HeldValues`). In the asyn
 loop each worker generates the producer's chunks of its share and holds the groups a
 weight update paused until the next chunk resumes them (:meth:`WorkerRollout.generate`).
 Pieces that read token data on the driver are refused before Ray starts
-(:func:`check_data_plane`) rather than given empty samples. Left on the driver: the
-advantages (4 bytes a response token, computed there) go to the ranks with the batches.
+(:func:`rl_launcher.config.data_plane_checks.check_data_plane`) rather than given empty
+samples. Left on the driver: the advantages (4 bytes a response token, computed there) go
+to the ranks with the batches.
 """
 
 import asyncio
@@ -37,36 +38,6 @@ from rl_launcher.roles.worker_rows import RankRows, SampleRow, group_objects, sa
 
 # rl-sglang's rollout metrics that are means over the kept samples; the rest are counts
 MEANS = ("rollout/truncated_frac", "rollout/response_length_mean")
-
-
-def check_data_plane(config) -> None:
-    """``rollout.data_plane=workers`` with what it does not run: ValueError naming it."""
-    if config.rollout.data_plane == "driver":
-        return
-    rollout, algorithm, logging = config.rollout, config.algorithm, config.logging
-    refused = (
-        (f"mode={config.mode}", config.mode != "rl"),
-        ("rollout.source=buffer", rollout.source == "buffer"),
-        ("rollout.replay_dir", rollout.replay_dir),
-        ("rollout.rollout_only", rollout.rollout_only),
-        ("rollout.rollout_function", rollout.rollout_function),
-        ("rollout.over_sampling > 1", rollout.over_sampling > 1),
-        ("rollout.sample_filter", rollout.sample_filter),
-        ("rollout.post_process", rollout.post_process),
-        ("rollout.dump_dir", rollout.dump_dir),
-        ("logging.rollout_log_function", logging.rollout_log_function),
-        ("logging.dump_train_batch", logging.dump_train_batch),
-        ("algorithm.old_log_probs=rollout", algorithm.old_log_probs == "rollout"),
-        ("algorithm.reward_kl_coef > 0", algorithm.reward_kl_coef > 0),
-        ("algorithm.advantage_estimator=gae", algorithm.advantage_estimator == "gae"),
-        ("distill.coef > 0", config.distill.coef > 0),
-    )
-    for name, value in refused:
-        if value:
-            raise ValueError(
-                f"rollout.data_plane=workers keeps the samples' tokens on the rollout workers, "
-                f"and {name} is not run there yet; unset it, or set rollout.data_plane=driver"
-            )
 
 
 @dataclass
