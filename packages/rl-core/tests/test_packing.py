@@ -6,9 +6,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rl_core.packing import (
+    MAX_DIFFERENCING_PAIRS,
     balanced_partitions,
     cu_seqlens_from_lengths,
     first_fit_pack,
+    greedy_partitions,
     pack,
     pad_packed,
     position_ids_from_cu_seqlens,
@@ -44,6 +46,30 @@ def test_balanced_partitions_properties(lengths, k):
     if lengths:
         # differencing never leaves a spread wider than the longest sequence
         assert max(sums) - min(sums) <= max(lengths)
+
+
+def test_many_partitions_go_greedy_by_hand():
+    # 129 sequences over 128 partitions (past the differencing limit): the 128 of 200
+    # tokens one each, the 1-token one with partition 0's (every sum 200, ties by number)
+    lengths = [1] + [200] * 128
+    assert len(lengths) * 128 > MAX_DIFFERENCING_PAIRS
+    parts = balanced_partitions(lengths, 128)
+    assert parts == greedy_partitions(lengths, 128)
+    assert parts[0] == [0, 1] and parts[1:] == [[i] for i in range(2, 129)]
+    # longest first into the emptiest: 9 | 8 | 7, then 6 -> the 7's, 5 -> the 8's, 4 -> the 9's
+    assert greedy_partitions([4, 5, 6, 7, 8, 9], 3) == [[0, 5], [1, 4], [2, 3]]
+    assert greedy_partitions([3, 1], 4) == [[0], [1], [], []]
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.lists(st.integers(1, 1000), min_size=300, max_size=400), st.integers(64, 100))
+def test_greedy_partitions_properties(lengths, k):
+    assert len(lengths) * k > MAX_DIFFERENCING_PAIRS  # the path balanced_partitions takes
+    parts = balanced_partitions(lengths, k)
+    assert sorted(i for p in parts for i in p) == list(range(len(lengths)))
+    sums = [sum(lengths[i] for i in p) for p in parts]
+    assert sums == sorted(sums, reverse=True)
+    assert max(sums) - min(sums) <= max(lengths)
 
 
 def test_first_fit_pack_by_hand_and_error():
