@@ -26,8 +26,10 @@ on rank 0 under torch.profiler after the timed ones (``figure.profile``: device-
 fraction, top kernels, time by category; rl_fsdp.profiling, the same summary as
 bench/train_fsdp.py's). Peak memory is rank 0's ``max_memory_allocated``.
 
-Levers (on by default on cuda; --no-swiglu-fusion turns the fused SwiGLU off, --ablate
-also measures the step with it off in the same run, reported under "ablations").
+Levers (on by default on cuda): the fused SwiGLU (--no-swiglu-fusion turns it off) and one
+torch.compile'd graph per transformer layer (--no-compile-layers; rl_megatron.compiled_layers;
+``figure.compile`` counts graph breaks, graphs and fallbacks). --ablate also measures the
+step with each lever off in the same run, reported under "ablations".
 """
 
 import argparse
@@ -70,7 +72,13 @@ def parse_args():
         help="megatron's compiled SwiGLU (default: on for cuda, off for cpu)",
     )
     parser.add_argument(
-        "--ablate", action="store_true", help="also run the step with the fused SwiGLU off"
+        "--compile-layers",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="one compiled graph per transformer layer (default: on for cuda, off for cpu)",
+    )
+    parser.add_argument(
+        "--ablate", action="store_true", help="also run the step with each lever off"
     )
     parser.add_argument("--steps", type=int, default=3, help="measured steps")
     parser.add_argument("--warmup", type=int, default=1)
@@ -196,7 +204,7 @@ def megatron_worker(
         sequence_parallel=args.tp > 1,
         precision=args.precision,
         megatron=args.megatron,
-        **{"swiglu_fusion": args.swiglu_fusion, **overrides},
+        **{"swiglu_fusion": args.swiglu_fusion, "compile_layers": args.compile_layers, **overrides},
     )
     backend = MegatronBackend(config)
     batch = make_batch(args, backend.shape.vocab_size)  # every data-parallel rank: all of it
@@ -208,8 +216,15 @@ def megatron_worker(
 
         profile = profile_step(lambda: backend.train_step(batch), torch.device(args.device))
     if rank == 0:
-        levers = {"swiglu_fusion": backend.model.config.bias_activation_fusion}
+        levers = {
+            "swiglu_fusion": backend.model.config.bias_activation_fusion,
+            "compile_layers": backend.compiled_layers,  # {} when off
+        }
         result = {"seconds": seconds, "peak_memory_gib": peak, "levers": levers}
+        if backend.compiled_layers:
+            from rl_megatron.compiled_layers import compile_report
+
+            result["compile"] = compile_report()
         with open(out_path, "w") as f:
             json.dump({**result, **({"profile": profile} if profile else {})}, f)
     dist.destroy_process_group()
@@ -258,7 +273,11 @@ def main():
         if args.device == "cuda":
             torch.cuda.empty_cache()
         figure = run_megatron(args, tmp, {})
-        ablations = {"swiglu_fusion_off": {"swiglu_fusion": False}} if args.ablate else {}
+        ablations = {
+            "swiglu_fusion_off": {"swiglu_fusion": False},
+            "compile_layers_off": {"compile_layers": False},
+        }
+        ablations = ablations if args.ablate else {}
         ablated = {name: run_megatron(args, tmp, kw) for name, kw in ablations.items()}
     flops = step_flops(config, batch.seq_lengths())
     gpus = args.tp * args.dp if args.device == "cuda" else 1
@@ -284,7 +303,7 @@ def main():
                     **throughput(figure["seconds"], args.dp),
                     "peak_memory_gib": figure["peak_memory_gib"],
                     "levers": figure["levers"],
-                    **({"profile": figure["profile"]} if "profile" in figure else {}),
+                    **{key: figure[key] for key in ("compile", "profile") if key in figure},
                 },
                 "ablations": {
                     name: {**throughput(run["seconds"], args.dp), "levers": run["levers"]}

@@ -38,6 +38,8 @@ def rank_checks(rank: int, dirs: dict, out_path: str) -> dict:
 
     results["cp2_ep2"] = layout_checks(dirs["qwen3-moe"], f"{out_path}.cp_ep", cp=2, ep=2)
     results["pp2"] = {name: pp2_checks(dirs[name]) for name in ("qwen2-tied", "qwen3")}
+    # each stage's layer compiled whole (rl_megatron.compiled_layers); two micro-batch shapes
+    results["pp2"]["qwen3+compiled"] = pp2_checks(dirs["qwen3"], compile_layers=True)
     results["pp2_schedules"] = pp_schedule_checks(dirs["qwen3"])
     results["pp2_resume"] = pp_resume_checks(dirs["qwen2-tied"], out_path)
     results["critic_pp2"] = critic_checks(dirs["qwen2-tied"], out_path, pp=2)  # untied head
@@ -225,12 +227,16 @@ def critic_checks(hf_path: str, out_path: str | None = None, *, tp: int = 1, pp:
     return result
 
 
-def pp2_checks(hf_path: str) -> dict:
-    """PP=2: one layer per stage, 1F1B over two micro-batches."""
+def pp2_checks(hf_path: str, **options) -> dict:
+    """PP=2: one layer per stage, 1F1B over two micro-batches; ``options``: MegatronConfig
+    fields."""
     from rl_megatron.backend import MegatronBackend
+    from rl_megatron.compiled_layers import compile_report
     from rl_megatron.config import MegatronConfig
 
-    config = MegatronConfig(hf_path=hf_path, pp=2, max_tokens_per_micro_batch=28, **POLICY)
+    config = MegatronConfig(
+        hf_path=hf_path, pp=2, max_tokens_per_micro_batch=28, **POLICY, **options
+    )
     backend = MegatronBackend(config)
     assert backend.layout.pp_size == 2 and len(backend.model.decoder.layers) == 1
     batch = tiny.random_batch(LENGTHS, seed=11)
@@ -242,6 +248,8 @@ def pp2_checks(hf_path: str) -> dict:
     backend.optimizer.zero_grad()
     backend.train_step(batch)
     result["log_probs_after_step"] = backend.compute_log_probs(batch)
+    result["compiled_layers"] = backend.compiled_layers
+    result["compile"] = compile_report() if backend.compiled_layers else {}
     return result
 
 

@@ -1,6 +1,9 @@
 """Throughput levers of the GPU path, each checked on CPU against the path without it:
 megatron's compiled SwiGLU (dense MLP and MoE experts) gives the unfused activation's
-log-probs, loss and gradients."""
+log-probs, loss and gradients; so do the compiled transformer layers (whole, under full
+recompute, and norms only in MoE layers), which also run as one graph each."""
+
+import logging
 
 import pytest
 import tiny
@@ -13,7 +16,9 @@ from rl_megatron.config import MegatronConfig
 LENGTHS = [9, 14, 6, 11]
 
 
-def _run(model_dirs, name: str, **overrides):
+def _run(model_dirs, name: str, batches=(LENGTHS,), graphs: list | None = None, **overrides):
+    """Log-probs, forward/backward metrics and HF-named gradients of each batch (lengths);
+    ``graphs`` gets the count of torch.compile graphs after each batch."""
     config = MegatronConfig(
         hf_path=model_dirs[name][0],
         device="cpu",
@@ -23,9 +28,28 @@ def _run(model_dirs, name: str, **overrides):
     )
     backend = MegatronBackend(config)
     assert backend.model.config.bias_activation_fusion is config.swiglu_fusion
-    batch = tiny.random_batch(LENGTHS, seed=5)
-    log_probs = backend.compute_log_probs(batch)
-    return log_probs, backend.forward_backward(batch), backend.hf_gradients()
+    results = []
+    for seed, lengths in enumerate(batches, start=5):
+        batch = tiny.random_batch(lengths, seed=seed)
+        log_probs = backend.compute_log_probs(batch)
+        results.append((log_probs, backend.forward_backward(batch), backend.hf_gradients()))
+        backend.optimizer.zero_grad()
+        if graphs is not None:
+            from torch._dynamo.utils import counters
+
+            graphs.append(counters["stats"]["unique_graphs"])
+    return results if len(batches) > 1 else results[0]
+
+
+def _assert_same(got, expected, *, atol: float) -> None:
+    """Same log-probs, loss terms and gradients (``atol``; gradients also rtol 1e-5)."""
+    (got_lp, got_metrics, got_grads), (lp, metrics, grads) = got, expected
+    torch.testing.assert_close(got_lp, lp, atol=atol, rtol=0)
+    for key in ("loss/total", "loss/pg", "actor/entropy"):
+        assert got_metrics[key] == pytest.approx(metrics[key], abs=atol), key
+    assert got_grads.keys() == grads.keys()
+    for hf_name, grad in grads.items():
+        torch.testing.assert_close(got_grads[hf_name], grad, atol=atol, rtol=1e-5, msg=hf_name)
 
 
 def _count_calls(monkeypatch, module, names: tuple[str, ...]) -> list[str]:
@@ -48,14 +72,99 @@ def test_fused_swiglu_equals_unfused(world1, model_dirs, name, monkeypatch):
     calls = _count_calls(monkeypatch, mlp, ("bias_swiglu_impl", "weighted_bias_swiglu_impl"))
     plain_lp, plain_metrics, plain_grads = _run(model_dirs, name, swiglu_fusion=False)
     assert not calls
-    fused_lp, fused_metrics, fused_grads = _run(model_dirs, name, swiglu_fusion=True)
+    fused = _run(model_dirs, name, swiglu_fusion=True)
     assert calls  # the fused path ran (weighted by router probabilities in MoE experts)
-    torch.testing.assert_close(fused_lp, plain_lp, atol=1e-6, rtol=0)
-    for key in ("loss/total", "loss/pg", "actor/entropy"):
-        assert fused_metrics[key] == pytest.approx(plain_metrics[key], abs=1e-6), key
-    assert fused_grads.keys() == plain_grads.keys()
-    for hf_name, grad in plain_grads.items():
-        torch.testing.assert_close(fused_grads[hf_name], grad, atol=1e-6, rtol=1e-5, msg=hf_name)
+    _assert_same(fused, (plain_lp, plain_metrics, plain_grads), atol=1e-6)
+
+
+FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform"}
+WHOLE, NORMS_ONLY = (
+    {"whole_layers": 2, "norms_only_layers": 0},
+    {"whole_layers": 0, "norms_only_layers": 2},
+)
+# name -> (model, MegatronConfig.megatron, compiled layers, graphs): a graph for training
+# and one for log-probs (no grad); full recompute adds the checkpoint's no-grad forward;
+# norms only: one per norm width (hidden; q/k heads of 4 and 2) and grad mode
+COMPILED_CASES = {
+    "dense": ("qwen3", {}, WHOLE, 2),
+    "dense-bf16": ("qwen3", {}, WHOLE, 2),  # fp32 main gradients from the compiled backward
+    "full-recompute": ("qwen3", FULL_RECOMPUTE | {"recompute_num_layers": 1}, WHOLE, 3),
+    "moe": ("qwen3-moe", {}, NORMS_ONLY, 6),
+}
+
+
+@pytest.mark.parametrize("case", sorted(COMPILED_CASES))
+def test_compiled_layers_equal_eager_without_graph_breaks(world1, model_dirs, case):
+    """Two batches of different shapes: the second compiles no graph (the first's serve
+    its shapes), no graph break, and the eager path's log-probs, loss and gradients (float32:
+    inductor's fused kernels reorder sums, measured <= 5e-7; bf16: they keep float32
+    between fused operations where eager rounds each one, measured <= 3e-3)."""
+    from torch._dynamo.utils import counters
+
+    from rl_megatron.compiled_layers import compile_report
+
+    name, options, layers, graphs = COMPILED_CASES[case]
+    batches, precision = (LENGTHS, [7, 20, 3]), "bf16" if "bf16" in case else "fp32"
+    eager = _run(model_dirs, name, batches, megatron=options, precision=precision)
+    torch._dynamo.reset()  # graphs of earlier cases would be reused (same code, same guards)
+    counters.clear()
+    counts = []
+    compiled = _run(
+        model_dirs,
+        name,
+        batches,
+        counts,
+        megatron=options,
+        precision=precision,
+        compile_layers=True,
+    )
+    for got, expected in zip(compiled, eager, strict=True):  # bf16: fused kernels round less
+        _assert_same(got, expected, atol=2e-6 if precision == "fp32" else 1e-2)
+    report = compile_report()
+    assert report["graph_breaks"] == 0, report["break_reasons"]
+    assert not report["failures"]
+    assert counts == [graphs, graphs]
+    assert _compiled_layers(model_dirs, name, options) == layers
+
+
+def _compiled_layers(model_dirs, name, options) -> dict:
+    config = MegatronConfig(
+        hf_path=model_dirs[name][0], device="cpu", megatron=options, compile_layers=True
+    )
+    return MegatronBackend(config).compiled_layers
+
+
+def test_a_layer_that_fails_to_compile_runs_eager_logged_once(world1, model_dirs, caplog):
+    """A compiler that raises: both layers (one class) fall back to eager after one log
+    line, and the step equals the eager one."""
+    from rl_megatron import compiled_layers
+
+    def broken_compiler(graph, example_inputs):
+        raise RuntimeError("no compiler here")
+
+    expected = _run(model_dirs, "qwen3")
+    config = MegatronConfig(
+        hf_path=model_dirs["qwen3"][0],
+        device="cpu",
+        lr=1e-3,
+        objective=Objective(entropy_coef=0.01),
+    )
+    backend = MegatronBackend(config)
+    assert compiled_layers.compile_layers(backend.chunks, backend=broken_compiler) == {
+        "whole_layers": 2,
+        "norms_only_layers": 0,
+    }
+    failures_before = len(compiled_layers.COMPILE_FAILURES)
+    batch = tiny.random_batch(LENGTHS, seed=5)
+    with caplog.at_level(logging.WARNING, logger=compiled_layers.__name__):
+        got = (backend.compute_log_probs(batch), backend.forward_backward(batch))
+        backend.compute_log_probs(batch)
+    got = (*got, backend.hf_gradients())
+    lines = [r for r in caplog.records if "running it eager" in r.getMessage()]
+    assert len(lines) == 1 and "no compiler here" in lines[0].getMessage()
+    assert len(compiled_layers.COMPILE_FAILURES) == failures_before + 1
+    assert compiled_layers.compiled_count(backend.chunks) == (0, 2)
+    _assert_same(got, expected, atol=1e-6)
 
 
 def test_swiglu_fusion_defaults_by_device(model_dirs):
@@ -63,6 +172,8 @@ def test_swiglu_fusion_defaults_by_device(model_dirs):
     assert MegatronConfig(hf_path=path, device="cuda").swiglu_fusion is True
     assert MegatronConfig(hf_path=path, device="cpu").swiglu_fusion is False
     assert MegatronConfig(hf_path=path, device="cpu", swiglu_fusion=True).swiglu_fusion is True
+    assert MegatronConfig(hf_path=path, device="cuda").compile_layers is True
+    assert MegatronConfig(hf_path=path, device="cpu").compile_layers is False
 
 
 def _adamw_run(fused: bool, clip: bool) -> list[torch.Tensor]:

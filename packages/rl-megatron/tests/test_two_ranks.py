@@ -176,9 +176,10 @@ def test_pp2_critic_equals_one_rank_and_resumes(job, world1, model_dirs):
     assert got["resumed_equal"]
 
 
-@pytest.mark.parametrize("name", ["qwen2-tied", "qwen3"])
+@pytest.mark.parametrize("name", ["qwen2-tied", "qwen3", "qwen3+compiled"])
 def test_pp2_equals_one_rank(job, reference, model_dirs, name):
-    got, expected = job["pp2"][name], reference[name]
+    got, expected = job["pp2"][name], reference[name.removesuffix("+compiled")]
+    name = name.removesuffix("+compiled")
     torch.testing.assert_close(got["log_probs"], expected["log_probs"], atol=1e-5, rtol=0)
     original = tiny.hf_files(model_dirs[name][0])
     assert set(got["exported"]) == set(original)
@@ -187,6 +188,16 @@ def test_pp2_equals_one_rank(job, reference, model_dirs, name):
     torch.testing.assert_close(
         got["log_probs_after_step"], expected["log_probs_after_step"], atol=1e-5, rtol=0
     )
+
+
+def test_pp2_compiled_layers_run_as_one_graph_each(job):
+    """Each stage's layer compiled whole (the eager reference above: same log-probs, loss
+    and gradients), with no graph break over the two micro-batch shapes."""
+    got = job["pp2"]["qwen3+compiled"]
+    assert got["compiled_layers"] == {"whole_layers": 1, "norms_only_layers": 0}
+    assert got["compile"]["graph_breaks"] == 0, got["compile"]["break_reasons"]
+    assert not got["compile"]["failures"]
+    assert not job["pp2"]["qwen3"]["compiled_layers"]  # off by default on CPU
 
 
 def test_pp2_one_forward_one_backward_equals_gpipe_and_the_unsplit_model(job, reference):

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from rl_core.batch import TrainBatch
 from rl_core.distributed import init_distributed
 from rl_megatron import checkpoint, faults, optim, pipeline
+from rl_megatron.compiled_layers import compile_layers
 from rl_megatron.config import MegatronConfig
 from rl_megatron.cp import restrict_batch
 from rl_megatron.forward import (
@@ -103,6 +104,9 @@ class MegatronBackend(WeightsAndStateMixin):
         if self.shape.num_experts and config.tp > 1 and not config.sequence_parallel:
             raise ValueError("megatron needs sequence_parallel=True for MoE models with tp > 1")
         self.chunks = self._build_chunks()  # this stage's model chunks (vpp of them)
+        self.compiled_layers = {}  # compile_layers: {"whole_layers": n, "norms_only_layers": m}
+        if config.compile_layers:
+            self.compiled_layers = compile_layers(self.chunks)
         self.model = self.chunks[0]  # the model (with vpp > 1: its first chunk)
         for chunk in self.chunks:
             freeze_by_hf_name(chunk, self.shape, self.layout, config.train_only, config.freeze)

@@ -75,6 +75,13 @@ class MegatronConfig:
     torch.compile'd kernel forward and one backward, saving only the MLP's input instead of
     four elementwise passes). None: on for cuda, off for cpu (compiling costs more there than
     it saves). Falls back to the unfused activation, with a warning, if it fails to compile."""
+    compile_layers: bool | None = None
+    """torch.compile each transformer layer as one graph, forward and backward (norms,
+    rotary, residual adds fused around the matmuls and attention; no host time between
+    kernels): dense layers at tp = 1 and cp = 1 whole, the other layouts' layers (MoE, tp
+    or cp > 1, selective recompute) their RMSNorms only (:mod:`rl_megatron.compiled_layers`).
+    A layer class whose compilation fails runs eager, logged once. None: on for cuda, off
+    for cpu (compiling costs more there than it saves)."""
     seed: int = 1234
     lr: float = 1e-6
     warmup_steps: int = 0
@@ -133,6 +140,8 @@ class MegatronConfig:
             )
         if self.swiglu_fusion is None:
             self.swiglu_fusion = self.device == "cuda"
+        if self.compile_layers is None:
+            self.compile_layers = self.device == "cuda"
         for name, value in self.megatron_options().routed.items():
             setattr(self, name, value)
         _positive(tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, vpp=self.vpp)
