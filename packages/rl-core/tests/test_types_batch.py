@@ -84,6 +84,26 @@ def test_select_keeps_global_denominators_and_validates():
         TrainBatch(tokens=torch.zeros(3), cu_seqlens=torch.tensor([0, 2]), loss_mask=torch.ones(3))
 
 
+def test_select_gathers_the_tokens_of_the_sequences_in_order_or_returns_the_batch():
+    """Any order and subset (hand-checked boundaries); all sequences in order is the batch
+    itself (no gather, no host-to-device copy of a token index)."""
+    tokens = torch.arange(10)
+    batch = TrainBatch(
+        tokens=tokens,
+        cu_seqlens=torch.tensor([0, 3, 4, 8, 10]),  # lengths 3, 1, 4, 2
+        loss_mask=torch.ones(10),
+        advantages=tokens.float() * 10,
+    )
+    part = batch.select([2, 0, 3])
+    assert part.tokens.tolist() == [4, 5, 6, 7, 0, 1, 2, 8, 9]
+    assert part.advantages.tolist() == [40.0, 50.0, 60.0, 70.0, 0.0, 10.0, 20.0, 80.0, 90.0]
+    assert part.cu_seqlens.tolist() == [0, 4, 7, 9]
+    assert batch.select([1]).tokens.tolist() == [3]
+    assert batch.select(range(4)) is batch
+    assert batch.select([0, 1, 2, 3]) is batch
+    assert batch.select([1, 0, 2, 3]).tokens.tolist() == [3, 0, 1, 2, 4, 5, 6, 7, 8, 9]
+
+
 def test_device_batch_splits_without_reading_the_device():
     """On 'meta' every read-back raises: moving, lengths and select must use the host copy."""
     batch = batch_from_samples(make_samples(), advantages=[1.0, 1.0])

@@ -121,11 +121,13 @@ class TrainBatch:
     def select(self, seq_indices: Sequence[int]) -> "TrainBatch":
         """The sub-batch of the given sequences (in that order), keeping global denominators.
         On a GPU batch nothing is read back from the device: the token index is built on
-        the host from ``host_cu_seqlens`` and copied asynchronously."""
-        bounds = self.host_cu_seqlens.tolist()
-        picked = [range(bounds[i], bounds[i + 1]) for i in seq_indices]
-        host_index = torch.tensor(list(itertools.chain.from_iterable(picked)), dtype=torch.long)
-        new_bounds = cu_seqlens_from_lengths([len(r) for r in picked])
+        the host from ``host_cu_seqlens`` (vectorised) and copied asynchronously. All the
+        sequences in their order are this batch itself: nothing is gathered or copied (a
+        micro-batch holding the whole batch)."""
+        seq_indices = list(seq_indices)
+        if seq_indices == list(range(self.num_seqs)):
+            return self
+        host_index, new_bounds = _token_index(self.host_cu_seqlens, seq_indices)
         token_index = to_device(host_index, self.tokens.device)
         gathered = {
             name: None if getattr(self, name) is None else getattr(self, name)[token_index]
@@ -159,6 +161,18 @@ class HostBounds:
 
     values: torch.Tensor
     of: torch.Tensor
+
+
+def _token_index(bounds: torch.Tensor, seq_indices: list[int]):
+    """``(token index [N'], cu_seqlens [B' + 1])`` of the sequences ``seq_indices`` of a
+    packed batch with boundaries ``bounds`` (host tensors), in that order."""
+    picked = torch.tensor(seq_indices, dtype=torch.long)
+    starts = bounds.long()[picked]
+    lengths = bounds.long()[picked + 1] - starts
+    new_bounds = cu_seqlens_from_lengths(lengths)
+    # token t of the selection is start (of its sequence) + t - (its sequence's new start)
+    shift = torch.repeat_interleave(starts - new_bounds[:-1].long(), lengths)
+    return shift + torch.arange(shift.numel()), new_bounds
 
 
 def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:

@@ -67,17 +67,27 @@ def global_grad_norm(
         return 0.0
     expert_ids = {id(p) for p in expert_params}
     # [0]: TP-sharded dense, [1]: replicated, [2]: expert weights
-    squares = torch.zeros(3, dtype=torch.float64, device=device)
-    if with_grad:  # one fused kernel for all norms, no host sync per parameter
-        slots = torch.tensor([_slot(p, expert_ids) for p in with_grad], device=device)
-        norms = torch._foreach_norm([grad_of(p).detach() for p in with_grad])
-        per_param = torch.stack([n.to(torch.float64) for n in norms]).square()
-        squares.index_add_(0, slots, per_param)
+    if with_grad:
+        squares = _squares_by_slot(with_grad, expert_ids)
+    else:  # a pipeline stage without gradients still joins the stages' sum
+        squares = torch.zeros(3, dtype=torch.float64, device=device)
     squares[0] = _summed(squares[0], [tp_group])
     squares[2] = _summed(squares[2], expert_groups)
     if stage_group is not None and _world(stage_group) > 1:  # pipeline stages: disjoint
         dist.all_reduce(squares, group=stage_group)
     return float(squares.sum().sqrt())
+
+
+def _squares_by_slot(params, expert_ids: set[int]) -> torch.Tensor:
+    """Float64 ``[3]``: the summed squared gradient norms of each slot's parameters. One
+    fused norm kernel over all of them, ordered by slot so that each slot's norms are a
+    slice: no per-step index tensor copied from the host, no cast per parameter."""
+    slots = [_slot(p, expert_ids) for p in params]
+    order = sorted(range(len(params)), key=slots.__getitem__)
+    norms = torch._foreach_norm([grad_of(params[i]).detach() for i in order])
+    per_param = torch.stack(norms).to(torch.float64).square()
+    sizes = [slots.count(slot) for slot in range(3)]
+    return torch.stack([part.sum() for part in per_param.split(sizes)])
 
 
 def _slot(param, expert_ids: set[int]) -> int:
@@ -116,12 +126,21 @@ def clipped(optimizer, params: list[torch.nn.Parameter], *, max_norm: float, nor
         clip_grads(params, max_norm=max_norm, norm=norm)
         yield
         return
-    device = stepped[0].device
-    local.grad_scale = torch.tensor((norm + 1e-6) / max_norm, dtype=torch.float32, device=device)
+    local.grad_scale = _grad_scale_buffer(local, stepped[0].device).fill_((norm + 1e-6) / max_norm)
     try:
         yield
     finally:
         del local.grad_scale
+
+
+def _grad_scale_buffer(optimizer, device: torch.device) -> torch.Tensor:
+    """The optimizer's float32 scalar for the fused kernel's ``grad_scale``, made once and
+    refilled each step (a fill kernel, not a copy from pageable host memory)."""
+    buffer = getattr(optimizer, "_grad_scale_buffer", None)
+    if buffer is None or buffer.device != device:
+        buffer = torch.empty((), dtype=torch.float32, device=device)
+        optimizer._grad_scale_buffer = buffer
+    return buffer
 
 
 def make_optimizer(params, config, layout, dp_group):
