@@ -165,7 +165,7 @@ def test_config_refuses_a_distillation_without_exactly_one_usable_teacher(option
 
 
 def test_a_teacher_path_without_a_model_is_refused_before_anything_starts(tmp_path):
-    from rl_launcher.roles.teacher import check_teacher
+    from rl_launcher.session.run import check_teacher
 
     argv = [*QUICKSTART, "--distill.coef", "1", "--distill.teacher_path", str(tmp_path)]
     config, _ = load_config(argv)  # a later run may write it: the config alone is fine

@@ -6,6 +6,7 @@ import os
 import socket
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,9 +15,12 @@ from rl_core.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs
 from rl_launcher import cli
 from rl_launcher.config.checks import GROUP_RELATIVE_ESTIMATORS, KL_BLIND_ESTIMATORS
 from rl_launcher.config.loader import load_config
+from rl_launcher.infra import ray_cluster
 from rl_launcher.infra.ray_cluster import check_reachable
 from rl_launcher.infra.run_dirs import prepare_run_dirs
 from rl_launcher.session.run import check_fresh
+
+TOKENIZER = Path(__file__).resolve().parents[3] / "examples" / "quickstart" / "tokenizer"
 
 
 def _must_not_start(config):
@@ -26,8 +30,10 @@ def _must_not_start(config):
 @pytest.fixture
 def guarded(monkeypatch):
     """``cli.main`` whose run never starts: a check that lets a wrong set-up through
-    fails the test at once instead of starting Ray and training."""
+    fails the test at once instead of starting Ray (early, beside the loop's start-up:
+    ``ray_cluster.start_early``) and training."""
     monkeypatch.setattr(cli, "run_mode", lambda config: _must_not_start)
+    monkeypatch.setattr(ray_cluster, "start_early", _must_not_start)
     return cli.main
 
 
@@ -271,6 +277,8 @@ def test_cuda_with_too_few_gpus_names_the_layout(tmp_path, guarded, monkeypatch,
         "cuda",
         "--cluster.devices_per_node",
         "4",
+        "--model.tokenizer_path",  # a run that could start: the tiny model of the quickstart
+        str(TOKENIZER),
         "--logging.run_dir",
         str(tmp_path),
     ]

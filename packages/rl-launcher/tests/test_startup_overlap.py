@@ -81,15 +81,21 @@ def test_a_rank_on_a_local_ray_takes_a_prestarted_worker_with_the_started_with_t
 ):
     """The env rl-train gives a CPU rank, on a Ray this process started: a worker that
     existed before the actor was asked for, with the OMP/MKL threads rl-train was started
-    with; a value the workers did not inherit still reaches the rank. stop_local_ray then
-    stops that Ray, its autoscaler monitor killed first."""
+    with; a value the workers did not inherit still reaches the rank. The Ray is begun as
+    rl-train begins it, on a thread of its own while the driver starts (start_early), and
+    taken over by connect; its processes outlive what the starting thread did. stop_local_ray
+    then stops that Ray, its autoscaler monitor killed first."""
     import ray
 
-    from rl_launcher.infra.ray_cluster import connect, stop_local_ray
+    from rl_launcher.config.loader import load_config
+    from rl_launcher.infra.ray_cluster import connect, start_early, starting_early, stop_local_ray
 
     for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         monkeypatch.setenv(name, "1")
-    assert connect(num_cpus=2) == "started"
+    start_early(load_config(["--cluster.cpus_per_bundle", "2"])[0])
+    assert starting_early()
+    assert connect(num_cpus=2) == "started"  # the Ray start_early began
+    assert not starting_early() and ray.is_initialized()
     try:
         inherited = dict(os.environ)  # as start_trainer takes it
         monitor = ray._private.worker._global_node.all_processes["monitor"][0].process
@@ -114,6 +120,20 @@ def test_a_rank_on_a_local_ray_takes_a_prestarted_worker_with_the_started_with_t
     finally:
         stop_local_ray()
     assert not ray.is_initialized() and monitor.poll() is not None
+
+
+def test_a_ray_begun_early_and_never_taken_is_left_to_an_exiting_process():
+    """stop_early: nothing to do without an early Ray; without ``wait`` (rl-train exits
+    right after) one still starting is let go at once."""
+    from concurrent.futures import Future
+
+    from rl_launcher.infra import ray_cluster
+
+    ray_cluster.stop_early()
+    ray_cluster._early = Future()  # still starting
+    started = time.monotonic()
+    ray_cluster.stop_early(wait=False)
+    assert time.monotonic() - started < 1 and not ray_cluster.starting_early()
 
 
 def prestarted_workers(node, timeout_s: float = 60.0) -> set[int]:

@@ -59,12 +59,13 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None:
         from rl_launcher.infra.lifetime import exit_now
 
-        exit_now(train_command(sys.argv[1:]))
+        exit_now(train_command(sys.argv[1:], exiting=True))
     return train_command(argv)
 
 
-def train_command(argv: list[str]) -> int:
-    """:func:`main` on ``argv``: the exit status."""
+def train_command(argv: list[str], *, exiting: bool = False) -> int:
+    """:func:`main` on ``argv``: the exit status. ``exiting``: the process ends right after
+    (see :func:`run_training`)."""
     from rl_launcher.config.loader import config_to_yaml, load_config
 
     if "-h" in argv or "--help" in argv:
@@ -84,17 +85,23 @@ def train_command(argv: list[str]) -> int:
         return 0
     if "--resume" in command_line.flags:  # a STEP or PATH, or the newest loadable one
         config.checkpoint.resume = command_line.flag_values.get("--resume", True)
-    return run_training(config)
+    return run_training(config, exiting=exiting)
 
 
-def run_training(config) -> int:
+def run_training(config, *, exiting: bool = False) -> int:
+    """Run ``config``: the exit status. ``exiting``: the process ends right after, so a
+    Ray begun early that the run never took is left to die with it (its head processes
+    are tied to the process) instead of being waited for and stopped, seconds more
+    before a refusal that came after it began (a missing model or data file)."""
     from rl_launcher.infra.ray_cluster import check_before_ray, prepare_local_ray_env
 
     prepare_local_ray_env(config.cluster.ray_address)  # before the loop's modules import ray
     from rl_launcher.infra import faults, stopping
+    from rl_launcher.infra.ray_cluster import start_early, stop_early
     from rl_launcher.infra.run_dirs import absolute_paths, prepare_run_dirs
     from rl_launcher.infra.run_lock import lock_run_dir
     from rl_launcher.roles.reward import RewardError
+    from rl_launcher.session.run import check_before_start
     from rl_rewards import get_reward
 
     reason = not_wired(config)
@@ -110,6 +117,8 @@ def run_training(config) -> int:
         prepare_run_dirs(config)  # unwritable run / checkpoint directories, before the run
         lock = lock_run_dir(config.logging.run_dir)  # one run per directory, else exit 2
         get_reward(config.rollout.reward)  # an unknown reward fails before anything starts
+        check_before_start(config)  # the loops' own checks, before Ray begins
+        start_early(config)  # a local Ray starts while the loop imports torch, model, prompts
         run_mode(config)(config)
     except (ValueError, RewardError) as error:
         hint = " (rollout.on_reward_error=skip counts and skips such samples)"
@@ -125,6 +134,7 @@ def run_training(config) -> int:
         print(f"rl-train: {stopping.stopped_message(config, stop)}", file=sys.stderr)
         return stop.exit_code
     finally:
+        stop_early(wait=not exiting)  # a Ray begun early that the run never took
         stopping.uninstall()
         if lock is not None:
             lock.release()

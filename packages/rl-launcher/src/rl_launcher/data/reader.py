@@ -43,11 +43,17 @@ def parse_spec(spec: str) -> tuple[Path, int | None, int | None]:
     return Path(match["path"]), int(start) if start else None, int(stop) if stop else None
 
 
-def iter_rows(spec: str, *, batch_rows: int = 1024) -> Iterator[RawRow]:
-    """Rows of the file named by ``spec`` (sliced when it says so), streamed."""
-    path, start, stop = parse_spec(spec)
+def check_exists(spec: str) -> Path:
+    """The file named by ``spec``; ValueError naming it when there is none."""
+    path = parse_spec(spec)[0]
     if not path.is_file():
         raise ValueError(f"dataset {str(path)!r} does not exist (from data path {spec!r})")
+    return path
+
+
+def iter_rows(spec: str, *, batch_rows: int = 1024) -> Iterator[RawRow]:
+    """Rows of the file named by ``spec`` (sliced when it says so), streamed."""
+    path, start, stop = check_exists(spec), *parse_spec(spec)[1:]
     if start is None and stop is None:
         yield from _iter_file(path, batch_rows)
         return

@@ -4,11 +4,18 @@
 cluster address where nothing answers (``ray.init`` waits for it for ever) and, for a local
 Ray on ``cluster.device=cuda``, fewer GPUs than the placement reserves (Ray would wait for
 them, then fail naming bundles, not options).
+
+:func:`start_early` begins a local Ray on a background thread as soon as the config is
+checked: its helper processes take seconds to come up, time in which the driver imports
+torch and loads the model and prompts; :func:`connect` then takes it over.
 """
 
+import logging
 import os
 import socket
 import sys
+import threading
+from concurrent.futures import Future
 
 # Ray re-launches every worker through `uv run` when the driver runs under `uv run`
 # (RAY_ENABLE_UV_RUN_RUNTIME_ENV, on by default), packaging the working directory so that
@@ -23,6 +30,7 @@ LOCAL_RAY_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_AUTH_MODE": "token",
 }
+_early: Future | None = None  # the local Ray start_early began, until connect takes it
 
 
 def prepare_local_ray_env(address: str | None = None) -> None:
@@ -128,8 +136,12 @@ def connect(
     machine (a bare ``ray.init`` would join that one, then refuse the resources); give its
     address (``RAY_ADDRESS``) to run on it.
     """
+    global _early
     address, source = cluster_address(address)
     prepare_local_ray_env(address)
+    if address is None and _early is not None:  # begun by start_early: wait for it
+        early, _early = _early, None
+        return early.result()
     import ray
 
     if ray.is_initialized():
@@ -138,6 +150,12 @@ def connect(
         check_reachable(address, connect_timeout_s, source)
         ray.init(address=address, log_to_driver=True)
         return "attached"
+    return _start_local(num_cpus, num_gpus)
+
+
+def _start_local(num_cpus: int | None, num_gpus: int | None) -> str:
+    import ray
+
     ray.init(
         address="local",  # not a cluster `ray start` left on this machine: only when told
         num_cpus=num_cpus,
@@ -147,6 +165,82 @@ def connect(
         configure_logging=False,
     )
     return "started"
+
+
+def local_cpus(config) -> int:
+    """The CPUs of the local Ray a run starts: the machine's, or as many as the placement's
+    bundles reserve where that is more."""
+    from rl_launcher.infra.placement import plan_from_config
+
+    bundles = plan_from_config(config).num_bundles
+    return int(max(os.cpu_count() or 1, bundles * config.cluster.cpus_per_bundle))
+
+
+def start_early(config) -> None:
+    """Begin the local Ray that :func:`connect` would start for an RL run's trainer on a
+    background thread now (nothing for other runs, a cluster address, or a process that
+    already joined a Ray). Most of Ray's start is spent waiting on its helper processes
+    (GCS, dashboard, raylet and its agents, prestarted workers), which the driver's own
+    start-up (torch, the engines' launch) then overlaps. Off the main thread Ray replaces
+    no Python signal handler; its core worker's C++ SIGTERM handler gives way to the
+    launcher's once :func:`connect` takes this Ray (:func:`rl_launcher.infra.stopping.
+    ray_starting`), so a SIGTERM before that aborts the start-up, as during ``ray.init``.
+    :func:`stop_early` stops one that no :func:`connect` took."""
+    global _early
+    ray = sys.modules.get("ray")
+    if (
+        _early is not None
+        or config.mode != "rl"
+        or config.rollout.rollout_only
+        or cluster_address(config.cluster.ray_address)[0] is not None
+        or (ray is not None and ray.is_initialized())
+    ):
+        return
+    prepare_local_ray_env(None)
+    import ray  # on this thread: two threads importing modules at once may deadlock
+
+    logging.getLogger("ray._private.worker").addFilter(_no_sigterm_note)
+    _early = Future()
+    starter = threading.Thread(
+        target=_start_and_stay, args=(_early, local_cpus(config)), name="ray-start", daemon=True
+    )
+    starter.start()
+
+
+def _no_sigterm_note(record: logging.LogRecord) -> bool:
+    """Drops Ray's warning that off the main thread it sets no SIGTERM handler: wanted
+    here, the launcher's handlers stay (:mod:`rl_launcher.infra.stopping`)."""
+    return not record.getMessage().startswith("SIGTERM handler is not set")
+
+
+def _start_and_stay(started: Future, num_cpus: int) -> None:
+    """``ray.init`` into ``started``, then parked for good: the kernel SIGKILLs Ray's head
+    processes when the *thread* that started them ends (their PR_SET_PDEATHSIG), so this
+    one lives as long as the process."""
+    try:
+        started.set_result(_start_local(num_cpus, None))
+    except BaseException as error:  # handed to connect, which raises it
+        started.set_exception(error)
+        return
+    threading.Event().wait()
+
+
+def starting_early() -> bool:
+    """Whether :func:`start_early` began a Ray that no :func:`connect` has taken yet."""
+    return _early is not None
+
+
+def stop_early(*, wait: bool = True) -> None:
+    """Stop the Ray of :func:`start_early` when the run ended before :func:`connect` took
+    it (a fault or a refusal during start-up); a taken one stops with its run. Without
+    ``wait`` one still starting is left as it is (the process is about to end, and with it
+    the thread Ray's head processes are tied to)."""
+    global _early
+    early, _early = _early, None
+    if early is None or not (wait or early.done()):
+        return
+    if early.exception() is None:
+        stop_local_ray()
 
 
 def stop_local_ray() -> None:

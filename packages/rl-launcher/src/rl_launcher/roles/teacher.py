@@ -22,17 +22,6 @@ SCORE_BATCH = 32  # sequences per request to the teacher (scored in shared forwa
 MAX_CONCURRENT_REQUESTS = 8  # requests in flight to the teacher at once
 
 
-def check_teacher(config) -> None:
-    """``distill.teacher_path`` is an HF model directory; checked when the run starts,
-    before Ray (a config may name one that an earlier run has yet to write)."""
-    path = config.distill.teacher_path
-    if config.distill.coef > 0 and path and not Path(path, "config.json").is_file():
-        raise ValueError(
-            f"distill.teacher_path={path} has no config.json: give an HF model directory "
-            "(e.g. checkpoints/step_N/hf of a run with checkpoint.save_hf)"
-        )
-
-
 def start_teacher(run) -> str | None:
     """The teacher's URL (None without distillation); with ``distill.teacher_path`` an
     embedded engine is started on it first and stopped with the run."""

@@ -71,19 +71,42 @@ def _generic_tokenizer(path: Path) -> bool:
     return name in ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
+def given_model_dir(model_config) -> Path | None:
+    """``model.path`` when it is an HF directory, used as is (so known before its
+    tokenizer loads); None when the starting model is built into the run directory (from
+    a GGUF file or ``model.init_config``), which :func:`prepare_model` does."""
+    path = model_config.path
+    if path is None or str(path).endswith(".gguf"):
+        return None
+    check_model_paths(model_config)
+    return Path(path)
+
+
+def check_model_paths(model_config) -> None:
+    """``model.path`` (an HF directory or a .gguf file) and ``model.tokenizer_path`` (a
+    directory, needed without ``model.path``) exist; ValueError naming the one at fault."""
+    path, tokenizer = model_config.path, model_config.tokenizer_path
+    if path is not None and str(path).endswith(".gguf"):
+        if not Path(path).is_file():
+            raise ValueError(f"model.path={str(path)!r} does not exist; give a .gguf file")
+    elif path is not None and not Path(path, "config.json").is_file():
+        raise ValueError(f"model.path={str(path)!r} has no config.json; give a local HF directory")
+    elif path is None and tokenizer is None:
+        raise ValueError("model.path is null: set model.tokenizer_path to a tokenizer directory")
+    if tokenizer is not None and not Path(tokenizer).is_dir():
+        raise ValueError(
+            f"tokenizer directory {str(tokenizer)!r} does not exist; set model.tokenizer_path"
+        )
+
+
 def prepare_model(model_config, *, run_dir: str | Path, seed: int) -> tuple[Path, Any]:
     """``(HF directory, tokenizer)`` of the run's starting policy."""
+    check_model_paths(model_config)
     if model_config.path is not None and str(model_config.path).endswith(".gguf"):
         return gguf_to_hf(model_config.path, Path(run_dir) / INITIAL_MODEL, model_config)
     if model_config.path is not None:
         path = Path(model_config.path)
-        if not (path / "config.json").is_file():
-            raise ValueError(
-                f"model.path={str(path)!r} has no config.json; give a local HF directory"
-            )
         return path, load_tokenizer(model_config.tokenizer_path or path)
-    if model_config.tokenizer_path is None:
-        raise ValueError("model.path is null: set model.tokenizer_path to a tokenizer directory")
     tokenizer = load_tokenizer(model_config.tokenizer_path)
     target = Path(run_dir) / INITIAL_MODEL
     if not (target / "config.json").is_file():
@@ -119,8 +142,6 @@ def gguf_to_hf(gguf_path: str | Path, target: Path, model_config) -> tuple[Path,
     """A GGUF checkpoint as an HF directory (weights dequantized to ``model.dtype``, the
     tokenizer and chat template from the GGUF unless ``model.tokenizer_path`` is set)."""
     gguf_path = Path(gguf_path)
-    if not gguf_path.is_file():
-        raise ValueError(f"model.path={str(gguf_path)!r} does not exist; give a .gguf file")
     if not (target / "config.json").is_file():
         model, tokenizer = load_gguf(gguf_path, dtype=model_config.dtype)
         # a BPE tokenizer ignores this clean-up (and warns at every load when it is set)

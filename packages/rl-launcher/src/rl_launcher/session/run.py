@@ -65,6 +65,40 @@ def check_fresh(config, run_dir: Path) -> None:
         )
 
 
+def check_teacher(config) -> None:
+    """``distill.teacher_path`` is an HF model directory; checked when the run starts,
+    before Ray (a config may name one that an earlier run has yet to write)."""
+    path = config.distill.teacher_path
+    if config.distill.coef > 0 and path and not Path(path, "config.json").is_file():
+        raise ValueError(
+            f"distill.teacher_path={path} has no config.json: give an HF model directory "
+            "(e.g. checkpoints/step_N/hf of a run with checkpoint.save_hf)"
+        )
+
+
+def check_before_start(config) -> None:
+    """What an RL run with a trainer checks before it starts anything, checked by
+    ``rl-train`` before its Ray begins to start (:func:`rl_launcher.infra.ray_cluster.
+    start_early`): the loop's settings, ``--resume``, a fresh run directory, the teacher's
+    directory, and the model and prompt files it reads while Ray starts. The loop checks
+    them again for the callers that run it directly; other runs check their own."""
+    from rl_launcher.config.checks import check_loop
+    from rl_launcher.data.reader import check_exists
+    from rl_launcher.infra import resume_choice
+    from rl_launcher.session.model import check_model_paths
+
+    if config.mode != "rl" or config.rollout.rollout_only:
+        return
+    check_loop(config)
+    check_teacher(config)
+    resume_choice.chosen(config)
+    check_fresh(config, Path(config.logging.run_dir))
+    check_model_paths(config.model)
+    if config.data.source is None and not config.rollout.replay_dir:  # else no prompt files
+        for dataset in config.data.train:
+            check_exists(dataset.path)
+
+
 def new_run(config, source_fn):
     """A Run with its model prepared and a metrics log; ``source_fn(tokenizer)`` gives the source."""
     run_dir = Path(config.logging.run_dir)

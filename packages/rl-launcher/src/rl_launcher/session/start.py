@@ -20,14 +20,13 @@ from pathlib import Path
 from rl_launcher.infra import stopping
 from rl_launcher.infra.run_log import MetricsLog, startup_phase
 from rl_launcher.infra.weight_sync import sync_options
-from rl_launcher.session.run import Run, check_fresh, new_run
+from rl_launcher.session.run import Run, check_fresh, check_teacher, new_run
 
 
 def start_run(config) -> Run:
-    from rl_launcher.data import build_prompt_source
     from rl_launcher.roles.critic import start_critic
-    from rl_launcher.roles.teacher import check_teacher, start_teacher
-    from rl_launcher.session.model import precision_note, prepare_model
+    from rl_launcher.roles.teacher import start_teacher
+    from rl_launcher.session.model import given_model_dir, precision_note
 
     if config.rollout.replay_dir:  # train only, on dumped rollouts: no engines, no prompts
         return start_replay_run(config)
@@ -35,9 +34,11 @@ def start_run(config) -> Run:
     run_dir = Path(config.logging.run_dir)
     check_fresh(config, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    with startup_phase("model and prompts ready", show=config.logging.progress):
-        model_dir, tokenizer = prepare_model(config.model, run_dir=run_dir, seed=config.seed)
-        source = build_prompt_source(config.data, seed=config.seed, tokenizer=tokenizer)
+    # an HF directory given as model.path is used as is: engines and trainer start from it
+    # while the tokenizer and the prompts load beside them; a model built here needs both
+    model_dir, tokenizer, source = given_model_dir(config.model), None, None
+    if model_dir is None:
+        model_dir, tokenizer, source = _model_and_prompts(config, run_dir)
     precision_note(config)  # float32 on CUDA without TF32: one line, once
     run = Run(
         config=config,
@@ -47,9 +48,15 @@ def start_run(config) -> Run:
     )
     run._cleanup.append(run.metrics_log.close)
     _start_gpu_monitor(run)
+
+    def rollout():
+        nonlocal tokenizer
+        if run.source is None:  # loaded while the trainer starts
+            _, tokenizer, run.source = _model_and_prompts(config, run_dir)
+        _start_rollout(run, model_dir, tokenizer, run_dir)
+
     try:
         _launch_engines_first(run, model_dir, run_dir)
-        rollout = partial(_start_rollout, run, model_dir, tokenizer, run_dir)
         start_trainer(run, model_dir, meanwhile=None if _takes_turns(config) else rollout)
         start_critic(run, model_dir)  # PPO with a critic (gae) only
         if run.rollout is None:  # colocated GPUs: the engines start once the trainer is up
@@ -59,6 +66,17 @@ def start_run(config) -> Run:
         run.close()
         raise
     return run
+
+
+def _model_and_prompts(config, run_dir: Path):
+    """``(model_dir, tokenizer, prompt source)`` of an RL run (:func:`prepare_model`)."""
+    from rl_launcher.data import build_prompt_source
+    from rl_launcher.session.model import prepare_model
+
+    with startup_phase("model and prompts ready", show=config.logging.progress):
+        model_dir, tokenizer = prepare_model(config.model, run_dir=run_dir, seed=config.seed)
+        source = build_prompt_source(config.data, seed=config.seed, tokenizer=tokenizer)
+    return model_dir, tokenizer, source
 
 
 def _takes_turns(config) -> bool:
@@ -91,13 +109,15 @@ def _launch_engines_first(run: Run, model_dir: Path, run_dir: Path) -> None:
     """With :func:`engines_start_first`, start the engine servers now, not yet waited for
     (:func:`_start_rollout` hands them to the pool); they are stopped with the run if it
     fails before the pool holds them."""
+    from rl_launcher.infra.ray_cluster import starting_early
     from rl_launcher.roles.engine_pool import start_servers
     from rl_launcher.roles.rollout_manager import engine_batch_limit
     from rl_launcher.session.model import engine_model_dir
 
     config = run.config
     ray = sys.modules.get("ray")
-    if not engines_start_first(config) or (ray is not None and ray.is_initialized()):
+    caller_ray = ray is not None and ray.is_initialized() and not starting_early()
+    if not engines_start_first(config) or caller_ray:
         return  # (a Ray the caller started may span several nodes)
     if config.logging.progress:
         what = f"{config.engine.num_engines} {config.engine.kind} engine(s)"
@@ -178,7 +198,7 @@ def start_trainer(run: Run, model_dir: Path, meanwhile: Callable[[], None] | Non
     thread, see :func:`rl_launcher.infra.lifetime.tie_to_this_process`)."""
     from rl_launcher.infra.colocation import engines_beside_training
     from rl_launcher.infra.placement import plan_from_config
-    from rl_launcher.infra.ray_cluster import connect, stop_local_ray
+    from rl_launcher.infra.ray_cluster import connect, local_cpus, stop_local_ray
     from rl_launcher.infra.ray_placement import create_placement
     from rl_launcher.infra.shared_dirs import check_shared_dirs
     from rl_launcher.roles.backends import backend_spec
@@ -188,10 +208,9 @@ def start_trainer(run: Run, model_dir: Path, meanwhile: Callable[[], None] | Non
     plan, cluster = plan_from_config(config), config.cluster
     spec = backend_spec(config, model_dir=model_dir, num_ranks=plan.num_train_ranks)
     use_gpu = cluster.device == "cuda"
-    cpus = max(os.cpu_count() or 1, plan.num_bundles * cluster.cpus_per_bundle)
     show = config.logging.progress
     with stopping.ray_starting(), startup_phase("Ray ready", show=show):  # stop signals: ours
-        started_here = connect(cluster.ray_address, num_cpus=int(cpus)) == "started"
+        started_here = connect(cluster.ray_address, num_cpus=local_cpus(config)) == "started"
         if started_here:
             run._cleanup.append(stop_local_ray)
     ray_env = dict(os.environ) if started_here else None  # what Ray's workers inherit
