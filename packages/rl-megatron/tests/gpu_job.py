@@ -1,6 +1,6 @@
-"""The GPU job of test_gpu.py: the bf16 backend (bf16 params, fp32 main grads and masters)
-on ``world`` GPUs over nccl, with the two-GPU layouts tp (TP=2 + sequence parallel), pp
-(PP=2) and cp (CP=2)."""
+"""The GPU job of test_gpu.py: the bf16 backend (bf16 params, fp32 main grads and masters,
+compiled layers) on ``world`` GPUs over nccl, with the two-GPU layouts tp (TP=2 + sequence
+parallel), pp (PP=2) and cp (CP=2); on one GPU also with eager layers."""
 
 import os
 
@@ -19,28 +19,40 @@ LAYOUTS = {
 }
 
 
-def run(rank: int, world: int, port: int, hf_path: str, out_path: str, layout: str) -> None:
+def _steps(hf_path: str, **options):
+    """The bf16 backend's log-probs, then three training steps' losses."""
     from rl_megatron.backend import MegatronBackend
     from rl_megatron.config import MegatronConfig
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world)
     config = MegatronConfig(
         hf_path=hf_path,
         device="cuda",
         precision="bf16",
         lr=1e-3,
         objective=Objective(mode="sft"),
-        **LAYOUTS[layout],
+        **options,
     )
     backend = MegatronBackend(config)
     assert {p.dtype for p in backend.model.parameters()} == {torch.bfloat16}
     batch = tiny.random_batch(LENGTHS, seed=21)
     result = {"log_probs": backend.compute_log_probs(batch).cpu()}
     result["losses"] = [backend.train_step(batch)["loss/sft"] for _ in range(3)]
+    return backend, result
+
+
+def run(rank: int, world: int, port: int, hf_path: str, out_path: str, layout: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world)
+    backend, result = _steps(hf_path, **LAYOUTS[layout])  # compiled layers: cuda's default
     exported = dict(p for b in backend.export_weights(bucket_bytes=1 << 20) for p in b)
     result["exported"] = exported
+    result["compiled_layers"] = backend.compiled_layers
+    if layout == "single":  # the same steps with eager layers
+        from rl_megatron.compiled_layers import compile_report
+
+        result["compile"] = compile_report()
+        result["eager"] = _steps(hf_path, compile_layers=False)[1]
     if rank == 0:
         torch.save(result, out_path)
     dist.destroy_process_group()
