@@ -49,6 +49,7 @@ def rank_checks(rank: int, dirs: dict, out_path: str) -> dict:
         for precision in ("fp32", "bf16")
     }
     results["vpp2"] = vpp_checks(dirs["qwen3-4layers"], out_path)
+    results["vpp2_compiled"] = vpp_compiled_checks(dirs["qwen3-4layers"])
     return results
 
 
@@ -348,4 +349,29 @@ def vpp_checks(hf_path: str, out_path: str) -> dict:
     plain = MegatronBackend(MegatronConfig(hf_path=hf_path, pp=2, **POLICY))
     plain.load_checkpoint(f"{out_path}.vpp_ckpt")
     result["loads_without_vpp"] = torch.equal(plain.compute_log_probs(batch), saved)
+    return result
+
+
+def vpp_compiled_checks(hf_path: str) -> dict:
+    """:func:`vpp_checks`' layout with each chunk's layer compiled whole
+    (rl_megatron.compiled_layers): log-probs, loss, gradients and grad norm."""
+    from rl_megatron.backend import MegatronBackend
+    from rl_megatron.config import MegatronConfig
+
+    virtual = {"virtual_pipeline_model_parallel_size": 2}
+    config = MegatronConfig(
+        hf_path=hf_path,
+        pp=2,
+        megatron=virtual,
+        max_tokens_per_micro_batch=20,
+        compile_layers=True,
+        **POLICY,
+    )
+    backend = MegatronBackend(config)
+    batch = tiny.random_batch(LENGTHS, seed=11)
+    result = {"compiled_layers": backend.compiled_layers}
+    result["log_probs"] = backend.compute_log_probs(batch)
+    result["metrics"] = backend.forward_backward(batch)
+    result["grads"] = backend.hf_gradients()
+    result["grad_norm"] = backend.grad_norm()
     return result

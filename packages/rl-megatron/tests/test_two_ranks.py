@@ -275,3 +275,7 @@ def test_pp2_with_two_virtual_stages_equals_one_rank(job, world1, model_dirs):
     assert set(got["exported"]) == set(original)
     assert all(torch.equal(got["exported"][n], original[n]) for n in original)
     assert got["reloaded_equal"] and got["resumed_equal"] and got["loads_without_vpp"]
+    compiled = job["vpp2_compiled"]  # each chunk's layer as one graph: the same step
+    assert compiled["compiled_layers"] == {"whole_layers": 2, "norms_only_layers": 0}
+    torch.testing.assert_close(compiled["log_probs"], expected["log_probs"], atol=1e-5, rtol=0)
+    assert_same_step(compiled, expected)
