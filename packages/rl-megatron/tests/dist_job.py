@@ -33,6 +33,8 @@ def rank_checks(rank: int, dirs: dict, out_path: str) -> dict:
     results["dp2"] = dp2_checks(dirs["qwen3"], rank, out_path)
     results["ep2"] = ep2_checks(dirs["qwen3-moe"], rank, out_path)
     results["cp2"] = cp2_checks(dirs["qwen3"])
+    # each layer one graph, the key/value all-gather (and its backward) traced in it
+    results["cp2_compiled"] = cp2_checks(dirs["qwen3"], compile_layers=True)
     # CP=2 x EP=2: the two CP ranks are also the EP group (each holds half the experts)
     from four_rank_job import layout_checks  # imported here: it imports this module
 
@@ -176,15 +178,17 @@ def ep2_checks(hf_path: str, rank: int, out_path: str) -> dict:
     return result
 
 
-def cp2_checks(hf_path: str) -> dict:
-    """CP=2: both ranks get the whole batch and each runs its zigzag half of every row."""
+def cp2_checks(hf_path: str, **options) -> dict:
+    """CP=2: both ranks get the whole batch and each runs its zigzag half of every row;
+    ``options``: MegatronConfig fields."""
     from rl_megatron.backend import MegatronBackend
     from rl_megatron.config import MegatronConfig
 
-    backend = MegatronBackend(MegatronConfig(hf_path=hf_path, cp=2, **POLICY))
+    backend = MegatronBackend(MegatronConfig(hf_path=hf_path, cp=2, **POLICY, **options))
     assert backend.layout.cp_size == 2
     batch = tiny.random_batch(LENGTHS, seed=11)
     result = {"log_probs": backend.compute_log_probs(batch)}
+    result["compiled_layers"] = backend.compiled_layers
     result["metrics"] = backend.forward_backward(batch)
     result["grads"] = backend.hf_gradients()
     result["grad_norm"] = backend.grad_norm()

@@ -45,8 +45,8 @@ def test_bf16_log_probs_and_training(gpu_model, tmp_path, layout):
     assert float(diff.mean()) < 0.02 and float(diff.max()) < 0.15, (diff.mean(), diff.max())
     assert result["losses"][-1] < result["losses"][0]
     assert set(result["exported"]) == {n for n, _ in hf_model.state_dict().items()}
-    whole = layout in ("single", "pp")  # tp and cp layers compile their norms only
-    assert result["compiled_layers"]["whole_layers"] == (2 if layout == "single" else 1) * whole
+    whole = {"single": 2, "pp": 1, "cp": 2, "tp": 0}[layout]  # tp: the norms only
+    assert result["compiled_layers"]["whole_layers"] == whole
     if layout == "single":
         _assert_compiled_equal_eager(result)
 

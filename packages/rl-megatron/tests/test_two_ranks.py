@@ -135,10 +135,13 @@ def test_ep2_equals_one_rank(job, reference, model_dirs):
     assert got["resumed_equal"]  # experts split over EP ranks, from a distributed checkpoint
 
 
-def test_cp2_equals_one_rank(job, reference):
-    got, expected = job["cp2"], reference["qwen3"]
+@pytest.mark.parametrize("variant", ["cp2", "cp2_compiled"])
+def test_cp2_equals_one_rank(job, reference, variant):
+    got, expected = job[variant], reference["qwen3"]
     torch.testing.assert_close(got["log_probs"], expected["log_probs"], atol=1e-5, rtol=0)
     assert_same_step(got, expected)
+    whole = 2 if variant == "cp2_compiled" else 0
+    assert got["compiled_layers"].get("whole_layers", 0) == whole
 
 
 def test_cp2_with_ep2_equals_one_rank(job, reference, model_dirs):

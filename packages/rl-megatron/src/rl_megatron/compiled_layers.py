@@ -10,12 +10,14 @@ kernel, no Python between them (rl-fsdp does the same for HF decoder layers,
 
 What is compiled, by layer and layout (:func:`whole_layer_compiles`):
 
-- the whole layer: dense layers (MLA included) at tp = 1 and cp = 1, also under megatron's
-  full recompute (its checkpoint calls the compiled layer without grad and again in
-  backward; grad mode is part of the graph's guards);
+- the whole layer: dense layers (MLA included) at tp = 1, at any pp, vpp and cp (the
+  key/value all-gather of :mod:`rl_megatron.attention` and its backward are traced as
+  functional collectives), also under megatron's full recompute (its checkpoint calls the
+  compiled layer without grad and again in backward; grad mode is part of the guards);
 - its RMSNorms only: MoE layers (data-dependent token dispatch; routing replay's router
-  hooks), tp > 1 (the TP / SP collectives inside the layer are not traced here), cp > 1
-  (the key/value all-gather) and selective recompute (megatron checkpoints inside the layer).
+  hooks), tp > 1 (megatron's asynchronous TP / SP collectives, ``async_op=True``, break
+  the graph: 12 breaks over two layers at TP=2) and selective recompute (megatron
+  checkpoints inside the layer).
 
 Two megatron-core calls that dynamo cannot trace are kept out of the graph, with the same
 results: ``make_viewless_tensor`` (a ``.data`` swap) runs on the compiled layer's output
@@ -97,8 +99,8 @@ def _made_viewless(output):
 def whole_layer_compiles(layer, config) -> bool:
     """Whether ``layer`` is compiled whole (see the module docstring), else its norms only."""
     dense = not getattr(layer, "is_moe_layer", False)
-    local = config.tensor_model_parallel_size == 1 and config.context_parallel_size == 1
-    return dense and local and config.recompute_granularity != "selective"
+    untraced = config.tensor_model_parallel_size > 1 or config.recompute_granularity == "selective"
+    return dense and not untraced
 
 
 def compile_layers(chunks, *, backend="inductor") -> dict[str, int]:

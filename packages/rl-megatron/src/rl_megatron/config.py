@@ -78,8 +78,8 @@ class MegatronConfig:
     compile_layers: bool | None = None
     """torch.compile each transformer layer as one graph, forward and backward (norms,
     rotary, residual adds fused around the matmuls and attention; no host time between
-    kernels): dense layers at tp = 1 and cp = 1 whole, the other layouts' layers (MoE, tp
-    or cp > 1, selective recompute) their RMSNorms only (:mod:`rl_megatron.compiled_layers`).
+    kernels): dense layers at tp = 1 whole (any pp, vpp, cp), the others (MoE layers,
+    tp > 1, selective recompute) their RMSNorms only (:mod:`rl_megatron.compiled_layers`).
     A layer class whose compilation fails runs eager, logged once. None: on for cuda, off
     for cpu (compiling costs more there than it saves)."""
     seed: int = 1234
