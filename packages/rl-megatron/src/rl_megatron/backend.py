@@ -393,21 +393,24 @@ class MegatronBackend(WeightsAndStateMixin):
         return self._sum_over(dict(metrics), self.dp_cp_group)
 
     def _local_forward_backward(self, batch: TrainBatch, groups) -> dict[str, float]:
-        metrics: dict[str, float] = defaultdict(float)
+        """Metrics summed on the device and read back once: no host sync between a
+        micro-batch's forward and its backward (the GPU would idle while the host reads)."""
+        metrics: dict = defaultdict(float)
         for group in groups:
             part = batch.select(group)
             first, entropy, held = self._per_token(part, with_entropy=self.config.role == "policy")
-            loss, part_metrics = self._loss(part, first, entropy, held)
+            loss, part_metrics = self._loss(part, first, entropy, held, tensor_metrics=True)
             loss.backward()
             for key, value in part_metrics.items():
-                metrics[key] += value
-        return metrics
+                is_tensor = isinstance(value, torch.Tensor)
+                metrics[key] += value.detach().double() if is_tensor else value
+        return _read_back(metrics)
 
-    def _loss(self, part: TrainBatch, first, entropy, held):
+    def _loss(self, part: TrainBatch, first, entropy, held, *, tensor_metrics: bool = False):
         part = restrict_batch(part, held)
         if self.config.critic:
             return critic_loss(self.config, part, first)
-        return actor_loss(self.config, part, first, entropy)
+        return actor_loss(self.config, part, first, entropy, tensor_metrics=tensor_metrics)
 
     def _pipeline_forward_backward(self, batch: TrainBatch, groups) -> dict[str, float]:
         def stage_loss(part, logits, held):
@@ -498,6 +501,13 @@ class MegatronBackend(WeightsAndStateMixin):
         values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.device)
         dist.all_reduce(values, group=group)
         return dict(zip(keys, values.tolist(), strict=True))
+
+
+def _read_back(metrics: dict) -> dict[str, float]:
+    """``metrics`` with its device tensors read back to floats in one copy."""
+    keys = [key for key, value in metrics.items() if isinstance(value, torch.Tensor)]
+    values = torch.stack([metrics[key] for key in keys]).tolist() if keys else []
+    return {**metrics, **dict(zip(keys, values, strict=True))}
 
 
 def _parallel_layout(config: MegatronConfig):

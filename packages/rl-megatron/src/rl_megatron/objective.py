@@ -14,10 +14,18 @@ from rl_megatron.config import MegatronConfig
 
 
 def actor_loss(
-    config: MegatronConfig, part: TrainBatch, log_probs: torch.Tensor, entropy: torch.Tensor | None
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """SFT or policy loss of ``part`` from its log-probs ``[N]`` (and entropy ``[N]``)."""
-    return batch_objective_loss(config.objective, part, log_probs, entropy)
+    config: MegatronConfig,
+    part: TrainBatch,
+    log_probs: torch.Tensor,
+    entropy: torch.Tensor | None,
+    *,
+    tensor_metrics: bool = False,
+) -> tuple[torch.Tensor, dict]:
+    """SFT or policy loss of ``part`` from its log-probs ``[N]`` (and entropy ``[N]``);
+    metrics as floats, or with ``tensor_metrics`` as 0-d device tensors (no host sync)."""
+    return batch_objective_loss(
+        config.objective, part, log_probs, entropy, tensor_metrics=tensor_metrics
+    )
 
 
 def critic_loss(
