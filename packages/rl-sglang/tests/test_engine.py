@@ -349,14 +349,20 @@ def test_the_runner_choice_names_why_a_model_cannot_take_the_static_path(caplog)
     from rl_sglang.engine.static import static_unsupported_reason
 
     def fake(on_cuda: bool, **config):
-        settings = {"model_type": "llama", "hidden_act": "silu", **config}
-        param = SimpleNamespace(is_cuda=on_cuda)
+        shape = {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}
+        settings = {"model_type": "llama", "hidden_act": "silu", **shape, **config}
+        param = SimpleNamespace(is_cuda=on_cuda, element_size=lambda: 4)
         return SimpleNamespace(config=SimpleNamespace(**settings), parameters=lambda: iter([param]))
 
     assert static_unsupported_reason(fake(True)) is None
     assert "gelu" in static_unsupported_reason(fake(True, hidden_act="gelu"))
     assert choose_runner("auto", fake(True)) == "static"
-    assert choose_runner("auto", fake(False)) == "dynamic"  # CPU: no graphs, nothing to say
+    # CPU: static only while its slot cache is small (2 layers x 4 heads x 16 dims x 2 x 4 B
+    # = 1 KiB a token: 64 slots of 64 tokens take 4 MiB); nothing to say either way
+    assert choose_runner("auto", fake(False), max_context=64, max_slots=64) == "static"
+    assert choose_runner("auto", fake(False), max_context=8192, max_slots=64) == "dynamic"
+    assert choose_runner("auto", fake(False)) == "dynamic"  # unbounded context
+    assert choose_runner("auto", fake(False, model_type="gemma"), 64, 64) == "dynamic"
     assert not caplog.records
     with caplog.at_level("WARNING"):
         assert choose_runner("auto", fake(True, model_type="gemma")) == "dynamic"

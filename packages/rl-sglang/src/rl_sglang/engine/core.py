@@ -96,8 +96,9 @@ class Engine:
         )
         if enable_lora and runner == "static":
             raise ValueError("--enable-lora runs the dynamic runner; drop --runner static")
-        runner = "dynamic" if enable_lora else runner
-        self.runner_kind = choose_runner(runner, model, self.max_context)
+        if runner == "auto" and (enable_lora or enable_return_routed_experts):
+            runner = "dynamic"  # adapters and route recording hook the model's own modules
+        self.runner_kind = choose_runner(runner, model, self.max_context, max_batch_size)
         self.compile = self.device.type == "cuda" if compile is None else compile  # None: auto
         if int(multi_step) < 1:
             raise ValueError(
@@ -412,10 +413,21 @@ def _start_len(value, num_ids: int) -> int | None:
     return int(value)
 
 
-def choose_runner(kind: str, model, max_context: int | None = None) -> str:
+# On CPU the static runner's fixed slot cache is worth it only while it stays small: it
+# skips the HF forward's per-step mask and cache building (about a fifth of a tiny model's
+# rollout CPU), but attends over the whole slot row and holds every slot from the start.
+CPU_STATIC_CACHE_BYTES = 64 << 20
+
+
+def choose_runner(
+    kind: str, model, max_context: int | None = None, max_slots: int | None = None
+) -> str:
     """``auto``: the static slot runner (CUDA graphs) on CUDA for Llama-family models, else
     the dynamic left-padded one; on CUDA the log says why a model cannot take the fast path
-    (``max_context``: the longest context served, which a sliding window must cover)."""
+    (``max_context``: the longest context served, which a sliding window must cover). On CPU
+    ``auto`` takes the static runner where it can and its slot cache (``max_slots`` rows of
+    ``max_context`` tokens) fits :data:`CPU_STATIC_CACHE_BYTES`: small models and short
+    contexts, whose decode steps the HF forward's bookkeeping dominates."""
     from rl_sglang.engine.static import static_unsupported_reason
 
     if kind not in RUNNERS:
@@ -425,7 +437,8 @@ def choose_runner(kind: str, model, max_context: int | None = None) -> str:
         raise ValueError(f"the static runner cannot take this model ({reason}); use dynamic")
     if kind == "auto":
         if not next(model.parameters()).is_cuda:
-            return "dynamic"
+            small = static_cache_bytes(model, max_context, max_slots) <= CPU_STATIC_CACHE_BYTES
+            return "static" if reason is None and small else "dynamic"
         if reason is not None:
             logger.warning(
                 "decoding without CUDA graphs (the dynamic runner, several times slower): %s",
@@ -434,6 +447,19 @@ def choose_runner(kind: str, model, max_context: int | None = None) -> str:
             return "dynamic"
         return "static"
     return kind
+
+
+def static_cache_bytes(model, max_context: int | None, max_slots: int | None) -> float:
+    """Bytes of the static runner's key and value slots for ``max_slots`` rows of
+    ``max_context`` tokens (infinite when either is unknown)."""
+    config = model.config
+    if not max_context or not max_slots or max_context >= 1 << 20:
+        return float("inf")
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    itemsize = next(model.parameters()).element_size()
+    per_token = 2 * config.num_hidden_layers * heads * head_dim * itemsize
+    return float(max_slots * (-(-max_context // 16) * 16) * per_token)
 
 
 def _resolver(loop: asyncio.AbstractEventLoop, future: asyncio.Future):

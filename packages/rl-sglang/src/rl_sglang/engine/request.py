@@ -31,7 +31,6 @@ class Request:
     text: str = ""
     weight_version: str = ""
     created: float = field(default_factory=time.monotonic)
-    generator: torch.Generator | None = None
     adapter: Any = None  # the LoRA adapter its ``lora_path`` named (engine.lora.Adapter)
     return_routed_experts: bool = False  # SGLang's field: meta_info["routed_experts"]
     routes: list[torch.Tensor] = field(default_factory=list)  # [n, L, K] chunks (engine.routes)
@@ -39,12 +38,6 @@ class Request:
     def matches(self, rid: str | None) -> bool:
         """True when an abort of ``rid`` (None = all) concerns this request."""
         return rid is None or rid in (self.rid, self.parent_rid)
-
-    def seed(self, device: torch.device) -> None:
-        """Give the request its own generator when it asked for a ``sampling_seed``."""
-        if self.params.sampling_seed is not None:
-            self.generator = torch.Generator(device=device)
-            self.generator.manual_seed(int(self.params.sampling_seed))
 
     def finish_with(self, reason: dict[str, Any]) -> None:
         assert self.finish is None, f"request {self.rid} finished twice"

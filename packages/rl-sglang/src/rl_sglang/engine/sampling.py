@@ -5,6 +5,12 @@ Shapes: ``logits_BV`` float32, one row per running request; every per-row parame
 distribution before top-k/top-p/min-p truncation (the distribution the policy defines),
 and from the raw logits for greedy rows, so a teacher-forced forward of the same weights
 reproduces it.
+
+Draws are batched: every row's uniform number picks its token by inverse CDF, in one
+``searchsorted`` for the whole batch. A row with a ``sampling_seed`` takes its number from
+a counter-based hash of (seed, index of the token in its response) instead of a generator of
+its own, so its tokens depend on neither its batch mates nor the order it was admitted in,
+and no per-row kernel runs (a per-row generator cost two launches a row a step on the GPU).
 """
 
 from dataclasses import dataclass
@@ -20,6 +26,7 @@ class RowParams:
     top_k: torch.Tensor  # -1 = off
     top_p: torch.Tensor
     min_p: torch.Tensor
+    seed: torch.Tensor | None = None  # int64, -1 = unseeded; None when no row is seeded
     all_greedy: bool = False  # known on the host, so checking it costs no device sync
     truncates: bool = True  # some row uses top_k, top_p or min_p
 
@@ -28,11 +35,14 @@ class RowParams:
         def column(name, dtype):
             return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=device)
 
+        seeds = [-1 if p.sampling_seed is None else int(p.sampling_seed) for p in params]
+        seeded = any(seed != -1 for seed in seeds)
         return cls(
             temperature=column("temperature", torch.float32),
             top_k=column("top_k", torch.long),
             top_p=column("top_p", torch.float32),
             min_p=column("min_p", torch.float32),
+            seed=torch.tensor(seeds, dtype=torch.long, device=device) if seeded else None,
             all_greedy=all(p.temperature == 0 for p in params),
             truncates=any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params),
         )
@@ -54,14 +64,14 @@ def truncated_probs(logprobs_BV: torch.Tensor, rows: RowParams) -> torch.Tensor:
 
 
 def sample_next(
-    logits_BV: torch.Tensor,
-    rows: RowParams,
-    generators: list[torch.Generator | None],
+    logits_BV: torch.Tensor, rows: RowParams, positions_B: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Next token ``[B]`` and its log-prob ``[B]`` for every row.
 
-    Rows with temperature 0 take the argmax (log-prob from the raw logits); rows with their own generator
-    (a ``sampling_seed``) draw with it, so their output does not depend on batch mates.
+    Rows with temperature 0 take the argmax (log-prob from the raw logits); rows with a
+    ``sampling_seed`` draw the uniform number :func:`seeded_uniform` gives their seed and
+    ``positions_B`` (the index of the token in each row's response; needed when
+    ``rows.seed`` is set), the others a fresh one.
     """
     logits_BV = logits_BV.float()
     if rows.all_greedy:
@@ -70,7 +80,7 @@ def sample_next(
     scale_B = torch.where(greedy_B, torch.ones_like(rows.temperature), rows.temperature)
     logprobs_BV = torch.log_softmax(logits_BV / scale_B[:, None], dim=-1)
     probs_BV = truncated_probs(logprobs_BV, rows) if rows.truncates else logprobs_BV.exp()
-    sampled_B = _draw(probs_BV, generators)
+    sampled_B = inverse_cdf_draw(probs_BV, _uniforms(rows, positions_B, probs_BV.device))
     tokens_B = torch.where(greedy_B, logits_BV.argmax(dim=-1), sampled_B)
     return tokens_B, logprobs_BV.gather(-1, tokens_B[:, None]).squeeze(-1)
 
@@ -82,10 +92,40 @@ def greedy_pick(logits_BV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens_B, best_B - logits_BV.logsumexp(dim=-1)
 
 
-def _draw(probs_BV: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One multinomial draw per row; seeded rows use their own generator."""
-    tokens_B = torch.multinomial(probs_BV, 1).squeeze(-1)
-    for row, generator in enumerate(generators):
-        if generator is not None:
-            tokens_B[row] = torch.multinomial(probs_BV[row], 1, generator=generator)[0]
-    return tokens_B
+def inverse_cdf_draw(probs_BV: torch.Tensor, uniform_B: torch.Tensor) -> torch.Tensor:
+    """The token each row's uniform number ``[B]`` in [0, 1) falls on in its (unnormalised)
+    probabilities: the first index whose cumulative mass exceeds ``u x total``. The target
+    is kept just below the total, so a token of zero probability is never picked."""
+    cdf_BV = probs_BV.cumsum(dim=-1)
+    target_B = uniform_B.to(cdf_BV.dtype) * cdf_BV[:, -1] * (1.0 - 1e-6)
+    return torch.searchsorted(cdf_BV, target_B[:, None], right=True).squeeze(-1)
+
+
+def _uniforms(rows: RowParams, positions_B: torch.Tensor | None, device) -> torch.Tensor:
+    fresh_B = torch.rand(rows.temperature.shape[0], dtype=torch.float64, device=device)
+    if rows.seed is None:
+        return fresh_B
+    if positions_B is None:
+        raise ValueError("seeded rows need the position of the token they draw")
+    return torch.where(rows.seed >= 0, seeded_uniform(rows.seed, positions_B), fresh_B)
+
+
+_GOLDEN = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15 as a signed 64-bit integer
+_MIX1 = -0x40A7B892E31B1A47  # 0xBF58476D1CE4E5B9
+_MIX2 = -0x6B2FB644ECCEEE15  # 0x94D049BB133111EB
+
+
+def seeded_uniform(seed_B: torch.Tensor, position_B: torch.Tensor) -> torch.Tensor:
+    """A uniform float64 in [0, 1) per row from its int64 seed and position: SplitMix64's
+    output function over ``seed x golden + (position + 1) x mix1`` (wrapping int64
+    arithmetic, logical shifts), the top 53 bits as the fraction."""
+    x = seed_B * _GOLDEN + (position_B.to(torch.long) + 1) * _MIX1
+    x = (x ^ _shift_right(x, 30)) * _MIX1
+    x = (x ^ _shift_right(x, 27)) * _MIX2
+    x = x ^ _shift_right(x, 31)
+    return _shift_right(x, 11).to(torch.float64) * 2.0**-53
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's ``>>`` keeps the sign)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)

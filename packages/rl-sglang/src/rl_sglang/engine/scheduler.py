@@ -197,8 +197,6 @@ class Scheduler:
         new = self._admitting = [r for r in new if not self._finished_before_start(r)]
         if not new:
             return
-        for request in new:
-            request.seed(self.runner.device)
         self.use_adapters(new)
         prompts = [r.prompt_ids + r.output_ids for r in new]
         self.routes.arm(new)
@@ -256,8 +254,8 @@ class Scheduler:
             return Launched(*out) if steps > 1 else Launched(out[0][None], out[1][None])
         logits_BV = self.runner.decode(self._state, tokens_B)
         self.routes.after_decode(self._running)
-        generators = [r.generator for r in self._running]
-        tokens_B, logprobs_B = sample_next(logits_BV, rows, generators)
+        positions_B = _positions(self._running, pending, rows)
+        tokens_B, logprobs_B = sample_next(logits_BV, rows, positions_B)
         return Launched(tokens_B[None], logprobs_B[None])
 
     def _round_steps(self, pending: int) -> int:
@@ -307,7 +305,7 @@ class Scheduler:
     def _sample(self, logits_BV: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Sample one token per request and append it (with its log-prob) to the request."""
         rows = self._row_params(requests, logits_BV.device)
-        tokens_B, logprobs_B = sample_next(logits_BV, rows, [r.generator for r in requests])
+        tokens_B, logprobs_B = sample_next(logits_BV, rows, _positions(requests, 0, rows))
         tokens, logprobs = (row[0] for row in Launched(tokens_B[None], logprobs_B[None]).wait())
         for request, token, logprob in zip(requests, tokens, logprobs, strict=True):
             request.output_ids.append(token)
@@ -335,3 +333,12 @@ class Scheduler:
             for row in range(first_row, len(self._running))
         }
         self._retire_rows({row: reason for row, reason in reasons.items() if reason is not None})
+
+
+def _positions(requests: list[Request], pending: int, rows) -> torch.Tensor | None:
+    """Index in its response of the token each row draws next (``pending``: tokens of a
+    queued round not yet appended), for seeded draws; None when no row is seeded."""
+    if rows.seed is None:
+        return None
+    positions = [len(r.output_ids) + pending for r in requests]
+    return torch.tensor(positions, dtype=torch.long).to(rows.seed.device, non_blocking=True)
