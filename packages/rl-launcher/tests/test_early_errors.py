@@ -20,7 +20,9 @@ from rl_launcher.infra.ray_cluster import check_reachable
 from rl_launcher.infra.run_dirs import prepare_run_dirs
 from rl_launcher.session.run import check_fresh
 
-TOKENIZER = Path(__file__).resolve().parents[3] / "examples" / "quickstart" / "tokenizer"
+QUICKSTART_DIR = Path(__file__).resolve().parents[3] / "examples" / "quickstart"
+TOKENIZER = QUICKSTART_DIR / "tokenizer"
+TRAIN_DATA = f"[{{path: {QUICKSTART_DIR / 'data' / 'train.jsonl'}}}]"  # wherever pytest runs
 
 
 def _must_not_start(config):
@@ -279,6 +281,8 @@ def test_cuda_with_too_few_gpus_names_the_layout(tmp_path, guarded, monkeypatch,
         "4",
         "--model.tokenizer_path",  # a run that could start: the tiny model of the quickstart
         str(TOKENIZER),
+        "--data.train",
+        TRAIN_DATA,
         "--logging.run_dir",
         str(tmp_path),
     ]

@@ -75,7 +75,9 @@ def test_every_switch_shows_in_the_metrics(run_dir):
         # rollout old log-probs: no driver-side recompute, the train step measures the gap
         assert 0.0 <= record["mismatch/logprob_abs_diff_mean"] <= 0.5  # under the gate
         assert "mismatch/logprob_abs_diff_max" not in record
-        assert 0.0 <= record["pg/opsm_frac"] < 1.0  # OPSM on
+        # OPSM on; the metric is the last minibatch's (4 samples here), which can be all
+        # masked
+        assert 0.0 <= record["pg/opsm_frac"] <= 1.0
         assert record["loss/kl"] >= 0.0  # the (unbiased) KL term is in the loss
     assert sum(r["pg/opsm_frac"] for r in records) > 0  # some sequences were masked
     assert [r.get("actor/ref_updated") for r in records] == [None, 1.0, None, 1.0]
