@@ -44,6 +44,7 @@ from model_shapes import SHAPES
 from torch.nn.utils.rnn import pad_sequence
 
 from rl_core.batch import TrainBatch
+from rl_core.compiling import compile_report
 from rl_core.packing import cu_seqlens_from_lengths
 from rl_fsdp import FSDPBackend, FSDPConfig, fusion, modeling
 from rl_fsdp.metrics import train_flops
@@ -296,23 +297,6 @@ def _compile_blocks(args) -> bool | None:
     if args.no_compile_blocks or args.compile_layers:
         return False
     return True if args.compile_blocks else None
-
-
-def compile_report() -> dict:
-    """What torch.compile did in this process so far: graph breaks by reason (first
-    line), graphs, and frames compiled (first compiles and recompiles)."""
-    from torch._dynamo.utils import counters
-
-    reasons: dict[str, int] = {}
-    for reason, count in counters["graph_break"].items():
-        line = reason.strip().splitlines()[0][:120]
-        reasons[line] = reasons.get(line, 0) + count
-    return {
-        "graph_breaks": sum(reasons.values()),
-        "break_reasons": reasons,
-        "unique_graphs": counters["stats"]["unique_graphs"],
-        "frames_compiled": counters["frames"]["total"],
-    }
 
 
 PROFILE: dict = {}  # --profile: one more rl-fsdp step under torch.profiler

@@ -222,7 +222,7 @@ def megatron_worker(
         }
         result = {"seconds": seconds, "peak_memory_gib": peak, "levers": levers}
         if backend.compiled_layers:
-            from rl_megatron.compiled_layers import compile_report
+            from rl_core.compiling import compile_report
 
             result["compile"] = compile_report()
         with open(out_path, "w") as f:

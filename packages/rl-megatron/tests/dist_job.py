@@ -235,8 +235,8 @@ def critic_checks(hf_path: str, out_path: str | None = None, *, tp: int = 1, pp:
 def pp2_checks(hf_path: str, **options) -> dict:
     """PP=2: one layer per stage, 1F1B over two micro-batches; ``options``: MegatronConfig
     fields."""
+    from rl_core.compiling import compile_report
     from rl_megatron.backend import MegatronBackend
-    from rl_megatron.compiled_layers import compile_report
     from rl_megatron.config import MegatronConfig
 
     config = MegatronConfig(

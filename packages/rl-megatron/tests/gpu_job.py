@@ -49,7 +49,7 @@ def run(rank: int, world: int, port: int, hf_path: str, out_path: str, layout: s
     result["exported"] = exported
     result["compiled_layers"] = backend.compiled_layers
     if layout == "single":  # the same steps with eager layers
-        from rl_megatron.compiled_layers import compile_report
+        from rl_core.compiling import compile_report
 
         result["compile"] = compile_report()
         result["eager"] = _steps(hf_path, compile_layers=False)[1]

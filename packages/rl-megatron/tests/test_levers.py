@@ -101,7 +101,7 @@ def test_compiled_layers_equal_eager_without_graph_breaks(world1, model_dirs, ca
     between fused operations where eager rounds each one, measured <= 3e-3)."""
     from torch._dynamo.utils import counters
 
-    from rl_megatron.compiled_layers import compile_report
+    from rl_core.compiling import compile_report
 
     name, options, layers, graphs = COMPILED_CASES[case]
     batches, precision = (LENGTHS, [7, 20, 3]), "bf16" if "bf16" in case else "fp32"

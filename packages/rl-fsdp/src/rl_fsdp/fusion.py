@@ -35,48 +35,25 @@ import warnings
 import torch
 from torch import nn
 
+from rl_core import compiling
+
+COMPILE_FAILURES = compiling.COMPILE_FAILURES  # the classes fallen back (the bench reports it)
 COMPILED_SUFFIXES = ("MLP", "RMSNorm")
 ATTENTION_SUFFIX = "Attention"
 PER_MODULE_ONLY = ("moe", "expert")  # class-name parts of layers kept per module
-COMPILE_FAILURES: list[str] = []
-_RECOMPILE_LIMIT = 64  # graphs per code object: shapes x grad mode x norm kinds
 
 
-class CompiledOrEager:
-    """A module's ``forward`` replacement: the compiled forward, or the eager one once the
-    compiled one has failed, for every module of the same class in ``failed_classes``
-    (shared by one :func:`compile_blocks` call: a class fails once, not once per layer).
-    ``fallback`` runs once, before the first eager call (a layer compiles its blocks)."""
+class CompiledOrEager(compiling.CompiledOrEager):
+    """:class:`rl_core.compiling.CompiledOrEager` for HF blocks ``[1, N, ...]``: the token
+    dimension of every tensor argument dynamic; a failure warned. A whole layer's
+    ``fallback`` compiles its blocks one by one."""
 
-    def __init__(
-        self, module: nn.Module, backend, dynamic: bool | None, failed_classes: set, fallback=None
-    ):
-        self.eager = module.forward
-        self.compiled = torch.compile(self.eager, backend=backend, dynamic=dynamic)
-        self.name = type(module).__name__
-        self.failed_classes = failed_classes
-        self.fallback = fallback
+    def mark_dynamic(self, args: tuple, kwargs: dict) -> None:
+        _mark_tokens_dynamic(args, kwargs)
 
-    @property
-    def failed(self) -> bool:
-        return self.name in self.failed_classes
-
-    def __call__(self, *args, **kwargs):
-        if torch.compiler.is_compiling():  # inside another compiled module: trace inline
-            return self.eager(*args, **kwargs)
-        if not self.failed:
-            _mark_tokens_dynamic(args, kwargs)
-            try:
-                return self.compiled(*args, **kwargs)
-            except Exception as err:  # compilation failure: eager from now on
-                self.failed_classes.add(self.name)
-                COMPILE_FAILURES.append(f"{self.name}: {err!r}"[:400])
-                message = f"torch.compile of {self.name} failed, running eager: {err!r}"
-                warnings.warn(message, stacklevel=2)
-        if self.fallback is not None:
-            self.fallback, fallback = None, self.fallback
-            fallback()
-        return self.eager(*args, **kwargs)
+    def report_failure(self, error: Exception) -> None:
+        message = f"torch.compile of {self.name} failed, running eager: {error!r}"
+        warnings.warn(message, stacklevel=3)
 
 
 def _mark_tokens_dynamic(args: tuple, kwargs: dict) -> None:
@@ -110,7 +87,7 @@ def compile_blocks(
     each decoder layer whole (see the module docstring) and the RMSNorms outside them;
     without it, or for layers of :data:`PER_MODULE_ONLY` kinds, every MLP and RMSNorm.
     Returns how many modules were wrapped. Idempotent."""
-    _raise_recompile_limit()
+    compiling.raise_recompile_limit()
     failed_classes = set()
     wrap = functools.partial(_wrap, backend=backend, dynamic=dynamic, failed=failed_classes)
     layers, count = {id(layer) for layer in decoder_layers(model)}, 0
@@ -125,7 +102,9 @@ def _wrap(modules, *, backend, dynamic, failed: set, fallback=None) -> int:
     count = 0
     for module in modules:
         if not isinstance(module.__dict__.get("forward"), CompiledOrEager):
-            module.forward = CompiledOrEager(module, backend, dynamic, failed, fallback)
+            module.forward = CompiledOrEager(
+                module, backend=backend, failed_classes=failed, dynamic=dynamic, fallback=fallback
+            )
             count += 1
     return count
 
@@ -154,23 +133,13 @@ def _whole(layer: nn.Module) -> bool:
     return not any(part in name for name in names for part in PER_MODULE_ONLY)
 
 
-def _wrappers(model: nn.Module) -> list[CompiledOrEager]:
-    wrappers = [m.__dict__.get("forward") for m in model.modules()]
-    return [w for w in wrappers if isinstance(w, CompiledOrEager)]
-
-
 def compiled_count(model: nn.Module) -> tuple[int, int]:
     """``(compiled, fell back to eager)`` counts of the wrapped modules of ``model``."""
-    failed = sum(w.failed for w in _wrappers(model))
-    return len(_wrappers(model)) - failed, failed
+    wrappers = compiling.wrapped_forwards(model.modules())
+    failed = sum(w.failed for w in wrappers)
+    return len(wrappers) - failed, failed
 
 
 def compiled_classes(model: nn.Module) -> list[str]:
     """Class names of the modules of ``model`` running compiled (not fallen back)."""
-    return sorted({w.name for w in _wrappers(model) if not w.failed})
-
-
-def _raise_recompile_limit() -> None:
-    config = torch._dynamo.config
-    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    setattr(config, name, max(getattr(config, name), _RECOMPILE_LIMIT))
+    return sorted({w.name for w in compiling.wrapped_forwards(model.modules()) if not w.failed})

@@ -35,43 +35,30 @@ import logging
 
 import torch
 
+from rl_core import compiling
+
 logger = logging.getLogger(__name__)
 
-COMPILE_FAILURES: list[str] = []  # "Class: error" of every class fallen back to eager
-_RECOMPILE_LIMIT = 64  # graphs per code object: shapes x grad mode x train/eval
+COMPILE_FAILURES = compiling.COMPILE_FAILURES  # "Class: error" of every class fallen back
 
 
-class CompiledOrEager:
-    """A module's ``forward`` replacement: its compiled forward, or the eager one once a
-    compiled call of any module of the same class (``failed_classes``) has raised.
-    ``viewless``: the output's first tensor made viewless outside the graph, as megatron's
-    layer does (the pipeline schedules free a stage's output through ``.data``)."""
+class CompiledOrEager(compiling.CompiledOrEager):
+    """:class:`rl_core.compiling.CompiledOrEager` for megatron's ``[s, b, h]`` modules:
+    tokens and rows dynamic; a failure logged. ``viewless``: the output's first tensor
+    made viewless outside the graph, as megatron's layer does (the pipeline schedules
+    free a stage's output through ``.data``)."""
 
     def __init__(self, module, *, backend, failed_classes: set, viewless: bool = False):
-        self.eager = module.forward
-        self.compiled = torch.compile(self.eager, backend=backend)
-        self.name = type(module).__name__
-        self.failed_classes = failed_classes
+        super().__init__(module, backend=backend, failed_classes=failed_classes)
         self.viewless = viewless
 
-    @property
-    def failed(self) -> bool:
-        return self.name in self.failed_classes
-
-    def __call__(self, *args, **kwargs):
-        if torch.compiler.is_compiling() or self.failed:
-            return self.eager(*args, **kwargs)
+    def mark_dynamic(self, args: tuple, kwargs: dict) -> None:
         _mark_tokens_dynamic(args, kwargs)
-        try:
-            output = self.compiled(*args, **kwargs)
-        except Exception as error:  # a compile (or compiled-run) failure: eager from now on
-            self._fall_back(error)
-            return self.eager(*args, **kwargs)
+
+    def finish(self, output):
         return _made_viewless(output) if self.viewless else output
 
-    def _fall_back(self, error: Exception) -> None:
-        self.failed_classes.add(self.name)
-        COMPILE_FAILURES.append(f"{self.name}: {error!r}"[:400])
+    def report_failure(self, error: Exception) -> None:
         logger.warning("torch.compile of %s failed, running it eager: %r", self.name, error)
 
 
@@ -110,7 +97,7 @@ def compile_layers(chunks, *, backend="inductor") -> dict[str, int]:
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     _graph_safe_megatron()
-    _raise_recompile_limit()
+    compiling.raise_recompile_limit()
     failed: set[str] = set()
     counts = {"whole_layers": 0, "norms_only_layers": 0}
     for chunk in chunks:
@@ -132,28 +119,9 @@ def _norms(layer) -> list[torch.nn.Module]:
 
 def compiled_count(chunks) -> tuple[int, int]:
     """``(compiled, fallen back to eager)`` counts of the wrapped modules in ``chunks``."""
-    wrappers = [m.__dict__.get("forward") for chunk in chunks for m in chunk.modules()]
-    wrappers = [w for w in wrappers if isinstance(w, CompiledOrEager)]
+    wrappers = compiling.wrapped_forwards(m for chunk in chunks for m in chunk.modules())
     failed = sum(w.failed for w in wrappers)
     return len(wrappers) - failed, failed
-
-
-def compile_report() -> dict:
-    """What torch.compile did in this process so far: graph breaks by reason (first line),
-    graphs, frames compiled (first compiles and recompiles)."""
-    from torch._dynamo.utils import counters
-
-    reasons: dict[str, int] = {}
-    for reason, count in counters["graph_break"].items():
-        line = reason.strip().splitlines()[0][:120]
-        reasons[line] = reasons.get(line, 0) + count
-    return {
-        "graph_breaks": sum(reasons.values()),
-        "break_reasons": reasons,
-        "unique_graphs": counters["stats"]["unique_graphs"],
-        "frames_compiled": counters["frames"]["total"],
-        "failures": list(COMPILE_FAILURES),
-    }
 
 
 @functools.cache
@@ -180,9 +148,3 @@ def _graph_safe_megatron() -> None:
 
     transformer_layer.make_viewless_tensor = make_viewless_tensor
     layers.get_tensor_model_parallel_group_if_none = get_tensor_model_parallel_group_if_none
-
-
-def _raise_recompile_limit() -> None:
-    config = torch._dynamo.config
-    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    setattr(config, name, max(getattr(config, name), _RECOMPILE_LIMIT))
