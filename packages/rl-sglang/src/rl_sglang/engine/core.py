@@ -3,6 +3,7 @@ scheduler, behind methods that take and return SGLang-shaped dicts."""
 
 import asyncio
 import logging
+import math
 import uuid
 from pathlib import Path
 from typing import Any
@@ -437,8 +438,10 @@ def choose_runner(
         raise ValueError(f"the static runner cannot take this model ({reason}); use dynamic")
     if kind == "auto":
         if not next(model.parameters()).is_cuda:
-            small = static_cache_bytes(model, max_context, max_slots) <= CPU_STATIC_CACHE_BYTES
-            return "static" if reason is None and small else "dynamic"
+            if reason is not None:
+                return "dynamic"
+            cache_bytes = static_cache_bytes(model, max_context, max_slots)
+            return "static" if cache_bytes <= CPU_STATIC_CACHE_BYTES else "dynamic"
         if reason is not None:
             logger.warning(
                 "decoding without CUDA graphs (the dynamic runner, several times slower): %s",
@@ -452,14 +455,13 @@ def choose_runner(
 def static_cache_bytes(model, max_context: int | None, max_slots: int | None) -> float:
     """Bytes of the static runner's key and value slots for ``max_slots`` rows of
     ``max_context`` tokens (infinite when either is unknown)."""
-    config = model.config
     if not max_context or not max_slots or max_context >= 1 << 20:
         return float("inf")
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    from rl_sglang.engine.static import slot_cache_shape
+
+    per_layer = math.prod(slot_cache_shape(model.config, max_slots, max_context))
     itemsize = next(model.parameters()).element_size()
-    per_token = 2 * config.num_hidden_layers * heads * head_dim * itemsize
-    return float(max_slots * (-(-max_context // 16) * 16) * per_token)
+    return float(2 * model.config.num_hidden_layers * per_layer * itemsize)
 
 
 def _resolver(loop: asyncio.AbstractEventLoop, future: asyncio.Future):

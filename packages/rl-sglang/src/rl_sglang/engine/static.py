@@ -61,6 +61,14 @@ def static_unsupported_reason(model, max_context: int | None = None) -> str | No
     return None
 
 
+def slot_cache_shape(config, max_slots: int, max_len: int) -> tuple[int, int, int, int]:
+    """``[slots, key/value heads, rows, head dim]`` of one layer's key (or value) cache:
+    rows aligned to 16 for the fused attention kernels."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return (max_slots, heads, -(-max_len // 16) * 16, head_dim)
+
+
 def _sliding_window(config) -> int | None:
     """The window of the layers that have one (None when no layer does)."""
     layer_types = getattr(config, "layer_types", None)
@@ -118,11 +126,9 @@ class StaticRunner:
             raise ValueError(f"static decoding cannot take this model: {reason}")
         self.model, self.max_slots, self.max_len = model, max_slots, max_len
         config = model.config
-        self.head_dim = (
-            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        )
+        self.cache_shape = slot_cache_shape(config, max_slots, max_len)
+        self.cache_len, self.head_dim = self.cache_shape[2], self.cache_shape[3]
         self.num_heads = config.num_attention_heads
-        self.cache_len = -(-max_len // 16) * 16  # aligned rows for the fused attention kernels
         self.eps = norm_eps(model.model.layers[0].input_layernorm)
         pick = upcast_greedy_pick
         self.layer_fn = torch.compile(decode_layer, dynamic=True) if compile else decode_layer
@@ -136,10 +142,10 @@ class StaticRunner:
         """Allocate the slot caches and fused weights on the model's device and capture the
         graphs: at start, and after :meth:`release` once the model is back on the device.
         The compiled functions are kept, so a resume captures but does not compile again."""
-        config, param = self.model.config, next(self.model.parameters())
-        layers = self.model.model.layers
-        shape = (self.max_slots, config.num_key_value_heads, self.cache_len, self.head_dim)
-        self.keys = [torch.zeros(shape, dtype=param.dtype, device=param.device) for _ in layers]
+        param, layers = next(self.model.parameters()), self.model.model.layers
+        self.keys = [
+            torch.zeros(self.cache_shape, dtype=param.dtype, device=param.device) for _ in layers
+        ]
         self.values = [torch.zeros_like(k) for k in self.keys]
         self.lengths = torch.zeros(self.max_slots, dtype=torch.long, device=param.device)
         self.host_lengths: list[int] = []  # mirror of lengths[:size], read without a sync
