@@ -270,6 +270,34 @@ def test_a_weight_update_reaches_the_decode_step(engine, tiny_model):
         assert logprobs_of(out) != pytest.approx(stale, abs=1e-3)
 
 
+def test_a_kept_bucket_keeps_its_copy_plan_until_the_parameters_move(engine, tiny_model):
+    """Updates through one kept send buffer reuse the engine's copy plan (no per-tensor
+    lookup) and still land every new value; once the parameters may have moved (a memory
+    resume) the plan is made again."""
+    from rl_sglang.engine.weights import HeldBuffers
+    from rl_sglang.transports import SendBuffer, dump_payload
+
+    held, buffer = HeldBuffers(), SendBuffer()
+    original = [(k, v.clone()) for k, v in engine.model.state_dict().items()]
+
+    def update(scale):
+        named = [(k, v * scale) for k, v in tiny_model.state_dict().items()]
+        kept = held.named_tensors([dump_payload(buffer.fill(named))], "flattened_bucket")
+        engine.scheduler.call(lambda: engine.apply_update(kept, {})).result(30)
+        for name, tensor in named:
+            assert torch.equal(engine.model.state_dict()[name], tensor), name
+        return kept
+
+    try:
+        first = update(1.5)
+        plan = first.plan
+        assert plan is not None and update(0.5) is first and first.plan is plan
+        engine.scheduler.call(engine.resume_memory).result(30)
+        assert update(2.0).plan is not plan
+    finally:
+        engine.scheduler.call(lambda: engine.apply_update(original, {})).result(30)
+
+
 def test_a_row_stopping_while_the_next_step_is_queued(engine):
     """The scheduler queues step k + 1 before reading step k: a row that a stop token ends
     at step k must lose its extra token, and its batch mate must not notice."""

@@ -11,6 +11,7 @@ import torch
 
 from rl_sglang.engine.weights import (
     HeldBuffers,
+    KeptBucket,
     copy_into_model,
     deserialize_bucket,
     named_tensors_from_payload,
@@ -19,6 +20,7 @@ from rl_sglang.engine.weights import (
 )
 from rl_sglang.transports import (
     SendBuffer,
+    dump_payload,
     flatten_bucket,
     save_weights_atomic,
     serialize_bucket,
@@ -121,13 +123,28 @@ def test_send_buffer_is_filled_in_place_until_the_layout_outgrows_it():
     assert buffer.nbytes == 0
 
 
-def test_held_buffers_keep_the_last_two_flat_storages():
-    held = HeldBuffers(limit=2)
-    flats = [torch.zeros(8, dtype=torch.uint8) for _ in range(3)]
-    for flat in flats:
-        held.keep([("a", flat[:4]), ("b", flat[4:])])  # one storage: held
-    assert len(held) == 2
-    held.keep([("a", torch.zeros(2)), ("b", torch.zeros(2))])  # a per-tensor list: not held
-    assert len(held) == 2
+def test_held_buffers_reuse_a_kept_buffers_views_and_keep_the_last_two_storages():
+    """Through one kept buffer with one layout the same KeptBucket comes back, its views
+    showing the new bytes; another layout gets its own; the oldest of three storages goes."""
+    held, buffer = HeldBuffers(limit=2), SendBuffer()
+
+    def receive(send_buffer, named):
+        payload = dump_payload(send_buffer.fill(named))
+        return held.named_tensors([payload], "flattened_bucket")
+
+    first = receive(buffer, bucket())
+    doubled = [(n, t * 2) for n, t in bucket()]
+    again = receive(buffer, doubled)
+    assert isinstance(first, KeptBucket) and again is first
+    for (name, tensor), (name2, tensor2) in zip(doubled, again, strict=True):
+        assert name == name2 and torch.equal(tensor, tensor2)
+    other = receive(buffer, bucket()[:2])  # another layout in the same storage
+    assert other is not first and len(held) == 1
+    for _ in range(3):
+        receive(SendBuffer(), bucket())
+    assert len(held) == 2  # the first buffer's storage is no longer held
+    assert receive(buffer, bucket()) is not first
+    per_tensor = held.named_tensors([serialize_bucket(bucket())[0]], None)
+    assert not isinstance(per_tensor, KeptBucket) and len(held) == 2
     held.drop()
     assert len(held) == 0

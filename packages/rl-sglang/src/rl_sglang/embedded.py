@@ -27,6 +27,7 @@ ENGINE_KEY = web.AppKey("engine", Engine)
 API_KEY = web.AppKey("api_key", str)
 HELD_KEY = web.AppKey("held_buffers", weights.HeldBuffers)  # kept senders' handles, open
 routes = web.RouteTableDef()
+logger = logging.getLogger("rl_sglang.embedded")  # also when run as __main__
 
 
 def _engine(request: web.Request) -> Engine:
@@ -210,13 +211,23 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
 @routes.post("/update_weights_from_tensor")
 async def update_weights_from_tensor(request: web.Request) -> web.Response:
     engine, body = _engine(request), await _body(request)
-    named = weights.named_tensors_from_payload(
+    start = time.perf_counter()
+    # a kept send buffer comes back under the same handle: its views and copy plan are reused
+    named = request.app[HELD_KEY].named_tensors(
         body["serialized_named_tensors"], body.get("load_format")
     )
-    request.app[HELD_KEY].keep(named)  # a kept send buffer comes back under the same handle
+    decoded, count = time.perf_counter(), len(named)
     update = _once(engine.apply_update, named, body)
     del named
-    return web.json_response(await engine.on_scheduler(update))
+    answer = await engine.on_scheduler(update)
+    logger.info(
+        "weight update to version %s: %d tensors, decoded in %.1f ms, applied in %.1f ms",
+        answer.get("weight_version"),
+        count,
+        (decoded - start) * 1e3,
+        (time.perf_counter() - decoded) * 1e3,
+    )
+    return web.json_response(answer)
 
 
 def _once(fn, *args):

@@ -124,7 +124,7 @@ class SendBuffer:
 
     def __init__(self):
         self.storage: torch.Tensor | None = None  # [capacity] uint8
-        self._layouts: dict[tuple, tuple[list, list]] = {}  # key -> (metadata, slices)
+        self._layouts: dict[tuple, tuple[list, list]] = {}  # key -> (metadata, views)
         self.num_allocations = 0
 
     @property
@@ -137,9 +137,9 @@ class SendBuffer:
         bytes). On CUDA the copy has finished on return: the engine reads the buffer from
         another process, outside this stream's order."""
         named = list(named)
-        metadata, slices = self._layout(named)
-        with torch.no_grad():
-            torch._foreach_copy_(slices, [_as_bytes(t) for _, t in named])
+        metadata, views = self._layout(named)
+        with torch.no_grad():  # one fused copy into views typed like the sources
+            torch._foreach_copy_(views, [t for _, t in named])
         if self.storage.is_cuda:
             torch.cuda.current_stream(self.storage.device).synchronize()
         size = metadata[-1].end_idx if metadata else 0
@@ -158,14 +158,20 @@ class SendBuffer:
             self.num_allocations += 1
         if len(self._layouts) >= self.MAX_LAYOUTS:
             self._layouts.clear()
-        slices = [self.storage[m.start_idx : m.end_idx] for m in metadata]
-        self._layouts[key] = (metadata, slices)
-        return metadata, slices
+        views = [_typed_view(self.storage, m) for m in metadata]
+        self._layouts[key] = (metadata, views)
+        return metadata, views
 
     def release(self) -> None:
         """Drop the storage (an engine still holding its handle keeps the memory until it
         lets go: on GPU torch parks the block until then, on CPU the file stays)."""
         self.storage, self._layouts = None, {}
+
+
+def _typed_view(storage: torch.Tensor, meta: SimpleNamespace) -> torch.Tensor:
+    """The bytes of record ``meta`` in ``storage`` seen as its dtype and shape (what the
+    receiver's unflattening sees), so a tensor copies in without a per-call byte view."""
+    return storage[meta.start_idx : meta.end_idx].view(meta.dtype).view(meta.shape)
 
 
 def _shared_bytes(size: int, device: torch.device) -> torch.Tensor:

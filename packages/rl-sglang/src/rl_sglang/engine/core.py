@@ -301,10 +301,7 @@ class Engine:
         num_in_flight = self.scheduler.num_running
         if body.get("abort_all_requests"):
             self.scheduler.abort_now(None, message="aborted for a weight update")
-        if self._weight_targets is None:  # the parameters' current storage
-            self._weight_targets = self.model.state_dict()
-        named = dequantize_named(named, self.dtype)  # FP8 weights + scales: see README
-        count = weights.copy_into_model(self.model, named, self._weight_targets)
+        count = weights.run_copy(self._copy_plan(named))
         if hasattr(self.scheduler.runner, "refresh_weights"):  # its fused copies
             self.scheduler.runner.refresh_weights()
         version = self.bump_version(body.get("weight_version"))
@@ -315,6 +312,24 @@ class Engine:
             "num_paused_requests": num_in_flight,
             "weight_version": version,
         }
+
+    def _copy_plan(self, named) -> weights.CopyPlan:
+        """Where each tensor goes. A bucket held open (a KeptBucket: the sender's kept
+        buffer, same layout) keeps its plan while the parameters keep their storage, so a
+        steady-state update is one fused copy, not a lookup and check per tensor."""
+        if self._weight_targets is None:  # the parameters' current storage
+            self._weight_targets = self.model.state_dict()
+        plan = getattr(named, "plan", None)
+        if plan is not None and plan.targets is self._weight_targets:
+            return plan
+        converted = dequantize_named(named, self.dtype)  # FP8 weights + scales: see README
+        plan = weights.copy_plan(self.model, converted, self._weight_targets)
+        unconverted = len(converted) == len(named) and all(
+            a is b for (_, a), (_, b) in zip(converted, named, strict=True)
+        )
+        if isinstance(named, weights.KeptBucket) and plan.reusable and unconverted:
+            named.plan = plan
+        return plan
 
     def update_weight_version(self, body: dict[str, Any]) -> dict[str, Any]:
         """SGLang's ``/update_weight_version``: the version the engine reports from now on

@@ -15,6 +15,7 @@ import re
 from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -35,6 +36,28 @@ def copy_into_model(
 
     Raises ValueError on an unknown name or a shape mismatch, before touching the model.
     """
+    return run_copy(copy_plan(model, named, targets))
+
+
+class CopyPlan(NamedTuple):
+    """What an update copies where: the model tensors (``destinations``) each source fills.
+    ``targets`` is the state dict the destinations were found in: the plan holds while the
+    parameters keep that storage. ``reusable``: the sources are the tensors sent (not
+    converted copies), so the same plan serves a later update through the same buffer."""
+
+    targets: dict
+    destinations: list
+    sources: list
+    reusable: bool
+
+
+def copy_plan(
+    model: torch.nn.Module,
+    named: Iterable[tuple[str, torch.Tensor]],
+    targets: dict[str, torch.Tensor] | None = None,
+) -> CopyPlan:
+    """The checked :class:`CopyPlan` of ``named``: ValueError on an unknown name or a shape
+    mismatch (see :func:`copy_into_model`)."""
     targets = model.state_dict() if targets is None else targets  # tied weights share storage
     named = list(named)
     destinations = []
@@ -50,10 +73,16 @@ def copy_into_model(
             )
         destinations.append(destination)
     sources = [t.to(d.device) for (_, t), d in zip(named, destinations, strict=True)]
+    same = all(s is t for s, (_, t) in zip(sources, named, strict=True))
+    return CopyPlan(targets, destinations, sources, same)
+
+
+def run_copy(plan: CopyPlan) -> int:
+    """Copy every source of ``plan`` into its destination; returns how many."""
     with torch.no_grad():
-        torch._foreach_copy_(destinations, sources)  # a few fused launches, not one per tensor
-    _wait_for_reads(t for _, t in named)
-    return len(named)
+        torch._foreach_copy_(plan.destinations, plan.sources)  # a few fused launches
+    _wait_for_reads(plan.sources)
+    return len(plan.sources)
 
 
 def _wait_for_reads(sources: Iterable[torch.Tensor]) -> None:
@@ -155,46 +184,84 @@ def unflatten_bucket(bucket: dict) -> NamedTensors:
 
 def named_tensors_from_payload(serialized: list, load_format: str | None) -> NamedTensors:
     """Decode the first entry of ``serialized_named_tensors`` (one per TP rank; we run TP 1)."""
+    obj = _first_bucket(serialized, load_format)
+    return unflatten_bucket(obj) if load_format == "flattened_bucket" else _as_named(obj)
+
+
+def _first_bucket(serialized: list, load_format: str | None) -> object:
     if not serialized:
         raise ValueError("serialized_named_tensors is empty")
-    obj = deserialize_bucket(serialized[0])
-    if load_format == "flattened_bucket":
-        return unflatten_bucket(obj)
-    if load_format not in (None, "direct"):
+    if load_format not in (None, "direct", "flattened_bucket"):
         raise ValueError(f"unsupported load_format {load_format!r}; use None or 'flattened_bucket'")
+    return deserialize_bucket(serialized[0])
+
+
+def _as_named(obj) -> NamedTensors:
     return [(str(name), tensor) for name, tensor in obj]
 
 
+class KeptBucket(list):
+    """The named views of a flattened bucket whose buffer :class:`HeldBuffers` holds. The
+    same object comes back for every later update through that buffer with the same
+    layout, so a receiver can keep what it derives from it on it (``plan``: the engine's
+    :class:`CopyPlan`) instead of deriving it again at every update."""
+
+    plan: CopyPlan | None = None
+
+
 class HeldBuffers:
-    """The flattened buckets of the last tensor updates, kept alive so that a sender that
+    """The flattened buckets of the last tensor updates, kept open so that a sender that
     fills the same buffer again (:class:`rl_sglang.transports.SendBuffer`) hands a handle
     this process still has open: torch's sharing cache
     (``torch.multiprocessing.reductions.shared_cache``) then rebuilds the tensor on the
-    mapping it holds instead of opening the CUDA IPC handle or shared-memory file again.
+    mapping it holds instead of opening the CUDA IPC handle or shared-memory file again,
+    and the bucket's views (a :class:`KeptBucket`) are reused instead of cut again.
 
-    At most ``limit`` buffers, one storage each (a sender streams through two); a new one
-    pushes the oldest out. :meth:`drop` lets go of all: on memory release, on shutdown.
-    A per-tensor payload (a handle per tensor, fresh at every update) is not held."""
+    At most ``limit`` buffers, one storage each (a sender streams through two), and
+    ``layouts`` bucket layouts per buffer; a new one pushes the oldest out. :meth:`drop`
+    lets go of all: on memory release, on shutdown. A per-tensor payload (a handle per
+    tensor, fresh at every update) is not held."""
 
-    def __init__(self, limit: int = 2):
-        self.limit = limit
-        self._held: OrderedDict[int, torch.Tensor] = OrderedDict()
+    def __init__(self, limit: int = 2, layouts: int = 8):
+        self.limit, self.layouts = limit, layouts
+        self._held: OrderedDict[tuple, OrderedDict[tuple, KeptBucket]] = OrderedDict()
 
-    def keep(self, named: NamedTensors) -> None:
-        by_storage = {t.untyped_storage().data_ptr(): t for _, t in named}
-        if len(by_storage) != 1:
-            return
-        [(key, tensor)] = by_storage.items()
-        self._held.pop(key, None)
-        self._held[key] = tensor
+    def named_tensors(self, serialized: list, load_format: str | None) -> NamedTensors:
+        """:func:`named_tensors_from_payload`, a flattened bucket held as a KeptBucket."""
+        obj = _first_bucket(serialized, load_format)
+        if load_format != "flattened_bucket":
+            return _as_named(obj)
+        flat = obj["flattened_tensor"]
+        storage = (flat.device, flat.untyped_storage().data_ptr())
+        layouts = self._held.pop(storage, None) or OrderedDict()
+        self._held[storage] = layouts  # the most recent last
         while len(self._held) > self.limit:
             self._held.popitem(last=False)
+        key = (flat.storage_offset(), flat.numel(), *map(_record_key, obj["metadata"]))
+        kept = layouts.pop(key, None)
+        layouts[key] = kept = kept if kept is not None else KeptBucket(unflatten_bucket(obj))
+        while len(layouts) > self.layouts:
+            layouts.popitem(last=False)
+        return kept
 
     def drop(self) -> None:
         self._held.clear()
 
     def __len__(self) -> int:
         return len(self._held)
+
+
+def _record_key(meta) -> tuple:
+    """What a flattened-bucket record says (name, byte range, dtype, shape), hashable."""
+    if isinstance(meta, dict):
+        return (
+            meta["name"],
+            meta["start_idx"],
+            meta["end_idx"],
+            str(meta["dtype"]),
+            *meta["shape"],
+        )
+    return (meta.name, meta.start_idx, meta.end_idx, str(meta.dtype), *meta.shape)
 
 
 class WeightReceiver:
