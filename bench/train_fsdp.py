@@ -14,10 +14,13 @@ off: --no-compile-blocks, --no-compile-attention, --reshard-after-forward,
 and ``figure.fallback_errors`` what failed and was measured the simpler way. With
 --profile, one more rl-fsdp step runs under torch.profiler (after the timed ones, so it
 costs nothing otherwise): ``figure.profile`` has the step's device-busy fraction, the top
-kernels and their time by category (rl_fsdp.profiling). With --sync-debug, one more step
-counts where the host waited for the device (``figure.syncs``, by source line). With
---host-profile, one more step runs under cProfile (``figure.host_profile``: the functions
-taking the host's time). --baseline-steps 0 skips the plain loop (A/B runs of rl-fsdp only).
+kernels and their time by category (rl_fsdp.profiling), then one step counts where the host
+waited for the device (``figure.profile.syncs``, by source line) and one attributes the
+copy, memset and NCCL device time to the operators and call sites that launched it
+(``figure.profile.copies``). --sync-debug alone runs only the sync count (``figure.syncs``).
+With --host-profile, one more step runs under cProfile (``figure.host_profile``: the
+functions taking the host's time). --baseline-steps 0 skips the plain loop (A/B runs of
+rl-fsdp only).
 ``figure.compile`` counts what torch.compile did over the whole run: graph breaks (and why),
 graphs, frames compiled (recompiles included). --device cpu --compile-blocks runs the
 compiled GPU path's structure on CPU (inductor's C++ kernels): breaks and recompiles show
@@ -276,14 +279,11 @@ def _fsdp_step(args, model_config: dict, batch: TrainBatch, device):
     _log(f"rl-fsdp built (attention {backend.attention}, levers {levers(backend)})")
     step_s = _timed(lambda: backend.train_step(batch), args.steps, device, "figure")
     if args.profile:
-        from rl_fsdp.profiling import profile_step
-
-        PROFILE.update(profile_step(lambda: backend.train_step(batch), device))
-        _log(f"profiled step: {PROFILE['busy_fraction']:.1%} busy, {PROFILE['categories_ms']}")
+        _profile(lambda: backend.train_step(batch), device)
     if args.sync_debug:
         from rl_fsdp.profiling import sync_points
 
-        SYNCS.update(sync_points(lambda: backend.train_step(batch), device))
+        SYNCS.update(PROFILE.get("syncs") or sync_points(lambda: backend.train_step(batch), device))
         _log(f"host syncs in one step: {SYNCS['total']}")
     if args.host_profile:
         from rl_fsdp.profiling import host_profile
@@ -291,6 +291,18 @@ def _fsdp_step(args, model_config: dict, batch: TrainBatch, device):
         HOST.update(host_profile(lambda: backend.train_step(batch), device))
         _log(f"host profile: {HOST['functions'][:3]}")
     return step_s, backend
+
+
+def _profile(step, device) -> None:
+    """One step each under torch.profiler, CUDA's sync debug mode and the profiler with
+    Python stacks (where the copies come from), into ``PROFILE``."""
+    from rl_fsdp.profiling import copy_sources, profile_step, sync_points
+
+    PROFILE.update(profile_step(step, device))
+    _log(f"profiled step: {PROFILE['busy_fraction']:.1%} busy, {PROFILE['categories_ms']}")
+    PROFILE["syncs"] = sync_points(step, device)
+    PROFILE["copies"] = copy_sources(step, device)
+    _log(f"host syncs: {PROFILE['syncs']['total']}, copies: {PROFILE['copies']['total_ms']} ms")
 
 
 def _compile_blocks(args) -> bool | None:

@@ -22,9 +22,13 @@ recompute, ``use_distributed_optimizer``, ...); ``--dp`` adds data-parallel rank
 tp x dp, ZeRO-1 by default), each training the whole batch (weak scaling: tokens per GPU as
 at dp 1, so the figure is comparable; with the batch split instead, a 1.5B model's
 gradient all-reduce and optimizer step over 4 x 2048 tokens would dominate). ``--profile`` runs one more step
-on rank 0 under torch.profiler after the timed ones (``figure.profile``: device-busy
+under torch.profiler after the timed ones (``figure.profile``, rank 0's: device-busy
 fraction, top kernels, time by category; rl_fsdp.profiling, the same summary as
-bench/train_fsdp.py's). Peak memory is rank 0's ``max_memory_allocated``.
+bench/train_fsdp.py's), then one under CUDA's sync debug mode (``figure.profile.syncs``:
+where the host waited, by source line) and one with Python stacks
+(``figure.profile.copies``: copy, memset and NCCL device time by launching operator and
+call site; host<->device memcpys under ``host_device``). Peak memory is rank 0's
+``max_memory_allocated``.
 
 Levers (on by default on cuda): the fused SwiGLU (--no-swiglu-fusion turns it off) and one
 torch.compile'd graph per transformer layer (--no-compile-layers; rl_megatron.compiled_layers;
@@ -211,10 +215,13 @@ def megatron_worker(
     seconds = seconds_per_step(lambda: backend.train_step(batch), args)
     peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None
     profile = None
-    if args.profile:
-        from rl_fsdp.profiling import profile_step
+    if args.profile:  # after the timed steps, one more step each (every rank runs them)
+        from rl_fsdp.profiling import copy_sources, profile_step, sync_points
 
-        profile = profile_step(lambda: backend.train_step(batch), torch.device(args.device))
+        step, device = (lambda: backend.train_step(batch)), torch.device(args.device)
+        profile = profile_step(step, device)
+        profile["syncs"] = sync_points(step, device)
+        profile["copies"] = copy_sources(step, device)
     if rank == 0:
         levers = {
             "swiglu_fusion": backend.model.config.bias_activation_fusion,

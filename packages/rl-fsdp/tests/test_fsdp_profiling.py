@@ -1,7 +1,9 @@
 """rl_fsdp.profiling: the step summary by hand (overlapping kernels counted once in the
 busy time, totals per name and category), kernel names of a real H100/H200 trace sorted
-into their categories, one real profiled training step on CPU, and the counting of
-sync-debug warnings by call site."""
+into their categories, one real profiled training step on CPU, the counting of
+sync-debug warnings by call site, and the attribution of copy kernels to operators and
+source lines (the grouping by hand, the launching operator and call site read from a real
+CPU profile, backward operators traced to their forward line)."""
 
 import warnings
 
@@ -10,9 +12,16 @@ import torch
 from fsdp_tiny import CONFIGS, tokens_batch
 
 from rl_fsdp.profiling import (
+    CopyLaunch,
+    call_site,
     category,
+    copy_kind,
+    copy_report,
+    copy_sources,
     count_sync_warnings,
+    forward_operators,
     host_profile,
+    launch_origin,
     profile_step,
     summarize,
     sync_points,
@@ -139,3 +148,116 @@ def test_sync_points_skip_without_cuda():
     ran = []
     report = sync_points(lambda: ran.append(1), torch.device("cpu"))
     assert report["total"] == 0 and "skipped" in report and not ran
+
+
+def test_copy_sources_skip_without_cuda():
+    ran = []
+    report = copy_sources(lambda: ran.append(1), torch.device("cpu"))
+    assert report["total_ms"] == 0.0 and report["top"] == [] and "skipped" in report
+    assert not ran
+
+
+BF16_CAST = (
+    "void at::native::vectorized_elementwise_kernel<4, at::native::bfloat16_copy_kernel_cuda"
+    "(at::TensorIteratorBase&)::{lambda(float)#1}, std::array<char*, 2ul> >(int, "
+    "at::native::bfloat16_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda(float)#1})"
+)
+
+
+@pytest.mark.parametrize(
+    ("kernel", "kind"),
+    [
+        ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "nccl AllGather"),
+        ("Memcpy DtoH (Device -> Pageable)", "Memcpy DtoH (Device -> Pageable)"),
+        ("Memset (Device)", "Memset (Device)"),
+        (BF16_CAST, "bfloat16_copy_kernel_cuda(float)"),
+        (
+            "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda"
+            "(at::TensorIteratorBase&)::{lambda()#3}::operator()() const::{lambda(float)#1}>",
+            "direct_copy_kernel_cuda(float)",
+        ),
+        (
+            "void at::native::(anonymous namespace)::chunk_cat_cuda_kernel<float>",
+            "chunk_cat_cuda_kernel",
+        ),
+    ],
+)
+def test_copy_kinds(kernel, kind):
+    assert copy_kind(kernel) == kind
+
+
+# Stacks as the profiler names frames, outermost first.
+BENCH = "train_megatron.py(217): <lambda>"
+LAYER = "megatron/core/transformer/transformer_layer.py(300): forward"
+CAST = "rl_megatron/backend.py(88): cast_params"
+MODULE = "torch/nn/modules/module.py(1791): _call_impl"
+ITEM = "rl_core/objective.py(40): metrics"
+
+
+def test_copy_report_groups_launches_by_kind_operator_and_call_site():
+    launches = [
+        CopyLaunch("aten::to > aten::copy_", (BENCH, MODULE, LAYER, MODULE, CAST), BF16_CAST, 300),
+        CopyLaunch("aten::to > aten::copy_", (BENCH, MODULE, LAYER, MODULE, CAST), BF16_CAST, 500),
+        CopyLaunch("aten::copy_", (BENCH, MODULE, LAYER, MODULE, CAST), BF16_CAST, 100),  # other op
+        CopyLaunch("aten::item", (BENCH, ITEM), "Memcpy DtoH (Device -> Pageable)", 2500),
+        CopyLaunch("c10d::allreduce_", (BENCH, LAYER), "ncclDevKernel_AllReduce_Sum_bf16", 700),
+    ]
+    report = copy_report(launches, device_us=4600.0, top=10, frames=2)
+    assert report["total_ms"] == 4.6 and report["copy_ms"] == 3.4 and report["nccl_ms"] == 0.7
+    assert report["unattributed_ms"] == pytest.approx(0.5)
+    top = report["top"]
+    assert [(e["ms"], e["count"], e["max_ms"], e["op"]) for e in top] == [
+        (2.5, 1, 2.5, "aten::item"),
+        (0.8, 2, 0.5, "aten::to > aten::copy_"),
+        (0.1, 1, 0.1, "aten::copy_"),
+    ]
+    # megatron and this project's frames, not the bench's or torch's; innermost last
+    cast_site = "megatron/core/transformer/transformer_layer.py:300 forward > "
+    cast_site += "rl_megatron/backend.py:88 cast_params"
+    assert top[1]["where"] == cast_site and top[1]["kernel"] == "bfloat16_copy_kernel_cuda(float)"
+    assert [e["kernel"] for e in report["nccl"]] == ["nccl AllReduce"]
+    host_device = report["host_device"]  # the DtoH memcpy alone, with a longer stack
+    assert [(e["ms"], e["op"]) for e in host_device] == [(2.5, "aten::item")]
+    assert host_device[0]["where"] == "rl_core/objective.py:40 metrics"  # own code only
+
+
+def test_call_site_keeps_the_innermost_own_frame_and_names_the_library_below():
+    fsdp = "torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py(120): foreach_all_gather"
+    stack = (BENCH, LAYER, "transformers/models/qwen2/modeling_qwen2.py(50): forward", CAST)
+    stack += ("my_hooks.py(7): pre_forward", MODULE, fsdp)
+    where = call_site(stack, 2)
+    assert where == (
+        "rl_megatron/backend.py:88 cast_params > my_hooks.py:7 pre_forward"
+        " [in torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py:120 foreach_all_gather]"
+    )
+    assert call_site((MODULE,), 3) == "torch/nn/modules/module.py:1791 _call_impl"
+    assert call_site(("<built-in method to>",), 3) == "(no Python frames)"
+    stdlib = "/usr/lib/python3.11/contextlib.py(141): __exit__"
+    assert call_site((ITEM, "contextlib.py(141): __exit__", stdlib), 3).startswith(
+        "rl_core/objective.py:40 metrics ["
+    )
+
+
+def _cast_twice(x):
+    return x.to(torch.float64).float()
+
+
+def test_launching_operator_and_call_site_from_a_real_cpu_profile():
+    """On CPU the copies have no kernels; the operators' origins are what copy_sources
+    reads on CUDA, and a backward copy is traced to the line of its forward cast."""
+    from torch.profiler import ProfilerActivity, profile
+
+    linear = torch.nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True, record_shapes=True) as prof:
+        linear(_cast_twice(x)).sum().backward()
+    events = prof.events()
+    forward_ops = forward_operators(events)
+    origins = [launch_origin(e, forward_ops) for e in events if e.name == "aten::copy_"]
+    casts = {op: call_site(stack, 2) for op, stack in origins if "_to_copy" in op}
+    cast_line = _cast_twice.__code__.co_firstlineno  # Python events name a function by its def
+    assert casts["aten::to > aten::_to_copy > aten::copy_[double, float]"].endswith(
+        f"test_fsdp_profiling.py:{cast_line} _cast_twice"
+    )
+    backward = [op for op in casts if op.startswith("ToCopyBackward0 > ")]
+    assert len(backward) == 2 and all(casts[op].endswith(" _cast_twice") for op in backward)

@@ -16,15 +16,23 @@ waited for the device (``.item()``, ``.cpu()``, ``.tolist()``, ...), by source l
 :func:`host_profile` runs a step under ``cProfile``: where the host's own time goes
 (Python functions and the C calls they make: FSDP hooks, compiled-graph wrappers, kernel
 launches), which decides the step's speed when the device waits for the host.
+
+:func:`copy_sources` runs a step under the profiler with Python stacks and sums the device
+time of its copies, memsets and NCCL kernels by the operator that launched them and the
+Python lines that called it; host<->device memcpys (the ones that leave the GPU idle while
+the host waits) are listed on their own.
 """
 
 import contextlib
 import cProfile
 import pstats
+import re
+import sys
 import time
 import traceback
 import warnings
 from collections import Counter
+from typing import NamedTuple
 
 import torch
 
@@ -242,3 +250,195 @@ def host_profile(step, device: torch.device, *, top: int = 30) -> dict:
     ]
     profiled = sum(own for _, _, own, _, _ in stats.values()) * 1e3
     return {"step_ms": wall_ms, "profiled_ms": profiled, "functions": functions}
+
+
+# A Python frame as the profiler names it (a Python-function event, or an entry of an
+# operator's ``stack``): "rl_fsdp/forward.py(42): micro_batch". A Python-function event's
+# line is the function's ``def`` line, not the line of the call: it names the function.
+FRAME = re.compile(r"^(?P<path>.+?\.py)\((?P<line>\d+)\): (?P<func>.+)$")
+OWN_CODE = ("megatron/", "rl_megatron/", "rl_core/", "rl_fsdp/", "rl_launcher/", "transformers/")
+LIBRARIES = ("torch/", "triton/", "functorch/", "rl_fsdp/profiling.py")  # say how, not where
+BACKWARD_NODE = "autograd::engine::evaluate_function: "
+HOST_DEVICE = ("HtoD", "DtoH")  # in the names of host<->device memcpys
+
+
+class CopyLaunch(NamedTuple):
+    """One copy, memset or NCCL kernel: the operators that launched it, outermost first
+    (``"ToCopyBackward0 > aten::_to_copy > aten::copy_[c10::BFloat16, float]"``), the
+    Python frames they were called from, outermost first (a backward operator's are its
+    forward operator's), the kernel's name and its device time in microseconds."""
+
+    op: str
+    stack: tuple[str, ...]
+    kernel: str
+    us: float
+
+
+def copy_sources(step, device: torch.device, *, top: int = 15, frames: int = 4) -> dict:
+    """Run ``step()`` once under the profiler (CPU + CUDA, Python stacks, dtypes) and
+    attribute its copy/memset/NCCL device time to source lines; see :func:`copy_report`
+    for the fields. On CPU there are no device copies: the step is not run and
+    ``"skipped"`` says so."""
+    if device.type != "cuda":
+        return {"total_ms": 0.0, "top": [], "skipped": "no CUDA device: no device copies"}
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    _sync(device)
+    with profile(activities=activities, with_stack=True, record_shapes=True) as prof:
+        step()
+        _sync(device)
+    events = prof.events()
+    device_us = sum(
+        e.time_range.elapsed_us()
+        for e in events
+        if e.device_type == DeviceType.CUDA and category(e.name) == "nccl+copy"
+    )
+    return copy_report(copy_launches(events), device_us=device_us, top=top, frames=frames)
+
+
+def copy_launches(events) -> list[CopyLaunch]:
+    """The copy/memset/NCCL kernels of profiler ``events`` with the CPU operator each was
+    launched from (``FunctionEvent.kernels``: the device activities correlated with it)."""
+    forward_ops = forward_operators(events)
+    launches = []
+    for event in events:
+        copies = [k for k in event.kernels if _is_copy_kernel(k.name)]
+        if copies:
+            op, stack = launch_origin(event, forward_ops)
+            launches += [CopyLaunch(op, stack, k.name, k.duration) for k in copies]
+    return launches
+
+
+def _is_copy_kernel(name: str) -> bool:
+    # "aten::" kernels are the legacy profiler's per-operator CUDA time, not device work
+    return category(name) == "nccl+copy" and not name.startswith("aten::")
+
+
+def forward_operators(events) -> dict:
+    """``{(thread, sequence_nr): operator}`` of the forward operators that recorded an
+    autograd node: a backward node names its forward one by ``(fwd_thread, sequence_nr)``.
+    Several nested operators share a number; the last one started is the node's maker."""
+    return {
+        (e.thread, e.sequence_nr): e
+        for e in events
+        if e.sequence_nr >= 0 and not e.fwd_thread and not e.name.startswith(BACKWARD_NODE)
+    }
+
+
+def launch_origin(event, forward_ops: dict) -> tuple[str, tuple[str, ...]]:
+    """The operators from ``event`` out to its Python caller (or backward node), and the
+    Python frames above them, outermost first. A backward operator without Python frames
+    of its own (the autograd thread runs no Python) takes its forward operator's."""
+    ops, frames, node = [_op_name(event)], [], None
+    parent = event.cpu_parent
+    while parent is not None and node is None:
+        if parent.name.startswith(BACKWARD_NODE):
+            node = parent
+        elif FRAME.match(parent.name):
+            frames.append(parent.name)
+        elif not frames and not parent.name.startswith(("<built-in", "nn.Module: ")):
+            ops.append(parent.name)
+        parent = parent.cpu_parent
+    if node is not None:
+        ops.append(node.name.removeprefix(BACKWARD_NODE))
+    stack = frames[::-1] or list(reversed(event.stack or []))  # stack: innermost first
+    forward = forward_ops.get((node.fwd_thread, node.sequence_nr)) if node else None
+    if forward is not None and not stack:
+        stack = list(launch_origin(forward, {})[1])
+    chain = list(dict.fromkeys(reversed(ops)))
+    chain = chain if len(chain) <= 4 else [chain[0], "...", *chain[-3:]]
+    return " > ".join(chain), tuple(stack)
+
+
+def _op_name(event) -> str:
+    """The operator's name with its tensors' dtypes when recorded (copies show the cast)."""
+    dtypes = [d for d in getattr(event, "input_dtypes", None) or [] if d and d[0].islower()]
+    return f"{event.name}[{', '.join(dtypes)}]" if dtypes else event.name
+
+
+def copy_report(launches, *, device_us: float, top: int, frames: int) -> dict:
+    """``total_ms``: all copy/memset/NCCL device time of the step (``profile_step``'s
+    "nccl+copy"); ``copy_ms`` / ``nccl_ms``: the part attributed to an operator, copies
+    and memsets apart from NCCL; ``unattributed_ms``: launched outside any operator.
+    ``top`` (copies, memsets) and ``nccl``: ``[{"ms", "count", "max_ms", "kernel", "op",
+    "where"}]`` by device time; ``host_device``: the HtoD/DtoH memcpys, longer stacks."""
+    nccl = [launch for launch in launches if "nccl" in launch.kernel.lower()]
+    copies = [launch for launch in launches if "nccl" not in launch.kernel.lower()]
+    host_device = [c for c in copies if any(way in c.kernel for way in HOST_DEVICE)]
+    attributed_us = sum(launch.us for launch in launches)
+    return {
+        "total_ms": round(device_us / 1e3, 3),
+        "copy_ms": round(sum(c.us for c in copies) / 1e3, 3),
+        "nccl_ms": round(sum(n.us for n in nccl) / 1e3, 3),
+        "unattributed_ms": round(max(device_us - attributed_us, 0.0) / 1e3, 3),
+        "top": group_launches(copies, top=top, frames=frames),
+        "nccl": group_launches(nccl, top=top, frames=frames),
+        "host_device": group_launches(host_device, top=top, frames=frames + 2),
+    }
+
+
+def group_launches(launches, *, top: int, frames: int) -> list[dict]:
+    """Launches summed by (kernel kind, operators, call site), the ``top`` by device time."""
+    groups: dict[tuple, list] = {}
+    for launch in launches:
+        key = (copy_kind(launch.kernel), launch.op, call_site(launch.stack, frames))
+        entry = groups.setdefault(key, [0, 0.0, 0.0])
+        entry[0], entry[1], entry[2] = entry[0] + 1, entry[1] + launch.us, max(entry[2], launch.us)
+    ranked = sorted(groups.items(), key=lambda item: -item[1][1])[:top]
+    return [
+        {"ms": round(us / 1e3, 3), "count": n, "max_ms": round(longest / 1e3, 3)}
+        | {"kernel": kind, "op": op, "where": where}
+        for (kind, op, where), (n, us, longest) in ranked
+    ]
+
+
+def copy_kind(kernel: str) -> str:
+    """A copy kernel's name without its template noise: ``"nccl AllGather"``, the memcpy or
+    memset as named (``"Memcpy DtoH (Device -> Pageable)"``), or the copy function with
+    the source dtype of its lambda (``"bfloat16_copy_kernel_cuda(float)"``)."""
+    collective = re.search(r"nccl(?:DevKernel_|Kernel_)?([A-Za-z]+)", kernel, re.IGNORECASE)
+    if collective:
+        return f"nccl {collective.group(1)}"
+    if kernel.lower().startswith(("memcpy", "memset")):
+        return kernel
+    needles = dict(CATEGORIES)["nccl+copy"].split()
+    for needle in needles:
+        found = re.search(rf"\w*{re.escape(needle)}\w*", kernel, re.IGNORECASE)
+        if found:
+            source = re.search(r"lambda\((\w+)\)", kernel)
+            return found.group(0) + (f"({source.group(1)})" if source else "")
+    return kernel[:80]
+
+
+def call_site(stack, frames: int) -> str:
+    """The last ``frames`` frames of ``stack`` (outermost first) outside torch, triton and
+    the standard library, those of megatron, transformers and this project first, and
+    always the innermost such frame; a library frame below them is added in brackets
+    (``"... > rl_fsdp/backend.py:88 step [in torch/distributed/...:12 foreach_all_gather]"``)."""
+    parsed = [found.groups() for found in map(FRAME.match, stack) if found]
+    own = [f for f in parsed if not _library(f[0])]
+    preferred = [f for f in own if any(f"/{code}" in "/" + f[0] for code in OWN_CODE)]
+    picked = (preferred or own or parsed)[-frames:]
+    if own and own[-1] not in picked:
+        picked = [*picked, own[-1]][-frames:]
+    text = " > ".join(map(_frame_text, picked))
+    if parsed and parsed[-1] not in picked:
+        text += f" [in {_frame_text(parsed[-1])}]"
+    return text or "(no Python frames)"
+
+
+def _library(path: str) -> bool:
+    path = "/" + path.replace("\\", "/")
+    if any(f"/{library}" in path for library in LIBRARIES):
+        return True
+    if "/lib/python3" in path and "-packages/" not in path:  # an absolute stdlib path
+        return True
+    top = path.split("/")[1].removesuffix(".py")
+    return top in sys.stdlib_module_names or top.startswith("<")
+
+
+def _frame_text(frame: tuple[str, str, str]) -> str:
+    path, line, func = frame
+    return f"{_short(path) if path.startswith('/') else path}:{line} {func}"
