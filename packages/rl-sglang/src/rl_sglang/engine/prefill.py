@@ -1,7 +1,6 @@
 """The static runner's prefill: prompts right-padded into dense batches, run through the
-same fused layer pieces as the decode step (:func:`~rl_sglang.engine.layers.prefill_layer`,
-compiled when the runner is), with each layer's keys and values written straight into the
-rows' slots.
+same fused layer pieces as the decode step (:func:`~rl_sglang.engine.layers.prefill_layer`),
+with each layer's keys and values written straight into the rows' slots.
 
 Right padding is exact under causal attention (a real token never attends to the padding
 after it); the padded positions' keys and values land past the row's length, where the
@@ -13,7 +12,7 @@ Shapes: ``N`` prompts in a group, ``L`` its longest prompt, ``H`` hidden, ``V`` 
 
 import torch
 
-from rl_sglang.engine.layers import rms_norm, signed_sin
+from rl_sglang.engine.layers import prefill_layer, rms_norm, signed_sin
 
 MAX_GROUP_TOKENS = 16384  # padded tokens per forward: bounds the activations' memory
 
@@ -61,7 +60,7 @@ def _prefill_group(runner, prompts, rows: list[int], first_slot: int) -> torch.T
     cos, sin = cos[:, :, None], signed_sin(sin)[:, :, None]  # [1, L, 1, D]
     slots = _slots(rows, first_slot, device)
     for index, layer in enumerate(runner.layers):
-        hidden_NLH, keys, values = runner.prefill_layer(
+        hidden_NLH, keys, values = prefill_layer(
             hidden_NLH, layer.tensors(), cos, sin, runner.eps, runner.num_heads, runner.head_dim
         )
         runner.keys[index][slots, :, :length] = keys

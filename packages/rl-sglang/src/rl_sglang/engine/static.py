@@ -19,14 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from rl_sglang.engine.graphs import GraphCache
-from rl_sglang.engine.layers import (
-    LayerWeights,
-    decode_layer,
-    norm_eps,
-    prefill_layer,
-    rms_norm,
-    signed_sin,
-)
+from rl_sglang.engine.layers import LayerWeights, decode_layer, norm_eps, rms_norm, signed_sin
 from rl_sglang.engine.prefill import prefill_into_slots
 from rl_sglang.engine.sampling import greedy_pick
 
@@ -162,13 +155,10 @@ class StaticRunner:
         pick = upcast_greedy_pick
         self.layer_fn = torch.compile(decode_layer, dynamic=True) if compile else decode_layer
         self.pick_fn = torch.compile(pick, dynamic=True) if compile else pick
-        self.prefill_fn = torch.compile(prefill_layer, dynamic=True) if compile else prefill_layer
         self.compiled = compile
         self.use_graphs = next(model.parameters()).is_cuda if cuda_graphs is None else cuda_graphs
         self.multi_step = multi_step
         self.resume()
-        if compile:  # compiled now, not at the first request (slots are still free)
-            self.warm_prefill()
 
     def resume(self) -> None:
         """Allocate the slot caches and fused weights on the model's device and capture the
@@ -210,26 +200,6 @@ class StaticRunner:
             self.layer_fn, self.pick_fn, self.compiled = decode_layer, upcast_greedy_pick, False
             self.graphs = GraphCache(self, self.multi_step)
             self.graphs.capture_all()
-
-    def prefill_layer(self, *args):
-        """:func:`prefill_layer`, compiled when the runner is (a batch of short prompts is
-        bound by kernel launches, as a decode step is); eager from the first failure on."""
-        try:
-            return self.prefill_fn(*args)
-        except Exception:
-            if self.prefill_fn is prefill_layer:
-                raise
-            logger.exception("the compiled prefill failed; prefilling eagerly from now on")
-            self.prefill_fn = prefill_layer
-            return prefill_layer(*args)
-
-    def warm_prefill(self) -> None:
-        """Prefill one and two dummy prompts into the first slots (free before any
-        request), so the compiled prefill's graphs (dynamo specialises a batch of one)
-        exist before the first request."""
-        for count in (1, min(2, self.max_slots)):
-            prefill_into_slots(self, [[0, 0]] * count, first_slot=0)
-        self.lengths.zero_()
 
     @property
     def device(self) -> torch.device:
