@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from rl_sglang.engine.prefill import plan_groups
-from rl_sglang.engine.sampling import greedy_pick
 from rl_sglang.engine.static import StaticRunner, upcast_greedy_pick
 
 
@@ -56,24 +55,6 @@ def test_upcast_greedy_pick_by_hand():
         3 - torch.tensor([3.0, 3, 0]).logsumexp(0),
     ]
     assert logprobs.tolist() == pytest.approx([float(e) for e in expected], abs=1e-6)
-
-
-@pytest.mark.parametrize("vocab", [4096, 151_936, 10_007])  # whole pieces, Qwen's, padded
-def test_pick_in_pieces_equals_one_reduction(vocab):
-    """The two-stage pick gives one reduction's token (the first maximum, also when the
-    maximum repeats in a later piece) and log-prob, eager and compiled."""
-    generator = torch.Generator().manual_seed(vocab)
-    logits = (torch.randn(5, vocab, generator=generator) * 4).to(torch.bfloat16)
-    logits[1, [7, vocab - 3]] = 30.0  # a tie across pieces: the first index wins
-    logits[2, vocab - 1] = 40.0  # the last token, in the padded piece
-    expected_tokens, expected_logprobs = greedy_pick(logits.float())
-    assert expected_tokens[1] == 7 and expected_tokens[2] == vocab - 1
-    compiled = torch.compile(upcast_greedy_pick, dynamic=True)
-    for pick in (upcast_greedy_pick, compiled):
-        tokens, logprobs = pick(logits)
-        assert torch.equal(tokens, expected_tokens)
-        assert logprobs.dtype == torch.float32
-        assert torch.allclose(logprobs, expected_logprobs, atol=1e-5)
 
 
 def test_compile_is_on_by_default_with_cuda_only(tiny_model):

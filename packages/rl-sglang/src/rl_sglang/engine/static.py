@@ -16,7 +16,6 @@ step, so an all-greedy batch needs no kernel outside the graph but two small cop
 import logging
 
 import torch
-import torch.nn.functional as F
 
 from rl_sglang.engine.graphs import GraphCache
 from rl_sglang.engine.layers import LayerWeights, decode_layer, norm_eps, rms_norm, signed_sin
@@ -78,31 +77,10 @@ def _sliding_window(config) -> int | None:
     return getattr(config, "sliding_window", None)
 
 
-PICK_CHUNKS = 64  # pieces each row's vocabulary is reduced in before they are combined
-
-
 def upcast_greedy_pick(logits_BV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`greedy_pick` of the float32 logits, as two reductions: first over
-    :data:`PICK_CHUNKS` pieces of each row (max, first argmax, sum of exp), then over the
-    pieces. One reduction over a whole 150k vocabulary runs a row per thread block, so a
-    batch of a few rows kept one or two of the GPU's SMs busy for most of a decode step;
-    B x 64 pieces spread over all of them. Compiled, the upcast is fused into the first
-    reduction instead of written out. Same token (the first maximum) and, up to float32
-    rounding, the same log-prob as one reduction. Vocabularies under 64 x 64 tokens are
-    reduced in one piece."""
-    batch, vocab = logits_BV.shape
-    if vocab < PICK_CHUNKS * PICK_CHUNKS:
-        return greedy_pick(logits_BV.float())
-    width = -(-vocab // PICK_CHUNKS)  # padding < PICK_CHUNKS <= width: no piece all -inf
-    padded = F.pad(logits_BV, (0, width * PICK_CHUNKS - vocab), value=float("-inf"))
-    pieces_BCW = padded.view(batch, PICK_CHUNKS, width).float()
-    piece_max_BC, piece_arg_BC = pieces_BCW.max(dim=-1)
-    piece_sum_BC = (pieces_BCW - piece_max_BC[..., None]).exp().sum(dim=-1)
-    piece_B = piece_max_BC.argmax(dim=-1)  # the first piece holding the row's maximum
-    best_B = piece_max_BC.gather(-1, piece_B[:, None])
-    total_B = (piece_sum_BC * (piece_max_BC - best_B).exp()).sum(dim=-1)
-    tokens_B = piece_B * width + piece_arg_BC.gather(-1, piece_B[:, None]).squeeze(-1)
-    return tokens_B, -total_B.log()  # log-prob of the maximum: -log sum exp(x - max)
+    """:func:`greedy_pick` of the float32 logits; compiled, the upcast is fused into the
+    reductions instead of written out (sampling upcasts the same logits itself)."""
+    return greedy_pick(logits_BV.float())
 
 
 def rotary_table(rotary: torch.nn.Module, max_len: int, like: torch.Tensor):
