@@ -63,7 +63,7 @@ def test_block_mask_rejects_a_length_off_the_tile_grid():
 def test_flex_needs_cuda():
     with pytest.raises(ValueError, match="cuda"):
         resolve_attention("flex", torch.device("cpu"), "fp32")
-    assert resolve_attention("auto", torch.device("cpu")) == "sdpa_mask"
+    assert resolve_attention("auto", torch.device("cpu")) == "sdpa_grouped"
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

@@ -56,7 +56,7 @@ def test_init_distributed_checks_arguments_before_joining():
 
 
 def test_resolve_attention_on_cpu():
-    assert resolve_attention("auto", torch.device("cpu")) == "sdpa_mask"
+    assert resolve_attention("auto", torch.device("cpu")) == "sdpa_grouped"
     assert resolve_attention("sdpa_per_doc", torch.device("cpu")) == "sdpa_per_doc"
     with pytest.raises(ValueError, match="cuda"):
         resolve_attention("flash_varlen", torch.device("cpu"))

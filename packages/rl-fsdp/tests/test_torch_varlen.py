@@ -115,7 +115,7 @@ def test_auto_and_explicit_choices():
     def never():
         raise AssertionError("probed where it is not the candidate")
 
-    assert auto_attention("cpu", "bf16", flash_attn=True, torch_varlen=never) == "sdpa_mask"
+    assert auto_attention("cpu", "bf16", flash_attn=True, torch_varlen=never) == "sdpa_grouped"
     assert auto_attention("cuda", "bf16", flash_attn=True, torch_varlen=never) == "flash_varlen"
     assert auto_attention("cuda", "fp32", flash_attn=False, torch_varlen=never) == "sdpa_grouped"
     assert auto_attention("cuda", "bf16", flash_attn=False, torch_varlen=lambda: True) == (
@@ -124,7 +124,7 @@ def test_auto_and_explicit_choices():
     assert auto_attention("cuda", "bf16", flash_attn=False, torch_varlen=lambda: False) == (
         "sdpa_grouped"
     )
-    assert resolve_attention("auto", CPU, "bf16") == "sdpa_mask"
+    assert resolve_attention("auto", CPU, "bf16") == "sdpa_grouped"
     for device, precision in ((CPU, "bf16"), (CUDA, "fp32")):
         with pytest.raises(ValueError, match="needs device='cuda' and precision='bf16'"):
             resolve_attention("torch_varlen", device, precision)

@@ -49,7 +49,7 @@ class FSDPConfig:
     block-diagonal causal mask), "sdpa_grouped" (sequences of similar length padded into a
     few batched causal SDPA calls), "sdpa_per_doc" (one causal SDPA per sequence) or "auto"
     (on cuda with bf16: flash_varlen if installed, else torch_varlen if torch has it and a
-    probe passes, else sdpa_grouped; sdpa_mask on cpu; flex is opt-in)."""
+    probe passes, else sdpa_grouped; sdpa_grouped on cpu; flex is opt-in)."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer in the backward pass (less memory, ~1/3 more compute)."""
     compile_layers: bool = False
