@@ -298,6 +298,23 @@ def test_a_kept_bucket_keeps_its_copy_plan_until_the_parameters_move(engine, tin
         engine.scheduler.call(lambda: engine.apply_update(original, {})).result(30)
 
 
+def test_a_drained_batch_logs_where_its_time_went(engine, caplog):
+    """Once the running batch drains, one log line tells its requests, prefills and decode
+    rounds, and the thread's seconds per activity, which add up to at most its wall time."""
+    import re
+
+    params = {"max_new_tokens": 5, "ignore_eos": True}
+    with caplog.at_level("INFO", logger="rl_sglang.engine.scheduler"):
+        generate(engine, input_ids=[[1, 2, 3], [4, 5]], sampling_params=params)
+    lines = [r.getMessage() for r in caplog.records if "batch drained" in r.getMessage()]
+    assert len(lines) == 1, lines
+    numbers = [float(x) for x in re.findall(r"\d+(?:\.\d+)?", lines[0])]
+    requests, wall, prefills, prefill, rounds, launch, wait, bookkeeping, other = numbers
+    assert requests == 2 and prefills >= 1 and rounds >= 4  # 5 tokens: 1 from the prefill
+    assert prefill + launch + wait + bookkeeping <= wall + 1e-3 and other >= 0
+    assert engine.scheduler.times.started is None  # reset for the next batch
+
+
 def test_a_row_stopping_while_the_next_step_is_queued(engine):
     """The scheduler queues step k + 1 before reading step k: a row that a stop token ends
     at step k must lose its extra token, and its batch mate must not notice."""

@@ -8,6 +8,7 @@ waiting for the batch to drain. Everything that touches the model runs on this t
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -20,6 +21,7 @@ from rl_sglang.engine.routes import RouteRecorder
 from rl_sglang.engine.rows import Launched, fill_holes
 from rl_sglang.engine.runner import ModelRunner
 from rl_sglang.engine.sampling import RowParams, sample_next
+from rl_sglang.engine.stats import BatchTimes
 from rl_sglang.engine.stopping import StopChecker
 from rl_sglang.protocol import PAUSE_MODES, finish_reason
 
@@ -48,6 +50,7 @@ class Scheduler:
         self.num_finished = 0
         self._rows_cache: tuple | None = None
         self._admitting: list[Request] = []  # popped from the queue, not yet running
+        self.times = BatchTimes()  # logged and reset when the running batch drains
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
         self._thread.start()
 
@@ -118,6 +121,7 @@ class Scheduler:
         try:
             self._admit()
             self._step()
+            self._log_if_drained()
         except Exception as error:  # a failed step must not hang every waiting client
             logger.exception("decode step failed; aborting the running batch")
             failed, self._running = self._running + self._admitting, []
@@ -125,6 +129,11 @@ class Scheduler:
             for request in failed:
                 if request.finish is None:
                     self._finish(request, finish_reason("abort", message=f"engine error: {error}"))
+
+    def _log_if_drained(self) -> None:
+        if self.times.started is not None and not self._running:
+            logger.info(self.times.summary())
+            self.times = BatchTimes()
 
     def _has_work(self) -> bool:
         runnable = not self.paused and (self._waiting or self._running)
@@ -197,6 +206,8 @@ class Scheduler:
         new = self._admitting = [r for r in new if not self._finished_before_start(r)]
         if not new:
             return
+        self.times.admitted(len(new))
+        start = time.perf_counter()
         self.use_adapters(new)
         prompts = [r.prompt_ids + r.output_ids for r in new]
         self.routes.arm(new)
@@ -208,6 +219,7 @@ class Scheduler:
         self._running.extend(new)
         previous = self._next_tokens
         self._next_tokens = tokens_B if previous is None else torch.cat([previous, tokens_B])
+        self.times.prefill += time.perf_counter() - start
         self._retire(len(self._running) - len(new))
 
     def _finished_before_start(self, request: Request) -> bool:
@@ -244,6 +256,14 @@ class Scheduler:
     def _launch(self, tokens_B: torch.Tensor, pending: int) -> Launched:
         """Queue one decode round and the copy of its tokens and log-probs to the host;
         ``pending``: tokens of a queued round not yet appended to the requests."""
+        start = time.perf_counter()
+        try:
+            return self._launch_round(tokens_B, pending)
+        finally:
+            self.times.launch += time.perf_counter() - start
+            self.times.rounds += 1
+
+    def _launch_round(self, tokens_B: torch.Tensor, pending: int) -> Launched:
         rows = self._row_params(self._running, self.runner.device)
         self.use_adapters(self._running)
         self.routes.arm(self._running)
@@ -268,7 +288,10 @@ class Scheduler:
     def _consume(self, launched: Launched, rows) -> dict[int, dict]:
         """Append a launched round's tokens to ``rows``, step by step, up to each row's
         stop; the finish reason of each row that stopped."""
+        start = time.perf_counter()
         tokens_KB, logprobs_KB = launched.wait()
+        waited = time.perf_counter()
+        self.times.wait += waited - start
         finished: dict[int, dict] = {}
         for tokens, logprobs in zip(tokens_KB, logprobs_KB, strict=True):
             for row in rows:
@@ -282,6 +305,7 @@ class Scheduler:
                 reason = self.stopper.check(request)
                 if reason is not None:
                     finished[row] = reason
+        self.times.bookkeeping += time.perf_counter() - waited
         return finished
 
     def _quiet(self) -> bool:
@@ -297,10 +321,12 @@ class Scheduler:
         return self._quiet() and all(self.stopper.room(r) > pending for r in self._running)
 
     def _retire_rows(self, finished: dict[int, dict]) -> None:
+        start = time.perf_counter()
         for row, reason in finished.items():
             self._finish(self._running[row], reason)
         if finished:
             self._keep_rows([row for row in range(len(self._running)) if row not in finished])
+        self.times.bookkeeping += time.perf_counter() - start
 
     def _sample(self, logits_BV: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Sample one token per request and append it (with its log-prob) to the request."""
