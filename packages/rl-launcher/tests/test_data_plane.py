@@ -61,5 +61,10 @@ def test_workers_record_the_driver_paths_steps(ray_cluster, tmp_path, monkeypatc
         assert got == expected
     assert "loss/pg" in driver[-1] and driver[-1]["loss/kl"] != 0
     assert driver[-1]["rollout/staleness_max"] == 1  # generated while step 1 trained
-    assert driver[0]["mismatch/logprob_abs_diff_max"] > 0  # step 2's samples are a step old
+    # the engine/trainer gap, over step 1's samples only (step 2's are a step old); on the
+    # CPU in float32 both sides may compute it bit for bit (0.0), so only its presence and
+    # its equality on both paths (above) are checked
+    gap = driver[0]
+    assert 0.0 <= gap["mismatch/logprob_abs_diff_mean"] <= gap["mismatch/logprob_abs_diff_max"]
+    assert "mismatch/logprob_abs_diff_max" not in driver[-1]
     assert sum(r["rollout/reward_errors"] for r in driver) > 0  # skipped rewards were merged
