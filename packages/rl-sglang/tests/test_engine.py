@@ -302,10 +302,14 @@ def test_a_drained_batch_logs_where_its_time_went(engine, caplog):
     """Once the running batch drains, one log line tells its requests, prefills and decode
     rounds, and the thread's seconds per activity, which add up to at most its wall time."""
     import re
+    import time
 
     params = {"max_new_tokens": 5, "ignore_eos": True}
     with caplog.at_level("INFO", logger="rl_sglang.engine.scheduler"):
         generate(engine, input_ids=[[1, 2, 3], [4, 5]], sampling_params=params)
+        deadline = time.monotonic() + 10  # the answers resolve before the thread logs
+        while engine.scheduler.times.started is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
     lines = [r.getMessage() for r in caplog.records if "batch drained" in r.getMessage()]
     assert len(lines) == 1, lines
     numbers = [float(x) for x in re.findall(r"\d+(?:\.\d+)?", lines[0])]
