@@ -319,6 +319,25 @@ def test_a_drained_batch_logs_where_its_time_went(engine, caplog):
     assert engine.scheduler.times.started is None  # reset for the next batch
 
 
+def test_an_abort_resolves_once_applied_and_spares_later_requests(engine):
+    """The abort's Future resolves only once the scheduler thread has applied it, so a
+    request submitted after that is not hit by it (an abort left queued would abort it)."""
+    import threading
+
+    held, release = threading.Event(), threading.Event()
+    engine.scheduler.call(lambda: (held.set(), release.wait(10)))
+    assert held.wait(10)
+    applied = engine.scheduler.abort(None)  # queued behind the task holding the thread
+    assert not applied.done()
+    release.set()
+    applied.result(10)
+    out = generate(
+        engine, input_ids=[[1, 2, 3]], sampling_params={"max_new_tokens": 4, "ignore_eos": True}
+    )
+    assert out[0]["meta_info"]["finish_reason"]["type"] == "length"
+    assert len(out[0]["output_ids"]) == 4
+
+
 def test_a_row_stopping_while_the_next_step_is_queued(engine):
     """The scheduler queues step k + 1 before reading step k: a row that a stop token ends
     at step k must lose its extra token, and its batch mate must not notice."""

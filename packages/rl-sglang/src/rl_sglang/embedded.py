@@ -146,7 +146,8 @@ async def abort_request(request: web.Request) -> web.Response:
     rid = None if body.get("abort_all") else body.get("rid")
     if rid is None and not body.get("abort_all"):
         return _error("send {'rid': ...} or {'abort_all': true}")
-    _engine(request).scheduler.abort(rid)
+    # answered once applied: a queued abort-all would also abort requests sent after it
+    await asyncio.wrap_future(_engine(request).scheduler.abort(rid))
     return web.json_response({"success": True})
 
 

@@ -42,7 +42,7 @@ class Scheduler:
         self._cond = threading.Condition()
         self._waiting: deque[Request] = deque()
         self._tasks: deque[tuple[Callable[[], Any], Future]] = deque()
-        self._aborts: list[str | None] = []  # None = abort all
+        self._aborts: list[tuple[str | None, Future]] = []  # rid None = abort all
         self._running: list[Request] = []
         self._state = None  # the runner's handle of the running batch
         self._next_tokens: torch.Tensor | None = None
@@ -62,11 +62,15 @@ class Scheduler:
             self._waiting.extend(requests)
             self._cond.notify()
 
-    def abort(self, rid: str | None = None) -> None:
-        """Abort one request by id, or every waiting and running one (``rid=None``)."""
+    def abort(self, rid: str | None = None) -> Future:
+        """Abort one request by id, or every waiting and running one (``rid=None``); the
+        Future resolves once it is applied, so an abort answered is never left queued to
+        hit requests submitted after it."""
+        future: Future = Future()
         with self._cond:
-            self._aborts.append(rid)
+            self._aborts.append((rid, future))
             self._cond.notify()
+        return future
 
     def call(self, fn: Callable[[], Any]) -> Future:
         """Run ``fn`` on the scheduler thread between two steps; its result in a Future."""
@@ -111,11 +115,15 @@ class Scheduler:
                 aborts, self._aborts = self._aborts, []
             for fn, future in tasks:
                 self._run_task(fn, future)
-            for rid in aborts:
-                self.abort_now(rid)
+            for rid, future in aborts:
+                self._run_task(lambda rid=rid: self.abort_now(rid), future)
             if not self.paused:
                 self._admit_and_step()
         self.abort_now(None, message="engine shut down")
+        with self._cond:
+            aborts, self._aborts = self._aborts, []
+        for _, future in aborts:
+            future.set_result(None)  # nothing is left to abort
 
     def _admit_and_step(self) -> None:
         try:
