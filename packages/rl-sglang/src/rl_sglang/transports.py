@@ -26,7 +26,7 @@ from types import SimpleNamespace
 import torch
 
 from rl_sglang.client import EngineClient
-from rl_sglang.engine.weights import CUDA_DEVICE_ARG, make_process_group
+from rl_sglang.engine.weights import CUDA_DEVICE_ARG, make_process_group, record_view
 
 NamedTensors = Sequence[tuple[str, torch.Tensor]]
 
@@ -158,7 +158,7 @@ class SendBuffer:
             self.num_allocations += 1
         if len(self._layouts) >= self.MAX_LAYOUTS:
             self._layouts.clear()
-        views = [_typed_view(self.storage, m) for m in metadata]
+        views = [record_view(self.storage, m) for m in metadata]  # typed like the tensors
         self._layouts[key] = (metadata, views)
         return metadata, views
 
@@ -166,12 +166,6 @@ class SendBuffer:
         """Drop the storage (an engine still holding its handle keeps the memory until it
         lets go: on GPU torch parks the block until then, on CPU the file stays)."""
         self.storage, self._layouts = None, {}
-
-
-def _typed_view(storage: torch.Tensor, meta: SimpleNamespace) -> torch.Tensor:
-    """The bytes of record ``meta`` in ``storage`` seen as its dtype and shape (what the
-    receiver's unflattening sees), so a tensor copies in without a per-call byte view."""
-    return storage[meta.start_idx : meta.end_idx].view(meta.dtype).view(meta.shape)
 
 
 def _shared_bytes(size: int, device: torch.device) -> torch.Tensor:

@@ -8,7 +8,6 @@ waiting for the batch to drain. Everything that touches the model runs on this t
 
 import logging
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -215,19 +214,18 @@ class Scheduler:
         if not new:
             return
         self.times.admitted(len(new))
-        start = time.perf_counter()
-        self.use_adapters(new)
-        prompts = [r.prompt_ids + r.output_ids for r in new]
-        self.routes.arm(new)
-        logits_BV, state = self.runner.prefill(prompts)
-        self.routes.after_prefill(new, prompts)
-        tokens_B = self._sample(logits_BV, new)
-        self._state = self.runner.merge(self._state, state)
-        self._admitting = []
-        self._running.extend(new)
-        previous = self._next_tokens
-        self._next_tokens = tokens_B if previous is None else torch.cat([previous, tokens_B])
-        self.times.prefill += time.perf_counter() - start
+        with self.times.timed("prefill"):
+            self.use_adapters(new)
+            prompts = [r.prompt_ids + r.output_ids for r in new]
+            self.routes.arm(new)
+            logits_BV, state = self.runner.prefill(prompts)
+            self.routes.after_prefill(new, prompts)
+            tokens_B = self._sample(logits_BV, new)
+            self._state = self.runner.merge(self._state, state)
+            self._admitting = []
+            self._running.extend(new)
+            previous = self._next_tokens
+            self._next_tokens = tokens_B if previous is None else torch.cat([previous, tokens_B])
         self._retire(len(self._running) - len(new))
 
     def _finished_before_start(self, request: Request) -> bool:
@@ -264,27 +262,21 @@ class Scheduler:
     def _launch(self, tokens_B: torch.Tensor, pending: int) -> Launched:
         """Queue one decode round and the copy of its tokens and log-probs to the host;
         ``pending``: tokens of a queued round not yet appended to the requests."""
-        start = time.perf_counter()
-        try:
-            return self._launch_round(tokens_B, pending)
-        finally:
-            self.times.launch += time.perf_counter() - start
-            self.times.rounds += 1
-
-    def _launch_round(self, tokens_B: torch.Tensor, pending: int) -> Launched:
-        rows = self._row_params(self._running, self.runner.device)
-        self.use_adapters(self._running)
-        self.routes.arm(self._running)
-        if rows.all_greedy:  # argmax and log-prob come out of the (captured) step itself
-            steps = self._round_steps(pending)
-            out = self.runner.decode(self._state, tokens_B, greedy=True, steps=steps)
+        self.times.rounds += 1
+        with self.times.timed("launch"):
+            rows = self._row_params(self._running, self.runner.device)
+            self.use_adapters(self._running)
+            self.routes.arm(self._running)
+            if rows.all_greedy:  # argmax and log-prob come out of the (captured) step itself
+                steps = self._round_steps(pending)
+                out = self.runner.decode(self._state, tokens_B, greedy=True, steps=steps)
+                self.routes.after_decode(self._running)
+                return Launched(*out) if steps > 1 else Launched(out[0][None], out[1][None])
+            logits_BV = self.runner.decode(self._state, tokens_B)
             self.routes.after_decode(self._running)
-            return Launched(*out) if steps > 1 else Launched(out[0][None], out[1][None])
-        logits_BV = self.runner.decode(self._state, tokens_B)
-        self.routes.after_decode(self._running)
-        positions_B = _positions(self._running, pending, rows)
-        tokens_B, logprobs_B = sample_next(logits_BV, rows, positions_B)
-        return Launched(tokens_B[None], logprobs_B[None])
+            positions_B = _positions(self._running, pending, rows)
+            tokens_B, logprobs_B = sample_next(logits_BV, rows, positions_B)
+            return Launched(tokens_B[None], logprobs_B[None])
 
     def _round_steps(self, pending: int) -> int:
         """The runner's ``multi_step`` K when K greedy steps cannot pass any row's length
@@ -296,24 +288,22 @@ class Scheduler:
     def _consume(self, launched: Launched, rows) -> dict[int, dict]:
         """Append a launched round's tokens to ``rows``, step by step, up to each row's
         stop; the finish reason of each row that stopped."""
-        start = time.perf_counter()
-        tokens_KB, logprobs_KB = launched.wait()
-        waited = time.perf_counter()
-        self.times.wait += waited - start
+        with self.times.timed("wait"):
+            tokens_KB, logprobs_KB = launched.wait()
         finished: dict[int, dict] = {}
-        for tokens, logprobs in zip(tokens_KB, logprobs_KB, strict=True):
-            for row in rows:
-                if row in finished:
-                    continue
-                request = self._running[row]
-                request.output_ids.append(tokens[row])
-                request.output_logprobs.append(logprobs[row])
-                if request.on_token is not None:
-                    request.on_token(request)
-                reason = self.stopper.check(request)
-                if reason is not None:
-                    finished[row] = reason
-        self.times.bookkeeping += time.perf_counter() - waited
+        with self.times.timed("bookkeeping"):
+            for tokens, logprobs in zip(tokens_KB, logprobs_KB, strict=True):
+                for row in rows:
+                    if row in finished:
+                        continue
+                    request = self._running[row]
+                    request.output_ids.append(tokens[row])
+                    request.output_logprobs.append(logprobs[row])
+                    if request.on_token is not None:
+                        request.on_token(request)
+                    reason = self.stopper.check(request)
+                    if reason is not None:
+                        finished[row] = reason
         return finished
 
     def _quiet(self) -> bool:
@@ -329,12 +319,11 @@ class Scheduler:
         return self._quiet() and all(self.stopper.room(r) > pending for r in self._running)
 
     def _retire_rows(self, finished: dict[int, dict]) -> None:
-        start = time.perf_counter()
-        for row, reason in finished.items():
-            self._finish(self._running[row], reason)
-        if finished:
-            self._keep_rows([row for row in range(len(self._running)) if row not in finished])
-        self.times.bookkeeping += time.perf_counter() - start
+        with self.times.timed("bookkeeping"):
+            for row, reason in finished.items():
+                self._finish(self._running[row], reason)
+            if finished:
+                self._keep_rows([row for row in range(len(self._running)) if row not in finished])
 
     def _sample(self, logits_BV: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Sample one token per request and append it (with its log-prob) to the request."""

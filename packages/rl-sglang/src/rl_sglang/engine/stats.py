@@ -3,6 +3,7 @@ one log line per drained batch (a rollout, a benchmark run), so a slow rollout c
 explained from the engine's log without a profiler."""
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 
@@ -29,6 +30,15 @@ class BatchTimes:
             self.started = time.perf_counter()
         self.requests += count
         self.prefills += 1
+
+    @contextmanager
+    def timed(self, activity: str):
+        """Add the block's seconds to ``activity`` (prefill, launch, wait, bookkeeping)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            setattr(self, activity, getattr(self, activity) + time.perf_counter() - start)
 
     def summary(self) -> str:
         wall = time.perf_counter() - (self.started or time.perf_counter())

@@ -173,13 +173,20 @@ def unflatten_bucket(bucket: dict) -> NamedTensors:
     tensors (views of the flat buffer). A record has name, shape, dtype, start_idx and
     end_idx, as attributes (SGLang's format) or as dict keys."""
     flat = bucket["flattened_tensor"]
-    named = []
-    for meta in bucket["metadata"]:
-        meta = meta if isinstance(meta, dict) else vars(meta)
-        chunk = flat[meta["start_idx"] : meta["end_idx"]]
-        dtype = getattr(torch, str(meta["dtype"]).removeprefix("torch."))
-        named.append((meta["name"], chunk.view(dtype).view(tuple(meta["shape"]))))
-    return named
+    return [(_fields(meta)["name"], record_view(flat, meta)) for meta in bucket["metadata"]]
+
+
+def record_view(flat: torch.Tensor, meta) -> torch.Tensor:
+    """The bytes of one flattened-bucket record in the flat uint8 buffer, seen as its dtype
+    and shape (a view: writing it fills the buffer, reading it reads the buffer)."""
+    meta = _fields(meta)
+    dtype = getattr(torch, str(meta["dtype"]).removeprefix("torch."))
+    return flat[meta["start_idx"] : meta["end_idx"]].view(dtype).view(tuple(meta["shape"]))
+
+
+def _fields(meta) -> dict:
+    """A record's fields: SGLang's records carry them as attributes, ours may be dicts."""
+    return meta if isinstance(meta, dict) else vars(meta)
 
 
 def named_tensors_from_payload(serialized: list, load_format: str | None) -> NamedTensors:
@@ -253,15 +260,14 @@ class HeldBuffers:
 
 def _record_key(meta) -> tuple:
     """What a flattened-bucket record says (name, byte range, dtype, shape), hashable."""
-    if isinstance(meta, dict):
-        return (
-            meta["name"],
-            meta["start_idx"],
-            meta["end_idx"],
-            str(meta["dtype"]),
-            *meta["shape"],
-        )
-    return (meta.name, meta.start_idx, meta.end_idx, str(meta.dtype), *meta.shape)
+    meta = _fields(meta)
+    return (
+        meta["name"],
+        meta["start_idx"],
+        meta["end_idx"],
+        str(meta["dtype"]),
+        *meta["shape"],
+    )
 
 
 class WeightReceiver:
