@@ -296,12 +296,10 @@ def _fsdp_step(args, model_config: dict, batch: TrainBatch, device):
 def _profile(step, device) -> None:
     """One step each under torch.profiler, CUDA's sync debug mode and the profiler with
     Python stacks (where the copies come from), into ``PROFILE``."""
-    from rl_fsdp.profiling import copy_sources, profile_step, sync_points
+    from rl_fsdp.profiling import step_report
 
-    PROFILE.update(profile_step(step, device))
+    PROFILE.update(step_report(step, device))
     _log(f"profiled step: {PROFILE['busy_fraction']:.1%} busy, {PROFILE['categories_ms']}")
-    PROFILE["syncs"] = sync_points(step, device)
-    PROFILE["copies"] = copy_sources(step, device)
     _log(f"host syncs: {PROFILE['syncs']['total']}, copies: {PROFILE['copies']['total_ms']} ms")
 
 

@@ -216,12 +216,9 @@ def megatron_worker(
     peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None
     profile = None
     if args.profile:  # after the timed steps, one more step each (every rank runs them)
-        from rl_fsdp.profiling import copy_sources, profile_step, sync_points
+        from rl_fsdp.profiling import step_report
 
-        step, device = (lambda: backend.train_step(batch)), torch.device(args.device)
-        profile = profile_step(step, device)
-        profile["syncs"] = sync_points(step, device)
-        profile["copies"] = copy_sources(step, device)
+        profile = step_report(lambda: backend.train_step(batch), torch.device(args.device))
     if rank == 0:
         levers = {
             "swiglu_fusion": backend.model.config.bias_activation_fusion,

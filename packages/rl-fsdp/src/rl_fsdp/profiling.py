@@ -252,6 +252,15 @@ def host_profile(step, device: torch.device, *, top: int = 30) -> dict:
     return {"step_ms": wall_ms, "profiled_ms": profiled, "functions": functions}
 
 
+def step_report(step, device: torch.device) -> dict:
+    """The benches' ``--profile``: :func:`profile_step`'s summary, with one more step each
+    under :func:`sync_points` (``"syncs"``) and :func:`copy_sources` (``"copies"``)."""
+    report = profile_step(step, device)
+    report["syncs"] = sync_points(step, device)
+    report["copies"] = copy_sources(step, device)
+    return report
+
+
 # A Python frame as the profiler names it (a Python-function event, or an entry of an
 # operator's ``stack``): "rl_fsdp/forward.py(42): micro_batch". A Python-function event's
 # line is the function's ``def`` line, not the line of the call: it names the function.
