@@ -87,7 +87,7 @@ def test_embedded_engine_on_cuda_matches_teacher_forcing(model_dir, runner):
         outs = asyncio.run(_run_all(engine, groups))
         if static:  # sampling never replays (so never captures) the K-step graphs
             assert not engine.scheduler.runner.graphs.multi
-        # a colocated turn: memory released and resumed, graphs captured again
+        # a colocated turn: memory released and resumed (static: mapped back, same graphs)
         engine.scheduler.call(engine.release_memory).result()
         engine.scheduler.call(engine.resume_memory).result()
         groups, _ = engine.make_requests(
@@ -111,6 +111,39 @@ def test_embedded_engine_on_cuda_matches_teacher_forcing(model_dir, runner):
             do_sample=False,
         )
         assert best["output_ids"] == ref[0, len(prompt) :].tolist()
+
+
+def test_stable_memory_is_given_back_and_keeps_the_graphs(model_dir):
+    """A release unmaps the weights and KV cache (the device gets the bytes back), a
+    resume maps them at the same addresses: the graphs are not captured again, greedy
+    outputs are unchanged, and an update while released is refused, not a device fault."""
+    from rl_sglang.engine.core import Engine, load_model
+
+    model, tokenizer = load_model(str(model_dir), device="cuda", dtype="bfloat16")
+    engine = Engine(model, tokenizer, max_batch_size=64, runner="static", max_context=4096)
+    runner = engine.scheduler.runner
+    body = {"input_ids": [PROMPT, [7] * 9], "sampling_params": {"max_new_tokens": 24}}
+    body["sampling_params"] |= {"temperature": 0, "ignore_eos": True}
+    try:
+        assert runner.stable is not None, "no address-stable memory on this GPU"
+        before = [
+            o["output_ids"] for o in asyncio.run(_run_all(engine, engine.make_requests(body)[0]))
+        ]
+        graphs, weight = runner.graphs.graphs.copy(), next(model.parameters())
+        address, held = weight.data_ptr(), torch.cuda.mem_get_info()[0]
+        engine.scheduler.call(engine.release_memory).result()
+        freed = torch.cuda.mem_get_info()[0] - held
+        assert freed >= 0.9 * runner.stable.nbytes > 0
+        with pytest.raises(ValueError, match="memory is released"):
+            engine.apply_update([("lm_head.weight", weight)], {})
+        engine.scheduler.call(engine.resume_memory).result()
+        assert runner.graphs.graphs == graphs and weight.data_ptr() == address
+        after = [
+            o["output_ids"] for o in asyncio.run(_run_all(engine, engine.make_requests(body)[0]))
+        ]
+    finally:
+        engine.scheduler.stop()
+    assert after == before
 
 
 def _run_all(engine, groups):

@@ -332,6 +332,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="torch.compile the static runner's decode step (default: on with CUDA)",
     )
+    parser.add_argument(
+        "--stable-memory",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="static runner: weights and KV cache keep their addresses across a memory "
+        "release, so resuming maps memory back instead of capturing CUDA graphs again "
+        "(default: on with CUDA)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="init seed for a bare config")
     parser.add_argument(
         "--enable-lora", action="store_true", help="serve LoRA adapters (/load_lora_adapter)"
@@ -389,6 +397,7 @@ def main(argv: list[str] | None = None) -> None:
         max_lora_rank=args.max_lora_rank,
         lora_targets=tuple(args.lora_target_modules),
         enable_return_routed_experts=args.enable_return_routed_experts,
+        stable_memory=args.stable_memory,
     )
     engine.scheduler.weight_version = args.weight_version
     print(

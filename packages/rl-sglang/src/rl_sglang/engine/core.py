@@ -4,6 +4,7 @@ scheduler, behind methods that take and return SGLang-shaped dicts."""
 import asyncio
 import logging
 import math
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -68,7 +69,10 @@ class Engine:
     Linears named by ``lora_targets``, of rank up to ``max_lora_rank`` (None: any); the
     adapters' hooks run in the model's own modules, so the runner is the dynamic one.
     ``enable_return_routed_experts``: every response carries ``routed_experts``
-    (:mod:`rl_sglang.engine.routes`; dynamic runner), asked for or not."""
+    (:mod:`rl_sglang.engine.routes`; dynamic runner), asked for or not.
+    ``stable_memory`` (static runner with CUDA graphs): weights and KV cache at addresses
+    that survive a memory release, so a resume maps memory back instead of capturing the
+    graphs again (:mod:`rl_sglang.engine.stable_memory`); ``None``: on with CUDA."""
 
     def __init__(
         self,
@@ -85,6 +89,7 @@ class Engine:
         max_lora_rank=None,
         lora_targets=(ALL_TARGETS,),
         enable_return_routed_experts=False,
+        stable_memory=None,
     ):
         self.model, self.tokenizer, self.model_path = model, tokenizer, model_path
         self.device = next(model.parameters()).device
@@ -106,6 +111,7 @@ class Engine:
                 f"multi_step must be >= 1 (1 = one decode step per round), got {multi_step}"
             )
         self.multi_step = int(multi_step)
+        self.stable_memory = self.device.type == "cuda" if stable_memory is None else stable_memory
         routes = RouteRecorder(model if enable_return_routed_experts else None)
         if routes.enabled and self.runner_kind == "static":
             raise ValueError("--enable-return-routed-experts needs the dynamic runner")
@@ -137,6 +143,7 @@ class Engine:
                 max_len=self.max_context,
                 compile=self.compile,
                 multi_step=self.multi_step,
+                stable_memory=self.stable_memory,
             )
         pad = self.model.config.pad_token_id
         return ModelRunner(self.model, pad_token_id=pad if pad is not None else 0)
@@ -298,6 +305,7 @@ class Engine:
     def apply_update(self, named, body: dict[str, Any]) -> dict[str, Any]:
         """Abort if asked, copy the tensors, bump the version (runs on the scheduler thread,
         so no decode step sees half-updated weights)."""
+        self.check_weights_resident()
         num_in_flight = self.scheduler.num_running
         if body.get("abort_all_requests"):
             self.scheduler.abort_now(None, message="aborted for a weight update")
@@ -342,32 +350,67 @@ class Engine:
 
     def release_memory(self) -> None:
         """Retract running requests, then on GPU free the KV cache (the runner) and move the
-        weights to host memory; on CPU nothing is freed."""
+        weights to host memory; on CPU nothing is freed. A runner in stable memory unmaps
+        it instead: the parameters keep their addresses (and the weight copy plans)."""
         self.scheduler.pause_now("retract")
         if self.device.type == "cuda" and self.scheduler.runner is not None:
+            start = time.perf_counter()
             self._parked_runner, self.scheduler.runner = self.scheduler.runner, None
             if hasattr(self._parked_runner, "release"):  # static: its caches and graphs
                 self._parked_runner.release()
-            self._weight_targets = None  # the parameters get new storage
-            self.model.to("cpu")
+            if not self._weights_stay():
+                self._weight_targets = None  # the parameters get new storage
+                self.model.to("cpu")
             torch.cuda.empty_cache()
+            self._log_memory("released", start)
         self.memory_released = True
 
     def resume_memory(self) -> None:
         """Weights back on the device and the runner's caches and CUDA graphs rebuilt
         against the new parameter storage (a static runner keeps its compiled step, so
-        this captures but does not compile), generation continued."""
-        self._weight_targets = None  # the parameters may have new storage
+        this captures but does not compile; in stable memory it maps the memory back and
+        keeps its graphs), generation continued."""
+        start, stay = time.perf_counter(), self._weights_stay()
+        if not stay:
+            self._weight_targets = None  # the parameters may have new storage
         if self.scheduler.runner is None:
-            self.model.to(self.device)
+            if not stay:
+                self.model.to(self.device)
             runner, self._parked_runner = self._parked_runner, None
             if hasattr(runner, "resume"):
                 runner.resume()
             else:
                 runner = self._make_runner(self.scheduler.max_batch_size)
             self.scheduler.runner = runner
+            self._log_memory("resumed", start)
         self.memory_released = False
         self.scheduler.resume_now()
+
+    def _log_memory(self, what: str, start: float) -> None:
+        torch.cuda.synchronize(self.device)
+        stable = self._weights_stay()
+        logger.info(
+            "memory %s in %.1f ms (%s; %.2f GiB of device memory free)",
+            what,
+            (time.perf_counter() - start) * 1e3,
+            "stable: mapped at the same addresses"
+            if stable
+            else "weights moved to the host and back",
+            torch.cuda.mem_get_info(self.device)[0] / 2**30,
+        )
+
+    def _weights_stay(self) -> bool:
+        """The parameters live in the runner's stable memory (unmapped while released)."""
+        runner = self.scheduler.runner or self._parked_runner
+        return getattr(runner, "stable", None) is not None
+
+    def check_weights_resident(self) -> None:
+        """Raise when the parameters are unmapped: touching them would fault the device."""
+        if self.memory_released and self._weights_stay():
+            raise ValueError(
+                "the engine's memory is released; call /resume_memory_occupation before "
+                "updating or reading weights"
+            )
 
     def model_info(self) -> dict[str, Any]:
         return {

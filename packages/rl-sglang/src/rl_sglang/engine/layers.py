@@ -108,16 +108,14 @@ class LayerWeights:
     """A layer's weights for :func:`decode_layer`: q/k/v and gate/up concatenated (one GEMM
     each), the rest the model's own tensors. The concatenated copies are refreshed in place
     by :meth:`refresh` after a weight update, so captured CUDA graphs keep pointing at them
-    (they cost one extra copy of those projections in device memory)."""
+    (they cost one extra copy of those projections in device memory). ``empty(shape,
+    dtype)`` allocates them (default: ``torch.empty`` on the weights' device)."""
 
-    def __init__(self, layer: torch.nn.Module):
+    def __init__(self, layer: torch.nn.Module, empty=None):
+        self.groups = fused_groups(layer)
+        self.qkv, self.gate_up = (_fused_buffers(group, empty) for group in self.groups)
+        self.refresh()
         attn, mlp = layer.self_attn, layer.mlp
-        self.groups = [
-            [attn.q_proj, attn.k_proj, attn.v_proj],
-            [mlp.gate_proj, mlp.up_proj],
-        ]
-        with torch.no_grad():
-            self.qkv, self.gate_up = (_concat(group) for group in self.groups)
         self.norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
         self.o_proj, self.down_proj = attn.o_proj, mlp.down_proj
 
@@ -133,11 +131,36 @@ class LayerWeights:
         return (*self.norms, *self.qkv, o.weight, o.bias, *self.gate_up, down.weight, down.bias)
 
 
-def _concat(linears: list[torch.nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    weight = torch.cat([m.weight for m in linears])
-    biases = [m.bias for m in linears]
-    if all(b is None for b in biases):
-        return weight, None
-    if any(b is None for b in biases):
+def fused_groups(layer: torch.nn.Module) -> list[list[torch.nn.Module]]:
+    """The Linears :class:`LayerWeights` concatenates: q/k/v, then gate/up."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return [[attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]]
+
+
+def fused_specs(layer: torch.nn.Module) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """``(shape, dtype)`` of every tensor :class:`LayerWeights` allocates for ``layer``."""
+    return [spec for group in fused_groups(layer) for spec in _group_specs(group)]
+
+
+def _group_specs(linears: list[torch.nn.Module]) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """The concatenated weight of ``linears`` and, when they have biases, the bias."""
+    weights = [m.weight for m in linears]
+    rows = sum(w.shape[0] for w in weights)
+    specs = [((rows, *weights[0].shape[1:]), weights[0].dtype)]
+    if _group_bias(linears):
+        specs.append(((rows,), linears[0].bias.dtype))
+    return specs
+
+
+def _group_bias(linears: list[torch.nn.Module]) -> bool:
+    biases = [m.bias is not None for m in linears]
+    if any(biases) and not all(biases):
         raise ValueError("projections with and without bias cannot be fused; use --runner dynamic")
-    return weight, torch.cat(biases)
+    return all(biases)
+
+
+def _fused_buffers(linears, empty) -> tuple[torch.Tensor, torch.Tensor | None]:
+    device = linears[0].weight.device
+    empty = empty or (lambda shape, dtype: torch.empty(shape, dtype=dtype, device=device))
+    tensors = [empty(shape, dtype) for shape, dtype in _group_specs(linears)]
+    return tensors[0], (tensors[1] if len(tensors) > 1 else None)

@@ -18,9 +18,17 @@ import logging
 import torch
 
 from rl_sglang.engine.graphs import GraphCache
-from rl_sglang.engine.layers import LayerWeights, decode_layer, norm_eps, rms_norm, signed_sin
+from rl_sglang.engine.layers import (
+    LayerWeights,
+    decode_layer,
+    fused_specs,
+    norm_eps,
+    rms_norm,
+    signed_sin,
+)
 from rl_sglang.engine.prefill import prefill_into_slots
 from rl_sglang.engine.sampling import greedy_pick
+from rl_sglang.engine.stable_memory import StableMemory
 
 logger = logging.getLogger(__name__)
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
@@ -110,6 +118,12 @@ class StaticRunner:
     :func:`decode_layer` (fusing its elementwise kernels; the same compiled code serves all
     layers), and the greedy pick through another, before the graphs are captured; if that
     fails the eager functions are kept.
+
+    ``stable_memory=True`` (CUDA) puts the weights, their fused copies and the
+    slot caches in address-stable memory (:mod:`rl_sglang.engine.stable_memory`): a
+    release then unmaps them and a resume maps them back at the same addresses, so the
+    graphs are captured once for the run instead of at every resume. Where the driver
+    cannot, it falls back to freeing and capturing again.
     """
 
     def __init__(
@@ -121,6 +135,7 @@ class StaticRunner:
         cuda_graphs: bool | None = None,
         compile: bool = False,
         multi_step: int = 1,
+        stable_memory: bool = False,
     ):
         if (reason := static_unsupported_reason(model, max_len)) is not None:
             raise ValueError(f"static decoding cannot take this model: {reason}")
@@ -136,21 +151,47 @@ class StaticRunner:
         self.compiled = compile
         self.use_graphs = next(model.parameters()).is_cuda if cuda_graphs is None else cuda_graphs
         self.multi_step = multi_step
+        self.keys = None  # set by resume()
+        self.stable = self._stable_memory() if stable_memory else None
         self.resume()
+
+    def _stable_memory(self) -> StableMemory | None:
+        """Stable memory holding the model's parameters (moved there now, kept across
+        releases) with room after them for the fused weights and slot caches."""
+        params = list(self.model.parameters())
+        layers = self.model.model.layers
+        specs = [(p.shape, p.dtype) for p in params]
+        specs += [spec for layer in layers for spec in fused_specs(layer)]
+        specs += [(self.cache_shape, params[0].dtype)] * (2 * len(layers))
+        memory = StableMemory.for_bytes(StableMemory.size_of(specs), params[0].device)
+        if memory is not None:
+            with torch.no_grad():
+                for param in params:
+                    param.data = memory.adopt(param.data)
+            memory.keep_contents()
+            torch.cuda.empty_cache()  # the parameters' previous storage
+        return memory
 
     def resume(self) -> None:
         """Allocate the slot caches and fused weights on the model's device and capture the
         graphs: at start, and after :meth:`release` once the model is back on the device.
-        The compiled functions are kept, so a resume captures but does not compile again."""
+        The compiled functions are kept, so a resume captures but does not compile again.
+        With stable memory a resume maps the memory back instead: tensors and graphs
+        keep their addresses, the caches come back zeroed."""
+        if self.stable is not None and self.keys is not None:
+            self.stable.restore()
+            self.refresh_weights()
+            self.lengths.zero_()
+            self.host_lengths, self.size = [], 0
+            return
         param, layers = next(self.model.parameters()), self.model.model.layers
-        self.keys = [
-            torch.zeros(self.cache_shape, dtype=param.dtype, device=param.device) for _ in layers
-        ]
-        self.values = [torch.zeros_like(k) for k in self.keys]
+        empty = self.stable.take if self.stable is not None else None
+        self.keys = [self._zeros(self.cache_shape, param, empty) for _ in layers]
+        self.values = [self._zeros(self.cache_shape, param, empty) for _ in layers]
         self.lengths = torch.zeros(self.max_slots, dtype=torch.long, device=param.device)
         self.host_lengths: list[int] = []  # mirror of lengths[:size], read without a sync
         self.size = 0
-        self.layers = [LayerWeights(layer) for layer in layers]
+        self.layers = [LayerWeights(layer, empty) for layer in layers]
         self.rotary_table = rotary_table(self.model.model.rotary_emb, self.max_len, param)
         self.columns_T = torch.arange(self.cache_len, device=param.device)
         self.mask_values = tuple(
@@ -160,11 +201,22 @@ class StaticRunner:
         if self.graphs is not None:  # before any request: capture writes into free slots
             self._capture()
 
+    @staticmethod
+    def _zeros(shape, like: torch.Tensor, empty=None) -> torch.Tensor:
+        if empty is None:
+            return torch.zeros(shape, dtype=like.dtype, device=like.device)
+        return empty(shape, like.dtype).zero_()
+
     def release(self) -> None:
         """Drop every device tensor this runner owns (caches, fused weights, graphs and
         their memory pool) so the model can leave the device; :meth:`resume` rebuilds them.
-        Running rows must have been retracted first."""
+        With stable memory, unmap it instead (the weights wait in pinned host memory; the
+        graphs, their pool and the small tensors stay). Running rows must have been
+        retracted first."""
         assert self.size == 0, "release with rows still running"
+        if self.stable is not None:
+            self.stable.release()
+            return
         self.graphs = self.keys = self.values = self.layers = None
         self.lengths = self.rotary_table = self.columns_T = self.mask_values = None
 

@@ -1,0 +1,89 @@
+"""Address-stable engine memory (rl_sglang.engine.stable_memory) on the CPU.
+
+CUDA virtual memory cannot be mapped here, so a host region stands in for it: it speaks
+the same protocol (``bytes``, ``map``, ``unmap``, ``mapped``) and, like unmapped device
+memory, loses its contents on ``unmap`` (it is filled with NaN bytes). The real region is
+exercised by the GPU test in test_gpu_sglang.py."""
+
+import pytest
+import torch
+
+from rl_sglang.engine import stable_memory
+from rl_sglang.engine.stable_memory import ALIGN, StableMemory
+from rl_sglang.engine.static import StaticRunner
+
+
+class HostRegion:
+    def __init__(self, nbytes: int, device=None):
+        self.bytes = torch.zeros(nbytes, dtype=torch.uint8)
+        self.mapped, self.maps = True, 0
+
+    def unmap(self) -> None:
+        self.bytes.fill_(0xFF)  # the contents are gone (0xFFFF... is NaN in every float)
+        self.mapped = False
+
+    def map(self) -> None:
+        self.mapped, self.maps = True, self.maps + 1
+
+
+def test_kept_tensors_come_back_and_the_rest_comes_back_zeroed():
+    memory = StableMemory(HostRegion(4 * ALIGN))
+    weight = memory.adopt(torch.arange(6, dtype=torch.float32).view(2, 3))
+    memory.keep_contents()
+    cache = memory.take((5,), torch.bfloat16).fill_(7)
+    assert memory.used == 2 * ALIGN  # each tensor starts on an aligned byte
+    memory.release()
+    assert memory.released and torch.isnan(weight).all()
+    memory.release()  # twice is once
+    memory.restore()
+    assert not memory.released and memory.region.maps == 1
+    assert torch.equal(weight, torch.arange(6, dtype=torch.float32).view(2, 3))
+    assert torch.equal(cache, torch.zeros(5, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="stable memory exhausted: 4096 bytes asked, 1024 left"):
+        memory.take((1024,), torch.float32)
+
+
+def test_size_of_counts_alignment():
+    specs = [((3,), torch.float32), ((2, 2), torch.bfloat16), ((ALIGN,), torch.uint8)]
+    assert StableMemory.size_of(specs) == 3 * ALIGN
+
+
+def test_no_stable_memory_off_cuda():
+    assert StableMemory.for_bytes(1 << 20, torch.device("cpu")) is None
+
+
+def _greedy(runner, prompts, steps=6):
+    logits_BV, state = runner.prefill(prompts)
+    state = runner.merge(None, state)
+    tokens, out = logits_BV.argmax(dim=-1), []
+    for _ in range(steps):
+        tokens, _ = runner.decode(state, tokens, greedy=True)
+        out.append(tokens.clone())
+    runner.select(state, [])
+    return torch.stack(out)
+
+
+def test_static_runner_keeps_its_tensors_across_a_release(tiny_dir, monkeypatch):
+    from rl_sglang.engine.core import load_model
+
+    monkeypatch.setattr(
+        StableMemory, "for_bytes", classmethod(lambda cls, n, device: cls(HostRegion(n)))
+    )
+    model, _ = load_model(str(tiny_dir), device="cpu", dtype="float32")
+    expected = _greedy(StaticRunner(model, max_slots=4, max_len=64), [[1, 2, 3], [9] * 11])
+    runner = StaticRunner(model, max_slots=4, max_len=64, stable_memory=True)
+    memory = runner.stable
+    addresses = [p.data_ptr() for p in model.parameters()]
+    region = memory.region.bytes
+    inside = [region.data_ptr() <= a < region.data_ptr() + region.numel() for a in addresses]
+    assert all(inside) and memory.kept_bytes < memory.used <= memory.nbytes
+    tensors = [runner.keys[0], runner.values[-1], runner.layers[0].qkv[0]]
+    assert torch.equal(_greedy(runner, [[1, 2, 3], [9] * 11]), expected)
+    runner.release()
+    assert memory.released and torch.isnan(next(model.parameters())).all()
+    runner.resume()
+    assert [p.data_ptr() for p in model.parameters()] == addresses
+    assert [runner.keys[0], runner.values[-1], runner.layers[0].qkv[0]] == tensors
+    assert all(t.abs().sum() == 0 for t in runner.keys + runner.values)  # zeroed, not NaN
+    assert torch.equal(_greedy(runner, [[1, 2, 3], [9] * 11]), expected)
+    assert stable_memory.VirtualRegion  # the real region the stand-in replaces
