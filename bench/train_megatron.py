@@ -32,8 +32,10 @@ call site; host<->device memcpys under ``host_device``). Peak memory is rank 0's
 
 Levers (on by default on cuda): the fused SwiGLU (--no-swiglu-fusion turns it off) and one
 torch.compile'd graph per transformer layer (--no-compile-layers; rl_megatron.compiled_layers;
-``figure.compile`` counts graph breaks, graphs and fallbacks). --ablate also measures the
-step with each lever off in the same run, reported under "ablations".
+``figure.compile`` counts graph breaks, graphs and fallbacks); on every device, the rotary
+embedding from a cos/sin table made once per length (--no-rotary-table: megatron's cos and
+sin in every layer; rl_megatron.rotary). --ablate also measures the step with each lever
+off in the same run, reported under "ablations".
 """
 
 import argparse
@@ -80,6 +82,12 @@ def parse_args():
         action=argparse.BooleanOptionalAction,
         default=None,
         help="one compiled graph per transformer layer (default: on for cuda, off for cpu)",
+    )
+    parser.add_argument(
+        "--rotary-table",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="rotary embedding from a cos/sin table made once (rl_megatron.rotary)",
     )
     parser.add_argument(
         "--ablate", action="store_true", help="also run the step with each lever off"
@@ -208,7 +216,12 @@ def megatron_worker(
         sequence_parallel=args.tp > 1,
         precision=args.precision,
         megatron=args.megatron,
-        **{"swiglu_fusion": args.swiglu_fusion, "compile_layers": args.compile_layers, **overrides},
+        **{
+            "swiglu_fusion": args.swiglu_fusion,
+            "compile_layers": args.compile_layers,
+            "rotary_table": args.rotary_table,
+            **overrides,
+        },
     )
     backend = MegatronBackend(config)
     batch = make_batch(args, backend.shape.vocab_size)  # every data-parallel rank: all of it
@@ -223,6 +236,7 @@ def megatron_worker(
         levers = {
             "swiglu_fusion": backend.model.config.bias_activation_fusion,
             "compile_layers": backend.compiled_layers,  # {} when off
+            "rotary_table": backend.config.rotary_table,
         }
         result = {"seconds": seconds, "peak_memory_gib": peak, "levers": levers}
         if backend.compiled_layers:
@@ -280,6 +294,7 @@ def main():
         ablations = {
             "swiglu_fusion_off": {"swiglu_fusion": False},
             "compile_layers_off": {"compile_layers": False},
+            "rotary_table_off": {"rotary_table": False},
         }
         ablations = ablations if args.ablate else {}
         ablated = {name: run_megatron(args, tmp, kw) for name, kw in ablations.items()}

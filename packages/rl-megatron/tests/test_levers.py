@@ -203,3 +203,71 @@ def test_fused_adamw_clips_inside_its_kernel_like_a_separate_pass():
     for ours, expected, free in zip(in_kernel, separate, unclipped, strict=True):
         torch.testing.assert_close(ours, expected, atol=1e-6, rtol=1e-6)
         assert float((ours - free).abs().max()) > 1e-4  # clipping mattered
+
+
+def _angles(length: int, dim: int, *, interleaved: bool) -> torch.Tensor:
+    """megatron's rotary angles ``[s, 1, 1, dim]`` (its RotaryEmbedding.get_emb layout)."""
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    freqs = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
+    if interleaved:
+        return freqs.repeat_interleave(2, dim=-1)[:, None, None, :]
+    return torch.cat([freqs, freqs], dim=-1)[:, None, None, :]
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rot_dim", [16, 8])  # whole head; GLM-4's partial rope
+def test_rotary_table_rotates_as_megatron_bit_for_bit(interleaved, dtype, rot_dim):
+    """The table path's queries and their gradient equal megatron's angles path exactly."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    from rl_megatron.rotary import apply_rotary_from_table, cos_sin_table
+
+    gen = torch.Generator().manual_seed(0)
+    t = (torch.randn(37, 3, 4, 16, generator=gen) * 3).to(dtype).requires_grad_(True)
+    freqs = _angles(37, rot_dim, interleaved=interleaved)
+    upstream = torch.randn(37, 3, 4, 16, generator=gen).to(dtype)
+    table = cos_sin_table(freqs, dtype)
+    assert table.shape == (37, 1, 1, 2, rot_dim) and table.dtype == dtype
+    outputs, grads = [], []
+    for rotate in (
+        lambda: _apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=interleaved),
+        lambda: apply_rotary_from_table(t, table, interleaved=interleaved),
+    ):
+        out = rotate()
+        outputs.append(out.detach())
+        grads.append(torch.autograd.grad(out, t, upstream)[0])
+    assert torch.equal(outputs[0], outputs[1]) and torch.equal(grads[0], grads[1])
+    assert not torch.equal(outputs[1][..., :rot_dim], t.detach()[..., :rot_dim])  # rotated
+    assert torch.equal(outputs[1][..., rot_dim:], t.detach()[..., rot_dim:])  # passed
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["qwen3", "qwen2-tied", "llama"])
+def test_rotary_table_equals_megatron_rotary(world1, model_dirs, name, precision, monkeypatch):
+    """The backend with the cos/sin table gives megatron's rotary log-probs, loss and
+    gradients to the bit, and no layer takes cos/sin of the angles any more."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    calls = _count_calls(monkeypatch, rope_utils, ("_apply_rotary_pos_emb_bshd",))
+    angles = _run(model_dirs, name, precision=precision, rotary_table=False)
+    assert calls  # megatron's path: each layer's queries and keys
+    calls.clear()
+    table = _run(model_dirs, name, precision=precision, rotary_table=True)
+    assert not calls
+    _assert_same(table, angles, atol=0)
+    assert all(torch.equal(table[2][key], grad) for key, grad in angles[2].items())
+
+
+def test_rotary_table_is_made_once_per_length_and_skipped_for_mla(world1, model_dirs):
+    """One table per sequence length (cached, as megatron caches its angles), in the
+    parameters' dtype; MLA models keep megatron's own rotary path."""
+    config = MegatronConfig(hf_path=model_dirs["qwen3"][0], device="cpu", precision="bf16")
+    rotary = MegatronBackend(config).model.rotary_pos_emb
+    table = rotary(24)
+    assert table.shape == (24, 1, 1, 2, 16) and table.dtype == torch.bfloat16
+    assert rotary(24) is table and rotary(32).shape[0] == 32
+    mla = MegatronConfig(hf_path=model_dirs["deepseek_v3"][0], device="cpu")
+    from rl_megatron.rotary import table_applies
+
+    assert not table_applies(MegatronBackend(mla).model)

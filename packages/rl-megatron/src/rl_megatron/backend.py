@@ -152,6 +152,7 @@ class MegatronBackend(WeightsAndStateMixin):
             swiglu_fusion=self.config.swiglu_fusion and self._swiglu_fusion_works(),
             options=options,
             vp_stage=vp_stage,
+            rotary_table=self.config.rotary_table,
         )
         load_hf_weights(model, SafetensorsReader(self.config.hf_path), self.shape, self.layout)
         return model.to(self.device)

@@ -82,6 +82,11 @@ class MegatronConfig:
     tp > 1, selective recompute) their RMSNorms only (:mod:`rl_megatron.compiled_layers`).
     A layer class whose compilation fails runs eager, logged once. None: on for cuda, off
     for cpu (compiling costs more there than it saves)."""
+    rotary_table: bool = True
+    """Rotary embedding from a cos/sin table made once per sequence length (in the
+    parameters' dtype) instead of megatron taking cos and sin of the angles in every layer:
+    the same values, loads and multiply-adds per layer (:mod:`rl_megatron.rotary`; plain
+    rope only, MLA / YaRN keep megatron's path)."""
     seed: int = 1234
     lr: float = 1e-6
     warmup_steps: int = 0
