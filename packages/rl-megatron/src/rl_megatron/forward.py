@@ -88,7 +88,9 @@ def forward_logits(
     # mask None means causal.
     with _real_rows_only(model, valid) as selected:
         output = model(input_ids, positions, attention_mask=None)
-    return (output[0] if selected else output[valid]), held
+    # squeeze, not output[0]: select's backward would write the [N_held, V] logits'
+    # gradient into a zeroed [1, N_held, V] copy (1.2 ms a step on the 1.5B shape)
+    return (output.squeeze(0) if selected else output[valid]), held
 
 
 @contextlib.contextmanager

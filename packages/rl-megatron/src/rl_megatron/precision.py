@@ -3,8 +3,9 @@
 With ``precision="bf16"`` the model's parameters are bfloat16, so every matmul, norm and
 tensor/sequence-parallel collective runs in bf16 without autocast, while
 - every parameter carries a float32 ``main_grad`` (same shape): when backward has
-  accumulated a bf16 ``.grad``, a post-accumulate hook folds it into ``main_grad`` and
-  frees it, so micro-batches (and later the DP/TP reductions and clipping) sum in fp32.
+  accumulated a bf16 ``.grad``, a post-accumulate hook folds it into ``main_grad`` (on
+  CUDA with a vectorised Triton kernel, :func:`fold_into_main_grad`) and frees it, so
+  micro-batches (and later the DP/TP reductions and clipping) sum in fp32.
   The first gradient of a step is copied, not added: ``zero_grad`` only marks the buffers
   stale (no kernel) and :func:`finish_accumulation` zeroes the few that got no gradient;
 - the optimizer steps float32 master copies whose ``.grad`` *is* ``main_grad``; after each
@@ -13,6 +14,8 @@ With ``precision="fp32"`` none of this exists: ``.grad`` is the gradient and the
 steps the parameters themselves.
 """
 
+import functools
+import importlib.util
 from collections.abc import Callable
 
 import torch
@@ -28,12 +31,35 @@ def grad_of(param: torch.Tensor) -> torch.Tensor | None:
 
 
 def _accumulate_main_grad(param: torch.Tensor) -> None:
-    if param.main_grad_stale:  # first gradient of the step: overwrite, nothing to add to
-        param.main_grad.copy_(param.grad)
-        param.main_grad_stale = False
-    else:
-        param.main_grad.add_(param.grad)
+    # first gradient of the step (stale buffer): overwrite, nothing to add to
+    fold_into_main_grad(param.main_grad, param.grad, accumulate=not param.main_grad_stale)
+    param.main_grad_stale = False
     param.grad = None  # the bf16 gradient is freed as soon as it is folded in
+
+
+def fold_into_main_grad(main: torch.Tensor, grad: torch.Tensor, *, accumulate: bool) -> None:
+    """``main += grad`` (``accumulate``) or ``main = grad``, float32 ``main``: on CUDA a
+    Triton kernel with wide loads (torch's cross-dtype copy and add do not vectorise;
+    :mod:`rl_megatron._triton_fold`), elsewhere torch. The same values either way."""
+    if _triton_folds(main, grad):
+        from rl_megatron._triton_fold import fold
+
+        fold(grad, main, accumulate=accumulate)
+    elif accumulate:
+        main.add_(grad)
+    else:
+        main.copy_(grad)
+
+
+def _triton_folds(main: torch.Tensor, grad: torch.Tensor) -> bool:
+    half = grad.dtype in (torch.bfloat16, torch.float16)
+    contiguous = main.is_contiguous() and grad.is_contiguous()
+    return main.is_cuda and grad.is_cuda and half and contiguous and _triton_installed()
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def finish_accumulation(params) -> None:
