@@ -132,7 +132,26 @@ def test_embedded_engines_get_the_runs_context_bound_and_dtype(tmp_path):
     command = server.command()
     assert command[command.index("--max-context") + 1] == "140"
     assert command[command.index("--dtype") + 1] == "bfloat16"
+    assert "--mem-fraction" not in command  # a CPU engine's memory is not bounded
+    config.cluster.device, config.engine.mem_fraction = "cuda", 0.45
+    (server,) = engine_processes(
+        config, model_dir=tmp_path, log_dir=tmp_path, gpus=[[0]], max_batch_size=8
+    )
+    command = server.command()
+    assert command[command.index("--mem-fraction") + 1] == "0.45"
+    config.cluster.device = "cpu"
     config.rollout.function = "my_pkg.agent:generate"  # turns may grow the context
     assert engine_max_context(config) is None
     config.engine.max_context = 4096
     assert engine_max_context(config) == 4096
+
+
+def test_an_embedded_engine_batches_a_steps_samples_up_to_its_devices_cap():
+    from rl_launcher.roles.rollout_manager import engine_batch_limit
+
+    config, _ = load_config(["--rollout.batch_size", "64", "--rollout.group_size", "16"])
+    assert engine_batch_limit(config) == 256  # CPU: 1,024 samples, capped
+    config.cluster.device = "cuda"
+    assert engine_batch_limit(config) == 1024  # one admission for the whole rollout
+    config.engine.num_engines = 3
+    assert engine_batch_limit(config) == 342

@@ -340,6 +340,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "release, so resuming maps memory back instead of capturing CUDA graphs again "
         "(default: on with CUDA)",
     )
+    parser.add_argument(
+        "--mem-fraction",
+        type=float,
+        default=None,
+        help="static runner on CUDA: share of the device's memory the engine may hold "
+        "(weights, KV slots, graphs); --max-batch-size is lowered to the slots that fit "
+        "(default: no bound)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="init seed for a bare config")
     parser.add_argument(
         "--enable-lora", action="store_true", help="serve LoRA adapters (/load_lora_adapter)"
@@ -398,6 +406,7 @@ def main(argv: list[str] | None = None) -> None:
         lora_targets=tuple(args.lora_target_modules),
         enable_return_routed_experts=args.enable_return_routed_experts,
         stable_memory=args.stable_memory,
+        mem_fraction=args.mem_fraction,
     )
     engine.scheduler.weight_version = args.weight_version
     print(

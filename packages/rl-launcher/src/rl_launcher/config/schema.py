@@ -664,7 +664,13 @@ class EngineConfig:
         help="Address the engines and router bind to when the whole run is on the driver's "
         "node; engines on other nodes bind their node's address (RL_SGLANG_API_KEY then needed).",
     )
-    mem_fraction: float = option(0.8, help="Engine memory fraction (sglang).", above=0, high=1)
+    mem_fraction: float = option(
+        0.8,
+        help="Share of its GPU's memory an engine may hold: SGLang's --mem-fraction-static; "
+        "the embedded engine fits its KV slots (the requests it batches) into it.",
+        above=0,
+        high=1,
+    )
     weight_sync: str = option(
         "auto",
         help="Weight transport; auto picks tensor (colocated) or distributed (disaggregated).",

@@ -123,6 +123,8 @@ def engine_process(
     device = "cuda" if config.cluster.device == "cuda" else "cpu"
     context = engine_max_context(config)
     extra = [] if context is None else ["--max-context", str(context)]
+    if device == "cuda":
+        extra += ["--mem-fraction", str(config.engine.mem_fraction)]
     extra += embedded_lora_args(config)
     if config.algorithm.routing_replay:
         extra.append("--enable-return-routed-experts")

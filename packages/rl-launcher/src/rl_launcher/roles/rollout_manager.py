@@ -173,6 +173,8 @@ def request_seed(seed: int, key: int | str) -> int:
 
 def engine_batch_limit(config) -> int:
     """Requests an embedded engine batches at once: the step's samples per engine, at most
-    256."""
+    1,024 on GPUs (fewer slots admit the rollout in dozens of small prefills; the engine
+    lowers it to the slots that fit in ``engine.mem_fraction``) and 256 on CPUs."""
     samples = config.rollout.batch_size * config.rollout.group_size
-    return max(1, min(256, -(-samples // config.engine.num_engines)))
+    cap = 1024 if config.cluster.device == "cuda" else 256
+    return max(1, min(cap, -(-samples // config.engine.num_engines)))

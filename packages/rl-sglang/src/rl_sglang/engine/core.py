@@ -72,7 +72,10 @@ class Engine:
     (:mod:`rl_sglang.engine.routes`; dynamic runner), asked for or not.
     ``stable_memory`` (static runner with CUDA graphs): weights and KV cache at addresses
     that survive a memory release, so a resume maps memory back instead of capturing the
-    graphs again (:mod:`rl_sglang.engine.stable_memory`); ``None``: on with CUDA."""
+    graphs again (:mod:`rl_sglang.engine.stable_memory`); ``None``: on with CUDA.
+    ``mem_fraction`` (static runner on CUDA): the share of the device's memory the engine
+    may hold (weights, KV slots, graphs), as SGLang's ``--mem-fraction-static``;
+    ``max_batch_size`` is lowered to the slots that fit. ``None``: no bound."""
 
     def __init__(
         self,
@@ -90,6 +93,7 @@ class Engine:
         lora_targets=(ALL_TARGETS,),
         enable_return_routed_experts=False,
         stable_memory=None,
+        mem_fraction=None,
     ):
         self.model, self.tokenizer, self.model_path = model, tokenizer, model_path
         self.device = next(model.parameters()).device
@@ -112,6 +116,8 @@ class Engine:
             )
         self.multi_step = int(multi_step)
         self.stable_memory = self.device.type == "cuda" if stable_memory is None else stable_memory
+        if mem_fraction is not None and self.runner_kind == "static":
+            max_batch_size = self._slots_within(max_batch_size, mem_fraction)
         routes = RouteRecorder(model if enable_return_routed_experts else None)
         if routes.enabled and self.runner_kind == "static":
             raise ValueError("--enable-return-routed-experts needs the dynamic runner")
@@ -130,6 +136,35 @@ class Engine:
         self.memory_released = False
         self._parked_runner = None  # the runner while memory is released
         self._weight_targets: dict | None = None  # state_dict() for updates, reset on moves
+
+    def _slots_within(self, max_batch_size: int, mem_fraction: float) -> int:
+        """``max_batch_size`` lowered to the slots whose caches fit in ``mem_fraction``
+        of the device beside the weights (CUDA; elsewhere unchanged)."""
+        if not 0 < mem_fraction <= 1:
+            raise ValueError(f"mem_fraction must be in (0, 1], got {mem_fraction}")
+        if self.device.type != "cuda":
+            return max_batch_size
+        from rl_sglang.engine.static import slots_that_fit
+
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        budget = int(mem_fraction * total) - torch.cuda.memory_allocated(self.device)
+        fit = slots_that_fit(self.model, self.max_context, budget)
+        if fit < 1:
+            raise ValueError(
+                f"no KV slot of {self.max_context} positions fits in mem_fraction "
+                f"{mem_fraction} of this device beside the weights; raise --mem-fraction "
+                "or lower --max-context"
+            )
+        if fit < max_batch_size:
+            logger.info(
+                "max batch size %d -> %d: the slots' caches for context %d fit in "
+                "mem_fraction %.2f of the device",
+                max_batch_size,
+                fit,
+                self.max_context,
+                mem_fraction,
+            )
+        return min(max_batch_size, fit)
 
     def _make_runner(self, max_batch_size: int):
         if self.runner_kind == "static":

@@ -14,6 +14,7 @@ step, so an all-greedy batch needs no kernel outside the graph but two small cop
 """
 
 import logging
+import math
 
 import torch
 
@@ -75,6 +76,21 @@ def slot_cache_shape(config, max_slots: int, max_len: int) -> tuple[int, int, in
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     return (max_slots, heads, -(-max_len // 16) * 16, head_dim)
+
+
+ACTIVATION_RESERVE = 1 << 30  # bytes kept for prefill activations outside the slots
+
+
+def slots_that_fit(model, max_len: int, budget_bytes: int) -> int:
+    """How many slots of ``max_len`` positions fit in ``budget_bytes`` of device memory
+    beside the weights: each slot costs its keys and values in every layer plus its
+    rows of the graphs' logits (the model's dtype, float32 for the greedy pick, and again
+    for the K-step graphs); :data:`ACTIVATION_RESERVE` is kept for prefills."""
+    config = model.config
+    param = next(model.parameters())
+    kv = 2 * config.num_hidden_layers * math.prod(slot_cache_shape(config, 1, max_len))
+    per_slot = kv * param.element_size() + 2 * config.vocab_size * (param.element_size() + 4)
+    return max(0, (budget_bytes - ACTIVATION_RESERVE) // per_slot)
 
 
 def _sliding_window(config) -> int | None:

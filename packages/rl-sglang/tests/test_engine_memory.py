@@ -1,4 +1,5 @@
-"""Address-stable engine memory (rl_sglang.engine.stable_memory) on the CPU.
+"""The embedded engine's device memory on the CPU: the slots that fit a memory share, and
+address-stable memory (rl_sglang.engine.stable_memory).
 
 CUDA virtual memory cannot be mapped here, so a host region stands in for it: it speaks
 the same protocol (``bytes``, ``map``, ``unmap``, ``mapped``) and, like unmapped device
@@ -10,7 +11,7 @@ import torch
 
 from rl_sglang.engine import stable_memory
 from rl_sglang.engine.stable_memory import ALIGN, StableMemory
-from rl_sglang.engine.static import StaticRunner
+from rl_sglang.engine.static import ACTIVATION_RESERVE, StaticRunner, slots_that_fit
 
 
 class HostRegion:
@@ -87,3 +88,28 @@ def test_static_runner_keeps_its_tensors_across_a_release(tiny_dir, monkeypatch)
     assert all(t.abs().sum() == 0 for t in runner.keys + runner.values)  # zeroed, not NaN
     assert torch.equal(_greedy(runner, [[1, 2, 3], [9] * 11]), expected)
     assert stable_memory.VirtualRegion  # the real region the stand-in replaces
+
+
+def test_slots_that_fit_count_each_slots_caches_and_logits(tiny_model):
+    config = tiny_model.config  # float32, 2 layers, 2 KV heads of 16, vocab 320
+    head_dim = config.hidden_size // config.num_attention_heads
+    kv_per_slot = 2 * 2 * config.num_key_value_heads * 64 * head_dim * 4  # 64 rows (60 -> 64)
+    per_slot = kv_per_slot + 2 * config.vocab_size * (4 + 4)
+    budget = ACTIVATION_RESERVE + 10 * per_slot + per_slot // 2
+    assert slots_that_fit(tiny_model, 60, budget) == 10
+    assert slots_that_fit(tiny_model, 60, ACTIVATION_RESERVE - 1) == 0
+
+
+def test_a_memory_share_is_checked_and_bounds_only_device_engines(tiny_dir):
+    from rl_sglang.engine.core import Engine, load_model
+
+    model, tokenizer = load_model(str(tiny_dir))
+    with pytest.raises(ValueError, match=r"mem_fraction must be in \(0, 1\], got 1.5"):
+        Engine(model, tokenizer, runner="static", max_context=64, mem_fraction=1.5)
+    engine = Engine(
+        model, tokenizer, runner="static", max_context=64, max_batch_size=8, mem_fraction=0.01
+    )
+    try:  # on the CPU the share does not apply: the batch stays as asked
+        assert engine.scheduler.max_batch_size == 8
+    finally:
+        engine.scheduler.stop()
