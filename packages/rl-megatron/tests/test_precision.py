@@ -146,6 +146,8 @@ import torch
 from rl_megatron._triton_fold import _BLOCK, fold
 
 gen = torch.Generator().manual_seed(0)
+empty = torch.ones(0)
+fold(torch.ones(0, dtype=torch.bfloat16), empty, accumulate=True)  # nothing to launch
 for numel in (1, _BLOCK - 1, _BLOCK + 1, 3 * _BLOCK + 5):
     for dtype in (torch.bfloat16, torch.float16):
         grad = (torch.randn(numel, generator=gen) * 7).to(dtype)

@@ -30,5 +30,7 @@ def fold(grad: torch.Tensor, main: torch.Tensor, *, accumulate: bool) -> None:
     same number of elements, ``main`` float32."""
     assert main.dtype == torch.float32 and main.numel() == grad.numel()
     assert main.is_contiguous() and grad.is_contiguous()
+    if main.numel() == 0:  # no program to launch
+        return
     grid = (triton.cdiv(main.numel(), _BLOCK),)
     _fold_kernel[grid](grad, main, main.numel(), ACCUMULATE=accumulate, BLOCK=_BLOCK, num_warps=8)
