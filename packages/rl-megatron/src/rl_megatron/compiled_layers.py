@@ -64,7 +64,8 @@ class CompiledOrEager(compiling.CompiledOrEager):
 
 def _mark_tokens_dynamic(args: tuple, kwargs: dict) -> None:
     """Dims 0 and 1 (tokens, rows of ``[s, b, ...]``) of the hidden states (a layer's or a
-    norm's input) and dim 0 of the rotary table ``[s, 1, 1, d]``: one graph for every
+    norm's input) and dim 0 of the rotary input (angles ``[s, 1, 1, d]`` or the cos/sin
+    table ``[s, 1, 1, 2, d]`` of :mod:`rl_megatron.rotary`): one graph for every
     micro-batch shape."""
     hidden = kwargs.get("hidden_states", args[0] if args else None)
     if isinstance(hidden, torch.Tensor) and hidden.dim() >= 3:
