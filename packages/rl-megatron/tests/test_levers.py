@@ -267,6 +267,7 @@ def test_rotary_table_is_made_once_per_length_and_skipped_for_mla(world1, model_
     table = rotary(24)
     assert table.shape == (24, 1, 1, 2, 16) and table.dtype == torch.bfloat16
     assert rotary(24) is table and rotary(32).shape[0] == 32
+    assert rotary(24, packed_seq=True).shape == (24, 1, 1, 16)  # thd keeps the angles
     mla = MegatronConfig(hf_path=model_dirs["deepseek_v3"][0], device="cpu")
     from rl_megatron.rotary import table_applies
 

@@ -52,6 +52,8 @@ def use_cos_sin_table(model) -> bool:
 
     @functools.lru_cache(maxsize=32)
     def table(*args, **kwargs) -> torch.Tensor:
+        if kwargs.get("packed_seq"):  # thd: megatron's per-sequence slicing of the angles
+            return angles(*args, **kwargs)
         return cos_sin_table(angles(*args, **kwargs), dtype)
 
     table.makes_cos_sin_table = True
