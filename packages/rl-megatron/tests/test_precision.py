@@ -184,7 +184,8 @@ def test_main_grad_fold_on_cuda_equals_torch():
     """On CUDA the hook folds through the Triton kernel; same values as torch's copy/add."""
     from rl_megatron import precision
 
-    assert precision._triton_folds(torch.zeros(2, device="cuda"), torch.zeros(2, device="cuda"))
+    half = torch.zeros(2, device="cuda", dtype=torch.bfloat16)
+    assert precision._triton_folds(torch.zeros(2, device="cuda"), half)
     gen = torch.Generator(device="cuda").manual_seed(0)
     for shape in ((151936, 1536), (1536,), (3, 5)):
         grad = torch.randn(shape, device="cuda", generator=gen).to(torch.bfloat16)
