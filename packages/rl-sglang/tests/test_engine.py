@@ -1,6 +1,7 @@
 """The embedded engine in-process: log-probs equal a teacher-forced forward, greedy equals
 model.generate, continuous admission, stops, n and seeds, abort and pause modes."""
 
+import logging
 import threading
 
 import pytest
@@ -42,6 +43,27 @@ def test_logprobs_match_teacher_forcing_in_a_mixed_batch(engine, tiny_model):
             assert len(out["output_ids"]) == 10 == out["meta_info"]["completion_tokens"]
             expected = teacher_forced_logprobs(tiny_model, prompt, out["output_ids"], temperature)
             assert logprobs_of(out) == pytest.approx(expected, abs=1e-4)
+
+
+def test_rows_leaving_while_the_next_round_is_in_flight_keep_their_tokens(engine, caplog):
+    """Rows stop on a token while the scheduler has the next round queued (the look-ahead
+    keeps going after rows leave): each row's output equals its output alone, whether a
+    few rows or all of them stop in the same round, and no step fails."""
+    prompt, params = [1, 2, 3], {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    (alone,) = generate(engine, input_ids=[prompt], sampling_params=params)
+    stop = {**params, "ignore_eos": False, "stop_token_ids": [alone["output_ids"][4]]}
+    cut = alone["output_ids"][: alone["output_ids"].index(stop["stop_token_ids"][0]) + 1]
+    sampled = {"max_new_tokens": 12, "temperature": 1.0, "sampling_seed": 7, "ignore_eos": True}
+    mixed = [stop, stop, sampled, {**sampled, "sampling_seed": 8}]  # two stop, two go on
+    for batch in ([stop] * 4, mixed):
+        outs = generate(engine, input_ids=[prompt] * 4, sampling_params=batch)
+        for out, row_params in zip(outs, batch, strict=True):
+            (own,) = generate(engine, input_ids=[prompt], sampling_params=row_params)
+            assert out["output_ids"] == own["output_ids"]
+            if row_params is stop:
+                assert out["output_ids"] == cut
+                assert out["meta_info"]["finish_reason"]["type"] == "stop"
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 def test_greedy_equals_model_generate(engine, tiny_model):

@@ -1,6 +1,8 @@
 """Per-step helpers of the scheduler: the host copy of a queued step, and the order that
 keeps slot moves small when rows leave the batch."""
 
+import copy
+
 import torch
 
 
@@ -22,7 +24,7 @@ class Launched:
         self.steps = tokens_KB.shape[0]
         self.tokens_B = tokens_KB[-1]
         self._host = (tokens_KB, logprobs_KB)
-        self._event = None
+        self._event, self._rows = None, None
         if tokens_KB.is_cuda:  # pinned targets: the copy must not block the host
             self._host = tuple(_pinned_copy(t) for t in self._host)
             self._event = torch.cuda.Event()
@@ -31,8 +33,23 @@ class Launched:
     def wait(self) -> tuple[list[list[int]], list[list[float]]]:
         if self._event is not None:
             self._event.synchronize()
-        tokens, logprobs = self._host
-        return tokens.tolist(), logprobs.tolist()
+        tokens, logprobs = (t.tolist() for t in self._host)
+        if self._rows is None:
+            return tokens, logprobs
+        return _columns(tokens, self._rows), _columns(logprobs, self._rows)
+
+    def select(self, rows: list[int]) -> "Launched":
+        """This round's outputs for ``rows`` only, in that order: the running batch was
+        compacted while the round was in flight."""
+        picked = copy.copy(self)
+        index = torch.tensor(rows, dtype=torch.long, device=self.tokens_B.device)
+        picked.tokens_B = self.tokens_B[index]
+        picked._rows = rows if self._rows is None else [self._rows[r] for r in rows]
+        return picked
+
+
+def _columns(steps: list[list], rows: list[int]) -> list[list]:
+    return [[step[row] for row in rows] for step in steps]
 
 
 def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:

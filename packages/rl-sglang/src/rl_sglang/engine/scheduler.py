@@ -193,18 +193,20 @@ class Scheduler:
         self.num_finished += 1
         request.finish_with(reason)
 
-    def _keep_rows(self, rows: list[int]) -> None:
+    def _keep_rows(self, rows: list[int]) -> list[int]:
+        """Keep only ``rows`` of the running batch; their previous indices in the new order."""
         if len(rows) == len(self._running):
-            return
+            return rows
         if not rows:
             self._drop_batch()
-            return
+            return rows
         rows = fill_holes(rows)  # the static runner then moves only the rows past the end
         self._running = [self._running[i] for i in rows]
         self._state = None if self._state is None else self.runner.select(self._state, rows)
         if self._next_tokens is not None:
             index = torch.tensor(rows, device=self._next_tokens.device)
             self._next_tokens = self._next_tokens[index]
+        return rows
 
     def _admit(self) -> None:
         with self._cond:
@@ -239,25 +241,28 @@ class Scheduler:
         one go when the runner has ``multi_step`` K and no row can reach its length limit
         within them). While nothing else waits (no task, abort or admissible request),
         round ``r + 1`` is queued on the device before the host reads round ``r``'s tokens,
-        so the host's bookkeeping overlaps the GPU's work; a row that stopped drops the
-        tokens computed after its stop."""
+        so the host's bookkeeping overlaps the GPU's work. Rows that stop in round ``r``
+        leave the batch while ``r + 1`` is in flight (their tokens of ``r + 1`` are
+        dropped), so rows finishing at every step do not stall the pipeline."""
         if not self._running:
             return
         launched = self._launch(self._next_tokens, pending=0)
+        self._next_tokens = None  # the rounds in flight hold the next tokens
         while True:
             ahead = None
             if self._can_look_ahead(launched.steps):
                 ahead = self._launch(launched.tokens_B, pending=launched.steps)
             finished = self._consume(launched, range(len(self._running)))
-            if ahead is not None and not finished:
-                launched = ahead
-                continue
-            if ahead is not None:  # keep step k + 1 only for the rows still running
-                survivors = [row for row in range(len(self._running)) if row not in finished]
-                finished |= self._consume(ahead, survivors)
-            self._next_tokens = (launched if ahead is None else ahead).tokens_B
-            self._retire_rows(finished)
-            return
+            if ahead is None:
+                self._next_tokens = launched.tokens_B
+                self._retire_rows(finished)
+                return
+            if finished:
+                kept = self._retire_rows(finished)
+                if not kept:
+                    return
+                ahead = ahead.select(kept)
+            launched = ahead
 
     def _launch(self, tokens_B: torch.Tensor, pending: int) -> Launched:
         """Queue one decode round and the copy of its tokens and log-probs to the host;
@@ -318,12 +323,14 @@ class Scheduler:
         the loop would do between rounds (``pending`` tokens are not appended yet)."""
         return self._quiet() and all(self.stopper.room(r) > pending for r in self._running)
 
-    def _retire_rows(self, finished: dict[int, dict]) -> None:
+    def _retire_rows(self, finished: dict[int, dict]) -> list[int]:
+        """Finish the ``finished`` rows and compact the batch; the kept rows' previous
+        indices in their new order."""
         with self.times.timed("bookkeeping"):
             for row, reason in finished.items():
                 self._finish(self._running[row], reason)
-            if finished:
-                self._keep_rows([row for row in range(len(self._running)) if row not in finished])
+            kept = [row for row in range(len(self._running)) if row not in finished]
+            return self._keep_rows(kept) if finished else kept
 
     def _sample(self, logits_BV: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Sample one token per request and append it (with its log-prob) to the request."""
