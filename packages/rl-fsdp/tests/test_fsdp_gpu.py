@@ -269,7 +269,7 @@ OFFLOAD_MODEL = {
 
 @pytest.mark.parametrize("fsdp", [False, True], ids=["masters", "fsdp"])
 def test_async_offload_trains_bit_for_bit(backend, fsdp):
-    """Three trainers from one seed (~31M parameters: the copies take milliseconds), turns
+    """Three trainers from one seed (~25M parameters: the copies take milliseconds), turns
     between their steps: asynchronous offload/onload (side streams, storages freed by a
     thread; the optimizer state comes back behind a forward), synchronous, and none. The
     same log-probs, parameters and optimizer state bit for bit; an onload right after an
