@@ -309,7 +309,7 @@ def test_async_offload_trains_bit_for_bit(backend, fsdp):
         log_probs[name] = trainer.compute_log_probs(batch).cpu()
         trainer.train_step(batch)
     assert freed["async"] == freed["sync"] > 0, freed
-    for name in ("sync", "async"):  # sync first: a difference there is not async's doing
+    for name in ("async", "sync"):
         assert torch.equal(log_probs[name], log_probs["none"]), name
         _assert_same_state(trainers[name], trainers["none"])
 
