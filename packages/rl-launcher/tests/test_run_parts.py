@@ -119,9 +119,6 @@ def test_fsdp_config_carries_the_algorithm_and_optimizer(tmp_path):
     assert (fsdp.lr_decay, fsdp.total_steps, fsdp.objective.temperature) == ("cosine", 7, 0.7)
     assert fsdp.model_path == str(tmp_path) and fsdp.objective.rollout_is_level is None
     assert fsdp.export_dtype == fsdp.precision  # engines get model.dtype, not fp32 masters
-    assert fsdp.async_offload  # the default; --backend.async_offload false turns it off
-    config, _ = load_config(["--backend.async_offload", "false"])
-    assert not fsdp_config(config, model_dir=tmp_path).async_offload
 
 
 def test_sum_norm_aggregation_divides_by_the_response_limit_in_both_backends(tmp_path):

@@ -199,12 +199,6 @@ class BackendConfig:
         help="Colocated on GPUs: move training state to host memory while engines generate "
         "(false: it stays on the device when both fit).",
     )
-    async_offload: bool = option(
-        True,
-        help="With offload_when_idle (fsdp): the copies to host memory drain while the rollout "
-        "runs, and the optimizer state comes back while log-probs are computed (false: each "
-        "turn copies everything and waits).",
-    )
     tensor_parallel: int = option(1, help="Megatron tensor-parallel size.", low=1)
     pipeline_parallel: int = option(1, help="Megatron pipeline-parallel size.", low=1)
     context_parallel: int = option(1, help="Context-parallel size.", low=1)

@@ -163,7 +163,6 @@ def fsdp_config(config, *, model_dir: Path, objective: Objective | None = None):
         value_clip=config.algorithm.value_clip,  # the critic's (rl_launcher.roles.critic)
         train_only=tuple(config.model.train_only),
         freeze=tuple(config.model.freeze),
-        async_offload=config.backend.async_offload,
     )
 
 
