@@ -7,7 +7,7 @@ import torch
 from fsdp_tiny import CONFIGS, tokens_batch
 
 from rl_fsdp import FSDPConfig
-from rl_fsdp.offload import HostStash, storage_keys, training_tensors
+from rl_fsdp.offload import HostStash, training_tensors
 
 
 def test_views_share_one_buffer_and_come_back_in_place():
@@ -107,95 +107,3 @@ def test_one_rank_exports_its_parameters_without_gathering(world_of_one):
     for name, tensor in exported:
         assert torch.equal(tensor, params[name].full_tensor())
         assert tensor.data_ptr() == params[name].to_local().data_ptr()  # not a copy
-
-
-def test_queued_release_keeps_the_bytes_until_settled():
-    """release(wait=False): the storages keep their bytes until settle() (on CUDA the copies
-    are still in flight); a restore right after settles first, and restore(wait=False)
-    gives the same bytes back (ready() then has nothing to wait for on CPU)."""
-    base, other = torch.arange(12, dtype=torch.float32), torch.ones(3, dtype=torch.int64)
-    stash = HostStash(pin=False)
-    assert stash.release([base, other], wait=False) == 12 * 4 + 3 * 8
-    assert not stash.settled and base.untyped_storage().nbytes() == 12 * 4
-    stash.settle()
-    assert stash.settled and base.untyped_storage().nbytes() == 0
-    stash.settle()  # idempotent
-    assert stash.restore(wait=False) == 12 * 4 + 3 * 8
-    stash.ready()
-    assert torch.equal(base, torch.arange(12, dtype=torch.float32))
-    stash.release([base, other], wait=False)
-    assert stash.restore() == 12 * 4 + 3 * 8 and stash.settled  # settled, then refilled
-    assert torch.equal(base, torch.arange(12, dtype=torch.float32))
-    assert torch.equal(other, torch.ones(3, dtype=torch.int64))
-    assert stash.restore() == 0  # nothing released
-
-
-LAYOUTS = {
-    "master_bf16": {"fsdp_on_one_rank": False, "precision": "bf16"},
-    "fsdp": {"fsdp_on_one_rank": True},
-}
-
-
-@pytest.mark.parametrize("background", [True, False], ids=["two_phase", "whole"])
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_trainer_turns_leave_training_unchanged(world_of_one, layout, background):
-    """The trainer's offload/onload bodies (``_move_out`` / ``_move_in``; on CPU the copies
-    are synchronous, the GPU test runs them on streams): two steps with a turn between
-    them equal two steps without, parameters and optimizer state bit for bit. Two-phase:
-    what a forward needs (the compute copy without FSDP, the parameters with it) is one
-    stash, the optimizer state and float32 masters the other, no storage in both."""
-    from rl_fsdp import FSDPBackend
-
-    config = FSDPConfig(
-        model_config=CONFIGS["qwen2"], lr=1e-2, max_tokens_per_micro_batch=48, **LAYOUTS[layout]
-    )
-    backends = []
-    for _ in range(2):
-        torch.manual_seed(0)
-        backends.append(FSDPBackend(config, dist_info=world_of_one))
-    plain, turned = backends
-    assert (plain.master is not None) == (layout == "master_bf16")
-    batch = _rl_batch()
-    expected = [plain.train_step(batch)["loss/total"] for _ in range(2)]
-    first = turned.train_step(batch)["loss/total"]
-    forward, state = turned._offloaded_tensors(split=background)
-    everything = storage_keys(training_tensors(turned.model, turned.optimizer))
-    if background:
-        computes = turned.master.compute if turned.master else None
-        wanted = [computes] if computes is not None else list(turned.model.parameters())
-        assert storage_keys(forward) == storage_keys(wanted)
-        assert storage_keys(state) == everything - storage_keys(forward)
-    else:
-        assert forward == [] and storage_keys(state) == everything
-    turned._move_out(background=background)
-    assert turned._state_stash.settled != background  # queued: freed by the next onload
-    turned._state_stash.settle()
-    turned._stash.settle()
-    assert all(_local_bytes(t) == 0 for t in turned.model.parameters())
-    if turned.master is not None:  # freed or stashed, nothing kept on the device
-        assert all(t.untyped_storage().nbytes() == 0 for t in turned.master.scratch())
-    turned._move_in(background=background)
-    turned.state_ready()
-    assert [first, turned.train_step(batch)["loss/total"]] == expected
-    for (name, got), want in zip(
-        turned.model.state_dict().items(), plain.model.state_dict().values(), strict=True
-    ):
-        assert torch.equal(_full(got), _full(want)), name
-    moments = [
-        (_full(a), _full(b))
-        for sa, sb in zip(
-            turned.optimizer.state.values(), plain.optimizer.state.values(), strict=True
-        )
-        for a, b in zip(sa.values(), sb.values(), strict=True)
-        if isinstance(a, torch.Tensor)
-    ]
-    assert moments and all(torch.equal(a, b) for a, b in moments)
-
-
-def _local_bytes(tensor: torch.Tensor) -> int:
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-    return local.untyped_storage().nbytes()
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor

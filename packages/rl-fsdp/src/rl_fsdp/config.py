@@ -69,12 +69,6 @@ class FSDPConfig:
     its own)."""
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state on CPU (FSDP2 offload policy)."""
-    async_offload: bool = True
-    """``offload()`` (colocated turns) queues its copies to host memory on a side stream and
-    returns at once, the device memory freed when they are done; ``onload()`` brings back
-    what a forward needs first and the optimizer state (and float32 masters) on the side
-    stream, which the optimizer step waits for. False: both copy everything and wait
-    (:mod:`rl_fsdp.offload`). GPU only; the same numbers bit for bit either way."""
     fsdp_on_one_rank: bool | None = None
     """Shard with FSDP2 on a single rank too. None = only with ``cpu_offload``; a single
     rank (CPU or GPU) otherwise keeps float32 master parameters and its compute copy itself

@@ -7,7 +7,6 @@ ranks. FSDP averages gradients over ranks, hence the backward of ``loss · world
 """
 
 import math
-import threading
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -39,7 +38,7 @@ from rl_fsdp.modeling import (
     reshard_after_backward,
     shard_model,
 )
-from rl_fsdp.offload import HostStash, settle_in_background, storage_keys, training_tensors
+from rl_fsdp.offload import HostStash, training_tensors
 from rl_fsdp.optim import build_optimizer
 
 
@@ -84,9 +83,7 @@ class ShardedTrainer:
         self.optimizer, self.scheduler = build_optimizer(self.model, config)
         self.step = 0
         self.offloaded = False
-        # pinned host copies while offloaded (colocated turns): what a forward needs, the rest
-        self._stash, self._state_stash = HostStash(), HostStash()
-        self._drain: threading.Thread | None = None  # frees an asynchronous offload's storages
+        self._stash = HostStash()  # pinned host copies while offloaded (colocated turns)
 
     @property
     def data_rank(self) -> int:
@@ -146,14 +143,11 @@ class ShardedTrainer:
         step's metrics, the gradient norm and the skip decision come back in one read.
         A non-finite loss or gradient norm on any rank skips the update on every rank
         (:mod:`rl_fsdp.faults`): parameters, optimizer state, schedule and ``step`` stay
-        unchanged and ``train/nonfinite_skipped`` is 1. After an asynchronous onload the
-        forward and backward passes overlap the optimizer state's copies back; the step
-        waits for them (the device waits, not the host)."""
+        unchanged and ``train/nonfinite_skipped`` is 1."""
         self.onload()
         start = time.perf_counter()
         self.zero_grad()
         sums = self._accumulate(batch)
-        self.state_ready()  # the optimizer state and masters, after an asynchronous onload
         grad_norm = self.clip_gradients()
         flag = faults.nonfinite_flag(sums, grad_norm, self.device)
         faults.guarded_step(self.optimizer, flag)
@@ -209,7 +203,6 @@ class ShardedTrainer:
         """Model, optimizer and schedule; with LoRA only the adapters and their optimizer
         state, plus ``adapter.json`` (base model and spec) to rebuild the model from."""
         self.onload()
-        self.state_ready()
         checkpoint.save(
             Path(path),
             self.model,
@@ -222,7 +215,6 @@ class ShardedTrainer:
 
     def load_checkpoint(self, path: Path) -> None:
         self.onload()
-        self.state_ready()  # a copy still coming back would overwrite what is loaded
         self.step = checkpoint.load(
             Path(path), self.model, self.optimizer, self.scheduler, adapter=self.adapter_info()
         )
@@ -249,80 +241,20 @@ class ShardedTrainer:
     def offload(self) -> None:
         """Parameters and optimizer state to pinned host memory, freeing their device
         memory (:mod:`rl_fsdp.offload`; a no-op on a CPU run). The finished step's
-        gradients are dropped (the next step starts from zero).
-
-        With ``config.async_offload`` the copies are queued on a side stream and this
-        returns at once: a thread frees the device storages when the copies are done and
-        hands the cached blocks back, so they drain while the engines generate."""
+        gradients are dropped (the next step starts from zero)."""
         if self.device.type != "cpu" and not self.offloaded:
-            self._move_out(background=self.config.async_offload)
+            # not self.zero_grad(): the master's gradient buffers are freed below, not zeroed
+            self.optimizer.zero_grad(set_to_none=True)
+            tensors = training_tensors(self.model, self.optimizer)
+            self._stash.release(t for t in tensors if t.device.type == "cuda")
+            if self.master is not None:
+                self.master.free_scratch()  # rebuilt from the parameters on onload
             torch.cuda.empty_cache()
-            if self.config.async_offload:
-                stashes = [self._stash, self._state_stash]
-                self._drain = settle_in_background(stashes, self.device, torch.cuda.empty_cache)
         self.offloaded = True
 
     def onload(self) -> None:
-        """Back from :meth:`offload`. After an asynchronous one, what a forward needs (the
-        parameters; without FSDP, their compute copy) is on the device when this returns,
-        and the rest (optimizer state, float32 masters) is still being copied on a side
-        stream: :meth:`state_ready` makes the device wait for it before its first use."""
-        self._join_drain()
-        self._move_in(background=self.config.async_offload)
-        self.offloaded = False
-
-    def _move_out(self, *, background: bool) -> None:
-        """:meth:`offload`'s copies and frees (also on CPU, where tests call it: there the
-        copies are synchronous and ``background`` leaves the storages to be freed by the
-        next :meth:`_move_in`)."""
-        self.state_ready()
-        # not self.zero_grad(): the master's gradient buffers are freed below, not zeroed
-        self.optimizer.zero_grad(set_to_none=True)
-        forward, state = self._offloaded_tensors(split=background)
-        self._stash.release(forward, wait=not background)
-        self._state_stash.release(state, wait=not background)
-        if self.master is not None:  # rebuilt on onload; a compute copy in `forward` travels
-            self.master.free_scratch(compute=not forward)
-
-    def _move_in(self, *, background: bool) -> None:
-        """:meth:`onload`'s copies: ``forward`` first and waited for, the rest queued."""
-        if self._stash.released or self._state_stash.released:
-            travelled = self._stash.released  # the compute copy came back with the forward
+        if self._stash.released:
             self._stash.restore()
-            self._state_stash.restore(wait=not background)
             if self.master is not None:
-                self.master.restore_scratch(compute=not travelled)
-
-    def state_ready(self) -> None:
-        """The current stream waits for an asynchronous onload's optimizer state and float32
-        masters (a no-op once they are there): call before anything but a forward reads or
-        writes them (optimizer step, checkpoints, weight export, reference update)."""
-        self._state_stash.ready()
-
-    def wait_offloaded(self) -> None:
-        """Block until an asynchronous offload's copies are done and its memory is freed."""
-        self._join_drain()
-
-    def _join_drain(self) -> None:
-        if self._drain is not None:
-            self._drain.join()
-            self._drain = None
-
-    def _offloaded_tensors(self, *, split: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The device tensors an offload moves: (what a forward needs, the rest). With
-        ``split`` the first are the parameters, or without FSDP their compute copy (a bf16
-        copy of the float32 masters travels, rather than being cast again on onload before
-        any forward could start); without, everything is in the second."""
-        state = [
-            t
-            for t in training_tensors(self.model, self.optimizer)
-            if t.device.type == self.device.type
-        ]
-        if not split:
-            return [], state
-        if self.master is not None:
-            forward = [self.master.compute]  # the masters themselves when not mixed
-        else:
-            forward = [p for p in self.model.parameters() if p.device.type == self.device.type]
-        first = storage_keys(forward)
-        return forward, [t for t in state if not storage_keys([t]) & first]
+                self.master.restore_scratch()
+        self.offloaded = False

@@ -21,10 +21,8 @@ flat buffers, the way Megatron keeps its parameter and gradient buffers:
   backward, their float32 gradients.
 
 With ``compute_dtype`` float32 (CPU runs) there is no copy: compute and master are one.
-Offloaded (colocated turns), the float32 parameters travel to the host; the other
-buffers are freed and rebuilt (:meth:`free_scratch`, :meth:`restore_scratch`), except the
-compute copy when it travels too (the trainer's asynchronous offload: a forward can start
-on it while the float32 parameters and optimizer state are still coming back).
+Offloaded (colocated turns), only the float32 parameters travel to the host; the other
+buffers are freed and rebuilt (:meth:`free_scratch`, :meth:`restore_scratch`).
 Every trainable parameter gets a gradient (zero where a step did not use it).
 """
 
@@ -52,28 +50,23 @@ class MasterWeights:
         self.active = False
         self.has_grads = False  # a backward was accumulated since zero_grads
 
-    def scratch(self, *, compute: bool = True) -> list[torch.Tensor]:
+    def scratch(self) -> list[torch.Tensor]:
         """The buffers derived from the float32 parameters or reset every step: the
-        compute copy (unless ``compute=False``) and the gradient buffers (not the
-        parameters themselves)."""
-        buffers = (self.compute,) if compute else ()
-        return [t for t in (*buffers, self.grads, self.pass_grads) if t is not self.master]
+        compute copy and the gradient buffers (not the parameters themselves)."""
+        return [t for t in (self.compute, self.grads, self.pass_grads) if t is not self.master]
 
-    def free_scratch(self, *, compute: bool = True) -> None:
+    def free_scratch(self) -> None:
         """Give the scratch buffers' device memory back (while offloaded): nothing in them
-        needs keeping, so nothing is copied to the host. ``compute=False``: the compute
-        copy is left alone (it travels through the host with the parameters)."""
-        for tensor in self.scratch(compute=compute):
+        needs keeping, so nothing is copied to the host."""
+        for tensor in self.scratch():
             tensor.untyped_storage().resize_(0)
 
-    def restore_scratch(self, *, compute: bool = True) -> None:
-        """Regrow the scratch buffers: the compute copy from the float32 parameters
-        (``compute=False``: it came back from the host itself; the float32 parameters
-        need not be there yet), zero gradients."""
-        for tensor in self.scratch(compute=compute):
+    def restore_scratch(self) -> None:
+        """Regrow the scratch buffers: the compute copy from the float32 parameters,
+        zero gradients."""
+        for tensor in self.scratch():
             tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
-        if compute:
-            self.refresh()
+        self.refresh()
         self.zero_grads()
 
     @torch.no_grad()
