@@ -13,6 +13,7 @@ Shapes: ``N`` prompts in a group, ``L`` its longest prompt, ``H`` hidden, ``V`` 
 import torch
 
 from rl_sglang.engine.layers import prefill_layer, rms_norm, signed_sin
+from rl_sglang.engine.rows import on_device
 
 MAX_GROUP_TOKENS = 16384  # padded tokens per forward: bounds the activations' memory
 
@@ -47,14 +48,14 @@ def prefill_into_slots(runner, prompts: list[list[int]], first_slot: int) -> tor
         return logits_BV
     inverse = torch.empty(len(order), dtype=torch.long)
     inverse[torch.tensor(order)] = torch.arange(len(order))
-    return logits_BV[inverse.to(logits_BV.device)]
+    return logits_BV[on_device(inverse.tolist(), torch.long, logits_BV.device)]
 
 
 def _prefill_group(runner, prompts, rows: list[int], first_slot: int) -> torch.Tensor:
     device, inner = runner.device, runner.model.model
     length = max(len(prompts[row]) for row in rows)
     padded = [prompts[row] + [0] * (length - len(prompts[row])) for row in rows]
-    ids_NL = torch.tensor(padded, dtype=torch.long).to(device)
+    ids_NL = on_device(padded, torch.long, device)
     hidden_NLH = inner.embed_tokens(ids_NL)
     cos, sin = inner.rotary_emb(hidden_NLH, torch.arange(length, device=device)[None])
     cos, sin = cos[:, :, None], signed_sin(sin)[:, :, None]  # [1, L, 1, D]
@@ -65,7 +66,7 @@ def _prefill_group(runner, prompts, rows: list[int], first_slot: int) -> torch.T
         )
         runner.keys[index][slots, :, :length] = keys
         runner.values[index][slots, :, :length] = values
-    last_N = torch.tensor([len(prompts[row]) - 1 for row in rows]).to(device)
+    last_N = on_device([len(prompts[row]) - 1 for row in rows], torch.long, device)
     hidden_NH = hidden_NLH[torch.arange(len(rows), device=device), last_N]
     return runner.model.lm_head(rms_norm(inner.norm, hidden_NH)).float()
 
@@ -74,4 +75,4 @@ def _slots(rows: list[int], first_slot: int, device) -> slice | torch.Tensor:
     """The rows' slots: a slice when they are consecutive (no index kernel), else indices."""
     if rows == list(range(rows[0], rows[0] + len(rows))):
         return slice(first_slot + rows[0], first_slot + rows[0] + len(rows))
-    return torch.tensor([first_slot + row for row in rows], device=device)
+    return on_device([first_slot + row for row in rows], torch.long, device)

@@ -1,5 +1,6 @@
-"""Per-step helpers of the scheduler: the host copy of a queued step, and the order that
-keeps slot moves small when rows leave the batch."""
+"""Per-step helpers of the scheduler: the host copy of a queued step, the order that keeps
+slot moves small when rows leave the batch, and host lists sent to the device without
+waiting for it."""
 
 import copy
 
@@ -13,6 +14,17 @@ def fill_holes(rows: list[int]) -> list[int]:
     movers = iter(row for row in rows if row >= size)
     kept = {row for row in rows if row < size}
     return [row if row in kept else next(movers) for row in range(size)]
+
+
+def on_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` (a list) as a tensor on ``device``, queued behind the device's work rather
+    than waiting for it: a copy from pageable host memory to a GPU first synchronises the
+    stream, which would stall the round in flight, so the values go through pinned memory
+    (PyTorch's caching host allocator keeps the buffer until the copy is done)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 class Launched:
@@ -42,7 +54,7 @@ class Launched:
         """This round's outputs for ``rows`` only, in that order: the running batch was
         compacted while the round was in flight."""
         picked = copy.copy(self)
-        index = torch.tensor(rows, dtype=torch.long, device=self.tokens_B.device)
+        index = on_device(rows, torch.long, self.tokens_B.device)
         picked.tokens_B = self.tokens_B[index]
         picked._rows = rows if self._rows is None else [self._rows[r] for r in rows]
         return picked

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rl_sglang.engine.rows import on_device
+
 
 @dataclass
 class RowParams:
@@ -33,7 +35,7 @@ class RowParams:
     @classmethod
     def stack(cls, params: list, device: torch.device) -> "RowParams":
         def column(name, dtype):
-            return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=device)
+            return on_device([getattr(p, name) for p in params], dtype, device)
 
         seeds = [-1 if p.sampling_seed is None else int(p.sampling_seed) for p in params]
         seeded = any(seed != -1 for seed in seeds)
@@ -42,7 +44,7 @@ class RowParams:
             top_k=column("top_k", torch.long),
             top_p=column("top_p", torch.float32),
             min_p=column("min_p", torch.float32),
-            seed=torch.tensor(seeds, dtype=torch.long, device=device) if seeded else None,
+            seed=on_device(seeds, torch.long, device) if seeded else None,
             all_greedy=all(p.temperature == 0 for p in params),
             truncates=any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params),
         )

@@ -17,7 +17,7 @@ import torch
 
 from rl_sglang.engine.request import Request
 from rl_sglang.engine.routes import RouteRecorder
-from rl_sglang.engine.rows import Launched, fill_holes
+from rl_sglang.engine.rows import Launched, fill_holes, on_device
 from rl_sglang.engine.runner import ModelRunner
 from rl_sglang.engine.sampling import RowParams, sample_next
 from rl_sglang.engine.stats import BatchTimes
@@ -204,7 +204,7 @@ class Scheduler:
         self._running = [self._running[i] for i in rows]
         self._state = None if self._state is None else self.runner.select(self._state, rows)
         if self._next_tokens is not None:
-            index = torch.tensor(rows, device=self._next_tokens.device)
+            index = on_device(rows, torch.long, self._next_tokens.device)
             self._next_tokens = self._next_tokens[index]
         return rows
 
@@ -371,4 +371,4 @@ def _positions(requests: list[Request], pending: int, rows) -> torch.Tensor | No
     if rows.seed is None:
         return None
     positions = [len(r.output_ids) + pending for r in requests]
-    return torch.tensor(positions, dtype=torch.long).to(rows.seed.device, non_blocking=True)
+    return on_device(positions, torch.long, rows.seed.device)

@@ -28,6 +28,7 @@ from rl_sglang.engine.layers import (
     signed_sin,
 )
 from rl_sglang.engine.prefill import prefill_into_slots
+from rl_sglang.engine.rows import on_device
 from rl_sglang.engine.sampling import greedy_pick
 from rl_sglang.engine.stable_memory import StableMemory
 
@@ -258,7 +259,7 @@ class StaticRunner:
             raise ValueError(f"{self.size + len(prompts)} rows exceed {self.max_slots} slots")
         logits_BV = prefill_into_slots(self, prompts, first_slot=self.size)
         lengths = [len(p) for p in prompts]
-        new_lengths = torch.tensor(lengths, dtype=torch.long)
+        new_lengths = on_device(lengths, torch.long, self.device)
         self.lengths[self.size : self.size + len(prompts)].copy_(new_lengths)
         self.host_lengths.extend(lengths)
         return logits_BV, StaticBatch(len(prompts))
@@ -271,8 +272,8 @@ class StaticRunner:
         """Keep ``rows`` in order by moving their slots to the front."""
         moved = [(slot, row) for slot, row in enumerate(rows) if slot != row]
         if moved:  # copy only the slots that change
-            target = torch.tensor([slot for slot, _ in moved], device=self.device)
-            source = torch.tensor([row for _, row in moved], device=self.device)
+            target = on_device([slot for slot, _ in moved], torch.long, self.device)
+            source = on_device([row for _, row in moved], torch.long, self.device)
             for cache in (*self.keys, *self.values, self.lengths):
                 cache[target] = cache[source]
         self.host_lengths = [self.host_lengths[r] for r in rows]
