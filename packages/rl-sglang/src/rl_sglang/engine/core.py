@@ -4,10 +4,8 @@ scheduler, behind methods that take and return SGLang-shaped dicts."""
 import asyncio
 import logging
 import math
-import threading
 import time
 import uuid
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -560,37 +558,10 @@ def static_cache_bytes(model, max_context: int | None, max_slots: int | None) ->
 
 
 def _resolver(loop: asyncio.AbstractEventLoop, future: asyncio.Future):
-    wakeups = _WAKEUPS.get(loop)
-    if wakeups is None:
-        wakeups = _WAKEUPS[loop] = _LoopWakeups(loop)
-    return lambda request: wakeups.put(future, request)
+    def resolve(request: Request) -> None:
+        loop.call_soon_threadsafe(_set_result, future, request)
 
-
-class _LoopWakeups:
-    """Results handed from the scheduler thread to one event loop: each wakeup of the loop
-    (a write to its self-pipe, tens of microseconds) resolves every result put since the
-    last one, so a round that finishes hundreds of requests wakes the loop once."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.pending, self.lock = loop, [], threading.Lock()
-
-    def put(self, future: asyncio.Future, value) -> None:
-        with self.lock:
-            first = not self.pending
-            self.pending.append((future, value))
-        if first:
-            self.loop.call_soon_threadsafe(self._flush)
-
-    def _flush(self) -> None:
-        with self.lock:
-            pending, self.pending = self.pending, []
-        for future, value in pending:
-            _set_result(future, value)
-
-
-_WAKEUPS: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopWakeups]" = (
-    weakref.WeakKeyDictionary()
-)
+    return resolve
 
 
 def _set_result(future: asyncio.Future, value) -> None:
