@@ -17,13 +17,16 @@ from rl_sglang.engine.static import ACTIVATION_RESERVE, StaticRunner, slots_that
 class HostRegion:
     def __init__(self, nbytes: int, device=None):
         self.bytes = torch.zeros(nbytes, dtype=torch.uint8)
-        self.mapped, self.maps = True, 0
+        self.mapped, self.maps, self.refusals = True, 0, 0
 
     def unmap(self) -> None:
         self.bytes.fill_(0xFF)  # the contents are gone (0xFFFF... is NaN in every float)
         self.mapped = False
 
     def map(self) -> None:
+        if self.refusals:  # the device is full: the range stays unmapped, as cuMemCreate's
+            self.refusals -= 1
+            raise stable_memory.DriverError("cuMemCreate failed with CUDA error 2: out of memory")
         self.mapped, self.maps = True, self.maps + 1
 
 
@@ -42,6 +45,19 @@ def test_kept_tensors_come_back_and_the_rest_comes_back_zeroed():
     assert torch.equal(cache, torch.zeros(5, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="stable memory exhausted: 4096 bytes asked, 1024 left"):
         memory.take((1024,), torch.float32)
+
+
+def test_a_refused_restore_leaves_the_memory_released_for_another_try():
+    memory = StableMemory(HostRegion(2 * ALIGN))
+    weight = memory.adopt(torch.full((4,), 3.0))
+    memory.keep_contents()
+    memory.release()
+    memory.region.refusals = 1
+    with pytest.raises(stable_memory.DriverError, match="out of memory"):
+        memory.restore()
+    assert memory.released
+    memory.restore()
+    assert not memory.released and torch.equal(weight, torch.full((4,), 3.0))
 
 
 def test_size_of_counts_alignment():

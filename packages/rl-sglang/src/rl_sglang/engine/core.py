@@ -411,11 +411,18 @@ class Engine:
         if self.scheduler.runner is None:
             if not stay:
                 self.model.to(self.device)
-            runner, self._parked_runner = self._parked_runner, None
-            if hasattr(runner, "resume"):
-                runner.resume()
-            else:
-                runner = self._make_runner(self.scheduler.max_batch_size)
+            runner = self._parked_runner
+            try:
+                if hasattr(runner, "resume"):
+                    runner.resume()
+                else:
+                    runner = self._make_runner(self.scheduler.max_batch_size)
+            except (RuntimeError, torch.OutOfMemoryError) as error:  # the runner stays parked
+                raise RuntimeError(
+                    f"resuming the engine's memory failed ({error}); it stays released: free "
+                    "device memory and call /resume_memory_occupation again"
+                ) from error
+            self._parked_runner = None
             self.scheduler.runner = runner
             self._log_memory("resumed", start)
         self.memory_released = False

@@ -144,7 +144,8 @@ class VirtualRegion:
         return self.handle is not None
 
     def map(self) -> None:
-        """Back the range with fresh physical memory (its contents undefined)."""
+        """Back the range with fresh physical memory (its contents undefined); on failure
+        (out of memory: someone else holds it) the range stays unmapped."""
         handle = ctypes.c_uint64()
         self.driver("cuMemCreate", ctypes.byref(handle), self.nbytes, ctypes.byref(self.prop), 0)
         try:
@@ -152,9 +153,14 @@ class VirtualRegion:
         except DriverError:
             self.driver("cuMemRelease", handle.value)
             raise
-        self.handle = handle.value
         access = _AccessDesc(_Location(_ON_DEVICE, self.ordinal), _READ_WRITE)
-        self.driver("cuMemSetAccess", self.address, self.nbytes, ctypes.byref(access), 1)
+        try:
+            self.driver("cuMemSetAccess", self.address, self.nbytes, ctypes.byref(access), 1)
+        except DriverError:
+            self.driver("cuMemUnmap", self.address, self.nbytes)
+            self.driver("cuMemRelease", handle.value)
+            raise
+        self.handle = handle.value
 
     def unmap(self) -> None:
         """Give the physical memory back to the device; the addresses stay reserved."""
