@@ -34,6 +34,7 @@ class Request:
     adapter: Any = None  # the LoRA adapter its ``lora_path`` named (engine.lora.Adapter)
     return_routed_experts: bool = False  # SGLang's field: meta_info["routed_experts"]
     routes: list[torch.Tensor] = field(default_factory=list)  # [n, L, K] chunks (engine.routes)
+    stop_rule: Any = None  # engine.stopping.StopRule, made at the first check
 
     def matches(self, rid: str | None) -> bool:
         """True when an abort of ``rid`` (None = all) concerns this request."""

@@ -1,7 +1,19 @@
 """When a request stops: stop token ids, EOS, stop strings, the token budget, the context."""
 
+from typing import NamedTuple
+
 from rl_sglang.engine.request import Request
 from rl_sglang.protocol import finish_reason
+
+
+class StopRule(NamedTuple):
+    """What ends one request, worked out once: the token ids that stop it (its stop ids,
+    and EOS unless ``ignore_eos``), whether it has stop strings, and the response length
+    at which it stops (its token budget or the context, whichever comes first)."""
+
+    token_ids: frozenset
+    strings: bool
+    length: int
 
 
 class StopChecker:
@@ -12,27 +24,33 @@ class StopChecker:
         self.eos_token_ids = eos_token_ids
         self.max_context = max_context
 
+    def rule(self, request: Request) -> StopRule:
+        if request.stop_rule is None:
+            params = request.params
+            ids = set(params.stop_token_ids)
+            if not params.ignore_eos:
+                ids |= self.eos_token_ids
+            length = min(params.max_new_tokens, self.max_context - len(request.prompt_ids))
+            strings = bool(params.stop) and self.tokenizer is not None
+            request.stop_rule = StopRule(frozenset(ids), strings, length)
+        return request.stop_rule
+
     def check(self, request: Request) -> dict | None:
         """The finish reason if the last token ended ``request``, else None."""
-        params, token = request.params, request.output_ids[-1]
-        if token in params.stop_token_ids:
-            return finish_reason("stop", matched=token)
-        if not params.ignore_eos and token in self.eos_token_ids:
-            return finish_reason("stop", matched=token)
-        if params.stop and self.tokenizer is not None:
+        rule, output = self.rule(request), request.output_ids
+        if output[-1] in rule.token_ids:
+            return finish_reason("stop", matched=output[-1])
+        if rule.strings:
             matched = self._stop_string(request)
             if matched is not None:
                 return finish_reason("stop", matched=matched)
-        if len(request.output_ids) >= params.max_new_tokens:
-            return finish_reason("length", length=len(request.output_ids))
-        if len(request.prompt_ids) + len(request.output_ids) >= self.max_context:
-            return finish_reason("length", length=len(request.output_ids))
+        if len(output) >= rule.length:
+            return finish_reason("length", length=len(output))
         return None
 
     def room(self, request: Request) -> int:
         """How many more tokens ``request`` may get before its length limit."""
-        budget = request.params.max_new_tokens - len(request.output_ids)
-        return min(budget, self.max_context - len(request.prompt_ids) - len(request.output_ids))
+        return self.rule(request).length - len(request.output_ids)
 
     def _stop_string(self, request: Request) -> str | None:
         longest = max(len(s) for s in request.params.stop)
