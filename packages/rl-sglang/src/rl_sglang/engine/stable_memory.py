@@ -67,6 +67,7 @@ _SIGNATURES = {
     "cuMemSetAccess": [_U64, _SIZE, _P, _SIZE],
     "cuMemUnmap": [_U64, _SIZE],
     "cuMemRelease": [_U64],
+    "cuMemAddressFree": [_U64, _SIZE],
 }
 
 
@@ -135,7 +136,11 @@ class VirtualRegion:
             "cuMemAddressReserve", ctypes.byref(address), self.nbytes, granularity.value, 0, 0
         )
         self.address, self.handle = address.value, None
-        self.map()
+        try:
+            self.map()
+        except DriverError:  # no memory for it now: give the addresses back too
+            self.driver("cuMemAddressFree", self.address, self.nbytes)
+            raise
         device = torch.device("cuda", self.ordinal)
         self.bytes = torch.as_tensor(_CudaArray(self.address, self.nbytes), device=device)
 
