@@ -43,7 +43,10 @@ EMPTY_CAUSE_KEY = "buffer/empty_cause"  # why a step trained nothing (a string)
 # samples of an empty step that failed (aborted: engine refusal, reward failure, ...); an
 # empty step without any only had its groups filtered, which is no fault of the run
 EMPTY_FAILED_KEY = "buffer/empty_failed_samples"
-DEATH_GRACE_S = 5.0  # after a rank fails, how long to wait for Ray to report a dead peer
+# after a rank fails, how long to wait for Ray to report a dead peer: a lost node's ranks
+# can reach the driver as dead seconds after a live rank's collective or engine connection
+# broke (CI, under load: more than 5 s once), and naming the node beats the symptom
+DEATH_GRACE_S = 15.0
 # an actor Ray cannot reach (its node's raylet gone): how long to wait for Ray to mark the
 # node dead, which its missed health checks take (5 x 3 s by default, more on a busy head)
 NODE_LOSS_WAIT_S = 60.0
