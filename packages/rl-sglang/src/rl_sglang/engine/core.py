@@ -3,7 +3,6 @@ scheduler, behind methods that take and return SGLang-shaped dicts."""
 
 import asyncio
 import logging
-import math
 import time
 import uuid
 from pathlib import Path
@@ -70,7 +69,7 @@ class Engine:
     adapters' hooks run in the model's own modules, so the runner is the dynamic one.
     ``enable_return_routed_experts``: every response carries ``routed_experts``
     (:mod:`rl_sglang.engine.routes`; dynamic runner), asked for or not.
-    ``stable_memory`` (static runner with CUDA graphs): weights and KV cache at addresses
+    ``stable_memory`` (static runner on CUDA): weights and KV cache at addresses
     that survive a memory release, so a resume maps memory back instead of capturing the
     graphs again (:mod:`rl_sglang.engine.stable_memory`); ``None``: on with CUDA.
     ``mem_fraction`` (static runner on CUDA): the share of the device's memory the engine
@@ -557,11 +556,9 @@ def static_cache_bytes(model, max_context: int | None, max_slots: int | None) ->
     ``max_context`` tokens (infinite when either is unknown)."""
     if not max_context or not max_slots or max_context >= 1 << 20:
         return float("inf")
-    from rl_sglang.engine.static import slot_cache_shape
+    from rl_sglang.engine.static import slot_cache_bytes
 
-    per_layer = math.prod(slot_cache_shape(model.config, max_slots, max_context))
-    itemsize = next(model.parameters()).element_size()
-    return float(2 * model.config.num_hidden_layers * per_layer * itemsize)
+    return float(slot_cache_bytes(model, max_slots, max_context))
 
 
 def _resolver(loop: asyncio.AbstractEventLoop, future: asyncio.Future):

@@ -46,9 +46,8 @@ def prefill_into_slots(runner, prompts: list[list[int]], first_slot: int) -> tor
     order = [row for rows in groups for row in rows]
     if order == list(range(len(prompts))):
         return logits_BV
-    inverse = torch.empty(len(order), dtype=torch.long)
-    inverse[torch.tensor(order)] = torch.arange(len(order))
-    return logits_BV[on_device(inverse.tolist(), torch.long, logits_BV.device)]
+    inverse = sorted(range(len(order)), key=order.__getitem__)  # prompt i's row in order
+    return logits_BV[on_device(inverse, torch.long, logits_BV.device)]
 
 
 def _prefill_group(runner, prompts, rows: list[int], first_slot: int) -> torch.Tensor:

@@ -16,6 +16,7 @@ driver calls are made through ``ctypes``, so nothing is compiled.
 
 import ctypes
 import logging
+import math
 
 import torch
 
@@ -248,10 +249,7 @@ class StableMemory:
 
 
 def _nbytes(shape, dtype: torch.dtype) -> int:
-    numel = 1
-    for size in shape:
-        numel *= int(size)
-    return numel * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
 
 
 def _aligned(nbytes: int) -> int:

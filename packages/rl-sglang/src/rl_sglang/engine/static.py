@@ -79,6 +79,14 @@ def slot_cache_shape(config, max_slots: int, max_len: int) -> tuple[int, int, in
     return (max_slots, heads, -(-max_len // 16) * 16, head_dim)
 
 
+def slot_cache_bytes(model, max_slots: int, max_len: int) -> int:
+    """Bytes of the keys and values of ``max_slots`` slots of ``max_len`` positions in every
+    layer, in the model's dtype."""
+    per_layer = math.prod(slot_cache_shape(model.config, max_slots, max_len))
+    itemsize = next(model.parameters()).element_size()
+    return 2 * model.config.num_hidden_layers * per_layer * itemsize
+
+
 ACTIVATION_RESERVE = 1 << 30  # bytes kept for prefill activations outside the slots
 
 
@@ -87,10 +95,9 @@ def slots_that_fit(model, max_len: int, budget_bytes: int) -> int:
     beside the weights: each slot costs its keys and values in every layer plus its
     rows of the graphs' logits (the model's dtype, float32 for the greedy pick, and again
     for the K-step graphs); :data:`ACTIVATION_RESERVE` is kept for prefills."""
-    config = model.config
-    param = next(model.parameters())
-    kv = 2 * config.num_hidden_layers * math.prod(slot_cache_shape(config, 1, max_len))
-    per_slot = kv * param.element_size() + 2 * config.vocab_size * (param.element_size() + 4)
+    itemsize = next(model.parameters()).element_size()
+    logits = 2 * model.config.vocab_size * (itemsize + 4)
+    per_slot = slot_cache_bytes(model, 1, max_len) + logits
     return max(0, (budget_bytes - ACTIVATION_RESERVE) // per_slot)
 
 
