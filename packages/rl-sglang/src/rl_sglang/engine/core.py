@@ -343,9 +343,8 @@ class Engine:
         num_in_flight = self.scheduler.num_running
         if body.get("abort_all_requests"):
             self.scheduler.abort_now(None, message="aborted for a weight update")
+        # the static runner's fused q/k/v and gate/up hold the projections: no refresh
         count = weights.run_copy(self._copy_plan(named))
-        if hasattr(self.scheduler.runner, "refresh_weights"):  # its fused copies
-            self.scheduler.runner.refresh_weights()
         version = self.bump_version(body.get("weight_version"))
         # flush_cache: this engine keeps no prefix cache, so there is nothing to drop
         return {

@@ -105,30 +105,75 @@ def prefill_layer(hidden_NLH, weights: tuple, cos, sin, eps: float, num_heads: i
 
 
 class LayerWeights:
-    """A layer's weights for :func:`decode_layer`: q/k/v and gate/up concatenated (one GEMM
-    each), the rest the model's own tensors. The concatenated copies are refreshed in place
-    by :meth:`refresh` after a weight update, so captured CUDA graphs keep pointing at them
-    (they cost one extra copy of those projections in device memory). ``empty(shape,
-    dtype)`` allocates them (default: ``torch.empty`` on the weights' device)."""
+    """A layer's weights for :func:`decode_layer`: q/k/v and gate/up each one tensor (one
+    GEMM each), the rest the model's own tensors. The fused tensors hold the projections
+    themselves: each Linear's weight and bias is a row slice of its group's tensor (see
+    :func:`fuse_projections`), so a weight update copied into the model lands in them
+    (captured CUDA graphs keep pointing at them) and the projections are held once.
+    ``empty(shape, dtype)`` allocates them where the layer is not fused yet (default:
+    ``torch.empty`` on the weights' device)."""
 
     def __init__(self, layer: torch.nn.Module, empty=None):
-        self.groups = fused_groups(layer)
-        self.qkv, self.gate_up = (_fused_buffers(group, empty) for group in self.groups)
-        self.refresh()
+        self.qkv, self.gate_up = fused_tensors(layer) or fuse_projections(layer, empty)
         attn, mlp = layer.self_attn, layer.mlp
         self.norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
         self.o_proj, self.down_proj = attn.o_proj, mlp.down_proj
 
-    @torch.no_grad()
-    def refresh(self) -> None:
-        for (weight, bias), group in zip((self.qkv, self.gate_up), self.groups, strict=True):
-            torch.cat([m.weight for m in group], out=weight)
-            if bias is not None:
-                torch.cat([m.bias for m in group], out=bias)
-
     def tensors(self) -> tuple:
         o, down = self.o_proj, self.down_proj
         return (*self.norms, *self.qkv, o.weight, o.bias, *self.gate_up, down.weight, down.bias)
+
+
+Fused = tuple[torch.Tensor, torch.Tensor | None]  # a group's weight and bias (None: no bias)
+
+
+@torch.no_grad()
+def fuse_projections(layer: torch.nn.Module, empty=None) -> list[Fused]:
+    """Move q/k/v and gate/up of ``layer`` into one tensor per group (allocated by
+    ``empty(shape, dtype)``, default ``torch.empty`` on the weights' device), each Linear's
+    weight and bias becoming a row slice of it; the fused ``(weight, bias)`` per group."""
+    fused = []
+    for group in fused_groups(layer):
+        device = group[0].weight.device
+        make = empty or (lambda shape, dtype, d=device: torch.empty(shape, dtype=dtype, device=d))
+        tensors = [make(shape, dtype) for shape, dtype in _group_specs(group)]
+        for tensor, attribute in zip(tensors, ("weight", "bias"), strict=False):
+            parts = [getattr(m, attribute) for m in group]
+            torch.cat([p.data for p in parts], out=tensor)
+            for part, rows in zip(parts, tensor.split([p.shape[0] for p in parts]), strict=True):
+                part.data = rows
+        fused.append((tensors[0], tensors[1] if len(tensors) > 1 else None))
+    return fused
+
+
+def fused_tensors(layer: torch.nn.Module) -> list[Fused] | None:
+    """The fused ``(weight, bias)`` of each group when :func:`fuse_projections` fused
+    ``layer`` and its projections still lie there (their parameters not moved since); None
+    otherwise."""
+    fused = []
+    for group in fused_groups(layer):
+        has_bias = _group_bias(group)
+        weight = _span([m.weight for m in group])
+        bias = _span([m.bias for m in group]) if has_bias else None
+        if weight is None or (has_bias and bias is None):
+            return None
+        fused.append((weight, bias))
+    return fused
+
+
+def _span(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The tensor ``parts`` are consecutive row blocks of (one storage, back to back,
+    contiguous), None when they are not."""
+    first = parts[0].data
+    storage, offset = first.untyped_storage().data_ptr(), first.storage_offset()
+    for part in parts:
+        part = part.data
+        same_place = part.untyped_storage().data_ptr() == storage and part.dtype == first.dtype
+        if not (same_place and part.storage_offset() == offset and part.is_contiguous()):
+            return None
+        offset += part.numel()
+    rows = sum(p.shape[0] for p in parts)
+    return first.as_strided((rows, *first.shape[1:]), first.stride())
 
 
 def fused_groups(layer: torch.nn.Module) -> list[list[torch.nn.Module]]:
@@ -157,10 +202,3 @@ def _group_bias(linears: list[torch.nn.Module]) -> bool:
     if any(biases) and not all(biases):
         raise ValueError("projections with and without bias cannot be fused; use --runner dynamic")
     return all(biases)
-
-
-def _fused_buffers(linears, empty) -> tuple[torch.Tensor, torch.Tensor | None]:
-    device = linears[0].weight.device
-    empty = empty or (lambda shape, dtype: torch.empty(shape, dtype=dtype, device=device))
-    tensors = [empty(shape, dtype) for shape, dtype in _group_specs(linears)]
-    return tensors[0], (tensors[1] if len(tensors) > 1 else None)

@@ -22,6 +22,8 @@ from rl_sglang.engine.graphs import GraphCache
 from rl_sglang.engine.layers import (
     LayerWeights,
     decode_layer,
+    fuse_projections,
+    fused_groups,
     fused_specs,
     norm_eps,
     rms_norm,
@@ -143,7 +145,7 @@ class StaticRunner:
     layers), and the greedy pick through another, before the graphs are captured; if that
     fails the eager functions are kept.
 
-    ``stable_memory=True`` (CUDA) puts the weights, their fused copies and the
+    ``stable_memory=True`` (CUDA) puts the weights (q/k/v and gate/up fused) and the
     slot caches in address-stable memory (:mod:`rl_sglang.engine.stable_memory`): a
     release then unmaps them and a resume maps them back at the same addresses, so the
     graphs are captured once for the run instead of at every resume. Where the driver
@@ -181,30 +183,36 @@ class StaticRunner:
 
     def _stable_memory(self) -> StableMemory | None:
         """Stable memory holding the model's parameters (moved there now, kept across
-        releases) with room after them for the fused weights and slot caches."""
-        params = list(self.model.parameters())
+        releases: q/k/v and gate/up as the fused tensors the decode step reads, each
+        projection a slice of its group's) with room after them for the slot caches."""
         layers = self.model.model.layers
-        specs = [(p.shape, p.dtype) for p in params]
+        projections = [m for layer in layers for group in fused_groups(layer) for m in group]
+        fused = {id(t) for m in projections for t in (m.weight, m.bias) if t is not None}
+        params = list(self.model.parameters())
+        specs = [(p.shape, p.dtype) for p in params if id(p) not in fused]
         specs += [spec for layer in layers for spec in fused_specs(layer)]
         specs += [(self.cache_shape, params[0].dtype)] * (2 * len(layers))
         memory = StableMemory.for_bytes(StableMemory.size_of(specs), params[0].device)
         if memory is not None:
             with torch.no_grad():
+                for layer in layers:
+                    fuse_projections(layer, memory.take)
                 for param in params:
-                    param.data = memory.adopt(param.data)
+                    if id(param) not in fused:
+                        param.data = memory.adopt(param.data)
             memory.keep_contents()
             torch.cuda.empty_cache()  # the parameters' previous storage
         return memory
 
     def resume(self) -> None:
-        """Allocate the slot caches and fused weights on the model's device and capture the
-        graphs: at start, and after :meth:`release` once the model is back on the device.
-        The compiled functions are kept, so a resume captures but does not compile again.
+        """Allocate the slot caches on the model's device, fuse the layers' projections
+        (unless fused where they lie) and capture the graphs: at start, and after
+        :meth:`release` once the model is back on the device. The compiled functions are
+        kept, so a resume captures but does not compile again.
         With stable memory a resume maps the memory back instead: tensors and graphs
         keep their addresses, the caches come back zeroed."""
         if self.stable is not None and self.keys is not None:
-            self.stable.restore()
-            self.refresh_weights()
+            self.stable.restore()  # the weights, fused projections included, come back
             self.lengths.zero_()
             self.host_lengths, self.size = [], 0
             return
@@ -215,7 +223,7 @@ class StaticRunner:
         self.lengths = torch.zeros(self.max_slots, dtype=torch.long, device=param.device)
         self.host_lengths: list[int] = []  # mirror of lengths[:size], read without a sync
         self.size = 0
-        self.layers = [LayerWeights(layer, empty) for layer in layers]
+        self.layers = [LayerWeights(layer) for layer in layers]  # stable: fused already
         self.rotary_table = rotary_table(self.model.model.rotary_emb, self.max_len, param)
         self.columns_T = torch.arange(self.cache_len, device=param.device)
         self.mask_values = tuple(
@@ -232,9 +240,9 @@ class StaticRunner:
         return empty(shape, like.dtype).zero_()
 
     def release(self) -> None:
-        """Drop every device tensor this runner owns (caches, fused weights, graphs and
-        their memory pool) so the model can leave the device; :meth:`resume` rebuilds them.
-        With stable memory, unmap it instead (the weights wait in pinned host memory; the
+        """Drop every device tensor this runner owns (caches, graphs and their memory
+        pool; the fused projections are the model's own weights) so the model can leave
+        the device; :meth:`resume` rebuilds them. With stable memory, unmap it instead (the weights wait in pinned host memory; the
         graphs, their pool and the small tensors stay). Running rows must have been
         retracted first."""
         assert self.size == 0, "release with rows still running"
@@ -329,11 +337,6 @@ class StaticRunner:
             tokens.append(next_B)
             logprobs.append(logprob_B)
         return torch.stack(tokens), torch.stack(logprobs)
-
-    def refresh_weights(self) -> None:
-        """Re-read the fused projection weights after the model's weights changed."""
-        for layer in self.layers:
-            layer.refresh()
 
     # ---- one static-shape decode step ---------------------------------------------------
     def step(self, tokens_B: torch.Tensor, positions_B: torch.Tensor) -> tuple[torch.Tensor, ...]:
