@@ -4,6 +4,7 @@ waiting for it."""
 
 import copy
 
+import numpy as np
 import torch
 
 
@@ -17,7 +18,7 @@ def fill_holes(rows: list[int]) -> list[int]:
 
 
 def on_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``values`` (a list) as a tensor on ``device``, queued behind the device's work rather
+    """``values`` (a list or array) as a tensor on ``device``, queued behind the device's work rather
     than waiting for it: a copy from pageable host memory to a GPU first synchronises the
     stream, which would stall the round in flight, so the values go through pinned memory
     (PyTorch's caching host allocator keeps the buffer until the copy is done)."""
@@ -42,26 +43,23 @@ class Launched:
             self._event = torch.cuda.Event()
             self._event.record(torch.cuda.current_stream(tokens_KB.device))
 
-    def wait(self) -> tuple[list[list[int]], list[list[float]]]:
+    def wait(self) -> tuple[np.ndarray, np.ndarray]:
+        """The round's tokens and log-probs ``[K, B]`` on the host (copies the caller owns)."""
         if self._event is not None:
             self._event.synchronize()
-        tokens, logprobs = (t.tolist() for t in self._host)
+        tokens, logprobs = (t.numpy() for t in self._host)
         if self._rows is None:
-            return tokens, logprobs
-        return _columns(tokens, self._rows), _columns(logprobs, self._rows)
+            return tokens.copy(), logprobs.copy()
+        return tokens[:, self._rows], logprobs[:, self._rows]  # fancy indexing copies
 
     def select(self, rows: list[int]) -> "Launched":
         """This round's outputs for ``rows`` only, in that order: the running batch was
         compacted while the round was in flight."""
         picked = copy.copy(self)
-        index = on_device(rows, torch.long, self.tokens_B.device)
-        picked.tokens_B = self.tokens_B[index]
-        picked._rows = rows if self._rows is None else [self._rows[r] for r in rows]
+        picked.tokens_B = self.tokens_B[on_device(rows, torch.long, self.tokens_B.device)]
+        rows = np.asarray(rows, dtype=np.int64)
+        picked._rows = rows if self._rows is None else self._rows[rows]
         return picked
-
-
-def _columns(steps: list[list], rows: list[int]) -> list[list]:
-    return [[step[row] for row in rows] for step in steps]
 
 
 def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ import torch
 
 from rl_sglang.engine.request import Request
 from rl_sglang.engine.routes import RouteRecorder
+from rl_sglang.engine.row_table import RowTable, append_round
 from rl_sglang.engine.rows import Launched, fill_holes, on_device
 from rl_sglang.engine.runner import ModelRunner
 from rl_sglang.engine.sampling import RowParams, sample_next
@@ -47,7 +48,7 @@ class Scheduler:
         self._next_tokens: torch.Tensor | None = None
         self._stopped = False
         self.num_finished = 0
-        self._rows_cache: tuple | None = None
+        self._table: RowTable | None = None  # the running rows' state as arrays
         self._admitting: list[Request] = []  # popped from the queue, not yet running
         self.times = BatchTimes()  # logged and reset when the running batch drains
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
@@ -173,7 +174,7 @@ class Scheduler:
     def _drop_batch(self) -> None:
         if self.runner is not None:
             self.runner.select(self._state, [])
-        self._running, self._state, self._next_tokens = [], None, None
+        self._running, self._state, self._next_tokens, self._table = [], None, None, None
 
     def abort_now(self, rid: str | None, message: str = "aborted by request") -> None:
         with self._cond:
@@ -203,9 +204,10 @@ class Scheduler:
         rows = fill_holes(rows)  # the static runner then moves only the rows past the end
         self._running = [self._running[i] for i in rows]
         self._state = None if self._state is None else self.runner.select(self._state, rows)
+        index = on_device(rows, torch.long, self._table.params.temperature.device)
+        self._table = self._table.take(rows, index)
         if self._next_tokens is not None:
-            index = on_device(rows, torch.long, self._next_tokens.device)
-            self._next_tokens = self._next_tokens[index]
+            self._next_tokens = self._next_tokens[index.to(self._next_tokens.device)]
         return rows
 
     def _admit(self) -> None:
@@ -222,10 +224,13 @@ class Scheduler:
             self.routes.arm(new)
             logits_BV, state = self.runner.prefill(prompts)
             self.routes.after_prefill(new, prompts)
-            tokens_B = self._sample(logits_BV, new)
+            rows = RowParams.stack([r.params for r in new], logits_BV.device)
+            tokens_B = self._sample(logits_BV, new, rows)
             self._state = self.runner.merge(self._state, state)
             self._admitting = []
             self._running.extend(new)
+            table = RowTable.of(new, self.stopper, rows)
+            self._table = table if self._table is None else self._table.cat(table)
             previous = self._next_tokens
             self._next_tokens = tokens_B if previous is None else torch.cat([previous, tokens_B])
         self._retire(len(self._running) - len(new))
@@ -252,7 +257,7 @@ class Scheduler:
             ahead = None
             if self._can_look_ahead(launched.steps):
                 ahead = self._launch(launched.tokens_B, pending=launched.steps)
-            finished = self._consume(launched, range(len(self._running)))
+            finished = self._consume(launched)
             if ahead is None:
                 self._next_tokens = launched.tokens_B
                 self._retire_rows(finished)
@@ -269,7 +274,7 @@ class Scheduler:
         ``pending``: tokens of a queued round not yet appended to the requests."""
         self.times.rounds += 1
         with self.times.timed("launch"):
-            rows = self._row_params(self._running, self.runner.device)
+            rows = self._table.params
             self.use_adapters(self._running)
             self.routes.arm(self._running)
             if rows.all_greedy:  # argmax and log-prob come out of the (captured) step itself
@@ -279,37 +284,24 @@ class Scheduler:
                 return Launched(*out) if steps > 1 else Launched(out[0][None], out[1][None])
             logits_BV = self.runner.decode(self._state, tokens_B)
             self.routes.after_decode(self._running)
-            positions_B = _positions(self._running, pending, rows)
-            tokens_B, logprobs_B = sample_next(logits_BV, rows, positions_B)
+            tokens_B, logprobs_B = sample_next(logits_BV, rows, self._table.positions(pending))
             return Launched(tokens_B[None], logprobs_B[None])
 
     def _round_steps(self, pending: int) -> int:
         """The runner's ``multi_step`` K when K greedy steps cannot pass any row's length
         limit nor keep anything waiting, else 1."""
         steps = getattr(self.runner, "multi_step", 1)
-        rooms = (self.stopper.room(r) - pending for r in self._running)
-        return steps if steps > 1 and self._quiet() and min(rooms) >= steps else 1
+        if steps > 1 and self._quiet() and self._table.rooms(pending).min() >= steps:
+            return steps
+        return 1
 
-    def _consume(self, launched: Launched, rows) -> dict[int, dict]:
-        """Append a launched round's tokens to ``rows``, step by step, up to each row's
-        stop; the finish reason of each row that stopped."""
+    def _consume(self, launched: Launched) -> dict[int, dict]:
+        """Append a launched round's tokens to the running rows, step by step, up to each
+        row's stop; the finish reason of each row that stopped."""
         with self.times.timed("wait"):
             tokens_KB, logprobs_KB = launched.wait()
-        finished: dict[int, dict] = {}
         with self.times.timed("bookkeeping"):
-            for tokens, logprobs in zip(tokens_KB, logprobs_KB, strict=True):
-                for row in rows:
-                    if row in finished:
-                        continue
-                    request = self._running[row]
-                    request.output_ids.append(tokens[row])
-                    request.output_logprobs.append(logprobs[row])
-                    if request.on_token is not None:
-                        request.on_token(request)
-                    reason = self.stopper.check(request)
-                    if reason is not None:
-                        finished[row] = reason
-        return finished
+            return append_round(self._table, self._running, tokens_KB, logprobs_KB, self.stopper)
 
     def _quiet(self) -> bool:
         """Nothing the loop would do between rounds: no task, abort, pause or admissible
@@ -321,7 +313,7 @@ class Scheduler:
     def _can_look_ahead(self, pending: int) -> bool:
         """True when queueing another round now cannot run past a limit or delay anything
         the loop would do between rounds (``pending`` tokens are not appended yet)."""
-        return self._quiet() and all(self.stopper.room(r) > pending for r in self._running)
+        return self._quiet() and bool((self._table.rooms(pending) > 0).all())
 
     def _retire_rows(self, finished: dict[int, dict]) -> list[int]:
         """Finish the ``finished`` rows and compact the batch; the kept rows' previous
@@ -332,11 +324,13 @@ class Scheduler:
             kept = [row for row in range(len(self._running)) if row not in finished]
             return self._keep_rows(kept) if finished else kept
 
-    def _sample(self, logits_BV: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """Sample one token per request and append it (with its log-prob) to the request."""
-        rows = self._row_params(requests, logits_BV.device)
-        tokens_B, logprobs_B = sample_next(logits_BV, rows, _positions(requests, 0, rows))
-        tokens, logprobs = (row[0] for row in Launched(tokens_B[None], logprobs_B[None]).wait())
+    def _sample(self, logits_BV: torch.Tensor, requests: list[Request], rows: RowParams):
+        """Sample one token per request (sampling tensors ``rows``) and append it (with its
+        log-prob) to the request; the tokens on the device."""
+        tokens_B, logprobs_B = sample_next(logits_BV, rows, _positions(requests, rows))
+        tokens, logprobs = (
+            row[0].tolist() for row in Launched(tokens_B[None], logprobs_B[None]).wait()
+        )
         for request, token, logprob in zip(requests, tokens, logprobs, strict=True):
             request.output_ids.append(token)
             request.output_logprobs.append(logprob)
@@ -349,13 +343,6 @@ class Scheduler:
         if self.lora is not None:
             self.lora.use([r.adapter for r in requests])
 
-    def _row_params(self, requests: list[Request], device) -> RowParams:
-        """Per-row sampling tensors, rebuilt only when the batch's membership changed."""
-        key = tuple(requests)  # identity (eq=False); holding them keeps ids from being reused
-        if self._rows_cache is None or self._rows_cache[0] != key:
-            self._rows_cache = (key, RowParams.stack([r.params for r in requests], device))
-        return self._rows_cache[1]
-
     def _retire(self, first_row: int) -> None:
         """Finish running requests (from ``first_row`` on) whose last token stopped them."""
         reasons = {
@@ -365,10 +352,10 @@ class Scheduler:
         self._retire_rows({row: reason for row, reason in reasons.items() if reason is not None})
 
 
-def _positions(requests: list[Request], pending: int, rows) -> torch.Tensor | None:
-    """Index in its response of the token each row draws next (``pending``: tokens of a
-    queued round not yet appended), for seeded draws; None when no row is seeded."""
+def _positions(requests: list[Request], rows: RowParams) -> torch.Tensor | None:
+    """Index in its response of the token each of ``requests`` draws next, for seeded
+    draws; None when no row is seeded."""
     if rows.seed is None:
         return None
-    positions = [len(r.output_ids) + pending for r in requests]
+    positions = [len(r.output_ids) for r in requests]
     return on_device(positions, torch.long, rows.seed.device)
