@@ -34,8 +34,10 @@ Levers (on by default on cuda): the fused SwiGLU (--no-swiglu-fusion turns it of
 torch.compile'd graph per transformer layer (--no-compile-layers; rl_megatron.compiled_layers;
 ``figure.compile`` counts graph breaks, graphs and fallbacks); on every device, the rotary
 embedding from a cos/sin table made once per length (--no-rotary-table: megatron's cos and
-sin in every layer; rl_megatron.rotary). --ablate also measures the step with each lever
-off in the same run, reported under "ablations".
+sin in every layer; rl_megatron.rotary). Off by default until measured: queries and keys
+rotated straight from the fused q/k/v projection by one Triton kernel each way
+(--fused-qkv-rotary; rl_megatron.qkv_rotary). --ablate also measures the step with each
+lever off in the same run, reported under "ablations".
 """
 
 import argparse
@@ -88,6 +90,13 @@ def parse_args():
         action=argparse.BooleanOptionalAction,
         default=True,
         help="rotary embedding from a cos/sin table made once (rl_megatron.rotary)",
+    )
+    parser.add_argument(
+        "--fused-qkv-rotary",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="queries and keys rotated straight from the q/k/v projection, one Triton kernel "
+        "each way (rl_megatron.qkv_rotary; default: MegatronConfig's)",
     )
     parser.add_argument(
         "--ablate", action="store_true", help="also run the step with each lever off"
@@ -220,6 +229,9 @@ def megatron_worker(
             "swiglu_fusion": args.swiglu_fusion,
             "compile_layers": args.compile_layers,
             "rotary_table": args.rotary_table,
+            **(
+                {} if args.fused_qkv_rotary is None else {"fused_qkv_rotary": args.fused_qkv_rotary}
+            ),
             **overrides,
         },
     )
@@ -237,6 +249,7 @@ def megatron_worker(
             "swiglu_fusion": backend.model.config.bias_activation_fusion,
             "compile_layers": backend.compiled_layers,  # {} when off
             "rotary_table": backend.config.rotary_table,
+            "fused_qkv_rotary": backend.model.config.fused_single_qkv_rope,  # where it applies
         }
         result = {"seconds": seconds, "peak_memory_gib": peak, "levers": levers}
         if backend.compiled_layers:
@@ -295,6 +308,7 @@ def main():
             "swiglu_fusion_off": {"swiglu_fusion": False},
             "compile_layers_off": {"compile_layers": False},
             "rotary_table_off": {"rotary_table": False},
+            "fused_qkv_rotary_off": {"fused_qkv_rotary": False},
         }
         ablations = ablations if args.ablate else {}
         ablated = {name: run_megatron(args, tmp, kw) for name, kw in ablations.items()}

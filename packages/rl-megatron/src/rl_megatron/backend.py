@@ -153,6 +153,7 @@ class MegatronBackend(WeightsAndStateMixin):
             options=options,
             vp_stage=vp_stage,
             rotary_table=self.config.rotary_table,
+            fused_qkv_rotary=self.config.fused_qkv_rotary,
         )
         load_hf_weights(model, SafetensorsReader(self.config.hf_path), self.shape, self.layout)
         return model.to(self.device)

@@ -87,6 +87,13 @@ class MegatronConfig:
     parameters' dtype) instead of megatron taking cos and sin of the angles in every layer:
     the same values, loads and multiply-adds per layer (:mod:`rl_megatron.rotary`; plain
     rope only, MLA / YaRN keep megatron's path)."""
+    fused_qkv_rotary: bool = False
+    """With the cos/sin table: queries and keys rotated straight from the fused q/k/v
+    projection's output, one Triton kernel forward and one backward on CUDA (bf16/fp16)
+    that write contiguous q, k, v and the projection's gradient, instead of megatron
+    splitting it into strided views and rotating those; the same values
+    (:mod:`rl_megatron.qkv_rotary`; models without q/k norms or interleaved rope). Off
+    until a GPU run shows the step faster with it."""
     seed: int = 1234
     lr: float = 1e-6
     warmup_steps: int = 0

@@ -17,6 +17,7 @@ import torch
 from rl_megatron.families import mla_config_kwargs, note_ignored_mtp
 from rl_megatron.layout import param_layout
 from rl_megatron.moe import moe_config_kwargs
+from rl_megatron.qkv_rotary import use_fused_qkv_rotary
 from rl_megatron.rotary import use_cos_sin_table
 from rl_megatron.shape import model_shape, rope_parameters
 
@@ -111,12 +112,15 @@ def build_gpt_model(
     options: dict | None = None,
     vp_stage: int | None = None,
     rotary_table: bool = True,
+    fused_qkv_rotary: bool = True,
 ):
     """A ``GPTModel`` shard for this rank; weights uninitialised (load them with
     :func:`rl_megatron.weights.load_hf_weights`); ``options`` as in :func:`transformer_config`.
     ``vp_stage``: which of this stage's model chunks (``options`` then sets
     ``virtual_pipeline_model_parallel_size``): its layers, embedding and head follow.
-    ``rotary_table``: rotary embedding from a cos/sin table (:mod:`rl_megatron.rotary`)."""
+    ``rotary_table``: rotary embedding from a cos/sin table (:mod:`rl_megatron.rotary`);
+    ``fused_qkv_rotary``: queries and keys rotated straight from the q/k/v projection
+    (:mod:`rl_megatron.qkv_rotary`, where the table serves)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
@@ -158,6 +162,8 @@ def build_gpt_model(
         model.rotary_pos_emb.inv_freq = inv_freq.to(model.rotary_pos_emb.inv_freq.device)
     if rotary_table:
         use_cos_sin_table(model)
+    if fused_qkv_rotary:
+        use_fused_qkv_rotary(model)
     _mark_tensor_parallel(model)
     return model
 

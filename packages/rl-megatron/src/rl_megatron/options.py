@@ -35,6 +35,7 @@ OWNED: dict[str, str | None] = {
     "bf16": "precision",
     "fp16": "precision",
     "bias_activation_fusion": "swiglu_fusion",
+    "fused_single_qkv_rope": "fused_qkv_rotary",
     "lr": "lr",
     "min_lr": "min_lr_ratio",
     "weight_decay": "weight_decay",
