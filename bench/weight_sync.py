@@ -4,6 +4,7 @@ its bound measured in the same run; prints and writes one JSON object.
     python bench/weight_sync.py --engines sglang,embedded --out result.json      # 1 GPU
     python bench/weight_sync.py --engines sglang,embedded --disaggregated ...    # 2 GPUs
     python bench/weight_sync.py --device cpu --shape quickstart                  # CPU, embedded
+    python bench/weight_sync.py --decode-only                                    # CPU, no engine
 
 Colocated (engine on the trainer's GPU, or on CPU beside it): ``/update_weights_from_tensor``
 with CUDA IPC handles (shared-memory files on CPU), as a list of (name, tensor) (one handle
@@ -18,6 +19,10 @@ Disaggregated (engine on GPU 1, trainer on GPU 0): ``/update_weights_from_distri
 over an NCCL group between the trainer and the engine, one broadcast per tensor or one per
 flattened bucket. Bound: an NCCL broadcast of the same bytes between the two GPUs in a
 separate two-process group.
+
+``--decode-only``: the embedded engine's decode of a kept one-bucket flattened sync (what
+its update log calls "decoded in": the payload the sender pickles back into the bucket's
+named views, ``HeldBuffers.named_tensors``), on the CPU, no engine started.
 
 Each figure is the median of ``--repeats`` full syncs of the whole model after one warm-up;
 a sync ends when every engine answered (weights applied, version bumped). Every request
@@ -286,6 +291,38 @@ def start_engine(kind: str, model_dir: Path, gpu: int | None, log_dir: Path):
     ).start()
 
 
+def decode_only(shape: str, repeats: int) -> dict:
+    """Milliseconds per decode of the kept one-bucket payload of ``shape``'s tensors (a tied
+    lm_head sent once), as the sender fills and pickles it at every sync. The tensors are
+    two elements each: the decode costs per record, not per byte."""
+    from transformers import AutoModelForCausalLM
+
+    from rl_sglang.engine.weights import HeldBuffers
+
+    fields, dtype = shape_config(shape)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config(**fields), dtype=dtype)
+    named = [(n, torch.zeros([2] * p.dim(), dtype=dtype)) for n, p in model.named_parameters()]
+    buffer, held = transports.SendBuffer(), HeldBuffers()
+    first = held.named_tensors([transports.dump_payload(buffer.fill(named))], "flattened_bucket")
+    times = []
+    for _ in range(40 * repeats):
+        payload = [transports.dump_payload(buffer.fill(named))]
+        start = time.perf_counter()
+        kept = held.named_tensors(payload, "flattened_bucket")
+        times.append(time.perf_counter() - start)
+        assert kept is first, "the kept buffer's layout was cut again"
+    buffer.release()
+    times.sort()
+    return {
+        "num_records": len(named),
+        "payload_chars": len(payload[0]),
+        "ms_per_decode": statistics.median(times) * 1e3,
+        "ms_p90": times[int(0.9 * len(times))] * 1e3,
+        "decodes": len(times),
+    }
+
+
 def run(args) -> dict:
     work = Path(tempfile.mkdtemp(prefix="weight_sync-"))
     model_dir = save_model(args.shape, work / "model", seed=0)
@@ -336,7 +373,21 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--request-timeout-s", type=float, default=120.0)
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--decode-only",
+        action="store_true",
+        help="time the embedded engine's decode of a kept bucket on the CPU (default shape 0.5b)",
+    )
     args = parser.parse_args()
+    if args.decode_only:
+        args.shape = args.shape or "0.5b"
+        report = {"shape": args.shape, "decode_only": decode_only(args.shape, args.repeats)}
+        report |= {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__}
+        report |= {"python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}
+        print(json.dumps(report, indent=2))
+        if args.out:
+            write_report(report, args.out)
+        return
     cpu = args.device == "cpu"
     args.shape = args.shape or ("quickstart" if cpu else "0.5b")
     args.engines = args.engines or ("embedded" if cpu else "sglang,embedded")

@@ -167,6 +167,6 @@ def test_bucket_unpickler_still_loads_real_buckets(flatten):
     payload, _keep_alive = serialize_bucket(named, flatten=flatten)  # owns the shared memory
     bucket = deserialize_bucket(payload)
     if flatten:
-        assert [r.name for r in bucket["metadata"]] == ["a", "b"]
+        assert [r["name"] for r in bucket["metadata"]] == ["a", "b"]  # records decode as dicts
     else:
         assert [n for n, _ in bucket] == ["a", "b"] and torch.equal(bucket[0][1], named[0][1])

@@ -148,3 +148,38 @@ def test_held_buffers_reuse_a_kept_buffers_views_and_keep_the_last_two_storages(
     assert not isinstance(per_tensor, KeptBucket) and len(held) == 2
     held.drop()
     assert len(held) == 0
+
+
+def test_a_layout_differing_in_one_record_field_is_cut_again():
+    """A kept buffer's layout is reused only when every record matches (name, byte range,
+    dtype, shape): the same number of records at the same place with one field changed is
+    another layout, whose views show its own dtype and shape; the records decode to the
+    fields the sender wrote."""
+    held, buffer = HeldBuffers(), SendBuffer()
+
+    def receive(named):
+        return held.named_tensors([dump_payload(buffer.fill(named))], "flattened_bucket")
+
+    first = receive(bucket())
+    assert [dict(r) for r in first.records] == [
+        {"name": n, "shape": tuple(t.shape), "dtype": t.dtype} | fields
+        for (n, t), fields in zip(bucket(), _byte_ranges(bucket()), strict=True)
+    ]
+    renamed = [("z", bucket()[0][1]), *bucket()[1:]]
+    reshaped = [("a", bucket()[0][1].view(3, 2)), *bucket()[1:]]
+    retyped = [*bucket()[:2], ("c", torch.tensor([7, 9], dtype=torch.int16))]
+    for changed in (renamed, reshaped, retyped):
+        got = receive(changed)
+        assert got is not first and [n for n, _ in got] == [n for n, _ in changed]
+        for (_, sent), (_, seen) in zip(changed, got, strict=True):
+            assert seen.dtype == sent.dtype and torch.equal(seen, sent)
+    assert receive(bucket()) is first
+
+
+def _byte_ranges(named) -> list[dict]:
+    ranges, start = [], 0
+    for _, tensor in named:
+        size = tensor.numel() * tensor.element_size()
+        ranges.append({"start_idx": start, "end_idx": start + size, "numel": size})
+        start += size
+    return ranges

@@ -130,6 +130,21 @@ def read_safetensors_dir(path: str | Path) -> NamedTensors:
 CUDA_DEVICE_ARG = 6  # the storage device among torch's rebuild_cuda_tensor arguments
 
 
+class _Record(dict):
+    """A flattened-bucket record as this engine decodes it. Senders pickle records as
+    ``types.SimpleNamespace`` (SGLang reads attributes); built here as a dict of the same
+    fields they cost less to unpickle, and a bucket's records compare with a kept
+    layout's in one C-level ``==`` (see :class:`HeldBuffers`)."""
+
+    __slots__ = ()
+    __setstate__ = dict.update  # pickle's BUILD hands over the namespace's fields
+
+
+# What the restricted unpickler builds instead of the global a payload names: plain
+# tuples for torch.Size (shapes and sizes are only read as tuples here) and dict records.
+_DECODED_AS = {("torch", "Size"): tuple, ("types", "SimpleNamespace"): _Record}
+
+
 class _RestrictedUnpickler(pickle.Unpickler):
     """Only torch's rebuild helpers and plain containers may be loaded from a request."""
 
@@ -138,7 +153,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
             raise pickle.UnpicklingError(f"refusing to load {module}.{name} from a weight bucket")
         if (module, name) == ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"):
             return _rebuild_cuda_tensor_on_named_gpu
-        return super().find_class(module, name)
+        return _DECODED_AS.get((module, name)) or super().find_class(module, name)
 
 
 def _rebuild_cuda_tensor_on_named_gpu(*args):
@@ -163,7 +178,8 @@ def local_gpu_index(uuid: str) -> int:
 
 def deserialize_bucket(payload: str | bytes) -> object:
     """Inverse of :func:`rl_sglang.transports.serialize_bucket` (base64 of a ForkingPickler
-    dump, as SGLang's MultiprocessingSerializer writes it)."""
+    dump, as SGLang's MultiprocessingSerializer writes it); flattened-bucket records come
+    back as dicts and sizes as tuples (see :data:`_DECODED_AS`)."""
     data = base64.b64decode(payload) if isinstance(payload, str) else payload
     return _RestrictedUnpickler(io.BytesIO(data)).load()
 
@@ -211,9 +227,14 @@ class KeptBucket(list):
     """The named views of a flattened bucket whose buffer :class:`HeldBuffers` holds. The
     same object comes back for every later update through that buffer with the same
     layout, so a receiver can keep what it derives from it on it (``plan``: the engine's
-    :class:`CopyPlan`) instead of deriving it again at every update."""
+    :class:`CopyPlan`) instead of deriving it again at every update. ``where``: the
+    bucket's ``(storage offset, bytes)`` in its buffer; ``records``: its layout records."""
 
     plan: CopyPlan | None = None
+
+    def __init__(self, named: NamedTensors, where: tuple[int, int], records: list):
+        super().__init__(named)
+        self.where, self.records = where, records
 
 
 class HeldBuffers:
@@ -231,7 +252,7 @@ class HeldBuffers:
 
     def __init__(self, limit: int = 2, layouts: int = 8):
         self.limit, self.layouts = limit, layouts
-        self._held: OrderedDict[tuple, OrderedDict[tuple, KeptBucket]] = OrderedDict()
+        self._held: OrderedDict[tuple, list[KeptBucket]] = OrderedDict()
 
     def named_tensors(self, serialized: list, load_format: str | None) -> NamedTensors:
         """:func:`named_tensors_from_payload`, a flattened bucket held as a KeptBucket."""
@@ -240,16 +261,11 @@ class HeldBuffers:
             return _as_named(obj)
         flat = obj["flattened_tensor"]
         storage = (flat.device, flat.untyped_storage().data_ptr())
-        layouts = self._held.pop(storage, None) or OrderedDict()
-        self._held[storage] = layouts  # the most recent last
+        kept = self._held.pop(storage, None) or []
+        self._held[storage] = kept  # the most recent last
         while len(self._held) > self.limit:
             self._held.popitem(last=False)
-        key = (flat.storage_offset(), flat.numel(), *map(_record_key, obj["metadata"]))
-        kept = layouts.pop(key, None)
-        layouts[key] = kept = kept if kept is not None else KeptBucket(unflatten_bucket(obj))
-        while len(layouts) > self.layouts:
-            layouts.popitem(last=False)
-        return kept
+        return _kept_bucket(kept, obj, self.layouts)
 
     def drop(self) -> None:
         self._held.clear()
@@ -258,16 +274,20 @@ class HeldBuffers:
         return len(self._held)
 
 
-def _record_key(meta) -> tuple:
-    """What a flattened-bucket record says (name, byte range, dtype, shape), hashable."""
-    meta = _fields(meta)
-    return (
-        meta["name"],
-        meta["start_idx"],
-        meta["end_idx"],
-        str(meta["dtype"]),
-        *meta["shape"],
-    )
+def _kept_bucket(kept: list[KeptBucket], bucket: dict, limit: int) -> KeptBucket:
+    """The KeptBucket of ``kept`` (one buffer's layouts, the most recent last) cut by the
+    same records at the same place as ``bucket``, moved to the end; else a new one
+    appended (at most ``limit`` kept). The records compare whole, in C: no key is built
+    per record."""
+    flat, records = bucket["flattened_tensor"], bucket["metadata"]
+    where = (flat.storage_offset(), flat.numel())
+    for index in range(len(kept) - 1, -1, -1):
+        if kept[index].where == where and kept[index].records == records:
+            kept.append(kept.pop(index))
+            return kept[-1]
+    kept.append(KeptBucket(unflatten_bucket(bucket), where, records))
+    del kept[:-limit]
+    return kept[-1]
 
 
 class WeightReceiver:
