@@ -191,7 +191,7 @@ class StaticRunner:
         params = list(self.model.parameters())
         specs = [(p.shape, p.dtype) for p in params if id(p) not in fused]
         specs += [spec for layer in layers for spec in fused_specs(layer)]
-        specs += [(self.cache_shape, params[0].dtype)] * (2 * len(layers))
+        specs += [((len(layers), *self.cache_shape), params[0].dtype)] * 2  # keys, values
         memory = StableMemory.for_bytes(StableMemory.size_of(specs), params[0].device)
         if memory is not None:
             with torch.no_grad():
@@ -218,8 +218,11 @@ class StaticRunner:
             return
         param, layers = next(self.model.parameters()), self.model.model.layers
         empty = self.stable.take if self.stable is not None else None
-        self.keys = [self._zeros(self.cache_shape, param, empty) for _ in layers]
-        self.values = [self._zeros(self.cache_shape, param, empty) for _ in layers]
+        # Every layer's keys in one tensor (values likewise), so moving slots is one copy
+        # for all layers; the decode step and the graphs read per-layer views.
+        caches_shape = (len(layers), *self.cache_shape)
+        self.caches = tuple(self._zeros(caches_shape, param, empty) for _ in ("keys", "values"))
+        self.keys, self.values = (list(cache.unbind()) for cache in self.caches)
         self.lengths = torch.zeros(self.max_slots, dtype=torch.long, device=param.device)
         self.host_lengths: list[int] = []  # mirror of lengths[:size], read without a sync
         self.size = 0
@@ -249,7 +252,7 @@ class StaticRunner:
         if self.stable is not None:
             self.stable.release()
             return
-        self.graphs = self.keys = self.values = self.layers = None
+        self.graphs = self.caches = self.keys = self.values = self.layers = None
         self.lengths = self.rotary_table = self.columns_T = self.mask_values = None
 
     def _capture(self) -> None:
@@ -289,8 +292,9 @@ class StaticRunner:
         if moved:  # copy only the slots that change
             target = on_device([slot for slot, _ in moved], torch.long, self.device)
             source = on_device([row for _, row in moved], torch.long, self.device)
-            for cache in (*self.keys, *self.values, self.lengths):
-                cache[target] = cache[source]
+            for cache in self.caches:  # [layers, slots, ...]: every layer in one copy
+                cache[:, target] = cache[:, source]
+            self.lengths[target] = self.lengths[source]
         self.host_lengths = [self.host_lengths[r] for r in rows]
         self.size = len(rows)
         return StaticBatch(self.size) if rows else None
