@@ -45,7 +45,7 @@ def _rotated(
 
 
 @triton.jit
-def _forward_kernel(
+def _qkv_rotary_forward_kernel(
     mixed_ptr,
     table_ptr,
     q_ptr,
@@ -89,7 +89,7 @@ def _forward_kernel(
 
 
 @triton.jit
-def _backward_kernel(
+def _qkv_rotary_backward_kernel(
     grad_q_ptr,
     grad_k_ptr,
     grad_v_ptr,
@@ -175,7 +175,7 @@ def rotate_qkv(mixed: torch.Tensor, table: torch.Tensor, q_per_group: int):
     v = torch.empty_like(k)
     rows = seq * batch
     if rows:
-        _forward_kernel[_grid(rows, layout)](
+        _qkv_rotary_forward_kernel[_grid(rows, layout)](
             mixed,
             table,
             q,
@@ -201,7 +201,7 @@ def rotate_qkv_backward(grad_q, grad_k, grad_v, table: torch.Tensor, q_per_group
     rows = seq * batch
     if rows:
         strides = [stride for g in grads for stride in g.stride()[:3]]
-        _backward_kernel[_grid(rows, layout)](
+        _qkv_rotary_backward_kernel[_grid(rows, layout)](
             *grads, table, grad_mixed, rows, batch, *strides, **layout, enable_fp_fusion=False
         )
     return grad_mixed

@@ -19,8 +19,10 @@ torch path's to the bit (the compiled path's own kernel kept float32 between the
 and the add: the last bit of bf16 may differ from it).
 
 It serves what the cos/sin table serves (plain rope, padded rows) without q/k norms
-(megatron's fused path has none) and without interleaved rope (megatron passes no rope
-settings to the fused function): :func:`fused_applies`.
+(megatron's fused path has none), without interleaved rope (megatron passes no rope
+settings to the fused function) and with at least as many query groups as TP ranks:
+:func:`fused_applies`. The kernels show in profiles as ``_qkv_rotary_forward_kernel`` and
+``_qkv_rotary_backward_kernel``.
 """
 
 import functools
@@ -38,7 +40,9 @@ def fused_applies(model) -> bool:
     rotary = getattr(model, "rotary_pos_emb", None)
     config = model.config
     table = getattr(getattr(rotary, "forward", None), "makes_cos_sin_table", False)
-    return table and not (config.qk_layernorm or config.rotary_interleaved)
+    # fewer query groups than TP ranks: megatron's split picks each rank's queries itself
+    split_groups = config.num_query_groups < config.tensor_model_parallel_size
+    return table and not (config.qk_layernorm or config.rotary_interleaved or split_groups)
 
 
 def use_fused_qkv_rotary(model) -> bool:
