@@ -16,9 +16,15 @@ from test_levers import _assert_same, _count_calls, _run
 from rl_core.distributed import free_port
 
 # (s, b, groups, queries per group, head dim, rotary channels): GQA with rows not a multiple
-# of the kernel's block, MQA-like one query per group, a head dim that is not a power of
-# two, partial rope (the rest passes through)
-SHAPES = [(7, 3, 2, 2, 16, 16), (19, 1, 2, 1, 24, 16), (5, 2, 1, 3, 16, 8), (33, 2, 2, 6, 32, 32)]
+# of the kernel's block, one query per group, head dims that are not powers of two (whole
+# and partial rope), partial rope (the rest passes through)
+SHAPES = [
+    (7, 3, 2, 2, 16, 16),
+    (19, 1, 2, 1, 24, 16),
+    (6, 2, 1, 2, 24, 24),
+    (5, 2, 1, 3, 16, 8),
+    (33, 2, 2, 6, 32, 32),
+]
 
 KERNEL_CHECK = """
 import torch

@@ -7,7 +7,9 @@ takes ``BLOCK_ROWS`` token rows of one head slot (``g · (q_per_group + 2)`` slo
 writes it to ``q [s, b, g · q_per_group, d]``, ``k`` or ``v [s, b, g, d]`` (contiguous), the
 first ``rot`` channels of queries and keys rotated by the table ``[s, 1, 1, 2, rot]``
 (cos, sin); the backward reads the three gradients (any strides over s, b and heads) and
-writes the gradient of ``mixed`` contiguous.
+writes the gradient of ``mixed`` contiguous. Each head is handled as three contiguous
+tiles, the rotated halves ``[0, rot/2)`` and ``[rot/2, rot)`` and the passed rest
+``[rot, d)``, so that loads and stores are vectorised.
 
 Rounding is eager torch's: each product and the sum are rounded to the tensors' dtype as
 megatron's ``(t · cos) + (rotate_half(t) · sin)`` rounds them op by op (a product of two
@@ -30,18 +32,45 @@ def _rounded(value, dtype: tl.constexpr):
 
 
 @triton.jit
-def _rotated(
-    x, partner, cos, sin, channel, HALF: tl.constexpr, ROT: tl.constexpr, BACKWARD: tl.constexpr
+def _rotate_head(
+    source,
+    target,
+    table,
+    rows_inside,
+    BACKWARD: tl.constexpr,
+    D: tl.constexpr,
+    ROT: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    REST_PAD: tl.constexpr,
 ):
-    """``x · cos + rotate_half(x) · sin`` per channel, each op rounded to ``x``'s dtype;
-    channels from ``ROT`` on pass through. ``partner`` holds ``x`` at the paired channel
-    (``c ± HALF``) and, in backward, ``sin`` is the paired channel's. Forward,
-    ``rotate_half`` negates the first half's partner; backward (its transpose) the second's."""
-    negate = (channel >= HALF) if BACKWARD else (channel < HALF)
-    direct = _rounded(x.to(tl.float32) * cos.to(tl.float32), x.dtype)
-    crossed = _rounded(partner.to(tl.float32) * sin.to(tl.float32), x.dtype)
-    out = (direct + tl.where(negate[None, :], -crossed, crossed)).to(x.dtype)
-    return tl.where((channel < ROT)[None, :], out, x)
+    """One head of ``BLOCK_ROWS`` rows: ``source`` and ``target`` ``[BLOCK_ROWS, 1]``
+    pointers to each row's channel 0, ``table`` to each row's cos (sin ``ROT`` on).
+    Forward: ``x · cos + rotate_half(x) · sin`` (``rotate_half(x) = [-x2, x1]``); backward,
+    its transpose: ``g · cos + [g2 · sin2, -(g1 · sin1)]``; each product and the sum
+    rounded to the dtype as eager torch rounds them."""
+    HALF: tl.constexpr = ROT // 2
+    h = tl.arange(0, HALF_PAD)[None, :]
+    mask = rows_inside & (h < HALF)
+    x1 = tl.load(source + h, mask=mask)
+    x2 = tl.load(source + HALF + h, mask=mask)
+    dtype: tl.constexpr = x1.dtype
+    cos1 = tl.load(table + h, mask=mask).to(tl.float32)
+    cos2 = tl.load(table + HALF + h, mask=mask).to(tl.float32)
+    sin1 = tl.load(table + ROT + h, mask=mask).to(tl.float32)
+    sin2 = tl.load(table + ROT + HALF + h, mask=mask).to(tl.float32)
+    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+    if BACKWARD:
+        out1 = _rounded(x1 * cos1, dtype) + _rounded(x2 * sin2, dtype)
+        out2 = _rounded(x2 * cos2, dtype) - _rounded(x1 * sin1, dtype)
+    else:
+        out1 = _rounded(x1 * cos1, dtype) - _rounded(x2 * sin1, dtype)
+        out2 = _rounded(x2 * cos2, dtype) + _rounded(x1 * sin2, dtype)
+    tl.store(target + h, out1.to(dtype), mask=mask)
+    tl.store(target + HALF + h, out2.to(dtype), mask=mask)
+    if REST_PAD > 0:  # partial rope: the channels from ROT on pass through
+        r = tl.arange(0, REST_PAD)[None, :]
+        rest_mask = rows_inside & (r < D - ROT)
+        tl.store(target + ROT + r, tl.load(source + ROT + r, mask=rest_mask), mask=rest_mask)
 
 
 @triton.jit
@@ -60,32 +89,29 @@ def _qkv_rotary_forward_kernel(
     D: tl.constexpr,
     D_PAD: tl.constexpr,
     ROT: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    REST_PAD: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
 ):
     slot = tl.program_id(1)
     group, kind = slot // (Q_PER_GROUP + 2), slot % (Q_PER_GROUP + 2)
     row = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    channel = tl.arange(0, D_PAD)
-    inside = (row < rows)[:, None] & (channel < D)[None, :]
+    rows_inside = (row < rows)[:, None]
     token, column = row // batch, row % batch
-    source = mixed_ptr + (token * stride_ms + column * stride_mb)[:, None] + slot * D
-    x = tl.load(source + channel[None, :], mask=inside)
+    source = mixed_ptr + (token * stride_ms + column * stride_mb + slot * D)[:, None]
     if kind == Q_PER_GROUP + 1:  # value head: copied
-        tl.store(v_ptr + (row * GROUPS + group)[:, None] * D + channel[None, :], x, mask=inside)
+        d = tl.arange(0, D_PAD)[None, :]
+        mask = rows_inside & (d < D)
+        target = v_ptr + ((row * GROUPS + group) * D)[:, None]
+        tl.store(target + d, tl.load(source + d, mask=mask), mask=mask)
     else:
-        HALF: tl.constexpr = ROT // 2
-        partner_channel = tl.where(channel < HALF, channel + HALF, channel - HALF)
-        rotating = inside & (channel < ROT)[None, :]
-        partner = tl.load(source + partner_channel[None, :], mask=rotating, other=0.0)
-        angle = table_ptr + (token * 2 * ROT)[:, None] + channel[None, :]
-        cos = tl.load(angle, mask=rotating, other=0.0)
-        sin = tl.load(angle + ROT, mask=rotating, other=0.0)
-        out = _rotated(x, partner, cos, sin, channel, HALF, ROT, False)
         if kind == Q_PER_GROUP:  # key head
-            target = k_ptr + (row * GROUPS + group)[:, None] * D
+            target = k_ptr + ((row * GROUPS + group) * D)[:, None]
         else:
-            target = q_ptr + (row * GROUPS * Q_PER_GROUP + group * Q_PER_GROUP + kind)[:, None] * D
-        tl.store(target + channel[None, :], out, mask=inside)
+            head = group * Q_PER_GROUP + kind
+            target = q_ptr + ((row * (GROUPS * Q_PER_GROUP) + head) * D)[:, None]
+        table = table_ptr + (token * (2 * ROT))[:, None]
+        _rotate_head(source, target, table, rows_inside, False, D, ROT, HALF_PAD, REST_PAD)
 
 
 @triton.jit
@@ -97,49 +123,43 @@ def _qkv_rotary_backward_kernel(
     grad_mixed_ptr,
     rows,
     batch,
-    q_strides_s,
-    q_strides_b,
-    q_strides_h,
-    k_strides_s,
-    k_strides_b,
-    k_strides_h,
-    v_strides_s,
-    v_strides_b,
-    v_strides_h,
+    q_stride_s,
+    q_stride_b,
+    q_stride_h,
+    k_stride_s,
+    k_stride_b,
+    k_stride_h,
+    v_stride_s,
+    v_stride_b,
+    v_stride_h,
     GROUPS: tl.constexpr,
     Q_PER_GROUP: tl.constexpr,
     D: tl.constexpr,
     D_PAD: tl.constexpr,
     ROT: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    REST_PAD: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
 ):
     slot = tl.program_id(1)
     group, kind = slot // (Q_PER_GROUP + 2), slot % (Q_PER_GROUP + 2)
     row = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    channel = tl.arange(0, D_PAD)
-    inside = (row < rows)[:, None] & (channel < D)[None, :]
+    rows_inside = (row < rows)[:, None]
     token, column = row // batch, row % batch
-    target = grad_mixed_ptr + (row * GROUPS * (Q_PER_GROUP + 2) + slot)[:, None] * D
+    target = grad_mixed_ptr + ((row * (GROUPS * (Q_PER_GROUP + 2)) + slot) * D)[:, None]
     if kind == Q_PER_GROUP + 1:  # value head: copied
-        base = grad_v_ptr + token * v_strides_s + column * v_strides_b + group * v_strides_h
-        grad = tl.load(base[:, None] + channel[None, :], mask=inside)
-        tl.store(target + channel[None, :], grad, mask=inside)
+        d = tl.arange(0, D_PAD)[None, :]
+        mask = rows_inside & (d < D)
+        source = grad_v_ptr + (token * v_stride_s + column * v_stride_b + group * v_stride_h)
+        tl.store(target + d, tl.load(source[:, None] + d, mask=mask), mask=mask)
     else:
         if kind == Q_PER_GROUP:  # key head
-            base = grad_k_ptr + token * k_strides_s + column * k_strides_b + group * k_strides_h
+            source = grad_k_ptr + (token * k_stride_s + column * k_stride_b + group * k_stride_h)
         else:
             head = group * Q_PER_GROUP + kind
-            base = grad_q_ptr + token * q_strides_s + column * q_strides_b + head * q_strides_h
-        grad = tl.load(base[:, None] + channel[None, :], mask=inside)
-        HALF: tl.constexpr = ROT // 2
-        partner_channel = tl.where(channel < HALF, channel + HALF, channel - HALF)
-        rotating = inside & (channel < ROT)[None, :]
-        partner = tl.load(base[:, None] + partner_channel[None, :], mask=rotating, other=0.0)
-        angle = table_ptr + (token * 2 * ROT)[:, None]
-        cos = tl.load(angle + channel[None, :], mask=rotating, other=0.0)
-        partner_sin = tl.load(angle + ROT + partner_channel[None, :], mask=rotating, other=0.0)
-        out = _rotated(grad, partner, cos, partner_sin, channel, HALF, ROT, True)
-        tl.store(target + channel[None, :], out, mask=inside)
+            source = grad_q_ptr + (token * q_stride_s + column * q_stride_b + head * q_stride_h)
+        table = table_ptr + (token * (2 * ROT))[:, None]
+        _rotate_head(source[:, None], target, table, rows_inside, True, D, ROT, HALF_PAD, REST_PAD)
 
 
 def _layout(mixed: torch.Tensor, table: torch.Tensor, q_per_group: int) -> dict:
@@ -153,6 +173,8 @@ def _layout(mixed: torch.Tensor, table: torch.Tensor, q_per_group: int) -> dict:
         D=head_dim,
         D_PAD=triton.next_power_of_2(head_dim),
         ROT=rot,
+        HALF_PAD=triton.next_power_of_2(rot // 2),
+        REST_PAD=triton.next_power_of_2(head_dim - rot) if head_dim > rot else 0,
         BLOCK_ROWS=_BLOCK_ROWS,
     )
 
