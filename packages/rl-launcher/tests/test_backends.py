@@ -305,13 +305,19 @@ def test_each_engine_gets_tensor_handles_from_the_lowest_rank_on_its_node():
 
 
 class Recorder:
-    """Stands in for the trainer group and the rollout manager: records the calls."""
+    """Stands in for the trainer group and the rollout manager: records the calls (a
+    ``start_*`` call returns the function that waits for it, recorded when called)."""
 
     def __init__(self, calls: list):
         self.calls = calls
 
     def __getattr__(self, name):
-        return lambda *args: self.calls.append((name, *args))
+        def call(*args):
+            self.calls.append((name, *args))
+            if name.startswith("start_"):
+                return lambda: self.calls.append((f"{name} waited",))
+
+        return call
 
 
 def test_turns_release_before_training_and_refuse_unsynced_generation():
@@ -322,16 +328,30 @@ def test_turns_release_before_training_and_refuse_unsynced_generation():
     turns.training()  # already there: nothing
     turns.syncing()
     turns.generating()
-    assert calls == [
-        ("offload",),
-        ("release_memory", ["weights", "kv_cache", "cuda_graph"]),
+    tags = ["weights", "kv_cache", "cuda_graph"]
+    assert calls == [  # the engines hold their memory: each offload runs during the rollout
+        ("start_offload",),
+        ("release_memory", tags),
+        ("start_offload waited",),
         ("onload",),
-        ("resume_memory", ["weights", "kv_cache", "cuda_graph"]),
-        ("offload",),
+        ("resume_memory", tags),
+        ("start_offload",),
     ]
+    calls.clear()
     turns.training()
     with pytest.raises(RuntimeError, match=re.escape("engine.sync_every=1")):
-        turns.generating()
+        turns.generating()  # released and not synced: refused before anything moves
+    assert calls == [("release_memory", tags), ("start_offload waited",), ("onload",)]
+
+
+def test_an_offload_the_engines_resume_into_is_waited_for_first():
+    calls: list = []
+    turns = Turns(Recorder(calls), Recorder(calls), keep_engine_weights=True)
+    turns.generating()
+    turns.training()
+    calls.clear()
+    turns.generating()  # adapter syncs: the base weights stayed, the caches resume now
+    assert calls == [("offload",), ("resume_memory", ["kv_cache", "cuda_graph"])]
 
 
 def test_turns_with_a_resident_trainer_or_resident_engines():
@@ -350,7 +370,12 @@ def test_turns_with_a_resident_trainer_or_resident_engines():
     turns.syncing()
     turns.generating()
     turns.generating()  # no sync needed: the engines kept their weights
-    assert calls == [("offload",), ("onload",), ("offload",)]
+    assert calls == [
+        ("start_offload",),
+        ("start_offload waited",),
+        ("onload",),
+        ("start_offload",),
+    ]
 
 
 def test_sglang_memory_saver_only_when_the_engines_release_their_memory():
@@ -367,7 +392,8 @@ def test_sglang_memory_saver_only_when_the_engines_release_their_memory():
 
 
 class SlowRecorder(Recorder):
-    """A Recorder whose calls take ``seconds[name]`` of wall time."""
+    """A Recorder whose calls take ``seconds[name]`` of wall time (a ``start_*`` call's
+    waiter ``seconds[name + " wait"]``)."""
 
     def __init__(self, calls: list, seconds: dict):
         super().__init__(calls)
@@ -377,13 +403,16 @@ class SlowRecorder(Recorder):
         def call(*args):
             time.sleep(self.seconds.get(name, 0.0))
             self.calls.append((name, *args))
+            if name.startswith("start_"):
+                return lambda: time.sleep(self.seconds.get(f"{name} wait", 0.0))
 
         return call
 
 
 def test_turns_time_each_transition_and_the_hand_over_before_a_rollout():
     calls: list = []
-    trainer = SlowRecorder(calls, {"offload": 0.05, "onload": 0.02})
+    seconds = {"start_offload": 0.01, "start_offload wait": 0.05, "onload": 0.02}
+    trainer = SlowRecorder(calls, seconds)
     turns = Turns(trainer, SlowRecorder(calls, {"release_memory": 0.03, "resume_memory": 0.04}))
     assert turns.take_times() == {}
     turns.generating()
@@ -391,11 +420,12 @@ def test_turns_time_each_transition_and_the_hand_over_before_a_rollout():
     turns.syncing()
     times = turns.take_times()
     expected = {
-        "trainer_offload": 0.05,
+        "trainer_offload": 0.01,  # started: the rollout goes on meanwhile
         "engine_release": 0.03,
+        "trainer_offload_wait": 0.05,  # what the rollout did not hide
         "trainer_onload": 0.02,
         "engine_resume": 0.04,
-        "in_rollout": 0.05,
+        "in_rollout": 0.01,
     }
     for name, seconds in expected.items():
         assert seconds <= times[f"time/turns/{name}"] < seconds + 0.04, name

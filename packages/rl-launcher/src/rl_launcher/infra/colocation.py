@@ -6,6 +6,11 @@
                trainer (CUDA IPC)
     generate   training state offloaded
 
+The engines resume everything for the sync, beside the resident trainer, so the devices
+hold both then anyway: the trainer's offload before a rollout runs while the engines
+generate (the trainer's processes copy, the driver goes on), and the next turn that needs
+the trainer waits for it (``time/turns/trainer_offload_wait``: the part not hidden).
+
 Each side's half is optional: ``engine.release_when_idle`` (the engines' release/resume)
 and ``backend.offload_when_idle`` (the trainer's offload/onload). When the training state
 fits beside the engine's memory, keeping it resident saves moving it twice a step.
@@ -48,13 +53,16 @@ class Turns:
         ]
         self.released: list[str] = []  # engine memory tags released now
         self.trainer_offloaded = False
+        self._offloading = None  # waits for an offload started before a rollout
         self.log: list[str] = []  # transitions, in order (for tests and debugging)
         self.seconds: dict[str, float] = defaultdict(float)  # driver wall time per transition
 
     def take_times(self) -> dict[str, float]:
-        """``time/turns/<transition>`` seconds since the last call (engine_release,
-        engine_resume, trainer_offload, trainer_onload), their sum ``time/turns``, and
-        ``time/turns/in_rollout``: the part spent before a rollout, inside its phase."""
+        """``time/turns/<transition>`` seconds of the driver since the last call
+        (engine_release, engine_resume, trainer_offload: starting it or doing it,
+        trainer_offload_wait: waiting for one that ran during a rollout, trainer_onload),
+        their sum ``time/turns``, and ``time/turns/in_rollout``: the part spent before a
+        rollout, inside its phase."""
         times, self.seconds = dict(self.seconds), defaultdict(float)
         in_rollout = times.pop("in_rollout", 0.0)
         if not times:
@@ -105,20 +113,31 @@ class Turns:
     def _hand_over_to_engines(self) -> None:
         if self.offload_trainer and not self.trainer_offloaded:
             with self._timed("trainer_offload"):
-                self.trainer.offload()
+                if self.released:  # the engines resume into the memory it gives back
+                    self.trainer.offload()
+                else:  # the engines hold theirs already: offload while they generate
+                    self._offloading = self.trainer.start_offload()
             self.trainer_offloaded = True
             self.log.append("offload trainer")
         self._resume(list(self.released))
 
+    def _wait_for_offload(self) -> None:
+        if self._offloading is not None:
+            waiting, self._offloading = self._offloading, None
+            with self._timed("trainer_offload_wait"):
+                waiting()
+
     def _resume(self, tags: list[str]) -> None:
         tags = [tag for tag in tags if tag in self.released]
         if tags:
+            self._wait_for_offload()
             with self._timed("engine_resume"):
                 self.rollout.resume_memory(tags)
             self.released = [tag for tag in self.released if tag not in tags]
             self.log.append(f"resume {'+'.join(tags)}")
 
     def _trainer_on(self) -> None:
+        self._wait_for_offload()
         if self.trainer_offloaded:
             with self._timed("trainer_onload"):
                 self.trainer.onload()

@@ -16,6 +16,7 @@ import os
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import ray
@@ -290,14 +291,25 @@ class TrainGroup:
         """``method`` on every rank (rank r gets ``per_rank_args[i][data_rank(r)]``);
         results in rank order."""
         with self._lock:  # calls from two threads (an engine restore) never interleave
-            refs = [
-                getattr(worker, method).remote(
-                    *(args[self.data_ranks[r]] for args in per_rank_args), **shared
-                )
-                for r, worker in enumerate(self.workers)
-            ]
+            refs = self._submit(method, *per_rank_args, **shared)
             # a dead rank raises at once, named with its node
             return faults.gather(refs, method=method, where=self.where)
+
+    def call_meanwhile(self, method: str) -> Callable[[], list]:
+        """Start ``method`` on every rank and return at once; the returned function waits
+        for it (results in rank order). Each rank runs its calls in order, so a later
+        call starts after this one on every rank."""
+        with self._lock:
+            refs = self._submit(method)
+        return lambda: faults.gather(refs, method=method, where=self.where)
+
+    def _submit(self, method: str, *per_rank_args, **shared) -> list:
+        return [
+            getattr(worker, method).remote(
+                *(args[self.data_ranks[r]] for args in per_rank_args), **shared
+            )
+            for r, worker in enumerate(self.workers)
+        ]
 
     def where(self, rank: int, error: BaseException) -> str:
         """Rank ``rank``'s node, in words (said when its actor dies of ``error``)."""
@@ -337,6 +349,11 @@ class TrainGroup:
 
     def offload(self) -> None:
         self.call("offload")
+
+    def start_offload(self) -> Callable[[], list]:
+        """Every rank starts moving its training state to host memory; the returned
+        function waits for them (colocated engines generate meanwhile)."""
+        return self.call_meanwhile("offload")
 
     def onload(self) -> None:
         self.call("onload")

@@ -293,6 +293,11 @@ class SimTrainGroup:
     def offload(self) -> None:
         self._gather("offload")
 
+    def start_offload(self):
+        """The offload started on every node; the returned function waits for it."""
+        refs = [w.offload.remote() for w in self.workers]
+        return lambda: ray.get(refs)
+
     def onload(self) -> None:
         self._gather("onload")
 
