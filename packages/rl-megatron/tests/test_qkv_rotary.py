@@ -98,6 +98,71 @@ def test_kernels_equal_split_and_table_rotary_in_the_interpreter():
     assert done.returncode == 0 and "rotated" in done.stdout, done.stderr[-3000:]
 
 
+MODEL_CHECK = """
+import os, sys
+import torch, torch.distributed as dist
+import tiny
+from rl_core.distributed import free_port
+from rl_core.objective import Objective
+from rl_megatron import qkv_rotary
+from rl_megatron.backend import MegatronBackend
+from rl_megatron.config import MegatronConfig
+from rl_megatron.parallel import initialize_parallel
+from rl_megatron.testing import cpu_shim
+
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+cpu_shim.install()
+dist.init_process_group("gloo", rank=0, world_size=1)
+initialize_parallel(tp=1, device="cpu")
+qkv_rotary.kernel_serves = lambda mixed: True  # the kernels on CPU tensors (interpreter)
+from rl_megatron import _triton_qkv_rotary as kernels
+launched = []
+for name in ("rotate_qkv", "rotate_qkv_backward"):
+    def counted(*args, _launch=getattr(kernels, name), _name=name):
+        launched.append(_name)
+        return _launch(*args)
+    setattr(kernels, name, counted)
+batch = tiny.random_batch([9, 14, 6, 11], seed=5)
+results = {}
+for fused in (False, True):
+    config = MegatronConfig(hf_path=sys.argv[1], device="cpu", lr=1e-3,
+                            objective=Objective(entropy_coef=0.01), fused_qkv_rotary=fused)
+    backend = MegatronBackend(config)
+    results[fused] = (backend.compute_log_probs(batch), backend.forward_backward(batch),
+                      backend.hf_gradients())
+(lp0, m0, g0), (lp1, m1, g1) = results[False], results[True]
+assert torch.equal(lp0, lp1) and m0["loss/total"] == m1["loss/total"]
+assert g0.keys() == g1.keys() and all(torch.equal(g1[k], g) for k, g in g0.items())
+assert any("q_proj" in k for k in g0)
+# two layers: log-probs and forward_backward forward, one backward
+assert launched.count("rotate_qkv") == 4 and launched.count("rotate_qkv_backward") == 2, launched
+print("model equal")
+"""
+
+
+def test_kernels_in_the_model_equal_the_split_path(tmp_path):
+    """The backend with the fused rotary's kernels and custom op (forced onto CPU tensors,
+    run by Triton's interpreter, float32) gives the split path's log-probs, loss and
+    gradients to the bit: megatron's fused path, the op's autograd and the gradients as
+    SDPA hands them back."""
+    pytest.importorskip("triton")
+    tiny.save_tiny_model(tmp_path / "qwen2", "qwen2", seed=2)
+    env = os.environ | {"TRITON_INTERPRET": "1", "PYTHONPATH": _tests_path()}
+    done = subprocess.run(
+        [sys.executable, "-c", MODEL_CHECK, str(tmp_path / "qwen2")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0 and "model equal" in done.stdout, done.stderr[-3000:]
+
+
+def _tests_path() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    return os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("name", ["qwen2-tied", "llama"])
 def test_backend_with_fused_qkv_rotary_equals_megatron_split(
