@@ -112,7 +112,7 @@ def build_gpt_model(
     options: dict | None = None,
     vp_stage: int | None = None,
     rotary_table: bool = True,
-    fused_qkv_rotary: bool = True,
+    fused_qkv_rotary: bool = False,
 ):
     """A ``GPTModel`` shard for this rank; weights uninitialised (load them with
     :func:`rl_megatron.weights.load_hf_weights`); ``options`` as in :func:`transformer_config`.
