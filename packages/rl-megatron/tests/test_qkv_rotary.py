@@ -123,19 +123,25 @@ for name in ("rotate_qkv", "rotate_qkv_backward"):
         return _launch(*args)
     setattr(kernels, name, counted)
 batch = tiny.random_batch([9, 14, 6, 11], seed=5)
-results = {}
-for fused in (False, True):
-    config = MegatronConfig(hf_path=sys.argv[1], device="cpu", lr=1e-3,
-                            objective=Objective(entropy_coef=0.01), fused_qkv_rotary=fused)
-    backend = MegatronBackend(config)
-    results[fused] = (backend.compute_log_probs(batch), backend.forward_backward(batch),
-                      backend.hf_gradients())
-(lp0, m0, g0), (lp1, m1, g1) = results[False], results[True]
-assert torch.equal(lp0, lp1) and m0["loss/total"] == m1["loss/total"]
-assert g0.keys() == g1.keys() and all(torch.equal(g1[k], g) for k, g in g0.items())
-assert any("q_proj" in k for k in g0)
-# two layers: log-probs and forward_backward forward, one backward
-assert launched.count("rotate_qkv") == 4 and launched.count("rotate_qkv_backward") == 2, launched
+for compiled in (False, True):  # eager layers, then inductor's (the op called from the graph)
+    results = {}
+    for fused in (False, True):
+        config = MegatronConfig(hf_path=sys.argv[1], device="cpu", lr=1e-3,
+                                objective=Objective(entropy_coef=0.01), fused_qkv_rotary=fused,
+                                compile_layers=compiled)
+        backend = MegatronBackend(config)
+        results[fused] = (backend.compute_log_probs(batch), backend.forward_backward(batch),
+                          backend.hf_gradients())
+    (lp0, m0, g0), (lp1, m1, g1) = results[False], results[True]
+    assert torch.equal(lp0, lp1) and m0["loss/total"] == m1["loss/total"]
+    assert g0.keys() == g1.keys() and all(torch.equal(g1[k], g) for k, g in g0.items())
+    assert any("q_proj" in k for k in g0)
+    # two layers: log-probs and forward_backward forward, one backward
+    assert launched.count("rotate_qkv") == 4 and launched.count("rotate_qkv_backward") == 2
+    launched.clear()
+from rl_core.compiling import compile_report
+report = compile_report()
+assert report["graph_breaks"] == 0 and not report["failures"], report
 print("model equal")
 """
 
@@ -143,8 +149,9 @@ print("model equal")
 def test_kernels_in_the_model_equal_the_split_path(tmp_path):
     """The backend with the fused rotary's kernels and custom op (forced onto CPU tensors,
     run by Triton's interpreter, float32) gives the split path's log-probs, loss and
-    gradients to the bit: megatron's fused path, the op's autograd and the gradients as
-    SDPA hands them back."""
+    gradients to the bit, with eager layers and with inductor-compiled ones (the op called
+    from the graph, no graph break): megatron's fused path, the op's autograd and the
+    gradients as SDPA hands them back."""
     pytest.importorskip("triton")
     tiny.save_tiny_model(tmp_path / "qwen2", "qwen2", seed=2)
     env = os.environ | {"TRITON_INTERPRET": "1", "PYTHONPATH": _tests_path()}
