@@ -292,9 +292,10 @@ def start_engine(kind: str, model_dir: Path, gpu: int | None, log_dir: Path):
 
 
 def decode_only(shape: str, repeats: int) -> dict:
-    """Milliseconds per decode of the kept one-bucket payload of ``shape``'s tensors (a tied
-    lm_head sent once), as the sender fills and pickles it at every sync. The tensors are
-    two elements each: the decode costs per record, not per byte."""
+    """Milliseconds per decode of the one-bucket payload of ``shape``'s tensors (a tied
+    lm_head sent once) as the sender pickles it at every sync: through its kept buffer
+    (the bucket's views reused) and fresh (a new buffer: views cut, shared memory opened).
+    The tensors are two elements each: the decode costs per record, not per byte."""
     from transformers import AutoModelForCausalLM
 
     from rl_sglang.engine.weights import HeldBuffers
@@ -305,22 +306,26 @@ def decode_only(shape: str, repeats: int) -> dict:
     named = [(n, torch.zeros([2] * p.dim(), dtype=dtype)) for n, p in model.named_parameters()]
     buffer, held = transports.SendBuffer(), HeldBuffers()
     first = held.named_tensors([transports.dump_payload(buffer.fill(named))], "flattened_bucket")
-    times = []
+    times = {"kept": [], "fresh": []}
     for _ in range(40 * repeats):
-        payload = [transports.dump_payload(buffer.fill(named))]
-        start = time.perf_counter()
-        kept = held.named_tensors(payload, "flattened_bucket")
-        times.append(time.perf_counter() - start)
-        assert kept is first, "the kept buffer's layout was cut again"
+        for way, times_of_way in times.items():
+            keep_alive = None
+            if way == "kept":
+                payload = transports.dump_payload(buffer.fill(named))
+            else:
+                payload, keep_alive = transports.serialize_bucket(named, flatten=True)
+            start = time.perf_counter()
+            got = held.named_tensors([payload], "flattened_bucket")
+            times_of_way.append(time.perf_counter() - start)
+            assert (got is first) == (way == "kept"), "a kept layout cut again, or a fresh reused"
+            del got, keep_alive
     buffer.release()
-    times.sort()
-    return {
-        "num_records": len(named),
-        "payload_chars": len(payload[0]),
-        "ms_per_decode": statistics.median(times) * 1e3,
-        "ms_p90": times[int(0.9 * len(times))] * 1e3,
-        "decodes": len(times),
-    }
+    report = {"num_records": len(named), "payload_chars": len(payload), "decodes": 40 * repeats}
+    for way, times_of_way in times.items():
+        times_of_way.sort()
+        report[f"{way}_ms_per_decode"] = statistics.median(times_of_way) * 1e3
+        report[f"{way}_ms_p90"] = times_of_way[int(0.9 * len(times_of_way))] * 1e3
+    return report
 
 
 def run(args) -> dict:

@@ -16,6 +16,7 @@ from rl_sglang.engine.weights import (
     deserialize_bucket,
     named_tensors_from_payload,
     read_safetensors_dir,
+    record_view,
     unflatten_bucket,
 )
 from rl_sglang.transports import (
@@ -183,3 +184,33 @@ def _byte_ranges(named) -> list[dict]:
         ranges.append({"start_idx": start, "end_idx": start + size, "numel": size})
         start += size
     return ranges
+
+
+def test_unflatten_cuts_what_record_view_cuts_in_every_dtype_and_refuses_bad_records():
+    """The one-op views of a bucket's records are record_view's (same bytes, shape, dtype
+    and strides), for dtypes of every width packed back to back, scalars and empty tensors
+    included; a record running past the buffer, or not aligned to its dtype, is refused
+    as record_view refuses it."""
+    named = [
+        ("wide", torch.arange(6, dtype=torch.float64).view(3, 1, 2)),
+        ("scalar", torch.tensor(2.5)),
+        ("empty", torch.zeros(0, 5)),
+        ("tail", torch.arange(4, dtype=torch.int32)),
+        ("half", torch.randn(3, 4).to(torch.bfloat16)),
+        ("bytes", torch.tensor([1, 2, 3], dtype=torch.int8)),
+        ("flag", torch.tensor([True, False, True])),
+    ]
+    flat = flatten_bucket(named)
+    for (name, tensor), (name2, cut), meta in zip(
+        named, unflatten_bucket(flat), flat["metadata"], strict=True
+    ):
+        view = record_view(flat["flattened_tensor"], meta)
+        assert name == name2 and cut.dtype == tensor.dtype and torch.equal(cut, tensor)
+        assert cut.shape == view.shape and cut.stride() == view.stride()
+        assert cut.data_ptr() == view.data_ptr()
+    flat["metadata"][3].end_idx += 4  # runs into the next record
+    with pytest.raises(RuntimeError):
+        unflatten_bucket(flat)
+    misaligned = flatten_bucket([("byte", torch.ones(1, dtype=torch.int8)), *named[4:5]])
+    with pytest.raises(RuntimeError, match="divisible"):
+        unflatten_bucket(misaligned)
