@@ -267,8 +267,9 @@ def test_a_failing_step_aborts_the_batch_instead_of_hanging(engine, monkeypatch)
 
 
 def test_a_weight_update_reaches_the_decode_step(engine, tiny_model):
-    """The static runner decodes with fused copies of q/k/v and gate/up: an update must
-    refresh them, so log-probs follow a teacher-forced forward of the new weights."""
+    """The static runner decodes with fused q/k/v and gate/up tensors (the projections are
+    slices of them): an update must land in them, so log-probs follow a teacher-forced
+    forward of the new weights."""
     import copy
 
     updated = copy.deepcopy(tiny_model)
