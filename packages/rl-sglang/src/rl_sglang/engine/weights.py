@@ -44,12 +44,14 @@ class CopyPlan(NamedTuple):
     """What an update copies where: the model tensors (``destinations``) each source fills.
     ``targets`` is the state dict the destinations were found in: the plan holds while the
     parameters keep that storage. ``reusable``: the sources are the tensors sent (not
-    converted copies), so the same plan serves a later update through the same buffer."""
+    converted copies), so the same plan serves a later update through the same buffer.
+    ``cuda_devices``: the CUDA devices the sources are read on (waited for after the copy)."""
 
     targets: dict
     destinations: list
     sources: list
     reusable: bool
+    cuda_devices: frozenset = frozenset()
 
 
 def copy_plan(
@@ -75,22 +77,19 @@ def copy_plan(
         destinations.append(destination)
     sources = [t.to(d.device) for (_, t), d in zip(named, destinations, strict=True)]
     same = all(s is t for s, (_, t) in zip(sources, named, strict=True))
-    return CopyPlan(targets, destinations, sources, same)
+    cuda_devices = frozenset(t.device for t in sources if t.is_cuda)
+    return CopyPlan(targets, destinations, sources, same, cuda_devices)
 
 
 def run_copy(plan: CopyPlan) -> int:
-    """Copy every source of ``plan`` into its destination; returns how many."""
+    """Copy every source of ``plan`` into its destination; returns how many. On CUDA the
+    copies out of the sender's memory have finished on return: once the update is
+    answered the sender may refill that memory (a kept send buffer)."""
     with torch.no_grad():
         torch._foreach_copy_(plan.destinations, plan.sources)  # a few fused launches
-    _wait_for_reads(plan.sources)
-    return len(plan.sources)
-
-
-def _wait_for_reads(sources: Iterable[torch.Tensor]) -> None:
-    """On CUDA, the copies out of the sender's memory have finished: once the update is
-    answered the sender may refill that memory (a kept send buffer)."""
-    for device in {t.device for t in sources if t.is_cuda}:
+    for device in plan.cuda_devices:
         torch.cuda.current_stream(device).synchronize()
+    return len(plan.sources)
 
 
 # A checkpoint's per-expert MoE weight (what Megatron exports and SGLang loads).
