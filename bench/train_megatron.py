@@ -2,7 +2,9 @@
 
 Same model shapes (Qwen2.5-0.5B / 1.5B architecture, random weights) and the same batch as
 bench/train_fsdp.py (--data full: 4 × 2048 tokens; varlen: 16 sequences of 128..4096;
-micro-batches of --max-tokens). Both sides run one PPO step per iteration with rl_core's
+micro-batches of --max-tokens). --data varied is RL-like: a new batch every step, 8
+sequences of lengths drawn uniformly from [max_len / 4, max_len] (seeded by the step), so
+the micro-batch shapes change from step to step; see "Varied data" below. Both sides run one PPO step per iteration with rl_core's
 objective and torch AdamW: Megatron with --precision (on cuda bf16 parameters, fp32 main
 gradients and fp32 master weights, as Megatron trains), the baseline a plain HF loop (fp32
 weights, bf16 autocast, padded rows, no activation checkpointing) measured in the same run.
@@ -10,6 +12,8 @@ MFU is against the bf16 matmul rate measured here. Prints one JSON object.
 
   python bench/train_megatron.py --shape tiny --device cpu               # CPU smoke run (shim)
   python bench/train_megatron.py --shape 1.5b --device cuda --data full  # one GPU
+  python bench/train_megatron.py --shape 1.5b --device cuda --data varied --steps 8 \
+      --attention-backends no_cudnn --width-bucket 64    # new shapes each step, remedies
   python bench/train_megatron.py --shape 1.5b --device cuda --tp 2       # TP=2 (+SP), 2 GPUs
   python bench/train_megatron.py --shape 1.5b --device cuda --data full --ablate  # + lever off
   python bench/train_megatron.py --shape 1.5b --device cuda --dp 2        # ZeRO-1 over 2 GPUs
@@ -38,6 +42,17 @@ sin in every layer; rl_megatron.rotary). Off by default until measured: queries 
 rotated straight from the fused q/k/v projection by one Triton kernel each way
 (--fused-qkv-rotary; rl_megatron.qkv_rotary). --ablate also measures the step with each
 lever off in the same run, reported under "ablations".
+
+Varied data (--data varied): kernels that plan or compile per input shape (cuDNN's fused
+attention, which SDPA picks first on Hopper) pay for every new micro-batch shape, which a
+fixed batch never shows. --warmup steps run on batches of their own (compilation), then
+--steps fresh batches are timed one by one (the first pass: shapes mostly new, as in an RL
+run) and the same batches again (the second pass: every shape seen). ``figure.per_step``
+holds both passes' seconds per step, each step's padded micro-batch shapes ``[rows,
+width]``, how many were new, and ``new_shape_cost_s``, the pass difference per new shape;
+the figure's throughput is the first pass's, ``figure.steady`` the second's. Remedies:
+--attention-backends no_cudnn (MegatronConfig.attention_backends: flash / efficient /
+math only) and --width-bucket N (widths rounded up to a multiple of N: shapes repeat).
 """
 
 import argparse
@@ -45,6 +60,7 @@ import json
 import os
 import platform
 import socket
+import statistics
 import sys
 import tempfile
 import time
@@ -66,7 +82,7 @@ def parse_args():
         "--megatron", type=json.loads, default={}, help="megatron-core options, a JSON object"
     )
     parser.add_argument("--profile", action="store_true", help="profile one more step (rank 0)")
-    parser.add_argument("--data", choices=["full", "varlen"], default="varlen")
+    parser.add_argument("--data", choices=["full", "varlen", "varied"], default="varlen")
     parser.add_argument("--num-seqs", type=int, default=None, help="sequences per step")
     parser.add_argument("--max-len", type=int, default=None, help="longest sequence")
     parser.add_argument("--max-tokens", type=int, default=None, help="micro-batch token budget")
@@ -99,26 +115,56 @@ def parse_args():
         "each way (rl_megatron.qkv_rotary; default: MegatronConfig's)",
     )
     parser.add_argument(
+        "--attention-backends",
+        choices=["auto", "no_cudnn"],
+        default=None,
+        help="SDPA kernels of core attention (default: MegatronConfig's)",
+    )
+    parser.add_argument(
+        "--width-bucket",
+        type=int,
+        default=None,
+        help="round padded row widths up to a multiple of this (default: MegatronConfig's)",
+    )
+    parser.add_argument(
         "--ablate", action="store_true", help="also run the step with each lever off"
     )
     parser.add_argument("--steps", type=int, default=3, help="measured steps")
     parser.add_argument("--warmup", type=int, default=1)
     args = parser.parse_args()
-    big, full = args.shape != "tiny", args.data == "full"
-    args.max_len = args.max_len or ((2048 if full else 4096) if big else 64)
-    args.num_seqs = args.num_seqs or ((4 if full else 16) if big else 8)
+    big, short = args.shape != "tiny", args.data in ("full", "varied")
+    args.max_len = args.max_len or ((2048 if short else 4096) if big else 64)
+    num_seqs = {"full": 4, "varlen": 16, "varied": 8}[args.data]
+    args.num_seqs = args.num_seqs or (num_seqs if big else 8)
     args.max_tokens = args.max_tokens or (8192 if big else 256)
     return args
 
 
 def make_batch(args, vocab_size: int):
     """The batch bench/train_fsdp.py trains on for the same arguments (its builder, the same
-    generator use), with advantages for PPO."""
+    generator use), with advantages for PPO; --data varied: the first timed batch."""
     from train_fsdp import lengths_for
     from train_fsdp import make_batch as packed_batch
 
+    if args.data == "varied":
+        return varied_batches(args, vocab_size)[1][0]
     gen = torch.Generator().manual_seed(0)
     return packed_batch(lengths_for(args, gen), vocab_size, gen)
+
+
+def varied_batches(args, vocab_size: int):
+    """``(warmup batches, timed batches)`` of --data varied: each step's num_seqs lengths
+    uniform in [max_len / 4, max_len], seeded by the step (warm-up steps seeds 1000 on)."""
+    from train_fsdp import make_batch as packed_batch
+
+    def batch(seed: int):
+        gen = torch.Generator().manual_seed(seed)
+        low = max(args.max_len // 4, 2)
+        lengths = torch.randint(low, args.max_len + 1, (args.num_seqs,), generator=gen).tolist()
+        return packed_batch(lengths, vocab_size, gen)
+
+    warmup = [batch(1000 + step) for step in range(args.warmup)]
+    return warmup, [batch(step) for step in range(args.steps)]
 
 
 def matmul_flops_per_s(device: str) -> float:
@@ -161,6 +207,46 @@ def seconds_per_step(step, args) -> float:
         step()
     _sync(args.device)
     return (time.perf_counter() - start) / args.steps
+
+
+def varied_timings(step, shapes_of, warmup: list, timed: list, device: str) -> dict:
+    """--data varied: warm-up batches, then the timed batches twice (first pass: shapes
+    new unless an earlier batch had them; second pass: all seen). Per step: seconds of
+    both passes, padded micro-batch shapes, how many were new."""
+    seen: set = set()
+    for batch in warmup:
+        step(batch)
+        seen.update(shapes_of(batch))
+    _sync(device)
+    shapes, new = [], []
+    for batch in timed:
+        mine = [tuple(shape) for shape in shapes_of(batch)]
+        shapes.append(mine)
+        new.append(len(set(mine) - seen))
+        seen.update(mine)
+    first = _timed(step, timed, device)
+    second = _timed(step, timed, device)
+    extra = sum(first) - sum(second)
+    return {
+        "first_pass_s": first,
+        "second_pass_s": second,
+        "shapes": shapes,
+        "new_shapes": new,
+        "distinct_shapes": len(seen),
+        "new_shape_cost_s": extra / sum(new) if sum(new) else None,
+        "first_pass_mean_s": statistics.fmean(first),
+        "second_pass_mean_s": statistics.fmean(second),
+    }
+
+
+def _timed(step, batches: list, device: str) -> list[float]:
+    seconds = []
+    for batch in batches:
+        start = time.perf_counter()
+        step(batch)
+        _sync(device)
+        seconds.append(time.perf_counter() - start)
+    return seconds
 
 
 def hf_baseline(model, batch, args) -> float:
@@ -232,12 +318,21 @@ def megatron_worker(
             **(
                 {} if args.fused_qkv_rotary is None else {"fused_qkv_rotary": args.fused_qkv_rotary}
             ),
+            **_given(attention_backends=args.attention_backends, width_bucket=args.width_bucket),
             **overrides,
         },
     )
     backend = MegatronBackend(config)
     batch = make_batch(args, backend.shape.vocab_size)  # every data-parallel rank: all of it
-    seconds = seconds_per_step(lambda: backend.train_step(batch), args)
+    per_step = None
+    if args.data == "varied":
+        warmup, timed = varied_batches(args, backend.shape.vocab_size)
+        per_step = varied_timings(
+            backend.train_step, backend.micro_batch_shapes, warmup, timed, args.device
+        )
+        seconds = per_step["first_pass_mean_s"]
+    else:
+        seconds = seconds_per_step(lambda: backend.train_step(batch), args)
     peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None
     profile = None
     if args.profile:  # after the timed steps, one more step each (every rank runs them)
@@ -250,8 +345,12 @@ def megatron_worker(
             "compile_layers": backend.compiled_layers,  # {} when off
             "rotary_table": backend.config.rotary_table,
             "fused_qkv_rotary": backend.model.config.fused_single_qkv_rope,  # where it applies
+            "attention_backends": backend.config.attention_backends,
+            "width_bucket": backend.config.width_bucket,
         }
         result = {"seconds": seconds, "peak_memory_gib": peak, "levers": levers}
+        if per_step:
+            result["per_step"] = per_step
         if backend.compiled_layers:
             from rl_core.compiling import compile_report
 
@@ -259,6 +358,11 @@ def megatron_worker(
         with open(out_path, "w") as f:
             json.dump({**result, **({"profile": profile} if profile else {})}, f)
     dist.destroy_process_group()
+
+
+def _given(**options) -> dict:
+    """The options set on the command line (None: MegatronConfig's default)."""
+    return {name: value for name, value in options.items() if value is not None}
 
 
 def run_megatron(args, hf_dir: str, overrides: dict) -> dict:
@@ -312,13 +416,24 @@ def main():
         }
         ablations = ablations if args.ablate else {}
         ablated = {name: run_megatron(args, tmp, kw) for name, kw in ablations.items()}
-    flops = step_flops(config, batch.seq_lengths())
+    # per step: the batch's, or the mean over --data varied's timed batches
+    timed = varied_batches(args, config.vocab_size)[1] if args.data == "varied" else [batch]
+    num_tokens = statistics.fmean(b.num_tokens for b in timed)
+    flops = statistics.fmean(step_flops(config, b.seq_lengths()) for b in timed)
+    baseline_flops = step_flops(config, batch.seq_lengths())
     gpus = args.tp * args.dp if args.device == "cuda" else 1
 
     def throughput(seconds: float, dp: int = 1) -> dict:
-        """Over all data-parallel ranks (each trains ``batch``) and all GPUs."""
-        tokens, work = batch.num_tokens * dp, flops * dp
+        """Over all data-parallel ranks (each trains the step's batch) and all GPUs."""
+        tokens, work = num_tokens * dp, flops * dp
         return {"tokens_per_s": tokens / seconds, "mfu": work / seconds / (rate * gpus)}
+
+    figure_rate = throughput(figure["seconds"], args.dp)
+    baseline_rate = batch.num_tokens / baseline_s
+    varied = {}
+    if "per_step" in figure:
+        steady = throughput(figure["per_step"]["second_pass_mean_s"], args.dp)
+        varied = {"steady": steady, "per_step": figure["per_step"]}
 
     print(
         json.dumps(
@@ -329,13 +444,14 @@ def main():
                 "tp": args.tp,
                 "dp": args.dp,
                 "megatron": args.megatron,
-                "num_tokens": batch.num_tokens,
+                "num_tokens": num_tokens,
                 "figure": {
                     "name": "MegatronBackend train_step",
                     "precision": args.precision or ("bf16" if args.device == "cuda" else "fp32"),
-                    **throughput(figure["seconds"], args.dp),
+                    **figure_rate,
                     "peak_memory_gib": figure["peak_memory_gib"],
                     "levers": figure["levers"],
+                    **varied,
                     **{key: figure[key] for key in ("compile", "profile") if key in figure},
                 },
                 "ablations": {
@@ -343,12 +459,13 @@ def main():
                     for name, run in ablated.items()
                 },
                 "baseline": {
-                    "name": "plain HF loop (padded rows, SDPA, rl_core PPO, AdamW), one device",
-                    "tokens_per_s": batch.num_tokens / baseline_s,
-                    "mfu": flops / baseline_s / rate,
+                    "name": "plain HF loop (padded rows, SDPA, rl_core PPO, AdamW), one device"
+                    + (", the first timed batch repeated" if varied else ""),
+                    "tokens_per_s": baseline_rate,
+                    "mfu": baseline_flops / baseline_s / rate,
                     "peak_memory_gib": baseline_peak,
                 },
-                "ratio": baseline_s / figure["seconds"] * args.dp,  # tokens/s against it
+                "ratio": figure_rate["tokens_per_s"] / baseline_rate,  # tokens/s against it
                 "matmul_tflops": rate / 1e12,
                 "hardware": hardware(args.device, gpus),
                 "versions": {"torch": torch.__version__, "transformers": transformers.__version__},

@@ -51,6 +51,22 @@ def test_bf16_log_probs_and_training(gpu_model, tmp_path, layout):
         _assert_compiled_equal_eager(result)
 
 
+def test_no_cudnn_attention_runs_flash_or_efficient(gpu_model, tmp_path):
+    """``attention_backends="no_cudnn"`` (and widths bucketed to 64): the compiled layers'
+    forward and backward run no cuDNN attention, and the log-probs stay within the bf16
+    tolerances of HF's (cuDNN is what SDPA picks first on Hopper: ``single`` records it)."""
+    directory, hf_model = gpu_model
+    result = _run_job(1, directory, tmp_path / "out.pt", "no_cudnn")
+    ops = result["attention_ops"]
+    assert ops and not any("cudnn" in op for op in ops), ops
+    assert any("flash" in op or "efficient" in op for op in ops), ops
+    batch = tiny.random_batch(LENGTHS, seed=21)
+    mask = batch.loss_mask.bool()
+    diff = (result["log_probs"][mask] - tiny.hf_log_probs(hf_model, batch).detach()[mask]).abs()
+    assert float(diff.mean()) < 0.02 and float(diff.max()) < 0.15, (diff.mean(), diff.max())
+    assert result["compile"]["graph_breaks"] == 0, result["compile"]["break_reasons"]
+
+
 def _assert_compiled_equal_eager(result: dict) -> None:
     """bf16 log-probs and three steps' losses with and without the compiled layers, and
     no graph break (the inductor kernels keep float32 between fused operations, eager

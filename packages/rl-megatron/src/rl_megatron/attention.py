@@ -10,14 +10,29 @@ Context parallel (cp > 1): each rank holds the zigzag chunks r and 2·cp-1-r of 
 (:mod:`rl_core.cp`; megatron's rotary embedding uses the same layout). Keys and values are
 all-gathered and put back in sequence order, and the causal mask compares the original
 positions of this rank's queries with all key positions. Exact; memory of K/V is full length.
+
+Kernels (``MegatronConfig.attention_backends``, :data:`KERNELS`): "auto" leaves
+the pick to SDPA, which on Hopper tries cuDNN's fused attention first; cuDNN builds an
+execution plan for every new input shape (58-93 ms on an H100, forward and backward each,
+0.2-0.3 ms once built), and RL micro-batches change shape from step to step. "no_cudnn"
+restricts SDPA to flash / memory-efficient / math (flash: 3 ms the first call of a shape).
 """
+
+import contextlib
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from rl_core.cp import zigzag_gather, zigzag_positions
+
+# MegatronConfig.attention_backends -> the SDPA kernels allowed (None: SDPA's own choice)
+KERNELS = {
+    "auto": None,
+    "no_cudnn": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
+}
 
 
 class SDPAttention(MegatronModule):
@@ -45,6 +60,12 @@ class SDPAttention(MegatronModule):
             from megatron.core import parallel_state as ps
 
             self.cp_group = pg_collection.cp if pg_collection else ps.get_context_parallel_group()
+        self.kernels = None  # SDPA's choice; set_attention_backends restricts it
+
+    def _allowed_kernels(self):
+        """The :data:`KERNELS` restriction (traced by dynamo without a graph
+        break: a compiled layer bakes the kernel picked under it into its graph)."""
+        return contextlib.nullcontext() if self.kernels is None else sdpa_kernel(self.kernels)
 
     def forward(
         self,
@@ -65,17 +86,29 @@ class SDPAttention(MegatronModule):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         if allowed is not None and k.shape[1] != q.shape[1]:  # fused masked kernels want MHA
             k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-        out = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=allowed,
-            is_causal=allowed is None,
-            scale=self.softmax_scale,
-            enable_gqa=k.shape[1] != q.shape[1],
-        )
+        with self._allowed_kernels():
+            out = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=allowed,
+                is_causal=allowed is None,
+                scale=self.softmax_scale,
+                enable_gqa=k.shape[1] != q.shape[1],
+            )
         seq, batch = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+
+
+def set_attention_backends(model: torch.nn.Module, name: str) -> int:
+    """Restrict every :class:`SDPAttention` of ``model`` to the kernels of
+    :data:`KERNELS` ``[name]``; returns how many modules were set."""
+    if name not in KERNELS:
+        raise ValueError(f"attention_backends must be one of {', '.join(KERNELS)}, got {name!r}")
+    modules = [m for m in model.modules() if isinstance(m, SDPAttention)]
+    for module in modules:
+        module.kernels = KERNELS[name]
+    return len(modules)
 
 
 def _gather_context(key, value, group):

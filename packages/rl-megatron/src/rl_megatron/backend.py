@@ -7,6 +7,7 @@ TP/DP/EP layout leave the loss and gradients unchanged.
 """
 
 import contextlib
+import math
 from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
@@ -154,6 +155,7 @@ class MegatronBackend(WeightsAndStateMixin):
             vp_stage=vp_stage,
             rotary_table=self.config.rotary_table,
             fused_qkv_rotary=self.config.fused_qkv_rotary,
+            attention_backends=self.config.attention_backends,
         )
         load_hf_weights(model, SafetensorsReader(self.config.hf_path), self.shape, self.layout)
         return model.to(self.device)
@@ -181,8 +183,16 @@ class MegatronBackend(WeightsAndStateMixin):
 
     # ----------------------------------------------------------------- forward passes
     def _multiple(self) -> int:
-        """Row widths divide by this: tp (sequence parallel) times 2·cp (zigzag chunks)."""
-        return self.config.tp * (2 * self.config.cp if self.config.cp > 1 else 1)
+        """Row widths divide by this: tp (sequence parallel) times 2·cp (zigzag chunks),
+        and by ``width_bucket`` (fewer distinct shapes)."""
+        layout = self.config.tp * (2 * self.config.cp if self.config.cp > 1 else 1)
+        return math.lcm(layout, self.config.width_bucket)
+
+    def micro_batch_shapes(self, batch: TrainBatch) -> list[tuple[int, int]]:
+        """Padded ``(rows, width)`` of each micro-batch of ``batch`` on this rank (before a
+        CP split or EP's common shape): the shapes attention runs on."""
+        groups = self._micro_batches(batch.seq_lengths())
+        return [padded_shape(batch.select(group).cu_seqlens, self._multiple()) for group in groups]
 
     def _per_token(self, part: TrainBatch, *, with_entropy: bool):
         """``(log_probs, entropy or None, held)`` or, for a critic, ``(values, None, held)``:

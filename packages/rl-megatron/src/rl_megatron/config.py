@@ -17,6 +17,8 @@ MEGATRON_MODES = ("policy", "sft")  # Objective modes this backend trains (not y
 # Under context parallelism a rank sees part of each sequence: only per-token sums add up.
 CP_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 CP_POLICY_LOSSES = ("ppo", "cispo")
+# SDPA kernel sets of core attention (rl_megatron.attention.KERNELS holds the kernels)
+ATTENTION_BACKENDS = ("auto", "no_cudnn")
 
 
 @dataclass(kw_only=True)
@@ -94,6 +96,18 @@ class MegatronConfig:
     splitting it into strided views and rotating those; the same values
     (:mod:`rl_megatron.qkv_rotary`; models without q/k norms or interleaved rope). Off
     until a GPU run shows the step faster with it."""
+    attention_backends: str = "auto"
+    """SDPA kernels of core attention (:data:`ATTENTION_BACKENDS`, :mod:`rl_megatron.attention`):
+    "auto" lets SDPA pick (cuDNN's fused attention first on Hopper, which builds a plan,
+    tens of ms, for every new micro-batch shape), "no_cudnn" flash / memory-efficient /
+    math only. The same results up to the kernels' rounding."""
+    width_bucket: int = 1
+    """Padded row widths are rounded up to a multiple of this (and of the layout's own
+    multiple: tp, 2·cp·tp): fewer distinct micro-batch shapes, so kernels that plan or
+    compile per shape (cuDNN attention, Inductor's dynamic-shape guards) see repeats, for
+    at most ``width_bucket - 1`` padding columns a row (masked: the same log-probs, loss
+    and gradients up to the matmuls' rounding, whose kernels may block by the token count;
+    a micro-batch may exceed ``max_tokens_per_micro_batch`` by that much). 1 = off."""
     seed: int = 1234
     lr: float = 1e-6
     warmup_steps: int = 0
@@ -158,6 +172,8 @@ class MegatronConfig:
             setattr(self, name, value)
         _positive(tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, vpp=self.vpp)
         _positive(max_tokens_per_micro_batch=self.max_tokens_per_micro_batch)
+        _positive(width_bucket=self.width_bucket)
+        self._check_attention_backends()
         _positive(lr=self.lr, logprob_chunk_size=self.logprob_chunk_size)
         check_schedule(
             lr_decay=self.lr_decay,
@@ -189,6 +205,13 @@ class MegatronConfig:
     def role(self) -> str:
         """ "policy", "sft" (the objective's mode) or "critic": what the model is trained as."""
         return "critic" if self.critic else self.objective.mode
+
+    def _check_attention_backends(self) -> None:
+        if self.attention_backends not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backends must be one of {', '.join(map(repr, ATTENTION_BACKENDS))}, "
+                f"got {self.attention_backends!r}"
+            )
 
     def _check_layer_split(self) -> None:
         """megatron builds the same number of layers in each of the pp · vpp model chunks."""

@@ -113,6 +113,7 @@ def build_gpt_model(
     vp_stage: int | None = None,
     rotary_table: bool = True,
     fused_qkv_rotary: bool = False,
+    attention_backends: str = "auto",
 ):
     """A ``GPTModel`` shard for this rank; weights uninitialised (load them with
     :func:`rl_megatron.weights.load_hf_weights`); ``options`` as in :func:`transformer_config`.
@@ -120,11 +121,13 @@ def build_gpt_model(
     ``virtual_pipeline_model_parallel_size``): its layers, embedding and head follow.
     ``rotary_table``: rotary embedding from a cos/sin table (:mod:`rl_megatron.rotary`);
     ``fused_qkv_rotary``: queries and keys rotated straight from the q/k/v projection
-    (:mod:`rl_megatron.qkv_rotary`, where the table serves)."""
+    (:mod:`rl_megatron.qkv_rotary`, where the table serves); ``attention_backends``: the
+    SDPA kernels core attention may use (:data:`rl_megatron.attention.KERNELS`)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+    from rl_megatron.attention import set_attention_backends
     from rl_megatron.layers import block_spec
 
     shape = model_shape(hf_config, tp_size=tp_size)
@@ -164,6 +167,7 @@ def build_gpt_model(
         use_cos_sin_table(model)
     if fused_qkv_rotary:
         use_fused_qkv_rotary(model)
+    set_attention_backends(model, attention_backends)
     _mark_tensor_parallel(model)
     return model
 
