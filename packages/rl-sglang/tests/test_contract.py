@@ -8,6 +8,8 @@ out here so a rename on either side fails this test.
 """
 
 import asyncio
+import json
+import math
 
 import pytest
 
@@ -142,3 +144,38 @@ def test_embedded_response_has_exactly_the_pinned_meta_info(tiny_dir):
     assert set(out) == {"text", "output_ids", "meta_info"}
     assert set(out["meta_info"]) == set(protocol.META_INFO_FIELDS) | {"output_token_logprobs"}
     assert out["meta_info"]["prompt_tokens"] == 2  # "hi" is two byte tokens
+
+
+def test_json_codec_reads_back_what_json_would():
+    from rl_sglang.engine.request import Request
+
+    request = Request(rid="r", parent_rid="r", prompt_ids=[1, 2], params=protocol.SamplingParams())
+    request.return_logprob, request.output_ids = True, [3, 4, 5]
+    request.output_logprobs = [-0.1, -1e-300, -123.456789012345]
+    request.finish = protocol.finish_reason("stop", matched=5)
+    response = request.response()
+    assert request.finite()
+    encoded = protocol.encode_json(response, finite=True)
+    assert protocol.decode_json(encoded) == json.loads(json.dumps(response))
+    assert protocol.decode_json(json.dumps(response).encode()) == response
+
+
+def test_json_codec_keeps_non_finite_log_probs():
+    # orjson writes NaN and infinities as null: such responses go through json, and what
+    # json writes (-Infinity, NaN) is read back as floats
+    from rl_sglang.engine.request import Request
+
+    request = Request(rid="r", parent_rid="r", prompt_ids=[1, 2], params=protocol.SamplingParams())
+    request.return_logprob, request.output_ids = True, [3, 4]
+    request.output_logprobs = [-0.5, float("-inf")]
+    request.input_logprobs = [None, -2.0]
+    request.finish = protocol.finish_reason("length")
+    assert not request.finite()
+    response = request.response()
+    decoded = protocol.decode_json(protocol.encode_json(response, finite=request.finite()))
+    assert decoded["meta_info"]["output_token_logprobs"] == [[-0.5, 3, None], [-math.inf, 4, None]]
+    assert math.isnan(protocol.decode_json(b'{"x": NaN}')["x"])
+    request.output_logprobs = [-0.5, -0.25]  # a prompt's leading None is no infinity
+    assert request.finite()
+    with pytest.raises(json.JSONDecodeError):
+        protocol.decode_json(b"Cache flushed.")

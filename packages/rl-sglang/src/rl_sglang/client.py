@@ -10,7 +10,7 @@ from typing import Any
 import aiohttp
 
 from rl_sglang.process import API_KEY_ENV
-from rl_sglang.protocol import parse_token_logprobs
+from rl_sglang.protocol import decode_json, parse_token_logprobs
 
 
 class EngineError(RuntimeError):
@@ -74,15 +74,15 @@ class EngineClient:
     async def request(self, method: str, path: str, body: dict | None = None) -> Any:
         """JSON (or text) of one call; raises :class:`EngineError` on an error status."""
         async with self.session.request(method, self.url + path, json=body) as response:
-            text = await response.text()
+            raw = await response.read()
             if response.status >= 400:
-                raise EngineError(self.url + path, response.status, text)
+                raise EngineError(self.url + path, response.status, _text(raw))
             try:
-                data = json.loads(text) if text else None
-            except json.JSONDecodeError:
-                return text
+                data = decode_json(raw) if raw else None
+            except (json.JSONDecodeError, UnicodeDecodeError):  # text (/flush_cache, /freeze_gc)
+                return _text(raw)
         if isinstance(data, dict) and data.get("success") is False:
-            raise EngineError(self.url + path, response.status, data.get("message", text))
+            raise EngineError(self.url + path, response.status, data.get("message", _text(raw)))
         return data
 
     # ---- generation ---------------------------------------------------------------------
@@ -232,3 +232,8 @@ class EngineClient:
         """Set the version the engine reports (an adapter load does not change it)."""
         body = {"new_version": str(new_version), "abort_all_requests": abort_all_requests}
         return await self.request("POST", "/update_weight_version", body)
+
+
+def _text(raw: bytes) -> str:
+    """An answer's body as text (the engines answer in UTF-8)."""
+    return raw.decode("utf-8", errors="replace")

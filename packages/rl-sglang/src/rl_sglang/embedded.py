@@ -22,6 +22,7 @@ from rl_sglang.engine import weights
 from rl_sglang.engine.core import Engine, load_model
 from rl_sglang.engine.precision import tf32_hint
 from rl_sglang.process import API_KEY_ENV, check_exposure
+from rl_sglang.protocol import encode_json
 
 ENGINE_KEY = web.AppKey("engine", Engine)
 API_KEY = web.AppKey("api_key", str)
@@ -112,7 +113,15 @@ async def generate(request: web.Request) -> web.StreamResponse:
     results = [out[0] if len(out) == 1 else out for out in outputs]
     if is_batch:  # SGLang flattens n samples of a batch into one list
         results = [item for out in outputs for item in out]
-    return web.json_response(results if is_batch else results[0])
+    finite = all(request.finite() for group in groups for request in group)
+    return _json(results if is_batch else results[0], finite=finite)
+
+
+def _json(data: Any, *, finite: bool) -> web.Response:
+    """``web.json_response(data)``, encoded by :func:`rl_sglang.protocol.encode_json`:
+    json took ~30 ms more of this event loop's CPU a rollout of 1,024 responses with
+    per-token log-probs, time the loop holds the GIL the scheduler thread needs."""
+    return web.Response(body=encode_json(data, finite=finite), content_type="application/json")
 
 
 async def _stream(request, engine: Engine, groups, is_batch: bool) -> web.StreamResponse:

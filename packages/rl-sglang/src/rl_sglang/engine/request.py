@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from rl_core.routing import encode_routes
-from rl_sglang.protocol import SamplingParams, finish_reason, token_logprobs
+from rl_sglang.protocol import SamplingParams, finish_reason, finite_logprobs, token_logprobs
 
 
 @dataclass(eq=False)
@@ -49,6 +49,11 @@ class Request:
     def abort(self, message: str = "aborted") -> None:
         if self.finish is None:
             self.finish_with(finish_reason("abort", message=message))
+
+    def finite(self) -> bool:
+        """True when the response's log-probs hold no NaN or infinity
+        (:func:`rl_sglang.protocol.encode_json` may then use orjson)."""
+        return finite_logprobs(self.output_logprobs) and finite_logprobs(self.input_logprobs or [])
 
     def response(self) -> dict[str, Any]:
         """The /generate response: ``text``, ``output_ids`` and ``meta_info``."""
