@@ -49,7 +49,8 @@ fixed batch never shows. --warmup steps run on batches of their own (compilation
 --steps fresh batches are timed one by one (the first pass: shapes mostly new, as in an RL
 run) and the same batches again (the second pass: every shape seen). ``figure.per_step``
 holds both passes' seconds per step, each step's padded micro-batch shapes ``[rows,
-width]``, how many were new, and ``new_shape_cost_s``, the pass difference per new shape;
+width]``, how many were new, torch.compile's graph count after each first-pass step (a
+rise: that step compiled), and ``new_shape_cost_s``, the pass difference per new shape;
 the figure's throughput is the first pass's, ``figure.steady`` the second's. Remedies:
 --attention-backends no_cudnn (MegatronConfig.attention_backends: flash / efficient /
 math only) and --width-bucket N (widths rounded up to a multiple of N: shapes repeat).
@@ -224,12 +225,13 @@ def varied_timings(step, shapes_of, warmup: list, timed: list, device: str) -> d
         shapes.append(mine)
         new.append(len(set(mine) - seen))
         seen.update(mine)
-    first = _timed(step, timed, device)
-    second = _timed(step, timed, device)
+    first, graphs = _timed(step, timed, device)
+    second, _ = _timed(step, timed, device)
     extra = sum(first) - sum(second)
     return {
         "first_pass_s": first,
         "second_pass_s": second,
+        "compiled_graphs": graphs,
         "shapes": shapes,
         "new_shapes": new,
         "distinct_shapes": len(seen),
@@ -239,14 +241,20 @@ def varied_timings(step, shapes_of, warmup: list, timed: list, device: str) -> d
     }
 
 
-def _timed(step, batches: list, device: str) -> list[float]:
-    seconds = []
+def _timed(step, batches: list, device: str) -> tuple[list[float], list[int]]:
+    """Seconds of each step and torch.compile's graph count after it (a step that grew it
+    includes a compilation: dynamo specialises a dimension of size 1, e.g. a one-row
+    micro-batch)."""
+    from torch._dynamo.utils import counters
+
+    seconds, graphs = [], []
     for batch in batches:
         start = time.perf_counter()
         step(batch)
         _sync(device)
         seconds.append(time.perf_counter() - start)
-    return seconds
+        graphs.append(counters["stats"]["unique_graphs"])
+    return seconds, graphs
 
 
 def hf_baseline(model, batch, args) -> float:

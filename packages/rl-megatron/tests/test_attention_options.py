@@ -117,6 +117,7 @@ def test_bench_varied_data_reports_per_step_shapes_and_times(tmp_path):
     figure = json.loads(done.stdout)["figure"]
     per_step = figure["per_step"]
     assert len(per_step["first_pass_s"]) == len(per_step["second_pass_s"]) == 3
+    assert per_step["compiled_graphs"] == [0, 0, 0]  # eager layers on CPU
     assert all(seconds > 0 for seconds in per_step["first_pass_s"] + per_step["second_pass_s"])
     widths = {width for step in per_step["shapes"] for _, width in step}
     assert widths and all(width % 16 == 0 for width in widths), widths
