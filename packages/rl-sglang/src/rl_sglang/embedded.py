@@ -119,9 +119,11 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 def _json(data: Any, *, finite: bool) -> web.Response:
     """``web.json_response(data)``, encoded by :func:`rl_sglang.protocol.encode_json`:
-    json took ~30 ms more of this event loop's CPU a rollout of 1,024 responses with
-    per-token log-probs, time the loop holds the GIL the scheduler thread needs."""
-    return web.Response(body=encode_json(data, finite=finite), content_type="application/json")
+    with json this event loop spent twice the CPU a rollout of 1,024 responses with
+    per-token log-probs (0.10 against 0.05 s at 64 tokens each), holding the GIL the
+    scheduler thread needs. The header is json_response's (UTF-8 JSON)."""
+    body = encode_json(data, finite=finite)
+    return web.Response(body=body, content_type="application/json", charset="utf-8")
 
 
 async def _stream(request, engine: Engine, groups, is_batch: bool) -> web.StreamResponse:
