@@ -203,7 +203,8 @@ def test_fused_qkv_rotary_only_where_megatron_fuses(world1, model_dirs):
     assert not fused("llama", fused_qkv_rotary=True, rotary_table=False)
     assert not fused("qwen3", fused_qkv_rotary=True)
     assert not fused("deepseek_v3", fused_qkv_rotary=True)
-    assert not fused("llama")  # off by default
+    assert fused("llama")  # on by default
+    assert not fused("llama", fused_qkv_rotary=False)
     with pytest.raises(ValueError, match="fused_qkv_rotary"):
         MegatronConfig(
             hf_path=model_dirs["llama"][0], device="cpu", megatron={"fused_single_qkv_rope": True}

@@ -89,13 +89,13 @@ class MegatronConfig:
     parameters' dtype) instead of megatron taking cos and sin of the angles in every layer:
     the same values, loads and multiply-adds per layer (:mod:`rl_megatron.rotary`; plain
     rope only, MLA / YaRN keep megatron's path)."""
-    fused_qkv_rotary: bool = False
+    fused_qkv_rotary: bool = True
     """With the cos/sin table: queries and keys rotated straight from the fused q/k/v
     projection's output, one Triton kernel forward and one backward on CUDA (bf16/fp16)
     that write contiguous q, k, v and the projection's gradient, instead of megatron
     splitting it into strided views and rotating those; the same values
-    (:mod:`rl_megatron.qkv_rotary`; models without q/k norms or interleaved rope). Off
-    until a GPU run shows the step faster with it."""
+    (:mod:`rl_megatron.qkv_rotary`; models without q/k norms or interleaved rope). On an
+    H100 it took the 1.5B step from 203 to 191 ms (the split's two kernels took 13.6 ms)."""
     attention_backends: str = "auto"
     """SDPA kernels of core attention (:data:`ATTENTION_BACKENDS`, :mod:`rl_megatron.attention`):
     "auto" lets SDPA pick (cuDNN's fused attention first on Hopper, which builds a plan,

@@ -112,7 +112,7 @@ def build_gpt_model(
     options: dict | None = None,
     vp_stage: int | None = None,
     rotary_table: bool = True,
-    fused_qkv_rotary: bool = False,
+    fused_qkv_rotary: bool = True,
     attention_backends: str = "auto",
 ):
     """A ``GPTModel`` shard for this rank; weights uninitialised (load them with
