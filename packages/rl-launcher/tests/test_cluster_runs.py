@@ -187,7 +187,10 @@ def test_a_lost_node_stops_the_run_naming_it_and_resume_continues(cluster, tmp_p
     done = checkpoints.complete_checkpoints(
         checkpoints.checkpoint_dir(load_config(on_two_nodes(run_dir, cluster))[0])
     )
-    stopped = next(line for line in log.splitlines() if line.startswith("rl-train: stopped:"))
+    stopped = next(
+        (line for line in log.splitlines() if line.startswith("rl-train: stopped:")), None
+    )
+    assert stopped is not None, log[-3000:]
     assert f", on node {lost.node_ip_address} ({lost.node_id[:12]}), which Ray reports dead" in (
         stopped
     ), stopped
