@@ -18,8 +18,9 @@ rollout workers, one per node, against the stand-in engines); runs need Ray plac
 Colocated layouts with the synchronous loop take turns as on GPUs
 (:mod:`rl_launcher.infra.colocation`, whose test of ``cluster.device: cuda`` is widened to
 these CPU bundles while the context is open): the engines release their memory before the
-log-prob pass and resume it for the weight sync, the ranks offload before the rollout and
-onload after, each transition taking the model's time (``release_s`` ...). The overlapping
+log-prob pass and resume it for the weight sync, the ranks' offload starts before the rollout
+(and runs during it) and they onload after, each transition taking the model's time
+(``release_s`` ...). The overlapping
 loops, which colocated GPUs refuse, run colocated without turns.
 """
 
