@@ -46,7 +46,8 @@ from types import SimpleNamespace
 import torch
 import torch.multiprocessing as mp
 from model_shapes import SHAPES
-from train_fsdp import _now, lengths_for, levers, make_batch, matmul_tflops
+from train_batches import lengths_for, make_batch
+from train_fsdp import _now, levers, matmul_tflops
 
 from rl_core.distributed import free_port, init_distributed
 from rl_core.packing import balanced_partitions

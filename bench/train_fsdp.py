@@ -45,10 +45,10 @@ from datetime import UTC, datetime
 import torch
 from model_shapes import SHAPES
 from torch.nn.utils.rnn import pad_sequence
+from train_batches import lengths_for, make_batch
 
 from rl_core.batch import TrainBatch
 from rl_core.compiling import compile_report
-from rl_core.packing import cu_seqlens_from_lengths
 from rl_fsdp import FSDPBackend, FSDPConfig, fusion, modeling
 from rl_fsdp.metrics import train_flops
 from rl_fsdp.modeling import enable_activation_checkpointing
@@ -131,24 +131,6 @@ def parse_args(argv=None):
         help="one more rl-fsdp step under cProfile: where the host's time goes",
     )
     return parser.parse_args(argv)
-
-
-def lengths_for(args, gen: torch.Generator) -> list[int]:
-    """full: num_seqs x max_len; varlen: uniform in [max_len / 32, max_len]."""
-    if args.data == "full":
-        return [args.max_len] * args.num_seqs
-    low = max(args.max_len // 32, 2)
-    return torch.randint(low, args.max_len + 1, (args.num_seqs,), generator=gen).tolist()
-
-
-def make_batch(lengths: list[int], vocab: int, gen: torch.Generator) -> TrainBatch:
-    cu = cu_seqlens_from_lengths(lengths)
-    tokens = torch.randint(0, vocab, (int(cu[-1]),), generator=gen)
-    mask = torch.ones(tokens.shape[0])
-    mask[cu[1:].long() - 1] = 0.0
-    advantages = torch.randn(tokens.shape[0], generator=gen)
-    batch = TrainBatch(tokens=tokens, cu_seqlens=cu, loss_mask=mask, advantages=advantages)
-    return batch.with_global_denominators()
 
 
 def matmul_tflops(device: torch.device) -> float:

@@ -144,8 +144,8 @@ def parse_args():
 def make_batch(args, vocab_size: int):
     """The batch bench/train_fsdp.py trains on for the same arguments (its builder, the same
     generator use), with advantages for PPO; --data varied: the first timed batch."""
-    from train_fsdp import lengths_for
-    from train_fsdp import make_batch as packed_batch
+    from train_batches import lengths_for
+    from train_batches import make_batch as packed_batch
 
     if args.data == "varied":
         return varied_batches(args, vocab_size)[1][0]
@@ -156,7 +156,7 @@ def make_batch(args, vocab_size: int):
 def varied_batches(args, vocab_size: int):
     """``(warmup batches, timed batches)`` of --data varied: each step's num_seqs lengths
     uniform in [max_len / 4, max_len], seeded by the step (warm-up steps seeds 1000 on)."""
-    from train_fsdp import make_batch as packed_batch
+    from train_batches import make_batch as packed_batch
 
     def batch(seed: int):
         gen = torch.Generator().manual_seed(seed)

@@ -1,0 +1,28 @@
+"""The packed batches the training benches train on (bench/train_fsdp.py,
+bench/train_megatron.py, bench/fsdp_scaling.py): the same lengths and tokens for the same
+arguments and generator, built without importing either backend."""
+
+import torch
+
+from rl_core.batch import TrainBatch
+from rl_core.packing import cu_seqlens_from_lengths
+
+
+def lengths_for(args, gen: torch.Generator) -> list[int]:
+    """full: num_seqs x max_len; varlen: uniform in [max_len / 32, max_len]."""
+    if args.data == "full":
+        return [args.max_len] * args.num_seqs
+    low = max(args.max_len // 32, 2)
+    return torch.randint(low, args.max_len + 1, (args.num_seqs,), generator=gen).tolist()
+
+
+def make_batch(lengths: list[int], vocab: int, gen: torch.Generator) -> TrainBatch:
+    """Random tokens packed by ``lengths``, each sequence's last token out of the loss, random
+    advantages; global denominators set."""
+    cu = cu_seqlens_from_lengths(lengths)
+    tokens = torch.randint(0, vocab, (int(cu[-1]),), generator=gen)
+    mask = torch.ones(tokens.shape[0])
+    mask[cu[1:].long() - 1] = 0.0
+    advantages = torch.randn(tokens.shape[0], generator=gen)
+    batch = TrainBatch(tokens=tokens, cu_seqlens=cu, loss_mask=mask, advantages=advantages)
+    return batch.with_global_denominators()
