@@ -4,10 +4,11 @@ Same model shapes (Qwen2.5-0.5B / 1.5B architecture, random weights) and the sam
 bench/train_fsdp.py (--data full: 4 × 2048 tokens; varlen: 16 sequences of 128..4096;
 micro-batches of --max-tokens). --data varied is RL-like: a new batch every step, 8
 sequences of lengths drawn uniformly from [max_len / 4, max_len] (seeded by the step), so
-the micro-batch shapes change from step to step; see "Varied data" below. Both sides run one PPO step per iteration with rl_core's
-objective and torch AdamW: Megatron with --precision (on cuda bf16 parameters, fp32 main
-gradients and fp32 master weights, as Megatron trains), the baseline a plain HF loop (fp32
-weights, bf16 autocast, padded rows, no activation checkpointing) measured in the same run.
+the micro-batch shapes change from step to step; see "Varied data" below. Both sides run
+one PPO step per iteration with rl_core's objective and torch AdamW: Megatron with
+--precision (on cuda bf16 parameters, fp32 main gradients and fp32 master weights, as
+Megatron trains), the baseline a plain HF loop (fp32 weights, bf16 autocast, padded rows,
+no activation checkpointing) measured in the same run.
 MFU is against the bf16 matmul rate measured here. Prints one JSON object.
 
   python bench/train_megatron.py --shape tiny --device cpu               # CPU smoke run (shim)

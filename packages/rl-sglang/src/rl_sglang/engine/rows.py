@@ -18,10 +18,11 @@ def fill_holes(rows: list[int]) -> list[int]:
 
 
 def on_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``values`` (a list or array) as a tensor on ``device``, queued behind the device's work rather
-    than waiting for it: a copy from pageable host memory to a GPU first synchronises the
-    stream, which would stall the round in flight, so the values go through pinned memory
-    (PyTorch's caching host allocator keeps the buffer until the copy is done)."""
+    """``values`` (a list or array) as a tensor on ``device``, queued behind the device's
+    work rather than waiting for it: a copy from pageable host memory to a GPU first
+    synchronises the stream, which would stall the round in flight, so the values go
+    through pinned memory (PyTorch's caching host allocator keeps the buffer until the copy
+    is done)."""
     host = torch.tensor(values, dtype=dtype)
     if device.type != "cuda":
         return host.to(device)

@@ -245,9 +245,9 @@ class StaticRunner:
     def release(self) -> None:
         """Drop every device tensor this runner owns (caches, graphs and their memory
         pool; the fused projections are the model's own weights) so the model can leave
-        the device; :meth:`resume` rebuilds them. With stable memory, unmap it instead (the weights wait in pinned host memory; the
-        graphs, their pool and the small tensors stay). Running rows must have been
-        retracted first."""
+        the device; :meth:`resume` rebuilds them. With stable memory, unmap it instead
+        (the weights wait in pinned host memory; the graphs, their pool and the small
+        tensors stay). Running rows must have been retracted first."""
         assert self.size == 0, "release with rows still running"
         if self.stable is not None:
             self.stable.release()
