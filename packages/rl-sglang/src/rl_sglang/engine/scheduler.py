@@ -224,12 +224,12 @@ class Scheduler:
             self.routes.arm(new)
             logits_BV, state = self.runner.prefill(prompts)
             self.routes.after_prefill(new, prompts)
-            rows = RowParams.stack([r.params for r in new], logits_BV.device)
-            tokens_B = self._sample(logits_BV, new, rows)
+            params = RowParams.stack([r.params for r in new], logits_BV.device)
+            table = RowTable.of(new, self.stopper, params)
+            tokens_B = self._sample(logits_BV, new, table)
             self._state = self.runner.merge(self._state, state)
             self._admitting = []
             self._running.extend(new)
-            table = RowTable.of(new, self.stopper, rows)
             self._table = table if self._table is None else self._table.cat(table)
             previous = self._next_tokens
             self._next_tokens = tokens_B if previous is None else torch.cat([previous, tokens_B])
@@ -324,10 +324,10 @@ class Scheduler:
             kept = [row for row in range(len(self._running)) if row not in finished]
             return self._keep_rows(kept) if finished else kept
 
-    def _sample(self, logits_BV: torch.Tensor, requests: list[Request], rows: RowParams):
-        """Sample one token per request (sampling tensors ``rows``) and append it (with its
-        log-prob) to the request; the tokens on the device."""
-        tokens_B, logprobs_B = sample_next(logits_BV, rows, _positions(requests, rows))
+    def _sample(self, logits_BV: torch.Tensor, requests: list[Request], table: RowTable):
+        """Sample one token per request (their rows: ``table``) and append it (with its
+        log-prob) to the request, counted in ``table``; the tokens on the device."""
+        tokens_B, logprobs_B = sample_next(logits_BV, table.params, table.positions(0))
         tokens, logprobs = (
             row[0].tolist() for row in Launched(tokens_B[None], logprobs_B[None]).wait()
         )
@@ -336,6 +336,7 @@ class Scheduler:
             request.output_logprobs.append(logprob)
             if request.on_token is not None:
                 request.on_token(request)
+        table.lengths += 1
         return tokens_B
 
     def use_adapters(self, requests: list[Request]) -> None:
@@ -350,12 +351,3 @@ class Scheduler:
             for row in range(first_row, len(self._running))
         }
         self._retire_rows({row: reason for row, reason in reasons.items() if reason is not None})
-
-
-def _positions(requests: list[Request], rows: RowParams) -> torch.Tensor | None:
-    """Index in its response of the token each of ``requests`` draws next, for seeded
-    draws; None when no row is seeded."""
-    if rows.seed is None:
-        return None
-    positions = [len(r.output_ids) for r in requests]
-    return on_device(positions, torch.long, rows.seed.device)
