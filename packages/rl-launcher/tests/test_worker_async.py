@@ -150,9 +150,14 @@ def run_async_rollout(tmp_path, partial: bool) -> SimpleNamespace:
         second = pool.call(producer.take(2, min_version=1))
         pool.call(producer.stop())
         holder = dict(manager.rollout_function.holder)
+        # read while the workers that own the rows' objects live: stopping them loses those
+        rows = [row for group in first[0] + second[0] for row in group]
+        kept = {row.index: stored(row) for row in rows}
     finally:
         manager.stop()
-    return SimpleNamespace(first=first, second=second, log=engine.state.log, holder=holder)
+    return SimpleNamespace(
+        first=first, second=second, log=engine.state.log, holder=holder, stored=kept
+    )
 
 
 def stored(row) -> tuple[list[int], list[float]]:
@@ -189,11 +194,11 @@ def test_a_paused_group_is_held_by_its_worker_and_resumed(ray_cluster, tmp_path,
     for row in held:
         assert row.weight_versions == versions
         assert row.response_length == MAX_NEW_TOKENS
-        assert stored(row) == ([HELD_DRAW, *response], log_probs)
+        assert got.stored[row.index] == ([HELD_DRAW, *response], log_probs)
     for row in first[0]:  # answered before the update
-        assert row.weight_versions == ["0"] and stored(row)[0] == [0] + [TOKEN["0"]] * 4
+        assert row.weight_versions == ["0"] and got.stored[row.index][0] == [0] + [TOKEN["0"]] * 4
     for row in (r for group in second for r in group):  # drawn after it
-        assert row.weight_versions == ["1"] and stored(row)[1] == [-2.0] * 4
+        assert row.weight_versions == ["1"] and got.stored[row.index][1] == [-2.0] * 4
 
     # the engine saw draw 1 once in flight on version 0, then once again after the update
     # (the partial responses, or the bare prompt), never a third time
