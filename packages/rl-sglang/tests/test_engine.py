@@ -198,13 +198,28 @@ def _start_long(engine, rid, results):
     return thread
 
 
+def _num_tokens(engine, rid) -> int | None:
+    """Tokens request ``rid`` has, read on the scheduler thread between two rounds (a
+    running row's newest tokens are in the row table until it finishes); None when it is
+    neither running nor waiting."""
+
+    def count():
+        scheduler = engine.scheduler
+        for row, request in enumerate(scheduler._running):
+            if request.rid == rid:
+                return int(scheduler._table.lengths[row])
+        waiting = [r for r in scheduler._waiting if r.rid == rid]
+        return len(waiting[0].output_ids) if waiting else None
+
+    return engine.scheduler.call(count).result(10)
+
+
 def _wait_tokens(engine, rid, count=5):
     import time
 
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        running = [r for r in list(engine.scheduler._running) if r.rid == rid]
-        if running and len(running[0].output_ids) >= count:
+        if (_num_tokens(engine, rid) or 0) >= count:
             return
         time.sleep(0.01)
     raise TimeoutError("no tokens generated")
@@ -234,14 +249,10 @@ def test_pause_retract_then_continue_gives_the_uninterrupted_output(engine):
         thread = _start_long(engine, mode, results)
         _wait_tokens(engine, mode)
         assert engine.scheduler.pause(mode).result(10) == 1
-        produced = len(
-            engine.scheduler._waiting[0].output_ids
-            if mode == "retract"
-            else engine.scheduler._running[0].output_ids
-        )
+        produced = _num_tokens(engine, mode)
+        assert produced >= 5
         threading.Event().wait(0.2)
-        still = engine.scheduler._waiting or engine.scheduler._running
-        assert len(still[0].output_ids) == produced  # paused: nothing generated
+        assert _num_tokens(engine, mode) == produced  # paused: nothing generated
         engine.scheduler.resume().result(10)
         _wait_tokens(engine, mode, 40)
         engine.scheduler.abort(mode)
@@ -338,7 +349,8 @@ def test_a_drained_batch_logs_where_its_time_went(engine, caplog):
     numbers = [float(x) for x in re.findall(r"\d+(?:\.\d+)?", lines[0])]
     requests, wall, prefills, prefill, rounds, launch, wait, bookkeeping, other = numbers
     assert requests == 2 and prefills >= 1 and rounds >= 4  # 5 tokens: 1 from the prefill
-    assert prefill + launch + wait + bookkeeping <= wall + 1e-3 and other >= 0
+    # five values printed to the millisecond, each rounded by up to 0.5 ms
+    assert prefill + launch + wait + bookkeeping <= wall + 2.5e-3 and other >= 0
     assert engine.scheduler.times.started is None  # reset for the next batch
 
 

@@ -110,7 +110,7 @@ def test_rounds_stay_within_each_rows_length_limit(engines):
 
     def spy(pending):
         steps = original(pending)
-        seen.append((steps, [scheduler.stopper.room(r) - pending for r in scheduler._running]))
+        seen.append((steps, scheduler._table.rooms(pending).tolist()))
         return steps
 
     scheduler._round_steps = spy

@@ -93,6 +93,9 @@ def test_rounds_stop_every_row_where_the_stop_checker_does(params, streamed, ste
         want = reference_round(slow, stopper, tokens, logprobs)
         assert got == want
         assert sorted(seen["fast"]) == sorted(seen["slow"])  # each callback, same lengths
+        for row in got:  # a finished row's request holds its whole response
+            assert fast[row].output_ids == slow[row].output_ids
+        table.flush(fast, range(len(fast)))  # the running rows' lists on demand
         for a, b in zip(fast, slow, strict=True):
             assert a.output_ids == b.output_ids and a.output_logprobs == b.output_logprobs
         assert table.lengths.tolist() == [len(r.output_ids) for r in fast]
@@ -108,7 +111,9 @@ def test_a_multi_step_round_drops_a_rows_tokens_after_its_stop():
     tokens = np.array([[5, 5], [EOS, 5], [6, 6]])
     finished = append_round(table, requests, tokens, np.zeros((3, 2), np.float32), stopper)
     assert finished == {0: {"type": "stop", "matched": EOS}}
-    assert requests[0].output_ids == [5, EOS] and requests[1].output_ids == [5, 5, 6]
+    assert requests[0].output_ids == [5, EOS] and requests[1].output_ids == []
+    table.flush(requests, [1])
+    assert requests[1].output_ids == [5, 5, 6]
     assert table.lengths.tolist() == [2, 3] and table.rooms(0).tolist() == [59, 58]
 
 
@@ -142,3 +147,78 @@ def test_the_table_follows_rows_leaving_and_joining_with_the_same_sampling_tenso
     assert table.positions(1).tolist() == [3, 1, 4, 5]
     greedy_only = table.take([1, 2], torch.tensor([1, 2]))
     assert greedy_only.params.all_greedy and not greedy_only.params.truncates
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    params=st.lists(row_params, min_size=1, max_size=8),
+    streamed=st.lists(st.booleans(), min_size=8, max_size=8),
+    events=st.lists(
+        st.tuples(st.sampled_from(["round", "abort", "join"]), st.integers(1, 3), st.integers()),
+        min_size=1,
+        max_size=12,
+    ),
+    seed=st.integers(0, 2**16),
+)
+def test_buffered_rows_give_the_requests_the_per_row_path_gives(params, streamed, events, seed):
+    """The scheduler's life of a batch on the table (rounds of K steps, rows aborted
+    mid-batch with their partial output, rows joining with tokens of their own) gives every
+    request, whenever it leaves and at the end, the lists and callbacks that appending
+    every token to every row gives."""
+    stopper = StopChecker(CharTokenizer(), {EOS}, max_context=40)
+    seen: dict[str, list] = {"fast": [], "slow": []}
+    rng = np.random.default_rng(seed)
+
+    def make(name, index):
+        req = request(index, **params[index % len(params)])
+        req.output_ids = [3] * (index % 3)  # a retracted request comes back with tokens
+        req.output_logprobs = [-1.0] * (index % 3)
+        if streamed[index % len(streamed)]:
+            req.on_token = lambda r: seen[name].append((r.rid, len(r.output_ids)))
+        return req
+
+    first = range(len(params))
+    fast, slow = [make("fast", i) for i in first], [make("slow", i) for i in first]
+    table, left, next_index = table_of(fast, stopper), [], len(params)
+    for kind, count, pick in events:
+        if kind == "join":
+            new = range(next_index, next_index + count)
+            next_index += count
+            joining = [make("fast", i) for i in new]
+            table = table.cat(table_of(joining, stopper)) if fast else table_of(joining, stopper)
+            fast, slow = fast + joining, slow + [make("slow", i) for i in new]
+            continue
+        if not fast:
+            continue
+        if kind == "abort":
+            gone = sorted({pick % len(fast), (pick // 7) % len(fast)})
+            table.flush(fast, gone)
+        else:
+            tokens = rng.integers(0, 7, size=(count, len(fast)))
+            logprobs = rng.standard_normal((count, len(fast)))  # float64 kept exactly
+            gone = sorted(append_round(table, fast, tokens, logprobs, stopper))
+            assert gone == sorted(reference_round(slow, stopper, tokens, logprobs))
+            assert sorted(seen["fast"]) == sorted(seen["slow"])
+        left += [(fast[row], slow[row]) for row in gone]
+        kept = [row for row in range(len(fast)) if row not in gone]
+        fast, slow = [fast[r] for r in kept], [slow[r] for r in kept]
+        table = table.take(kept, torch.tensor(kept, dtype=torch.long))
+    if fast:
+        table.flush(fast, range(len(fast)))
+    for a, b in left + list(zip(fast, slow, strict=True)):
+        assert (a.rid, a.output_ids, a.output_logprobs) == (b.rid, b.output_ids, b.output_logprobs)
+    assert table.lengths.tolist() == [len(r.output_ids) for r in fast]
+
+
+def test_the_output_buffer_grows_past_its_columns_and_slots():
+    stopper = StopChecker(None, {EOS}, max_context=1000)
+    requests = [request(i, max_new_tokens=300, ignore_eos=True) for i in range(3)]
+    table = table_of(requests, stopper)
+    columns = table.outputs.tokens.shape[1]
+    tokens = np.arange(3 * (columns + 5)).reshape(columns + 5, 3) % 100 + 10
+    append_round(table, requests, tokens, np.zeros(tokens.shape, np.float32), stopper)
+    joining = [request(i, max_new_tokens=300) for i in range(3, 3 + len(table.outputs.free))]
+    table = table.cat(table_of(joining, stopper))  # more rows than the buffer has slots
+    table.flush(requests + joining, range(len(table)))
+    assert [r.output_ids for r in requests] == tokens.T.tolist()
+    assert len(set(table.slots.tolist())) == len(table) and not table.outputs.free.any()

@@ -3,7 +3,10 @@ array operations for the whole batch instead of a Python loop of checks per row.
 
 A rollout batch of 1,024 rows where rows finish at almost every step changes membership at
 almost every step: the table follows it by indexing its arrays (:meth:`RowTable.take`,
-:meth:`RowTable.cat`) instead of being rebuilt from the requests.
+:meth:`RowTable.cat`) instead of being rebuilt from the requests. The rows' new tokens and
+log-probs stay in an :class:`~rl_sglang.engine.rows.OutputBuffer` until a request needs
+them as lists (:meth:`RowTable.flush`): when it finishes, is aborted or retracted, or is
+checked one by one (stop strings, a per-token callback).
 """
 
 import dataclasses
@@ -12,7 +15,7 @@ import numpy as np
 import torch
 
 from rl_sglang.engine.request import Request
-from rl_sglang.engine.rows import on_device
+from rl_sglang.engine.rows import OutputBuffer, on_device
 from rl_sglang.engine.sampling import RowParams
 from rl_sglang.engine.stopping import StopChecker
 from rl_sglang.protocol import finish_reason
@@ -28,7 +31,11 @@ class RowTable:
     stops (:class:`~rl_sglang.engine.stopping.StopRule`); ``stop_ids`` ``[B, S]``: its stop
     token ids, padded with -1; ``watched``: rows checked one by one each step (stop strings,
     or a per-token callback); ``greedy``/``truncating``/``seeded``: what :attr:`params`
-    summarises, known on the host; ``params``: the rows' sampling tensors on the device."""
+    summarises, known on the host; ``params``: the rows' sampling tensors on the device;
+    ``outputs``: the tokens not yet in the requests' lists, row ``i``'s in slot
+    ``slots[i]``, its response's first ``flushed[i]`` tokens being in its lists.
+    :meth:`take` and :meth:`cat` hand the buffer on: the table they were called on is not
+    used after them."""
 
     params: RowParams
     lengths: np.ndarray
@@ -38,6 +45,9 @@ class RowTable:
     greedy: np.ndarray
     truncating: np.ndarray
     seeded: np.ndarray
+    outputs: OutputBuffer
+    slots: np.ndarray
+    flushed: np.ndarray
 
     @classmethod
     def of(cls, requests: list[Request], stopper: StopChecker, params: RowParams) -> "RowTable":
@@ -47,9 +57,11 @@ class RowTable:
         stop_ids = np.full((len(requests), width), _NO_TOKEN, dtype=np.int64)
         for row, rule in enumerate(rules):
             stop_ids[row, : len(rule.token_ids)] = sorted(rule.token_ids)
+        lengths = np.array([len(r.output_ids) for r in requests], dtype=np.int64)
+        outputs = OutputBuffer(len(requests))
         return cls(
             params=params,
-            lengths=np.array([len(r.output_ids) for r in requests], dtype=np.int64),
+            lengths=lengths,
             limits=np.array([rule.length for rule in rules], dtype=np.int64),
             stop_ids=stop_ids,
             watched=np.array(
@@ -62,6 +74,9 @@ class RowTable:
             greedy=np.array([r.params.temperature == 0 for r in requests], dtype=bool),
             truncating=np.array([_truncates(r.params) for r in requests], dtype=bool),
             seeded=np.array([r.params.sampling_seed is not None for r in requests], dtype=bool),
+            outputs=outputs,
+            slots=outputs.allocate(len(requests)),
+            flushed=lengths.copy(),
         )
 
     def __len__(self) -> int:
@@ -83,9 +98,40 @@ class RowTable:
         matched = (tokens_B[:, None] == self.stop_ids).any(axis=1)
         return matched, self.lengths >= self.limits
 
+    def append(self, tokens_B: np.ndarray, logprobs_B: np.ndarray, live: np.ndarray) -> None:
+        """One decode step: each ``live`` row's token and log-prob, counted."""
+        if live.all():  # no row stopped within the round: one assignment for the batch
+            self.outputs.write(self.slots, self.lengths - self.flushed, tokens_B, logprobs_B)
+            self.lengths += 1
+            return
+        rows = np.flatnonzero(live)
+        columns = self.lengths[rows] - self.flushed[rows]
+        self.outputs.write(self.slots[rows], columns, tokens_B[rows], logprobs_B[rows])
+        self.lengths[rows] += 1
+
+    def flush(self, requests: list[Request], rows) -> None:
+        """Move the buffered tokens and log-probs of ``rows`` (indices into ``requests``,
+        the running rows in order) to their requests' lists."""
+        rows = np.asarray(rows, dtype=np.int64)
+        counts = (self.lengths - self.flushed)[rows]
+        has_new = counts > 0
+        rows, counts = rows[has_new], counts[has_new]
+        tokens, logprobs = self.outputs.tokens, self.outputs.logprobs
+        slots = self.slots[rows].tolist()
+        for row, slot, count in zip(rows.tolist(), slots, counts.tolist(), strict=True):
+            request = requests[row]
+            request.output_ids.extend(tokens[slot, :count].tolist())
+            request.output_logprobs.extend(logprobs[slot, :count].tolist())
+        self.flushed[rows] = self.lengths[rows]
+
     def take(self, rows: list[int], index: torch.Tensor) -> "RowTable":
-        """The table of ``rows`` only, in that order (``index``: ``rows`` on the device)."""
+        """The table of ``rows`` only, in that order (``index``: ``rows`` on the device);
+        the rows left out must have been flushed (their slots are freed)."""
         picked = np.asarray(rows, dtype=np.int64)
+        dropped = np.ones(len(self), dtype=bool)
+        dropped[picked] = False
+        assert (self.lengths == self.flushed)[dropped].all(), "a row left with unflushed tokens"
+        self.outputs.release(self.slots[dropped])
         greedy, truncating, seeded = (
             self.greedy[picked],
             self.truncating[picked],
@@ -100,12 +146,17 @@ class RowTable:
             greedy=greedy,
             truncating=truncating,
             seeded=seeded,
+            outputs=self.outputs,
+            slots=self.slots[picked],
+            flushed=self.flushed[picked],
         )
 
     def cat(self, other: "RowTable") -> "RowTable":
-        """This table's rows, then ``other``'s."""
+        """This table's rows, then ``other``'s (whose tokens must all be flushed: they move
+        to this table's buffer)."""
         if not len(self):
             return other
+        assert (other.lengths == other.flushed).all(), "rows joined with unflushed tokens"
         width = max(self.stop_ids.shape[1], other.stop_ids.shape[1])
         greedy = np.concatenate([self.greedy, other.greedy])
         truncating = np.concatenate([self.truncating, other.truncating])
@@ -119,6 +170,9 @@ class RowTable:
             greedy=greedy,
             truncating=truncating,
             seeded=seeded,
+            outputs=self.outputs,
+            slots=np.concatenate([self.slots, self.outputs.allocate(len(other))]),
+            flushed=np.concatenate([self.flushed, other.flushed]),
         )
 
 
@@ -129,25 +183,26 @@ def append_round(
     logprobs_KB: np.ndarray,
     stopper: StopChecker,
 ) -> dict[int, dict]:
-    """Append a round's tokens ``[K, B]`` and log-probs to ``requests`` (the running rows,
+    """Append a round's tokens ``[K, B]`` and log-probs to the running rows (``requests``,
     in order), step by step, each row up to its stop; the finish reason of each row that
-    stopped. Rows without stop strings or a per-token callback are checked as arrays; the
-    others through ``stopper`` as before."""
+    stopped, whose request then holds its whole response. Rows without stop strings or a
+    per-token callback are appended and checked as arrays, their lists filled when they
+    finish; the others are flushed every step and checked through ``stopper`` as before."""
     finished: dict[int, dict] = {}
     live = np.ones(len(requests), dtype=bool)
     for tokens_B, logprobs_B in zip(tokens_KB, logprobs_KB, strict=True):
-        rows = None if not finished else np.flatnonzero(live).tolist()
-        _append_tokens(requests, tokens_B.tolist(), logprobs_B.tolist(), rows)
-        table.lengths += live
+        table.append(tokens_B, logprobs_B, live)
         matched, at_limit = table.stops(tokens_B)
         for row in np.flatnonzero((matched | at_limit) & live & ~table.watched).tolist():
-            token = int(tokens_B[row])
             finished[row] = (
-                finish_reason("stop", matched=token)
+                finish_reason("stop", matched=int(tokens_B[row]))
                 if matched[row]
                 else finish_reason("length", length=int(table.lengths[row]))
             )
-        for row in np.flatnonzero(table.watched & live).tolist():
+        watched = np.flatnonzero(table.watched & live)
+        if len(watched):
+            table.flush(requests, watched)
+        for row in watched.tolist():
             request = requests[row]
             if request.on_token is not None:
                 request.on_token(request)
@@ -157,19 +212,8 @@ def append_round(
         live[list(finished)] = False
         if not live.any():
             break
+    table.flush(requests, list(finished))
     return finished
-
-
-def _append_tokens(requests, tokens: list, logprobs: list, rows: list[int] | None) -> None:
-    if rows is None:  # every row: one zip, no index arithmetic
-        for request, token, logprob in zip(requests, tokens, logprobs, strict=True):
-            request.output_ids.append(token)
-            request.output_logprobs.append(logprob)
-        return
-    for row in rows:
-        request = requests[row]
-        request.output_ids.append(tokens[row])
-        request.output_logprobs.append(logprobs[row])
 
 
 def _truncates(params) -> bool:

@@ -1,6 +1,7 @@
-"""Per-step helpers of the scheduler: the host copy of a queued step, the order that keeps
-slot moves small when rows leave the batch, and host lists sent to the device without
-waiting for it."""
+"""Per-step helpers of the scheduler: the host copy of a queued step, the running rows'
+new tokens kept as arrays until a request needs them as lists, the order that keeps slot
+moves small when rows leave the batch, and host lists sent to the device without waiting
+for it."""
 
 import copy
 
@@ -10,11 +11,16 @@ import torch
 
 def fill_holes(rows: list[int]) -> list[int]:
     """``rows`` reordered so every kept row below ``len(rows)`` keeps its index and the
-    rows past the end fill the holes: ``[0, 1, 3, 4] -> [0, 1, 4, 3]`` (one row moves)."""
-    size = len(rows)
-    movers = iter(row for row in rows if row >= size)
-    kept = {row for row in rows if row < size}
-    return [row if row in kept else next(movers) for row in range(size)]
+    rows past the end fill the holes, in their order: ``[0, 1, 3, 4] -> [0, 1, 4, 3]``
+    (one row moves)."""
+    picked = np.asarray(rows, dtype=np.int64)
+    size = len(picked)
+    stays = picked < size
+    present = np.zeros(size, dtype=bool)
+    present[picked[stays]] = True
+    order = np.arange(size)
+    order[~present] = picked[~stays]
+    return order.tolist()
 
 
 def on_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -53,11 +59,14 @@ class Launched:
             return tokens.copy(), logprobs.copy()
         return tokens[:, self._rows], logprobs[:, self._rows]  # fancy indexing copies
 
-    def select(self, rows: list[int]) -> "Launched":
+    def select(self, rows: list[int], index: torch.Tensor | None = None) -> "Launched":
         """This round's outputs for ``rows`` only, in that order: the running batch was
-        compacted while the round was in flight."""
+        compacted while the round was in flight (``index``: ``rows`` already on the device,
+        so they are not uploaded twice)."""
         picked = copy.copy(self)
-        picked.tokens_B = self.tokens_B[on_device(rows, torch.long, self.tokens_B.device)]
+        if index is None:
+            index = on_device(rows, torch.long, self.tokens_B.device)
+        picked.tokens_B = self.tokens_B[index.to(self.tokens_B.device)]
         rows = np.asarray(rows, dtype=np.int64)
         picked._rows = rows if self._rows is None else self._rows[rows]
         return picked
@@ -66,3 +75,50 @@ class Launched:
 def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
     return host.copy_(tensor, non_blocking=True)
+
+
+class OutputBuffer:
+    """The running rows' newest tokens and log-probs, one buffer row (a slot) per running
+    row, written for the whole batch in one array assignment per decode step; a row's
+    values move into its request's Python lists only when something needs them
+    (:meth:`rl_sglang.engine.row_table.RowTable.flush`). Column ``j`` of a slot holds the
+    ``j``-th token since the row's last flush. Grows (doubling) in slots and columns."""
+
+    def __init__(self, num_slots: int, num_columns: int = 64):
+        self.tokens = np.zeros((num_slots, num_columns), dtype=np.int64)
+        self.logprobs = np.zeros((num_slots, num_columns), dtype=np.float32)
+        self.free = np.ones(num_slots, dtype=bool)
+
+    def allocate(self, count: int) -> np.ndarray:
+        """``count`` free slots, now taken."""
+        free = np.flatnonzero(self.free)
+        if len(free) < count:
+            self._grow(num_slots=max(2 * len(self.free), len(self.free) + count - len(free)))
+            free = np.flatnonzero(self.free)
+        slots = free[:count]
+        self.free[slots] = False
+        return slots
+
+    def release(self, slots: np.ndarray) -> None:
+        self.free[slots] = True
+
+    def write(self, slots, columns, tokens, logprobs) -> None:
+        """Each row's token and log-prob at its ``(slot, column)``; the log-probs' dtype
+        is kept (a float64 input widens the buffer instead of being rounded)."""
+        needed = int(columns.max(initial=-1)) + 1
+        if needed > self.tokens.shape[1]:
+            self._grow(num_columns=max(2 * self.tokens.shape[1], needed))
+        if logprobs.dtype != self.logprobs.dtype:
+            self.logprobs = self.logprobs.astype(np.result_type(self.logprobs, logprobs))
+        self.tokens[slots, columns] = tokens
+        self.logprobs[slots, columns] = logprobs
+
+    def _grow(self, num_slots: int | None = None, num_columns: int | None = None) -> None:
+        old_slots, old_columns = self.tokens.shape
+        shape = (num_slots or old_slots, num_columns or old_columns)
+        for name in ("tokens", "logprobs"):
+            old = getattr(self, name)
+            new = np.zeros(shape, dtype=old.dtype)
+            new[:old_slots, :old_columns] = old
+            setattr(self, name, new)
+        self.free = np.concatenate([self.free, np.ones(shape[0] - old_slots, dtype=bool)])

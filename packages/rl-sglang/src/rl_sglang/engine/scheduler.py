@@ -13,6 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+import numpy as np
 import torch
 
 from rl_sglang.engine.request import Request
@@ -132,6 +133,7 @@ class Scheduler:
             self._log_if_drained()
         except Exception as error:  # a failed step must not hang every waiting client
             logger.exception("decode step failed; aborting the running batch")
+            self._flush_running()  # the partial outputs go back with the abort
             failed, self._running = self._running + self._admitting, []
             self._drop_batch()
             for request in failed:
@@ -161,6 +163,7 @@ class Scheduler:
         if mode == "abort":
             self.abort_now(None, message="generation paused")
         elif mode == "retract":
+            self._flush_running()  # prefilled again with the tokens they have
             with self._cond:
                 self._waiting.extendleft(reversed(self._running))
             self._drop_batch()
@@ -170,6 +173,11 @@ class Scheduler:
         if self.runner is None:
             raise ValueError("memory is released; call /resume_memory_occupation first")
         self.paused = False
+
+    def _flush_running(self) -> None:
+        """Move every running row's buffered tokens to its request's lists."""
+        if self._table is not None and len(self._table) == len(self._running):
+            self._table.flush(self._running, range(len(self._running)))
 
     def _drop_batch(self) -> None:
         if self.runner is not None:
@@ -184,7 +192,10 @@ class Scheduler:
         for request in hit:
             self._finish(request, finish_reason("abort", message=message))
         keep = [i for i, r in enumerate(self._running) if not r.matches(rid)]
-        for row in sorted(set(range(len(self._running))) - set(keep)):
+        gone = sorted(set(range(len(self._running))) - set(keep))
+        if gone and self._table is not None:
+            self._table.flush(self._running, gone)  # an abort returns the partial output
+        for row in gone:
             self._finish(self._running[row], finish_reason("abort", message=message))
         self._keep_rows(keep)
 
@@ -194,13 +205,15 @@ class Scheduler:
         self.num_finished += 1
         request.finish_with(reason)
 
-    def _keep_rows(self, rows: list[int]) -> list[int]:
-        """Keep only ``rows`` of the running batch; their previous indices in the new order."""
+    def _keep_rows(self, rows: list[int]) -> tuple[list[int], torch.Tensor | None]:
+        """Keep only ``rows`` of the running batch (the others flushed); their previous
+        indices in the new order, and those on the device (None when nothing changed), so
+        a round in flight selects the same rows without uploading them again."""
         if len(rows) == len(self._running):
-            return rows
+            return rows, None
         if not rows:
             self._drop_batch()
-            return rows
+            return rows, None
         rows = fill_holes(rows)  # the static runner then moves only the rows past the end
         self._running = [self._running[i] for i in rows]
         self._state = None if self._state is None else self.runner.select(self._state, rows)
@@ -208,7 +221,7 @@ class Scheduler:
         self._table = self._table.take(rows, index)
         if self._next_tokens is not None:
             self._next_tokens = self._next_tokens[index.to(self._next_tokens.device)]
-        return rows
+        return rows, index
 
     def _admit(self) -> None:
         with self._cond:
@@ -263,10 +276,10 @@ class Scheduler:
                 self._retire_rows(finished)
                 return
             if finished:
-                kept = self._retire_rows(finished)
+                kept, index = self._retire_rows(finished)
                 if not kept:
                     return
-                ahead = ahead.select(kept)
+                ahead = ahead.select(kept, index)
             launched = ahead
 
     def _launch(self, tokens_B: torch.Tensor, pending: int) -> Launched:
@@ -315,14 +328,17 @@ class Scheduler:
         the loop would do between rounds (``pending`` tokens are not appended yet)."""
         return self._quiet() and bool((self._table.rooms(pending) > 0).all())
 
-    def _retire_rows(self, finished: dict[int, dict]) -> list[int]:
-        """Finish the ``finished`` rows and compact the batch; the kept rows' previous
-        indices in their new order."""
+    def _retire_rows(self, finished: dict[int, dict]) -> tuple[list[int], torch.Tensor | None]:
+        """Finish the ``finished`` rows (flushed) and compact the batch; the kept rows'
+        previous indices in their new order, and on the device (see :meth:`_keep_rows`)."""
+        if not finished:
+            return list(range(len(self._running))), None
         with self.times.timed("bookkeeping"):
             for row, reason in finished.items():
                 self._finish(self._running[row], reason)
-            kept = [row for row in range(len(self._running)) if row not in finished]
-            return self._keep_rows(kept) if finished else kept
+            kept = np.ones(len(self._running), dtype=bool)
+            kept[list(finished)] = False
+            return self._keep_rows(np.flatnonzero(kept).tolist())
 
     def _sample(self, logits_BV: torch.Tensor, requests: list[Request], table: RowTable):
         """Sample one token per request (their rows: ``table``) and append it (with its
@@ -337,6 +353,7 @@ class Scheduler:
             if request.on_token is not None:
                 request.on_token(request)
         table.lengths += 1
+        table.flushed += 1
         return tokens_B
 
     def use_adapters(self, requests: list[Request]) -> None:

@@ -48,10 +48,6 @@ class StopChecker:
             return finish_reason("length", length=len(output))
         return None
 
-    def room(self, request: Request) -> int:
-        """How many more tokens ``request`` may get before its length limit."""
-        return self.rule(request).length - len(request.output_ids)
-
     def _stop_string(self, request: Request) -> str | None:
         longest = max(len(s) for s in request.params.stop)
         tail = self.decode(request.output_ids[-(longest + 8) :], request)
