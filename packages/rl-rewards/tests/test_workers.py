@@ -4,11 +4,12 @@ at its deadline without holding up the other calls or the caller's event loop.""
 import asyncio
 import os
 import sys
+import threading
 import time
 
 import pytest
 
-from rl_rewards.pool import RewardPool, default_workers
+from rl_rewards.pool import MAX_CHUNK, RewardPool, chunk_size, default_workers
 from rl_rewards.workers import Outcome
 
 pytestmark = pytest.mark.integration
@@ -34,8 +35,9 @@ def echo(response: str, label: object) -> dict:
     return {"score": float(response == label), "label": label}
 
 
-async def score_all(pool: RewardPool, responses: list[str]) -> tuple[list[Outcome], float]:
-    """Every response scored concurrently, and the longest the event loop went unserved."""
+async def score_all(pool: RewardPool, responses: list, labelled: bool = False) -> tuple:
+    """Every response (or (response, label) pair) scored concurrently, and the longest the
+    event loop went unserved."""
     lag, done = 0.0, False
 
     async def ticker():
@@ -46,7 +48,8 @@ async def score_all(pool: RewardPool, responses: list[str]) -> tuple[list[Outcom
             lag = max(lag, time.monotonic() - before - 0.01)
 
     tick = asyncio.ensure_future(ticker())
-    outcomes = await asyncio.gather(*(pool.score(r, None) for r in responses))
+    calls = responses if labelled else [(r, None) for r in responses]
+    outcomes = await asyncio.gather(*(pool.score(*call) for call in calls))
     done = True
     await tick
     return outcomes, lag
@@ -117,6 +120,70 @@ def test_closing_stops_every_process_and_fails_unfinished_calls():
     assert all(f.done() for f in queued)
     with pytest.raises(RuntimeError, match="closed"):
         pool.submit("ok", None)
+
+
+def test_a_long_queue_goes_out_in_chunks_and_a_hung_call_holds_up_only_its_own():
+    # 400 calls on 2 processes go out 25 at a time; the hung first call's chunk waits for
+    # its timeout, then the 24 calls behind it are scored elsewhere: about one timeout in all
+    responses = ["hang"] + [str(i) for i in range(399)]
+    with RewardPool(f"{__name__}:pid", timeout_s=1.0, workers=2) as pool:
+        pool.submit("ok", None).result(timeout=60)
+        start = time.monotonic()
+        outcomes, lag = asyncio.run(score_all(pool, responses))
+        elapsed = time.monotonic() - start
+    assert chunk_size(len(responses), 2) == 25
+    assert elapsed < 1.0 + 1.0, f"400 calls with one hung call took {elapsed:.2f} s"
+    assert [o.status for o in outcomes] == ["timeout"] + ["ok"] * 399
+    assert len({o.value for o in outcomes[1:]}) <= 3  # the two processes and a replacement
+    assert lag < 0.5, f"the event loop went {lag:.2f} s unserved"
+
+
+def test_chunks_grow_with_the_queue_up_to_a_bound():
+    assert [chunk_size(n, 2) for n in (1, 15, 16, 33, 400, 10_000)] == [1, 1, 1, 2, 25, MAX_CHUNK]
+    assert chunk_size(8, 1) == 1 and chunk_size(64, 8) == 1
+
+
+def test_event_loops_in_several_threads_each_get_their_own_outcomes():
+    # each loop's calls of one pass go to the broker together and settle on that loop
+    with RewardPool(f"{__name__}:echo", timeout_s=5.0, workers=2) as pool:
+        got: dict[int, list[Outcome]] = {}
+
+        def one_loop(number: int) -> None:
+            calls = [(str(i % 3), str(number % 3)) for i in range(50)]
+            got[number] = asyncio.run(score_all(pool, calls, labelled=True))[0]
+
+        threads = [threading.Thread(target=one_loop, args=(n,)) for n in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+    for number in range(3):
+        expected = [float(i % 3 == number % 3) for i in range(50)]
+        assert [o.value["score"] for o in got[number]] == expected
+        assert {o.value["label"] for o in got[number]} == {str(number % 3)}
+
+
+def test_a_cancelled_wait_leaves_the_other_calls_and_a_closed_pool_fails_awaiting_ones():
+    async def cancel_one(pool: RewardPool) -> list:
+        slow = asyncio.ensure_future(pool.score("0.5", None))
+        quick = [asyncio.ensure_future(pool.score("0.01", None)) for _ in range(4)]
+        await asyncio.sleep(0.05)
+        slow.cancel()
+        return await asyncio.gather(slow, *quick, return_exceptions=True)
+
+    async def closed_meanwhile(pool: RewardPool) -> list:
+        waiting = [asyncio.ensure_future(pool.score("30", None)) for _ in range(2)]
+        await asyncio.sleep(0.3)
+        await asyncio.to_thread(pool.close)
+        return await asyncio.gather(*waiting, return_exceptions=True)
+
+    with RewardPool(f"{__name__}:napper", timeout_s=60.0, workers=2) as pool:
+        slow, *quick = asyncio.run(cancel_one(pool))
+        assert isinstance(slow, asyncio.CancelledError) and quick == [Outcome(1.0)] * 4
+        closed = asyncio.run(closed_meanwhile(pool))
+    assert all(isinstance(e, RuntimeError) and "closed" in str(e) for e in closed), closed
+    with pytest.raises(RuntimeError, match="closed"):
+        asyncio.run(pool.score("0", None))
 
 
 def test_bad_settings_and_unknown_rewards_fail_before_any_process_starts():

@@ -8,7 +8,9 @@ costs its time limit and its process (killed and replaced), never the caller.
 A call's clock starts when a process that has loaded the reward takes it
 (:mod:`rl_rewards.workers`), so waiting in the queue never counts against ``timeout_s``;
 calls queued behind hung ones wait for a free process: ``k`` hung calls among ``workers``
-processes hold a batch up for about ``ceil(k / workers) * timeout_s``.
+processes hold a batch up for about ``ceil(k / workers) * timeout_s``. While many calls
+wait, a process takes several at once (:func:`chunk_size`), and the calls behind a hung one
+in its chunk wait for its timeout before another process takes them.
 """
 
 from __future__ import annotations
@@ -67,8 +69,9 @@ class RewardPool:
         self._broker.start()
         calls_r.close()
         results_w.close()
-        self._futures: dict[int, Future] = {}
+        self._futures: dict[int, Any] = {}  # index -> waiter (see _send)
         self._ids, self._lock, self._closing = itertools.count(), threading.Lock(), False
+        self._outboxes: dict[asyncio.AbstractEventLoop, list] = {}  # score() calls to send
         self._reader = threading.Thread(target=self._read, name="reward-pool", daemon=True)
         self._reader.start()
 
@@ -76,21 +79,51 @@ class RewardPool:
         """A future of the call's :class:`Outcome` (RuntimeError if the pool closes first)."""
         future: Future = Future()
         future.set_running_or_notify_cancel()  # queued at once: no longer cancellable
-        with self._lock:
-            if self._closing:
-                raise RuntimeError(f"the reward pool stopped: {self._stopped()}")
-            index = next(self._ids)
-            self._futures[index] = future
-            try:
-                self._calls.send((index, response, label))
-            except OSError as error:  # the broker is gone; the reader fails the rest
-                del self._futures[index]
-                raise RuntimeError(f"the reward pool stopped: {self._stopped()}") from error
+        error = self._send([(response, label)], [future])
+        if error is not None:
+            raise error
         return future
 
     async def score(self, response: str, label: Any) -> Outcome:
-        """:meth:`submit` awaited on the running event loop."""
-        return await asyncio.wrap_future(self.submit(response, label))
+        """The call's :class:`Outcome`, awaited on the running event loop. The calls a loop
+        makes in one pass (a gathered group's samples) go to the broker as one message, and
+        the results that arrive together settle in one callback on the loop."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._lock:
+            outbox = self._outboxes.setdefault(loop, [])
+            outbox.append((response, label, future))
+        if len(outbox) == 1:  # the first of this pass: send them all once the pass is over
+            loop.call_soon(self._flush, loop)
+        return await future
+
+    def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
+        with self._lock:
+            outbox = self._outboxes.pop(loop)
+        waiters = [(loop, future) for _, _, future in outbox]
+        error = self._send([(response, label) for response, label, _ in outbox], waiters)
+        if error is not None:
+            _settle(waiters, error)
+
+    def _send(self, calls: list[tuple[str, Any]], waiters: list) -> RuntimeError | None:
+        """Hand ``calls`` to the broker in one message, each settling its waiter (a
+        Future, or a (loop, asyncio.Future) pair) when its outcome comes back; the error
+        to raise if the pool stopped."""
+        with self._lock:
+            if self._closing:
+                return RuntimeError(f"the reward pool stopped: {self._stopped()}")
+            indices = [next(self._ids) for _ in calls]
+            self._futures.update(zip(indices, waiters, strict=True))
+            message = [(index, *call) for index, call in zip(indices, calls, strict=True)]
+            try:
+                self._calls.send(message)
+            except OSError as error:  # the broker is gone; the reader fails the rest
+                for index in indices:
+                    del self._futures[index]
+                stopped = RuntimeError(f"the reward pool stopped: {self._stopped()}")
+                stopped.__cause__ = error
+                return stopped
+        return None
 
     def close(self) -> None:
         """Stop the processes (killing busy ones); calls not finished fail with RuntimeError."""
@@ -117,19 +150,47 @@ class RewardPool:
         """Settle futures as results arrive, until the broker is gone; then fail the rest."""
         with contextlib.suppress(EOFError):
             while True:
-                for index, outcome in self._results.recv():
-                    with self._lock:
-                        future = self._futures.pop(index)
-                    future.set_result(outcome)
+                results = self._results.recv()
+                with self._lock:
+                    waiters = [self._futures.pop(index) for index, _ in results]
+                _settle(waiters, [outcome for _, outcome in results])
         with self._lock:
-            self._closing, futures, self._futures = True, list(self._futures.values()), {}
+            self._closing, waiters, self._futures = True, list(self._futures.values()), {}
         self._results.close()
-        for future in futures:
-            future.set_exception(RuntimeError(f"the reward pool stopped: {self._stopped()}"))
+        _settle(waiters, RuntimeError(f"the reward pool stopped: {self._stopped()}"))
 
     def _stopped(self) -> str:
         code = self._broker.exitcode
         return "closed" if code in (None, 0) else f"its broker process died (exit code {code})"
+
+
+def _settle(waiters: list, outcomes: list[Outcome] | BaseException) -> None:
+    """Give each waiter its outcome (or every waiter the error): a Future here, and the
+    asyncio futures of each event loop in one callback on that loop."""
+    on_loops: dict[asyncio.AbstractEventLoop, list] = {}
+    for number, waiter in enumerate(waiters):
+        result = outcomes if isinstance(outcomes, BaseException) else outcomes[number]
+        if isinstance(waiter, Future):
+            _set(waiter, result)
+        else:
+            loop, future = waiter
+            on_loops.setdefault(loop, []).append((future, result))
+    for loop, settled in on_loops.items():
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+            loop.call_soon_threadsafe(_set_all, settled)
+
+
+def _set_all(settled: list) -> None:
+    for future, result in settled:
+        if not future.done():  # cancelled meanwhile
+            _set(future, result)
+
+
+def _set(future, result) -> None:
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
 
 
 def _broker_main(calls, results, reward: RewardRef, options, num_workers: int, timeout_s):
@@ -143,9 +204,21 @@ def _broker_main(calls, results, reward: RewardRef, options, num_workers: int, t
     _Broker(calls, results, reward, options, num_workers, timeout_s).run()
 
 
+MAX_CHUNK = 32  # calls handed to one process at once, at most
+
+
+def chunk_size(queued: int, workers: int) -> int:
+    """Calls for the next idle process: an eighth of a fair share of the queue, 1 to
+    :data:`MAX_CHUNK`. A process takes its chunk in one round trip, so a long queue (a
+    rollout's samples finishing together) does not pay one round trip a call; a hung call
+    also holds up the calls behind it in its chunk (they go to another process once it is
+    killed), which a short queue keeps to none."""
+    return max(1, min(MAX_CHUNK, queued // (8 * workers)))
+
+
 class _Broker:
-    """Calls from the parent to idle reward processes (loaded ones first), one at a time
-    each; results back in batches; a process past its deadline or dead is replaced."""
+    """Calls from the parent to idle reward processes (loaded ones first), one chunk at a
+    time each; results back in batches; a process past its deadline or dead is replaced."""
 
     def __init__(self, calls, results, reward, options, num_workers: int, timeout_s: float):
         self.calls, self.results, self.timeout_s = calls, results, timeout_s
@@ -182,12 +255,12 @@ class _Broker:
         """Queue the calls that arrived; False once the parent says stop or is gone."""
         try:
             while self.calls.poll():
-                call = self.calls.recv()
-                if call is None:
+                calls = self.calls.recv()
+                if calls is None:
                     return False
-                index, response, label = call
-                self.pending[index] = (response, label)
-                self.queue.append(index)
+                for index, response, label in calls:
+                    self.pending[index] = (response, label)
+                    self.queue.append(index)
         except EOFError:
             return False
         return True
@@ -204,13 +277,17 @@ class _Broker:
             self.results.send(done)
 
     def _dispatch(self) -> None:
+        """Queued calls to the idle processes (loaded ones first), in chunks while the
+        queue is long (:func:`chunk_size`)."""
         slots = [i for i, w in enumerate(self.workers) if not w.owed]
-        for slot in sorted(slots, key=lambda i: not self.workers[i].ready):
+        slots.sort(key=lambda i: not self.workers[i].ready)
+        for slot in slots:
             if not self.queue:
                 return
-            index = self.queue.popleft()
-            self.workers[slot].send([(index, *self.pending[index])], self.timeout_s)
-            if self.workers[slot].broken:  # it died while idle: the call goes back
+            size = chunk_size(len(self.queue), len(self.workers))
+            chunk = [self.queue.popleft() for _ in range(size)]
+            self.workers[slot].send([(i, *self.pending[i]) for i in chunk], self.timeout_s)
+            if self.workers[slot].broken:  # it died while idle: the calls go back
                 self._replace(slot)
 
     def _replace(self, slot: int) -> None:

@@ -6,8 +6,8 @@ looked up on the parent's ``sys.path``) and says when it has: a call's clock sta
 loaded process takes it, so queueing and loading never count against ``timeout_s``. A call
 past its deadline gets its process killed and replaced (the new one imports the reward
 again). :class:`Worker` is one process as its parent sees it, shared by
-:class:`rl_rewards.pool.RewardPool` (long-lived, one call per process at a time, for a
-training run) and :func:`rl_rewards.batch.score_batch` (one batch, in chunks).
+:class:`rl_rewards.pool.RewardPool` (long-lived, one chunk of calls per process at a
+time, for a training run) and :func:`rl_rewards.batch.score_batch` (one batch, in chunks).
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from typing import Any
 from rl_core.registry import load_dotted
 from rl_core.types import Sample, SampleStatus
 from rl_launcher.config.extensions import takes_sample
+from rl_sglang.detokenize import text_decoder
 from rl_sglang.rollout.rewards import GroupScore, bad_reward
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class Reward:
         self.counts, self.num_skipped = dict.fromkeys(COUNTS, 0), 0
         self._lock = threading.Lock()  # counted on the rollout's event loop, taken by the driver
         self.takes_sample = takes_sample(score)
+        self._decode = text_decoder(tokenizer)
 
     def _arguments(self, sample: Sample, text: str) -> tuple:
         """What the reward function is called with: the sample, or (response, label)."""
@@ -121,7 +123,7 @@ class Reward:
 
     def decode(self, sample: Sample) -> str:
         response_ids = sample.tokens[sample.prompt_length :]
-        return self.tokenizer.decode(response_ids, skip_special_tokens=True)
+        return self._decode(response_ids, skip_special_tokens=True)
 
     def _checked(self, sample: Sample, text: str, value) -> float | dict:
         """``value`` when usable: a finite number, or a mapping of them with ``reward_key``."""

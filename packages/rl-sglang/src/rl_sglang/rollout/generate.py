@@ -20,6 +20,7 @@ from rl_core.registry import is_dotted, load_dotted
 from rl_core.routing import decode_routes
 from rl_core.types import Sample, SampleStatus
 from rl_sglang.client import EngineClient
+from rl_sglang.detokenize import text_decoder
 from rl_sglang.protocol import parse_token_logprobs
 
 OFFPOLICY_MODES = ("keep", "mask")
@@ -144,7 +145,7 @@ async def generate_sample(ctx: GenerateContext, sample: Sample, sampling_params:
     )
     append_response(sample, output, routed_experts_shape=ctx.routed_experts_shape)
     if ctx.tokenizer is not None:
-        sample.response = ctx.tokenizer.decode(sample.tokens[sample.prompt_length :])
+        sample.response = text_decoder(ctx.tokenizer)(sample.tokens[sample.prompt_length :])
     if old_length:
         sample.metadata["resumed"] = sample.metadata.get("resumed", 0) + 1
         stale = old_versions and old_versions[-1] != sample.weight_versions[-1]
@@ -184,9 +185,10 @@ async def generate_group(
     )
     if not isinstance(outputs, list) or len(outputs) != len(group):
         raise ValueError(f"asked for n={len(group)} samples, the engine returned {outputs!r:.200}")
+    decode = None if ctx.tokenizer is None else text_decoder(ctx.tokenizer)
     for sample, output in zip(group, outputs, strict=True):
         sample.tokens = list(prompt_ids)
         append_response(sample, output, routed_experts_shape=ctx.routed_experts_shape)
-        if ctx.tokenizer is not None:
-            sample.response = ctx.tokenizer.decode(sample.tokens[sample.prompt_length :])
+        if decode is not None:
+            sample.response = decode(sample.tokens[sample.prompt_length :])
     return group

@@ -13,6 +13,7 @@ import operator
 import re
 
 from rl_core.types import Sample, SampleStatus
+from rl_sglang.detokenize import text_decoder
 from rl_sglang.rollout.generate import GenerateContext, append_response, remaining_budget
 
 _OPS = {
@@ -83,7 +84,7 @@ class CalculatorTool:
             if sample.response_length >= int(sampling_params.get("max_new_tokens", 128)):
                 sample.status = SampleStatus.TRUNCATED
                 break
-        sample.response = ctx.tokenizer.decode(sample.tokens[sample.prompt_length :])
+        sample.response = text_decoder(ctx.tokenizer)(sample.tokens[sample.prompt_length :])
         return sample
 
     def _append_tool_output(
