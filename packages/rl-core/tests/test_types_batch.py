@@ -58,6 +58,43 @@ def test_batch_from_samples_alignment_by_hand():
     assert targets.tolist() == [6, 7, 8, 9, 0, 2, 3, 0]
 
 
+def test_batch_fields_equal_torch_tensor_of_the_same_lists_and_own_their_memory():
+    import random
+
+    draw = random.Random(0)
+    samples = []
+    for index in range(50):
+        prompt, response = draw.randint(1, 9), draw.randint(0, 40)
+        samples.append(
+            Sample(
+                tokens=[draw.randrange(2**40) for _ in range(prompt + response)],
+                response_length=response,
+                rollout_log_probs=[-draw.random() * 30 for _ in range(response)],
+                loss_mask=[draw.randint(0, 1) for _ in range(response)],
+                index=index,
+            )
+        )
+    advantages = [draw.gauss(0, 1) for _ in samples]
+    batch = batch_from_samples(samples, advantages)
+    expected_tokens = torch.tensor([t for s in samples for t in s.tokens], dtype=torch.long)
+    assert torch.equal(batch.tokens, expected_tokens) and batch.tokens.dtype == torch.long
+    for name in ("loss_mask", "advantages", "rollout_log_probs"):
+        value = getattr(batch, name)
+        assert value.dtype == torch.float32
+        assert torch.equal(value, torch.tensor(value.tolist(), dtype=torch.float32))
+    starts = batch.host_cu_seqlens.tolist()
+    for sample, start in zip(samples, starts, strict=False):  # float32 of each log-prob
+        placed = batch.rollout_log_probs[start + sample.prompt_length - 1 :][
+            : sample.response_length
+        ]
+        assert torch.equal(placed, torch.tensor(sample.rollout_log_probs, dtype=torch.float32))
+    del samples, advantages
+    assert batch.tokens.sum().item() == expected_tokens.sum().item()  # the memory stayed
+    empty = batch_from_samples([], [])
+    assert empty.tokens.dtype == torch.long and empty.tokens.shape == (0,)
+    assert empty.advantages.dtype == torch.float32 and empty.cu_seqlens.tolist() == [0]
+
+
 def test_next_token_targets_with_empty_sequences_and_without_read_back():
     tokens = torch.tensor([5, 6, 7, 8, 9])
     for cu, expected in [

@@ -23,6 +23,7 @@ other device boundaries (``dataclasses.replace(batch, cu_seqlens=...)``) reads t
 once instead. Treat ``cu_seqlens`` as immutable: the copy is not refreshed.
 """
 
+import array
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -109,7 +110,7 @@ class TrainBatch:
         """This batch as the whole step: its own valid tokens and sequences as denominators."""
         # valid tokens before each boundary, so a sequence's count is a difference
         before = torch.cumsum(self.loss_mask.detach().cpu().double(), 0)
-        before = torch.nn.functional.pad(before, (1, 0))
+        before = torch.cat([before.new_zeros(1), before])  # pad is ~100x slower on the CPU
         bounds = self.host_cu_seqlens.long()
         per_seq = before[bounds[1:]] - before[bounds[:-1]]
         return replace(
@@ -226,13 +227,25 @@ def batch_from_samples(
             rollout.extend(_place_response(sample.rollout_log_probs, prompt_len, length))
     batch = TrainBatch(
         routed_experts=_routes(samples),
-        tokens=torch.tensor(tokens, dtype=torch.long),
+        tokens=_tensor(tokens, torch.long),
         cu_seqlens=cu_seqlens_from_lengths([len(s.tokens) for s in samples]),
-        loss_mask=torch.tensor(mask, dtype=torch.float32),
-        advantages=torch.tensor(adv, dtype=torch.float32) if advantages is not None else None,
-        rollout_log_probs=torch.tensor(rollout, dtype=torch.float32) if has_rollout else None,
+        loss_mask=_tensor(mask, torch.float32),
+        advantages=_tensor(adv, torch.float32) if advantages is not None else None,
+        rollout_log_probs=_tensor(rollout, torch.float32) if has_rollout else None,
     )
     return batch.with_global_denominators()
+
+
+_ARRAY_CODES = {torch.long: "q", torch.float32: "f"}
+
+
+def _tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+    """``torch.tensor(values, dtype=dtype)`` for a flat list of Python numbers, through a
+    stdlib array (a C loop, about 3.5x faster than torch.tensor's per-element checks for
+    a step's ~40K tokens); the tensor shares the array's memory and keeps it alive."""
+    if not values:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(array.array(_ARRAY_CODES[dtype], values), dtype=dtype)
 
 
 def _routes(samples: Sequence[Sample]) -> torch.Tensor | None:

@@ -106,7 +106,8 @@ def first_fit_pack(seqlens: Sequence[int], *, max_tokens: int) -> list[list[int]
 def cu_seqlens_from_lengths(lengths: torch.Tensor | Sequence[int]) -> torch.Tensor:
     """``[B]`` lengths -> ``[B + 1]`` int32 cumulative offsets starting at 0."""
     lengths = torch.as_tensor(lengths, dtype=torch.int32)
-    return torch.nn.functional.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
+    ends = torch.cumsum(lengths, 0, dtype=torch.int32)
+    return torch.cat([ends.new_zeros(1), ends])  # F.pad is ~100x slower on the CPU
 
 
 def pack(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
