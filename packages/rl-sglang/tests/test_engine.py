@@ -347,10 +347,12 @@ def test_a_drained_batch_logs_where_its_time_went(engine, caplog):
     lines = [r.getMessage() for r in caplog.records if "batch drained" in r.getMessage()]
     assert len(lines) == 1, lines
     numbers = [float(x) for x in re.findall(r"\d+(?:\.\d+)?", lines[0])]
-    requests, wall, prefills, prefill, rounds, launch, wait, bookkeeping, other = numbers
+    requests, wall, prefills, prefill, rounds, launch, wait, bookkeeping, other, *cpu = numbers
     assert requests == 2 and prefills >= 1 and rounds >= 4  # 5 tokens: 1 from the prefill
     # five values printed to the millisecond, each rounded by up to 0.5 ms
     assert prefill + launch + wait + bookkeeping <= wall + 2.5e-3 and other >= 0
+    thread_cpu, process_cpu = cpu  # the scheduler thread's CPU is part of the process's
+    assert 0 < thread_cpu <= process_cpu + 1e-3
     assert engine.scheduler.times.started is None  # reset for the next batch
 
 
