@@ -175,7 +175,9 @@ class Scheduler:
         self.paused = False
 
     def _flush_running(self) -> None:
-        """Move every running row's buffered tokens to its request's lists."""
+        """Move every running row's buffered tokens to its request's lists (skipped where a
+        failed step left the table and the running rows out of step: tokens are lost
+        rather than given to the wrong request)."""
         if self._table is not None and len(self._table) == len(self._running):
             self._table.flush(self._running, range(len(self._running)))
 

@@ -2,6 +2,7 @@
 
 from typing import NamedTuple
 
+from rl_sglang.detokenize import text_decoder
 from rl_sglang.engine.request import Request
 from rl_sglang.protocol import finish_reason
 
@@ -21,6 +22,9 @@ class StopChecker:
 
     def __init__(self, tokenizer, eos_token_ids: set[int], max_context: int):
         self.tokenizer = tokenizer
+        # the text tokenizer.decode gives, through the Rust backend where that is the same:
+        # every finished request is decoded on the scheduler thread
+        self._decode = None if tokenizer is None else text_decoder(tokenizer)
         self.eos_token_ids = eos_token_ids
         self.max_context = max_context
 
@@ -54,11 +58,9 @@ class StopChecker:
         return next((s for s in request.params.stop if s in tail), None)
 
     def decode(self, token_ids: list[int], request: Request) -> str:
-        if self.tokenizer is None:
+        if self._decode is None:
             return ""
-        return self.tokenizer.decode(
-            token_ids, skip_special_tokens=request.params.skip_special_tokens
-        )
+        return self._decode(token_ids, skip_special_tokens=request.params.skip_special_tokens)
 
     def final_text(self, request: Request, reason: dict) -> str:
         """Decoded output; a matched stop string or stop token is trimmed like SGLang does."""
