@@ -75,7 +75,7 @@ class RowTable:
             truncating=np.array([_truncates(r.params) for r in requests], dtype=bool),
             seeded=np.array([r.params.sampling_seed is not None for r in requests], dtype=bool),
             outputs=outputs,
-            slots=outputs.allocate(len(requests)),
+            slots=np.arange(len(requests)),
             flushed=lengths.copy(),
         )
 
@@ -113,25 +113,27 @@ class RowTable:
         """Move the buffered tokens and log-probs of ``rows`` (indices into ``requests``,
         the running rows in order) to their requests' lists."""
         rows = np.asarray(rows, dtype=np.int64)
-        counts = (self.lengths - self.flushed)[rows]
-        has_new = counts > 0
-        rows, counts = rows[has_new], counts[has_new]
-        tokens, logprobs = self.outputs.tokens, self.outputs.logprobs
-        slots = self.slots[rows].tolist()
-        for row, slot, count in zip(rows.tolist(), slots, counts.tolist(), strict=True):
+        counts = self.lengths[rows] - self.flushed[rows]
+        width = int(counts.max(initial=0))
+        if not width:
+            return
+        slots = self.slots[rows]  # every row's buffer in one conversion, cut to its count
+        tokens = self.outputs.tokens[slots, :width].tolist()
+        logprobs = self.outputs.logprobs[slots, :width].tolist()
+        for row, count, row_tokens, row_logprobs in zip(
+            rows.tolist(), counts.tolist(), tokens, logprobs, strict=True
+        ):
             request = requests[row]
-            request.output_ids.extend(tokens[slot, :count].tolist())
-            request.output_logprobs.extend(logprobs[slot, :count].tolist())
+            request.output_ids += row_tokens[:count] if count < width else row_tokens
+            request.output_logprobs += row_logprobs[:count] if count < width else row_logprobs
         self.flushed[rows] = self.lengths[rows]
 
     def take(self, rows: list[int], index: torch.Tensor) -> "RowTable":
         """The table of ``rows`` only, in that order (``index``: ``rows`` on the device);
-        the rows left out must have been flushed (their slots are freed)."""
+        the rows left out must have been flushed (their slots are free again)."""
         picked = np.asarray(rows, dtype=np.int64)
-        dropped = np.ones(len(self), dtype=bool)
-        dropped[picked] = False
-        assert (self.lengths == self.flushed)[dropped].all(), "a row left with unflushed tokens"
-        self.outputs.release(self.slots[dropped])
+        unflushed = self.lengths - self.flushed
+        assert unflushed.sum() == unflushed[picked].sum(), "a row left with unflushed tokens"
         greedy, truncating, seeded = (
             self.greedy[picked],
             self.truncating[picked],
@@ -171,7 +173,7 @@ class RowTable:
             truncating=truncating,
             seeded=seeded,
             outputs=self.outputs,
-            slots=np.concatenate([self.slots, self.outputs.allocate(len(other))]),
+            slots=np.concatenate([self.slots, self.outputs.allocate(self.slots, len(other))]),
             flushed=np.concatenate([self.flushed, other.flushed]),
         )
 
@@ -190,29 +192,37 @@ def append_round(
     finish; the others are flushed every step and checked through ``stopper`` as before."""
     finished: dict[int, dict] = {}
     live = np.ones(len(requests), dtype=bool)
+    any_watched = bool(table.watched.any())
     for tokens_B, logprobs_B in zip(tokens_KB, logprobs_KB, strict=True):
         table.append(tokens_B, logprobs_B, live)
         matched, at_limit = table.stops(tokens_B)
-        for row in np.flatnonzero((matched | at_limit) & live & ~table.watched).tolist():
+        stopped = matched | at_limit
+        if any_watched:
+            stopped &= live & ~table.watched
+        elif finished:
+            stopped &= live
+        for row in np.flatnonzero(stopped).tolist():
             finished[row] = (
                 finish_reason("stop", matched=int(tokens_B[row]))
                 if matched[row]
                 else finish_reason("length", length=int(table.lengths[row]))
             )
-        watched = np.flatnonzero(table.watched & live)
-        if len(watched):
+        watched = np.flatnonzero(table.watched & live).tolist() if any_watched else []
+        if watched:
             table.flush(requests, watched)
-        for row in watched.tolist():
+        for row in watched:
             request = requests[row]
             if request.on_token is not None:
                 request.on_token(request)
             reason = stopper.check(request)
             if reason is not None:
                 finished[row] = reason
-        live[list(finished)] = False
-        if not live.any():
-            break
-    table.flush(requests, list(finished))
+        if finished:
+            live[list(finished)] = False
+            if not live.any():
+                break
+    if finished:
+        table.flush(requests, list(finished))
     return finished
 
 

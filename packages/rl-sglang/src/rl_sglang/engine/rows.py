@@ -11,16 +11,11 @@ import torch
 
 def fill_holes(rows: list[int]) -> list[int]:
     """``rows`` reordered so every kept row below ``len(rows)`` keeps its index and the
-    rows past the end fill the holes, in their order: ``[0, 1, 3, 4] -> [0, 1, 4, 3]``
-    (one row moves)."""
-    picked = np.asarray(rows, dtype=np.int64)
-    size = len(picked)
-    stays = picked < size
-    present = np.zeros(size, dtype=bool)
-    present[picked[stays]] = True
-    order = np.arange(size)
-    order[~present] = picked[~stays]
-    return order.tolist()
+    rows past the end fill the holes: ``[0, 1, 3, 4] -> [0, 1, 4, 3]`` (one row moves)."""
+    size = len(rows)
+    movers = iter(row for row in rows if row >= size)
+    kept = {row for row in rows if row < size}
+    return [row if row in kept else next(movers) for row in range(size)]
 
 
 def on_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -82,25 +77,26 @@ class OutputBuffer:
     row, written for the whole batch in one array assignment per decode step; a row's
     values move into its request's Python lists only when something needs them
     (:meth:`rl_sglang.engine.row_table.RowTable.flush`). Column ``j`` of a slot holds the
-    ``j``-th token since the row's last flush. Grows (doubling) in slots and columns."""
+    ``j``-th token since the row's last flush. Grows (doubling) in slots and columns. The
+    slots in use are the running rows' (:attr:`RowTable.slots`), so rows leaving the batch
+    free theirs without a call here."""
 
     def __init__(self, num_slots: int, num_columns: int = 64):
         self.tokens = np.zeros((num_slots, num_columns), dtype=np.int64)
         self.logprobs = np.zeros((num_slots, num_columns), dtype=np.float32)
-        self.free = np.ones(num_slots, dtype=bool)
 
-    def allocate(self, count: int) -> np.ndarray:
-        """``count`` free slots, now taken."""
-        free = np.flatnonzero(self.free)
-        if len(free) < count:
-            self._grow(num_slots=max(2 * len(self.free), len(self.free) + count - len(free)))
-            free = np.flatnonzero(self.free)
-        slots = free[:count]
-        self.free[slots] = False
-        return slots
+    @property
+    def num_slots(self) -> int:
+        return self.tokens.shape[0]
 
-    def release(self, slots: np.ndarray) -> None:
-        self.free[slots] = True
+    def allocate(self, in_use: np.ndarray, count: int) -> np.ndarray:
+        """``count`` slots other than ``in_use`` (distinct slots)."""
+        needed = len(in_use) + count
+        if needed > self.num_slots:
+            self._grow(num_slots=max(2 * self.num_slots, needed))
+        free = np.ones(self.num_slots, dtype=bool)
+        free[in_use] = False
+        return np.flatnonzero(free)[:count]
 
     def write(self, slots, columns, tokens, logprobs) -> None:
         """Each row's token and log-prob at its ``(slot, column)``; the log-probs' dtype
@@ -109,7 +105,8 @@ class OutputBuffer:
         if needed > self.tokens.shape[1]:
             self._grow(num_columns=max(2 * self.tokens.shape[1], needed))
         if logprobs.dtype != self.logprobs.dtype:
-            self.logprobs = self.logprobs.astype(np.result_type(self.logprobs, logprobs))
+            wide = np.result_type(self.logprobs.dtype, logprobs.dtype)
+            self.logprobs = self.logprobs.astype(wide, copy=False)
         self.tokens[slots, columns] = tokens
         self.logprobs[slots, columns] = logprobs
 
@@ -121,4 +118,3 @@ class OutputBuffer:
             new = np.zeros(shape, dtype=old.dtype)
             new[:old_slots, :old_columns] = old
             setattr(self, name, new)
-        self.free = np.concatenate([self.free, np.ones(shape[0] - old_slots, dtype=bool)])
