@@ -344,6 +344,29 @@ def test_turns_release_before_training_and_refuse_unsynced_generation():
     assert calls == [("release_memory", tags), ("start_offload waited",), ("onload",)]
 
 
+def test_after_a_rollout_the_onload_starts_before_the_batches_and_training_waits_for_it():
+    calls: list = []
+    turns = Turns(Recorder(calls), Recorder(calls))
+    turns.generating()
+    turns.preparing_training()  # the driver builds the step's batches meanwhile
+    calls.append(("driver builds the batches",))
+    turns.training()  # log-probs
+    turns.training()  # the train step: nothing left to wait for
+    turns.syncing()
+    turns.generating()
+    tags = ["weights", "kv_cache", "cuda_graph"]
+    assert calls == [
+        ("start_offload",),
+        ("release_memory", tags),
+        ("start_offload waited",),  # each rank's onload follows its offload anyway
+        ("start_onload",),
+        ("driver builds the batches",),
+        ("start_onload waited",),
+        ("resume_memory", tags),
+        ("start_offload",),
+    ]
+
+
 def test_an_offload_the_engines_resume_into_is_waited_for_first():
     calls: list = []
     turns = Turns(Recorder(calls), Recorder(calls), keep_engine_weights=True)
@@ -412,6 +435,7 @@ class SlowRecorder(Recorder):
 def test_turns_time_each_transition_and_the_hand_over_before_a_rollout():
     calls: list = []
     seconds = {"start_offload": 0.01, "start_offload wait": 0.05, "onload": 0.02}
+    seconds["start_onload wait"] = 0.05
     trainer = SlowRecorder(calls, seconds)
     turns = Turns(trainer, SlowRecorder(calls, {"release_memory": 0.03, "resume_memory": 0.04}))
     assert turns.take_times() == {}
@@ -434,6 +458,11 @@ def test_turns_time_each_transition_and_the_hand_over_before_a_rollout():
     turns.generating()  # only the offload this time (everything was resumed for the sync)
     again = turns.take_times()
     assert set(again) == {"time/turns", "time/turns/trainer_offload", "time/turns/in_rollout"}
+    turns.preparing_training()  # after the rollout: the onload runs while the batches are built
+    turns.training()
+    onload = turns.take_times()
+    assert 0.05 <= onload["time/turns/trainer_onload_wait"] < 0.05 + 0.04  # not hidden
+    assert onload["time/turns/trainer_onload"] < 0.04  # started, not waited for
 
 
 def test_turns_are_needed_on_shared_gpus_only():

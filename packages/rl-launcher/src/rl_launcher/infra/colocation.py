@@ -9,7 +9,9 @@
 The engines resume everything for the sync, beside the resident trainer, so the devices
 hold both then anyway: the trainer's offload before a rollout runs while the engines
 generate (the trainer's processes copy, the driver goes on), and the next turn that needs
-the trainer waits for it (``time/turns/trainer_offload_wait``: the part not hidden).
+the trainer waits for it (``time/turns/trainer_offload_wait``: the part not hidden). After
+a rollout the onload likewise starts once the engines have released their memory and runs
+while the driver builds the step's batches (``time/turns/trainer_onload_wait``).
 
 Each side's half is optional: ``engine.release_when_idle`` (the engines' release/resume)
 and ``backend.offload_when_idle`` (the trainer's offload/onload). When the training state
@@ -19,8 +21,9 @@ A real SGLang engine's released weights come back uninitialised, so generation r
 training, without a weight sync in between, is refused (``engine.sync_every`` must be 1).
 Engines that get LoRA adapters alone (``model.lora_sync: adapter``) keep their base weights
 resident and release only the KV cache and CUDA graphs: no sync would refill the base.
-The trainer group calls :meth:`Turns.training` / :meth:`Turns.syncing` and the rollout
-manager :meth:`Turns.generating` before their work (``rollout`` here is the run's
+The trainer group calls :meth:`Turns.training` / :meth:`Turns.syncing`, the rollout
+manager :meth:`Turns.generating` before their work, and the loop
+:meth:`Turns.preparing_training` between a rollout and its step's batches (``rollout`` here is the run's
 :class:`~rl_launcher.roles.engine_pool.EnginePool`); each is a no-op when already there.
 
 On CPU, engines that generate while training runs (the overlapping loops) share the
@@ -54,13 +57,15 @@ class Turns:
         self.released: list[str] = []  # engine memory tags released now
         self.trainer_offloaded = False
         self._offloading = None  # waits for an offload started before a rollout
+        self._onloading = None  # waits for an onload started before the step's batches
         self.log: list[str] = []  # transitions, in order (for tests and debugging)
         self.seconds: dict[str, float] = defaultdict(float)  # driver wall time per transition
 
     def take_times(self) -> dict[str, float]:
         """``time/turns/<transition>`` seconds of the driver since the last call
-        (engine_release, engine_resume, trainer_offload: starting it or doing it,
-        trainer_offload_wait: waiting for one that ran during a rollout, trainer_onload),
+        (engine_release, engine_resume, trainer_offload and trainer_onload: starting it or
+        doing it, trainer_offload_wait: waiting for one that ran during a rollout,
+        trainer_onload_wait: for one that ran while the driver built the batches),
         their sum ``time/turns``, and ``time/turns/in_rollout``: the part spent before a
         rollout, inside its phase."""
         times, self.seconds = dict(self.seconds), defaultdict(float)
@@ -80,13 +85,29 @@ class Turns:
 
     def training(self) -> None:
         """Before log-probs and training: the devices belong to the trainer."""
+        self._release_engines()
+        self._trainer_on()
+
+    def preparing_training(self) -> None:
+        """A rollout has ended and a training step follows: the engines release their
+        memory and the trainer's onload starts, running while the driver builds the
+        step's batches; :meth:`training` waits for what is left of it
+        (``time/turns/trainer_onload_wait``)."""
+        self._release_engines()
+        self._wait_for_offload()  # each rank runs the onload after it anyway
+        if self.trainer_offloaded:
+            with self._timed("trainer_onload"):
+                self._onloading = self.trainer.start_onload()
+            self.trainer_offloaded = False
+            self.log.append("onload trainer")
+
+    def _release_engines(self) -> None:
         held = [tag for tag in self.engine_memory if tag not in self.released]
         if held and self.release_engines:
             with self._timed("engine_release"):
                 self.rollout.release_memory(held)
             self.released += held
             self.log.append(f"release {'+'.join(held)}")
-        self._trainer_on()
 
     def syncing(self) -> None:
         """Before a weight sync: engine memory resident, trainer weights on the device.
@@ -111,6 +132,7 @@ class Turns:
             self._hand_over_to_engines()
 
     def _hand_over_to_engines(self) -> None:
+        self._wait_for_onload()
         if self.offload_trainer and not self.trainer_offloaded:
             with self._timed("trainer_offload"):
                 if self.released:  # the engines resume into the memory it gives back
@@ -127,6 +149,12 @@ class Turns:
             with self._timed("trainer_offload_wait"):
                 waiting()
 
+    def _wait_for_onload(self) -> None:
+        if self._onloading is not None:
+            waiting, self._onloading = self._onloading, None
+            with self._timed("trainer_onload_wait"):
+                waiting()
+
     def _resume(self, tags: list[str]) -> None:
         tags = [tag for tag in tags if tag in self.released]
         if tags:
@@ -138,6 +166,7 @@ class Turns:
 
     def _trainer_on(self) -> None:
         self._wait_for_offload()
+        self._wait_for_onload()
         if self.trainer_offloaded:
             with self._timed("trainer_onload"):
                 self.trainer.onload()

@@ -122,6 +122,14 @@ def freeze_engine_gc(run) -> None:
         print(f"rl-train: engine {url}: {answer}", file=sys.stderr, flush=True)
 
 
+def start_training_turn(run: Run) -> None:
+    """Colocated turns (:mod:`rl_launcher.infra.colocation`): the engines release their
+    memory and the trainer's onload starts before the driver builds the step's batches."""
+    turns = run.trainer.turns
+    if turns is not None:
+        turns.preparing_training()
+
+
 def run_step(run: Run, buffer: DataBuffer, step: int, feed=None) -> dict[str, float]:
     config, clock, feed = run.config, Clock(), feed or SyncFeed(run)
     with stopping.generating(step):  # a stop signal may abandon the step here (only)
@@ -137,6 +145,7 @@ def run_step(run: Run, buffer: DataBuffer, step: int, feed=None) -> dict[str, fl
     metrics[faults.BATCH_KEY] = float(sum(len(group) for group in groups))
     if buffer.num_ready_groups == 0:  # every group aborted or filtered: nothing to learn from
         return metrics | empty_step(groups, config) | buffer.take_counts() | clock.times()
+    start_training_turn(run)  # colocated: the trainer's onload runs while the batch is built
     batch = buffer.pop_step(buffer.num_ready_groups)
     metrics[faults.TRAINED_KEY] = float(len(batch.samples))
     rank_batches = with_gap_seqs(batch, trainer_version=step - 1)  # data_plane=workers

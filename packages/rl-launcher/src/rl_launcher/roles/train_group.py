@@ -358,6 +358,11 @@ class TrainGroup:
     def onload(self) -> None:
         self.call("onload")
 
+    def start_onload(self) -> Callable[[], list]:
+        """Every rank starts moving its training state back to the device; the returned
+        function waits for them (the driver builds the step's batches meanwhile)."""
+        return self.call_meanwhile("onload")
+
     def empty_cache(self) -> None:
         self.call("empty_cache")
 

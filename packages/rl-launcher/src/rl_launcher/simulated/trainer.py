@@ -301,6 +301,11 @@ class SimTrainGroup:
     def onload(self) -> None:
         self._gather("onload")
 
+    def start_onload(self):
+        """The onload started on every node; the returned function waits for it."""
+        refs = [w.onload.remote() for w in self.workers]
+        return lambda: ray.get(refs)
+
     def empty_cache(self) -> None:
         self._gather("noop")
 
