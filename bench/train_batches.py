@@ -26,3 +26,21 @@ def make_batch(lengths: list[int], vocab: int, gen: torch.Generator) -> TrainBat
     advantages = torch.randn(tokens.shape[0], generator=gen)
     batch = TrainBatch(tokens=tokens, cu_seqlens=cu, loss_mask=mask, advantages=advantages)
     return batch.with_global_denominators()
+
+
+def loop_lengths(gen: torch.Generator, num: int, *, prompt: int, max_response: int) -> list[int]:
+    """One RL step's sequence lengths: ``prompt`` + a response of 1..``max_response`` tokens,
+    geometric about a mean that drifts between steps (8 % to 45 % of ``max_response``, as
+    a policy's lengths do), a twentieth cut at ``max_response`` (truncated)."""
+    mean = max_response * (0.08 + 0.37 * torch.rand((), generator=gen).item())
+    steps = torch.empty(num).geometric_(1 / mean, generator=gen).long()
+    responses = steps.clamp(1, max_response)
+    responses[torch.rand(num, generator=gen) < 0.05] = max_response
+    return [prompt + int(r) for r in responses]
+
+
+def round_robin_minibatches(batch: TrainBatch, count: int) -> list[TrainBatch]:
+    """rl-launcher's split of a step into optimizer steps: sequences dealt round-robin,
+    loss denominators per minibatch."""
+    picks = [list(range(m, batch.num_seqs, count)) for m in range(count)]
+    return [batch.select(p).with_global_denominators() for p in picks if p]

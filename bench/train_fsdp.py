@@ -31,12 +31,25 @@ there too.
     python bench/train_fsdp.py --shape 1.5b --data varlen       # GPU: lengths 128..4096
     python bench/train_fsdp.py --shape 1.5b --data varlen --profile   # + where time goes
     python bench/train_fsdp.py --device cpu --compile-blocks --baseline-steps 0   # CPU, compiled
+
+--data loop runs --steps RL-loop steps instead, each on a new batch shaped like the loop's
+(--num-seqs samples of a --prompt-len prompt and a response of 1..--max-len tokens whose
+mean drifts between steps, a twentieth truncated; bench/train_batches.loop_lengths): a
+no-grad log-probs pass over the batch, then --minibatches optimizer steps over its
+round-robin minibatches, in micro-batches of --max-tokens. ``figure.loop`` has each
+step's seconds, minibatch token counts, frames compiled and recompile reasons (dynamo's
+"recompiles" log), and ``recompiles_after_first_step``: 0 when the compiled layers
+compiled once.
+
+    python bench/train_fsdp.py --shape 0.5b --data loop --steps 12 --baseline-steps 0
+    python bench/train_fsdp.py --device cpu --compile-blocks --attention sdpa_mask --data loop
 """
 
 import argparse
 import gc
 import itertools
 import json
+import logging
 import platform
 import sys
 import time
@@ -45,7 +58,7 @@ from datetime import UTC, datetime
 import torch
 from model_shapes import SHAPES
 from torch.nn.utils.rnn import pad_sequence
-from train_batches import lengths_for, make_batch
+from train_batches import lengths_for, loop_lengths, make_batch, round_robin_minibatches
 
 from rl_core.batch import TrainBatch
 from rl_core.compiling import compile_report
@@ -64,11 +77,13 @@ def parse_args(argv=None):
         default="auto",
         help="auto: cuda when available, except for the tiny shape",
     )
-    parser.add_argument("--data", choices=["full", "varlen"], default="varlen")
+    parser.add_argument("--data", choices=["full", "varlen", "loop"], default="varlen")
     parser.add_argument("--num-seqs", type=int, default=None, help="sequences per step")
     parser.add_argument("--max-len", type=int, default=None, help="longest sequence")
     parser.add_argument("--max-tokens", type=int, default=None, help="packed micro-batch budget")
     parser.add_argument("--steps", type=int, default=2, help="measured steps (after 1 warm-up)")
+    parser.add_argument("--prompt-len", type=int, default=4, help="--data loop: prompt tokens")
+    parser.add_argument("--minibatches", type=int, default=4, help="--data loop: per step")
     parser.add_argument("--baseline-steps", type=int, default=1, help="measured plain steps")
     parser.add_argument(
         "--checkpointing", action="store_true", help="activation checkpointing in rl-fsdp too"
@@ -241,23 +256,7 @@ FALLBACK_ERRORS: list[str] = []
 
 
 def _fsdp_step(args, model_config: dict, batch: TrainBatch, device):
-    config = FSDPConfig(
-        model_config=model_config,
-        device=device.type,
-        precision="bf16" if device.type == "cuda" else "fp32",
-        attention=args.attention,
-        activation_checkpointing=args.checkpointing,
-        compile_layers=args.compile_layers,
-        compile_blocks=_compile_blocks(args),
-        compile_attention=not args.no_compile_attention,
-        reshard_after_forward=True if args.reshard_after_forward else None,
-        reshard_after_backward=True if args.reshard_after_backward else None,
-        reduce_dtype="fp32" if args.reduce_fp32 else None,
-        fsdp_on_one_rank=True if args.fsdp_on_one_rank else None,
-        max_tokens_per_micro_batch=args.max_tokens,
-        lr=1e-6,
-    )
-    backend = FSDPBackend(config)
+    backend = FSDPBackend(_fsdp_config(args, model_config, device))
     _log(f"rl-fsdp built (attention {backend.attention}, levers {levers(backend)})")
     step_s = _timed(lambda: backend.train_step(batch), args.steps, device, "figure")
     if args.profile:
@@ -273,6 +272,25 @@ def _fsdp_step(args, model_config: dict, batch: TrainBatch, device):
         HOST.update(host_profile(lambda: backend.train_step(batch), device))
         _log(f"host profile: {HOST['functions'][:3]}")
     return step_s, backend
+
+
+def _fsdp_config(args, model_config: dict, device) -> FSDPConfig:
+    return FSDPConfig(
+        model_config=model_config,
+        device=device.type,
+        precision="bf16" if device.type == "cuda" else "fp32",
+        attention=args.attention,
+        activation_checkpointing=args.checkpointing,
+        compile_layers=args.compile_layers,
+        compile_blocks=_compile_blocks(args),
+        compile_attention=not args.no_compile_attention,
+        reshard_after_forward=True if args.reshard_after_forward else None,
+        reshard_after_backward=True if args.reshard_after_backward else None,
+        reduce_dtype="fp32" if args.reduce_fp32 else None,
+        fsdp_on_one_rank=True if args.fsdp_on_one_rank else None,
+        max_tokens_per_micro_batch=args.max_tokens,
+        lr=1e-6,
+    )
 
 
 def _profile(step, device) -> None:
@@ -343,14 +361,17 @@ def main(argv=None) -> dict:
     device = pick_device(args)
     big = args.shape != "tiny"
     full = args.data == "full"
+    loop = args.data == "loop"  # the colocated GPU example's shape: 1024 x (4 + 1..64)
     if args.max_len is None:
-        args.max_len = (2048 if full else 4096) if big else 64
+        args.max_len = 64 if loop else (2048 if full else 4096) if big else 64
     if args.num_seqs is None:
-        args.num_seqs = (4 if full else 16) if big else 8
+        args.num_seqs = (1024 if big else 64) if loop else (4 if full else 16) if big else 8
     if args.max_tokens is None:
-        args.max_tokens = 8192 if big else 256
+        args.max_tokens = 16384 if big and loop else 8192 if big else 256
     gen = torch.Generator().manual_seed(0)
     model_config = {"model_type": "qwen2", **SHAPES[args.shape]}
+    if args.data == "loop":
+        return loop_main(args, model_config, device, gen)
     batch = make_batch(lengths_for(args, gen), model_config["vocab_size"], gen)
     peak = matmul_tflops(device)
     _log(f"matmul rate {peak:.0f} TFLOP/s")
@@ -390,15 +411,100 @@ def main(argv=None) -> dict:
         "baseline": baseline_report(args, batch, flops, peak, baseline_s),
         "ratio": baseline_s / fsdp_s if baseline_s else None,
         "matmul_tflops": peak,
-        "hardware": torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else platform.processor() or platform.machine(),
+        "hardware": _hardware(device),
         "versions": {"torch": torch.__version__, "transformers": _transformers_version()},
         "command": " ".join(["python", *sys.argv]),
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
     }
     print(json.dumps(result, indent=2))
     return result
+
+
+def loop_main(args, model_config: dict, device, gen) -> dict:
+    """--data loop: ``--steps`` loop steps on new batches; what each compiled."""
+    backend = FSDPBackend(_fsdp_config(args, model_config, device))
+    _log(f"rl-fsdp built (attention {backend.attention}, levers {levers(backend)})")
+    reasons = _recompile_log()
+    steps = [_loop_step(args, backend, device, gen, reasons, n) for n in range(args.steps)]
+    result = {
+        "bench": "train_fsdp",
+        "shape": args.shape,
+        "data": "loop",
+        "figure": {
+            "attention": backend.attention,
+            "levers": levers(backend),
+            "compile": compile_report(),
+            "loop": {
+                "num_seqs": args.num_seqs,
+                "prompt_len": args.prompt_len,
+                "max_response": args.max_len,
+                "minibatches": args.minibatches,
+                "max_tokens": args.max_tokens,
+                "recompiles_after_first_step": sum(s["recompiles"] for s in steps[1:]),
+                "frames_compiled_after_first_step": sum(s["frames_compiled"] for s in steps[1:]),
+                "steps": steps,
+            },
+            "fallback_errors": FALLBACK_ERRORS + fusion.COMPILE_FAILURES + PROBE_ERRORS,
+        },
+        "hardware": _hardware(device),
+        "versions": {"torch": torch.__version__, "transformers": _transformers_version()},
+        "command": " ".join(["python", *sys.argv]),
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+    print(json.dumps(result, indent=2))
+    return result
+
+
+def _loop_step(args, backend: FSDPBackend, device, gen, reasons: list[str], n: int) -> dict:
+    """One loop step: log-probs over the batch, then one optimizer step per minibatch."""
+    from torch._dynamo.utils import counters
+
+    lengths = loop_lengths(gen, args.num_seqs, prompt=args.prompt_len, max_response=args.max_len)
+    batch = make_batch(lengths, backend.model_config.vocab_size, gen)
+    frames, logged, start = counters["frames"]["total"], len(reasons), _now(device)
+    batch.old_log_probs = backend.compute_log_probs(batch)
+    log_probs_s = _now(device) - start
+    parts = round_robin_minibatches(batch, args.minibatches)
+    for part in parts:
+        backend.train_step(part)
+    step = {
+        "step": n + 1,
+        "log_probs_s": log_probs_s,
+        "train_s": _now(device) - start - log_probs_s,
+        "minibatch_tokens": [part.num_tokens for part in parts],
+        "longest": [max(part.seq_lengths()) for part in parts],
+        "frames_compiled": counters["frames"]["total"] - frames,
+        "recompiles": len(reasons) - logged,
+        "reasons": [_reason(r) for r in reasons[logged:]],
+    }
+    _log(f"loop step {n + 1}: {step['train_s']:.2f} s train, {step['recompiles']} recompiles")
+    return step
+
+
+def _recompile_log() -> list[str]:
+    """The recompile messages dynamo logs from now on (its "recompiles" artifact)."""
+    messages: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    torch._logging.set_logs(recompiles=True)
+    logging.getLogger("torch._dynamo.guards.__recompiles").addHandler(Keep())
+    return messages
+
+
+def _reason(message: str) -> str:
+    """A recompile message's function and first failed guard, on one line."""
+    lines = [line.strip() for line in message.splitlines()]
+    guards = [line for line in lines if line.startswith("- ")]
+    return f"{lines[0][:120]} | {guards[0][:200] if guards else ''}"
+
+
+def _hardware(device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
 
 
 def pick_device(args) -> torch.device:

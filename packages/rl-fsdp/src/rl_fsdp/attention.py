@@ -8,9 +8,10 @@ implementations, all equal to running each sequence alone:
 - ``flash_varlen``: flash-attn's ``flash_attn_varlen_func`` with cu_seqlens (GPU, fastest);
 - ``torch_varlen``: the same FlashAttention-2 varlen kernel as shipped inside torch >= 2.10
   (:mod:`rl_fsdp.torch_varlen`; one launch per layer; the CUDA default without flash-attn);
-  a micro-batch whose sequences all have one length runs one batched causal SDPA call
+  a micro-batch of several sequences all of one length runs one batched causal SDPA call
   instead (:func:`uniform_attention`: SDPA's fastest backend, cuDNN's fused attention on
-  Hopper, which took half FA2's time in Megatron's profile of 2026-11-27);
+  Hopper, which took half FA2's time in Megatron's profile of 2026-11-27), when every
+  micro-batch of its batch does (:func:`equal_lengths_batched`);
 - ``flex``: FlexAttention with a document-causal block mask (:mod:`rl_fsdp.flex`),
   compiled once on CUDA (GPU without flash-attn);
 - ``sdpa_mask``: one SDPA call with a block-diagonal causal mask ``[N, N]`` (short N; traced
@@ -28,7 +29,9 @@ runs an exact per-sequence path instead, whatever the implementation (slower; no
 silently ignored).
 """
 
+import contextvars
 import functools
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +52,35 @@ TRACED_IMPLS = ("torch_varlen", "sdpa_mask")
 # few launches cost nothing, and long sequences then never pay for padding (the GPU bench
 # figures for 128..4096-token sequences were measured that way)
 PER_DOC_UP_TO = 8
+# whether equal-length torch_varlen layouts take batched SDPA now (equal_lengths_batched)
+_EQUAL_LENGTHS_BATCHED = contextvars.ContextVar("rl_equal_lengths_batched", default=True)
+
+
+@contextmanager
+def equal_lengths_batched(allowed: bool):
+    """Within: a ``torch_varlen`` layout of equal lengths takes batched SDPA only if
+    ``allowed``. The trainer passes whether every micro-batch of the batch it runs has equal
+    lengths (:func:`all_equal_lengths`): compiled, batched SDPA is a graph of its own, which
+    a loop of mixed micro-batches (RL) would otherwise compile mid-run for a rare
+    equal-length one (truncated responses to prompts of one length, packed longest first)."""
+    token = _EQUAL_LENGTHS_BATCHED.set(allowed)
+    try:
+        yield
+    finally:
+        _EQUAL_LENGTHS_BATCHED.reset(token)
+
+
+def equal_lengths(lengths) -> bool:
+    """Two or more sequences, all of one length (one sequence alone takes the varlen
+    kernel: the graph of mixed layouts)."""
+    return len(lengths) > 1 and len(set(lengths)) == 1
+
+
+def all_equal_lengths(lengths: list[int], plan: list[list[int]]) -> bool:
+    """Whether every non-empty micro-batch of ``plan`` (indices into ``lengths``) is of
+    :func:`equal_lengths`."""
+    parts = [[lengths[i] for i in seqs] for seqs in plan if seqs]
+    return bool(parts) and all(equal_lengths(part) for part in parts)
 
 
 @dataclass  # not frozen: torch.compile would guard on every field (recompiles)
@@ -66,7 +98,7 @@ class PackedLayout:
     lengths: tuple[int, ...]
     impl: str
     max_seqlen: int = 0
-    uniform: bool = False  # every sequence of one length (torch_varlen: batched SDPA)
+    uniform: bool = False  # 2+ sequences, all of one length (torch_varlen: batched SDPA)
     block_mask: object = None
     dense_mask: torch.Tensor | None = None
     varlen: tuple | None = None  # (varlen_attn, CallPlan)
@@ -91,7 +123,7 @@ class PackedLayout:
             layout.dense_mask = block_causal_mask(on_device, int(host[-1]))
         if impl == "torch_varlen":
             layout.varlen = kernel_and_plan()
-            layout.uniform = len(set(lengths)) == 1
+            layout.uniform = _EQUAL_LENGTHS_BATCHED.get() and equal_lengths(lengths)
         if impl == "sdpa_grouped" and len(lengths) <= PER_DOC_UP_TO:
             layout.impl = "sdpa_per_doc"
         if layout.impl == "sdpa_grouped":
@@ -100,11 +132,13 @@ class PackedLayout:
 
     def dynamic_dims(self) -> list[tuple[torch.Tensor, int]]:
         """``(tensor, dim)`` whose size changes between micro-batches: a compiled layer
-        marks them dynamic up front (no recompile per layout)."""
-        dims = [(self.cu_seqlens, 0)]
-        if self.dense_mask is not None:
-            dims += [(self.dense_mask, 0), (self.dense_mask, 1)]
-        return dims
+        marks them dynamic up front (no recompile per layout). The sequence count."""
+        return [(self.cu_seqlens, 0)]
+
+    def token_dims(self) -> list[tuple[torch.Tensor, int]]:
+        """``(tensor, dim)`` that are the micro-batch's token count (``sdpa_mask``'s
+        ``[N, N]`` mask): unbacked in a compiled layer, as the activations' tokens."""
+        return [(self.dense_mask, 0), (self.dense_mask, 1)] if self.dense_mask is not None else []
 
 
 def flash_attn_available() -> bool:

@@ -16,7 +16,7 @@ import torch
 from rl_core.batch import TrainBatch, to_device
 from rl_core.distributed import DistInfo, init_distributed
 from rl_fsdp import checkpoint, faults
-from rl_fsdp.attention import resolve_attention
+from rl_fsdp.attention import all_equal_lengths, equal_lengths_batched, resolve_attention
 from rl_fsdp.config import FSDPConfig
 from rl_fsdp.distributed import (
     add_metrics,
@@ -107,10 +107,12 @@ class ShardedTrainer:
         of ``budget`` tokens) placed at its tokens' positions in ``batch`` (on the device).
         The caller sets the grad mode and reshards afterwards."""
         out = torch.zeros(batch.num_tokens, dtype=torch.float32, device=self.device)
-        for seqs in self.plan(batch, budget):
-            values = forward(micro_batch(batch, seqs))
-            if seqs:  # an empty plan entry is a dummy pass that keeps ranks in step
-                out[to_device(token_indices(batch, seqs), self.device)] = values
+        plan = self.plan(batch, budget)
+        with equal_lengths_batched(all_equal_lengths(batch.seq_lengths(), plan)):
+            for seqs in plan:
+                values = forward(micro_batch(batch, seqs))
+                if seqs:  # an empty plan entry is a dummy pass that keeps ranks in step
+                    out[to_device(token_indices(batch, seqs), self.device)] = values
         return out
 
     def forward_backward(self, batch: TrainBatch) -> dict[str, float]:
@@ -125,8 +127,10 @@ class ShardedTrainer:
         batch = global_denominators(batch, self.device).to(self.device)
         sums: dict[str, float | torch.Tensor] = {}
         keep = not reshard_after_backward(self.config, self.dist.world_size)
-        with self.computing(), gathered_through(self.model, keep):
-            for seq_indices in self.plan(batch, self.config.max_tokens_per_micro_batch):
+        plan = self.plan(batch, self.config.max_tokens_per_micro_batch)
+        equal = equal_lengths_batched(all_equal_lengths(batch.seq_lengths(), plan))
+        with self.computing(), gathered_through(self.model, keep), equal:
+            for seq_indices in plan:
                 loss, metrics = self.micro_batch_loss(micro_batch(batch, seq_indices))
                 (loss * self.dist.world_size).backward()
                 if self.master is not None:

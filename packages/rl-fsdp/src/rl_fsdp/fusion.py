@@ -18,11 +18,21 @@ attention (compiled per length bucket on its own; with dynamic shapes it failed)
 called with ``attention=False``: MLPs and RMSNorms only.
 
 Every instance of a class shares one compiled graph (dynamo guards on the module
-structure, not its identity), and the token dimension (dim 1 of ``[1, N, ...]``, and the
-packed layout's boundaries and mask) is dynamic from the first call: one graph serves
-every micro-batch length (hidden sizes, the reduction dimensions, stay static). The
-longest sequence (a host int the varlen kernel takes) turns dynamic at its second value
-(one recompile).
+structure, not its identity), and the token dimension (dim 1 of ``[1, N]`` and
+``[1, N, D]``, and the packed layout's boundaries and mask) is dynamic from the first call:
+one graph serves every micro-batch length (hidden sizes, the reduction dimensions, stay
+static). It is *unbacked* (``mark_unbacked``): no guard can be placed on it. A backed
+dynamic size took guards from inductor's heuristics at the first micro-batch's length
+(Triton's mix-order reduction in the RMSNorm backward: ``N * hidden >= 5 * 2**20`` and
+``N >= 4096``; the C++ backend's float-sum helper: ``N > 4096``), so the first
+micro-batch on the other side of such a threshold, steps later, recompiled each layer's
+forward and backward (7.8 s at step 5 of a colocated H100 run, 2026-11-27). Where a
+heuristic would have guarded, inductor now takes its default without a guard; Triton's
+mix-order reduction is asked not to check sizes (it fuses at every length, as it did for
+the lengths above its threshold). The longest sequence, a host int the varlen kernel
+takes, is dynamic from the first compile too (:data:`DYNAMIC_INTS`; static, it
+recompiled at its first new value); torch's kernel choice still branches on it (whether
+it is ``<= 128``).
 
 A module whose compiled forward raises falls back to its eager forward for good (a whole
 layer to its blocks compiled one by one, as without ``attention``, attention module
@@ -48,6 +58,13 @@ class CompiledOrEager(compiling.CompiledOrEager):
     dimension of every tensor argument dynamic; a failure warned. A whole layer's
     ``fallback`` compiles its blocks one by one."""
 
+    def __init__(self, module, *, backend, dynamic=None, **kwargs):
+        super().__init__(module, backend=backend, dynamic=dynamic, **kwargs)
+        if options := inductor_options(backend):
+            self.compiled = torch.compile(
+                self.eager, backend=backend, dynamic=dynamic, options=options
+            )
+
     def mark_dynamic(self, args: tuple, kwargs: dict) -> None:
         _mark_tokens_dynamic(args, kwargs)
 
@@ -57,16 +74,54 @@ class CompiledOrEager(compiling.CompiledOrEager):
 
 
 def _mark_tokens_dynamic(args: tuple, kwargs: dict) -> None:
-    """Dim 1 (the tokens of ``[1, N, ...]``) of every tensor argument, also inside tuples
-    (rotary ``(cos, sin)``), and the packed layout's sizes are dynamic: one graph serves
-    every micro-batch length."""
+    """Dim 1 (the tokens) of every ``[1, N]`` or ``[1, N, D]`` tensor argument, also inside
+    tuples (rotary ``(cos, sin)``), and the packed layout's token dimensions are unbacked:
+    one graph serves every micro-batch length, and nothing guards on it (the module
+    docstring). 4-D arguments (Hugging Face's empty mask ``[1, 1, 0, 0]``) have no token
+    dimension. The sequence count (the boundaries' length) is dynamic, backed: a kernel
+    standing in for the varlen one may read the boundaries back (``tolist``)."""
     for value in (*args, *kwargs.values()):
         for tensor in value if isinstance(value, tuple) else (value,):
-            if isinstance(tensor, torch.Tensor) and tensor.dim() >= 2:
-                torch._dynamo.maybe_mark_dynamic(tensor, 1)
+            if isinstance(tensor, torch.Tensor) and tensor.dim() in (2, 3):
+                torch._dynamo.decorators.mark_unbacked(tensor, 1)
     layout = kwargs.get("rl_layout")
-    for tensor, dim in layout.dynamic_dims() if layout is not None else ():
-        torch._dynamo.maybe_mark_dynamic(tensor, dim)
+    if layout is not None:
+        for tensor, dim in layout.token_dims():
+            torch._dynamo.decorators.mark_unbacked(tensor, dim)
+        for tensor, dim in layout.dynamic_dims():
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+
+
+# Host ints that vary between micro-batches, dynamic from the first compile
+# (torch.compiler.config.dynamic_sources entries: a source name or a regex on it)
+DYNAMIC_INTS = (r".*\['rl_layout'\]\.max_seqlen",)
+# Inductor options of the compiled layers: Triton's mix-order reduction (the RMSNorm
+# backward) without its size checks, which guarded on the token count
+INDUCTOR_OPTIONS = {"triton.mix_order_reduction_non_strict_mode": True}
+
+
+def mark_ints_dynamic(sources=DYNAMIC_INTS) -> None:
+    """Add ``sources`` to torch's dynamic sources (idempotent; others' entries kept)."""
+    config = torch.compiler.config
+    entries = [e for e in config.dynamic_sources.split(",") if e]
+    config.dynamic_sources = ",".join(entries + [s for s in sources if s not in entries])
+
+
+def inductor_options(backend) -> dict | None:
+    """:data:`INDUCTOR_OPTIONS` this torch has, for the inductor backend (None otherwise)."""
+    if backend != "inductor":
+        return None
+    from torch._inductor import config
+
+    options = {k: v for k, v in INDUCTOR_OPTIONS.items() if _has_option(config, k)}
+    return options or None
+
+
+def _has_option(config, dotted: str) -> bool:
+    *parents, name = dotted.split(".")
+    for part in parents:
+        config = getattr(config, part, None)
+    return config is not None and hasattr(config, name)
 
 
 def fusible_modules(model: nn.Module, *, attention: bool = True) -> list[nn.Module]:
@@ -88,6 +143,7 @@ def compile_blocks(
     without it, or for layers of :data:`PER_MODULE_ONLY` kinds, every MLP and RMSNorm.
     Returns how many modules were wrapped. Idempotent."""
     compiling.raise_recompile_limit()
+    mark_ints_dynamic()
     failed_classes = set()
     wrap = functools.partial(_wrap, backend=backend, dynamic=dynamic, failed=failed_classes)
     layers, count = {id(layer) for layer in decoder_layers(model)}, 0
