@@ -141,3 +141,38 @@ def test_the_varied_longest_sequence_is_dynamic_from_the_first_compile():
         assert config.dynamic_sources.split(",") == ["L['x']", *fusion.DYNAMIC_INTS]
     assert fusion.inductor_options("aot_eager") is None
     assert fusion.inductor_options("inductor") == fusion.INDUCTOR_OPTIONS  # this torch has it
+
+
+@pytest.mark.slow
+def test_inductor_layers_compile_once_across_its_size_heuristics(world_of_one, recompiles):
+    """The real compile (inductor's C++ backend, ``torch_varlen``'s op traced whole): steps
+    of about 4,600, 2,300 and 6,900 tokens cross the token count that inductor's float-sum
+    helper decides on (4,096; Triton's mix-order reduction decides on 5 * 2**20 / hidden
+    the same way). A backed token dimension took a guard on it in the first step and
+    recompiled layer and norm in the second; unbacked, nothing compiles after the first."""
+    from torch._dynamo.utils import counters
+
+    register_cpu_kernels()
+    torch._dynamo.reset()
+    counters.clear()
+    config = FSDPConfig(
+        model_config=CONFIGS["qwen2"],
+        device="cpu",
+        compile_blocks=True,
+        max_tokens_per_micro_batch=8192,
+    )
+    backend = FSDPBackend(config, dist_info=world_of_one)
+    backend.attention = "torch_varlen"
+    gen = torch.Generator().manual_seed(1)
+    frames = []
+    for num in (40, 20, 60):
+        before, logged = counters["frames"]["total"], len(recompiles.reasons)
+        lengths = (PROMPT + torch.randint(90, 129 - PROMPT, (num,), generator=gen)).tolist()
+        cu = cu_seqlens_from_lengths(lengths)
+        tokens = torch.randint(0, CONFIGS["qwen2"]["vocab_size"], (int(cu[-1]),), generator=gen)
+        batch = TrainBatch(tokens=tokens, cu_seqlens=cu, loss_mask=torch.ones(tokens.shape[0]))
+        batch.advantages = torch.randn(tokens.shape[0], generator=gen)
+        batch.old_log_probs = backend.compute_log_probs(batch)
+        backend.train_step(batch.with_global_denominators())
+        frames.append((counters["frames"]["total"] - before, recompiles.reasons[logged:]))
+    assert frames[0][0] == 4 and [f for f, _ in frames[1:]] == [0, 0], frames
