@@ -92,17 +92,22 @@ def _mark_tokens_dynamic(args: tuple, kwargs: dict) -> None:
             torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
 
-# Host ints that vary between micro-batches, dynamic from the first compile
-# (torch.compiler.config.dynamic_sources entries: a source name or a regex on it)
-DYNAMIC_INTS = (r".*\['rl_layout'\]\.max_seqlen",)
+# Host ints that vary between micro-batches, dynamic from the first compile: entries of
+# torch.compiler.config.dynamic_sources, by exact name (as the compiled frames see them:
+# a decoder layer's and an attention module's forward take the layout in ``**kwargs``)
+DYNAMIC_INTS = ("L['kwargs']['rl_layout'].max_seqlen",)
 # Inductor options of the compiled layers: Triton's mix-order reduction (the RMSNorm
 # backward) without its size checks, which guarded on the token count
 INDUCTOR_OPTIONS = {"triton.mix_order_reduction_non_strict_mode": True}
 
 
 def mark_ints_dynamic(sources=DYNAMIC_INTS) -> None:
-    """Add ``sources`` to torch's dynamic sources (idempotent; others' entries kept)."""
+    """Add ``sources`` to torch's dynamic sources (idempotent; others' entries kept). A
+    torch without the option keeps its automatic dynamic ints (one recompile at the
+    first new value)."""
     config = torch.compiler.config
+    if not hasattr(config, "dynamic_sources"):
+        return
     entries = [e for e in config.dynamic_sources.split(",") if e]
     config.dynamic_sources = ",".join(entries + [s for s in sources if s not in entries])
 
