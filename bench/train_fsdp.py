@@ -42,6 +42,7 @@ step's seconds, minibatch token counts, frames compiled and recompile reasons (d
 compiled once.
 
     python bench/train_fsdp.py --shape 0.5b --data loop --steps 12 --baseline-steps 0
+    python bench/train_fsdp.py --shape 0.5b --data loop --steps 12 --baseline-steps 0 --backed-tokens
     python bench/train_fsdp.py --device cpu --compile-blocks --attention sdpa_mask --data loop
 """
 
@@ -84,6 +85,11 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=2, help="measured steps (after 1 warm-up)")
     parser.add_argument("--prompt-len", type=int, default=4, help="--data loop: prompt tokens")
     parser.add_argument("--minibatches", type=int, default=4, help="--data loop: per step")
+    parser.add_argument(
+        "--backed-tokens",
+        action="store_true",
+        help="token dimension backed dynamic, as before (A/B of rl_fsdp.fusion.UNBACKED_TOKENS)",
+    )
     parser.add_argument("--baseline-steps", type=int, default=1, help="measured plain steps")
     parser.add_argument(
         "--checkpointing", action="store_true", help="activation checkpointing in rl-fsdp too"
@@ -356,6 +362,7 @@ def _timed(step, steps: int, device, name: str) -> float:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    fusion.UNBACKED_TOKENS = not args.backed_tokens
     if args.host_threads:
         torch.set_num_threads(args.host_threads)
     device = pick_device(args)
@@ -440,6 +447,7 @@ def loop_main(args, model_config: dict, device, gen) -> dict:
                 "max_response": args.max_len,
                 "minibatches": args.minibatches,
                 "max_tokens": args.max_tokens,
+                "unbacked_tokens": fusion.UNBACKED_TOKENS,
                 "recompiles_after_first_step": sum(s["recompiles"] for s in steps[1:]),
                 "frames_compiled_after_first_step": sum(s["frames_compiled"] for s in steps[1:]),
                 "steps": steps,

@@ -73,6 +73,10 @@ class CompiledOrEager(compiling.CompiledOrEager):
         warnings.warn(message, stacklevel=3)
 
 
+# False: the token dimension backed dynamic, as before 2026-11-27 (the bench's A/B of it)
+UNBACKED_TOKENS = True
+
+
 def _mark_tokens_dynamic(args: tuple, kwargs: dict) -> None:
     """Dim 1 (the tokens) of every ``[1, N]`` or ``[1, N, D]`` tensor argument, also inside
     tuples (rotary ``(cos, sin)``), and the packed layout's token dimensions are unbacked:
@@ -80,14 +84,17 @@ def _mark_tokens_dynamic(args: tuple, kwargs: dict) -> None:
     docstring). 4-D arguments (Hugging Face's empty mask ``[1, 1, 0, 0]``) have no token
     dimension. The sequence count (the boundaries' length) is dynamic, backed: a kernel
     standing in for the varlen one may read the boundaries back (``tolist``)."""
+    mark = torch._dynamo.decorators.mark_unbacked
+    if not UNBACKED_TOKENS:
+        mark = torch._dynamo.maybe_mark_dynamic
     for value in (*args, *kwargs.values()):
         for tensor in value if isinstance(value, tuple) else (value,):
             if isinstance(tensor, torch.Tensor) and tensor.dim() in (2, 3):
-                torch._dynamo.decorators.mark_unbacked(tensor, 1)
+                mark(tensor, 1)
     layout = kwargs.get("rl_layout")
     if layout is not None:
         for tensor, dim in layout.token_dims():
-            torch._dynamo.decorators.mark_unbacked(tensor, dim)
+            mark(tensor, dim)
         for tensor, dim in layout.dynamic_dims():
             torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
