@@ -132,9 +132,14 @@ def test_auto_and_explicit_choices():
     assert FSDPConfig(model_config=CONFIGS["qwen2"], attention="torch_varlen").attention
 
 
-def test_probe_refuses_a_kernel_that_fails_or_is_wrong():
-    error = torch_varlen.probe(CPU)  # the real kernel is CUDA-only
+def test_probe_refuses_a_kernel_that_fails_or_is_wrong(monkeypatch):
+    def cuda_only(*args, **kwargs):  # as the real kernel on CPU, unless a test gave it one
+        raise NotImplementedError("no CPU kernel for torch_attn::_varlen_attn")
+
+    monkeypatch.setattr(torch_varlen, "varlen_function", lambda: cuda_only)
+    error = torch_varlen.probe(CPU)
     assert error and "probe failed" in error and error in torch_varlen.PROBE_ERRORS
+    monkeypatch.undo()
     assert torch_varlen._probe(varlen_2_11, CPU) is None  # right maths, bf16
 
     def not_causal(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, window_size=(-1, -1)):
