@@ -88,7 +88,7 @@ def parse_args(argv=None):
     parser.add_argument(
         "--backed-tokens",
         action="store_true",
-        help="token dimension backed dynamic, as before (A/B of rl_fsdp.fusion.UNBACKED_TOKENS)",
+        help="as before the fix: backed token dimension, mix-order size checks (A/B)",
     )
     parser.add_argument("--baseline-steps", type=int, default=1, help="measured plain steps")
     parser.add_argument(

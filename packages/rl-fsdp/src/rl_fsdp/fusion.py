@@ -73,7 +73,8 @@ class CompiledOrEager(compiling.CompiledOrEager):
         warnings.warn(message, stacklevel=3)
 
 
-# False: the token dimension backed dynamic, as before 2026-11-27 (the bench's A/B of it)
+# False: as before 2026-11-27, the token dimension backed dynamic and Triton's mix-order
+# reduction checking sizes (bench/train_fsdp.py --backed-tokens: the A/B of the fix)
 UNBACKED_TOKENS = True
 
 
@@ -121,7 +122,7 @@ def mark_ints_dynamic(sources=DYNAMIC_INTS) -> None:
 
 def inductor_options(backend) -> dict | None:
     """:data:`INDUCTOR_OPTIONS` this torch has, for the inductor backend (None otherwise)."""
-    if backend != "inductor":
+    if backend != "inductor" or not UNBACKED_TOKENS:
         return None
     from torch._inductor import config
 
