@@ -418,13 +418,20 @@ def main(argv=None) -> dict:
         "baseline": baseline_report(args, batch, flops, peak, baseline_s),
         "ratio": baseline_s / fsdp_s if baseline_s else None,
         "matmul_tflops": peak,
+        **_provenance(device),
+    }
+    print(json.dumps(result, indent=2))
+    return result
+
+
+def _provenance(device) -> dict:
+    """Where, with what and when a result was measured."""
+    return {
         "hardware": _hardware(device),
         "versions": {"torch": torch.__version__, "transformers": _transformers_version()},
         "command": " ".join(["python", *sys.argv]),
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
     }
-    print(json.dumps(result, indent=2))
-    return result
 
 
 def loop_main(args, model_config: dict, device, gen) -> dict:
@@ -454,10 +461,7 @@ def loop_main(args, model_config: dict, device, gen) -> dict:
             },
             "fallback_errors": FALLBACK_ERRORS + fusion.COMPILE_FAILURES + PROBE_ERRORS,
         },
-        "hardware": _hardware(device),
-        "versions": {"torch": torch.__version__, "transformers": _transformers_version()},
-        "command": " ".join(["python", *sys.argv]),
-        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        **_provenance(device),
     }
     print(json.dumps(result, indent=2))
     return result
