@@ -73,8 +73,8 @@ class CompiledOrEager(compiling.CompiledOrEager):
         warnings.warn(message, stacklevel=3)
 
 
-# False: as before 2026-11-27, the token dimension backed dynamic and Triton's mix-order
-# reduction checking sizes (bench/train_fsdp.py --backed-tokens: the A/B of the fix)
+# False: the token dimension backed dynamic and Triton's mix-order reduction checking
+# sizes, which lets the layers recompile (bench/train_fsdp.py --backed-tokens, for A/Bs)
 UNBACKED_TOKENS = True
 
 
