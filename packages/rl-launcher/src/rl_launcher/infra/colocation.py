@@ -23,8 +23,9 @@ Engines that get LoRA adapters alone (``model.lora_sync: adapter``) keep their b
 resident and release only the KV cache and CUDA graphs: no sync would refill the base.
 The trainer group calls :meth:`Turns.training` / :meth:`Turns.syncing`, the rollout
 manager :meth:`Turns.generating` before their work, and the loop
-:meth:`Turns.preparing_training` between a rollout and its step's batches (``rollout`` here is the run's
-:class:`~rl_launcher.roles.engine_pool.EnginePool`); each is a no-op when already there.
+:meth:`Turns.preparing_training` between a rollout and its step's batches (``rollout``
+here is the run's :class:`~rl_launcher.roles.engine_pool.EnginePool`); each is a no-op when
+already there.
 
 On CPU, engines that generate while training runs (the overlapping loops) share the
 node's cores with the training ranks (:func:`engines_beside_training`,
