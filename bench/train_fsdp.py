@@ -39,10 +39,12 @@ no-grad log-probs pass over the batch, then --minibatches optimizer steps over i
 round-robin minibatches, in micro-batches of --max-tokens. ``figure.loop`` has each
 step's seconds, minibatch token counts, frames compiled and recompile reasons (dynamo's
 "recompiles" log), and ``recompiles_after_first_step``: 0 when the compiled layers
-compiled once.
+compiled once. --unbacked-tokens, --backed-tokens and --strict-mix-order switch
+rl_fsdp.fusion's choices for A/B runs in one call; --profile adds one more loop step under
+torch.profiler (``figure.profile``).
 
-    python bench/train_fsdp.py --shape 0.5b --data loop --steps 12 --baseline-steps 0
-    python bench/train_fsdp.py --shape 0.5b --data loop --steps 12 --baseline-steps 0 --backed-tokens
+    python bench/train_fsdp.py --shape 0.5b --data loop --steps 10 --baseline-steps 0 --profile
+    python bench/train_fsdp.py --shape 0.5b --data loop --steps 10 --baseline-steps 0 --profile --unbacked-tokens
     python bench/train_fsdp.py --device cpu --compile-blocks --attention sdpa_mask --data loop
 """
 
@@ -88,7 +90,17 @@ def parse_args(argv=None):
     parser.add_argument(
         "--backed-tokens",
         action="store_true",
-        help="as before the fix: backed token dimension, mix-order size checks (A/B)",
+        help="the token dimension backed everywhere (the default: on CUDA) (A/B)",
+    )
+    parser.add_argument(
+        "--unbacked-tokens",
+        action="store_true",
+        help="the token dimension unbacked everywhere (the default: on the CPU) (A/B)",
+    )
+    parser.add_argument(
+        "--strict-mix-order",
+        action="store_true",
+        help="Triton's mix-order reduction checks sizes, as before the fix (A/B)",
     )
     parser.add_argument("--baseline-steps", type=int, default=1, help="measured plain steps")
     parser.add_argument(
@@ -362,7 +374,8 @@ def _timed(step, steps: int, device, name: str) -> float:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    fusion.UNBACKED_TOKENS = not args.backed_tokens
+    fusion.UNBACKED_TOKENS = False if args.backed_tokens else True if args.unbacked_tokens else None
+    fusion.NON_STRICT_MIX_ORDER = not args.strict_mix_order
     if args.host_threads:
         torch.set_num_threads(args.host_threads)
     device = pick_device(args)
@@ -440,6 +453,8 @@ def loop_main(args, model_config: dict, device, gen) -> dict:
     _log(f"rl-fsdp built (attention {backend.attention}, levers {levers(backend)})")
     reasons = _recompile_log()
     steps = [_loop_step(args, backend, device, gen, reasons, n) for n in range(args.steps)]
+    if args.profile:
+        _profile(lambda: _loop_step(args, backend, device, gen, reasons, args.steps), device)
     result = {
         "bench": "train_fsdp",
         "shape": args.shape,
@@ -455,11 +470,13 @@ def loop_main(args, model_config: dict, device, gen) -> dict:
                 "minibatches": args.minibatches,
                 "max_tokens": args.max_tokens,
                 "unbacked_tokens": fusion.UNBACKED_TOKENS,
+                "non_strict_mix_order": fusion.NON_STRICT_MIX_ORDER,
                 "recompiles_after_first_step": sum(s["recompiles"] for s in steps[1:]),
                 "frames_compiled_after_first_step": sum(s["frames_compiled"] for s in steps[1:]),
                 "steps": steps,
             },
             "fallback_errors": FALLBACK_ERRORS + fusion.COMPILE_FAILURES + PROBE_ERRORS,
+            "profile": PROFILE or None,
         },
         **_provenance(device),
     }

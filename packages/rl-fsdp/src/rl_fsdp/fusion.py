@@ -21,18 +21,21 @@ Every instance of a class shares one compiled graph (dynamo guards on the module
 structure, not its identity), and the token dimension (dim 1 of ``[1, N]`` and
 ``[1, N, D]``, and the packed layout's boundaries and mask) is dynamic from the first call:
 one graph serves every micro-batch length (hidden sizes, the reduction dimensions, stay
-static). It is *unbacked* (``mark_unbacked``): no guard can be placed on it. A backed
-dynamic size took guards from inductor's heuristics at the first micro-batch's length
-(Triton's mix-order reduction in the RMSNorm backward: ``N * hidden >= 5 * 2**20`` and
-``N >= 4096``; the C++ backend's float-sum helper: ``N > 4096``), so the first
-micro-batch on the other side of such a threshold, steps later, recompiled each layer's
-forward and backward (7.8 s at step 5 of a colocated H100 run, 2026-11-27). Where a
-heuristic would have guarded, inductor now takes its default without a guard; Triton's
-mix-order reduction is asked not to check sizes (it fuses at every length, as it did for
-the lengths above its threshold). The longest sequence, a host int the varlen kernel
-takes, is dynamic from the first compile too (:data:`DYNAMIC_INTS`; static, it
-recompiled at its first new value); torch's kernel choice still branches on it (whether
-it is ``<= 128``).
+static). Inductor's heuristics could put guards on that size at the first micro-batch's
+length, so the first micro-batch on the other side of a threshold, steps later, recompiled
+each layer's forward and backward (7.8 s at step 5 of a colocated H100 run, 2026-11-27):
+- on CUDA the one such guard was Triton's mix-order reduction in the RMSNorm backward
+  (``N * hidden >= 5 * 2**20``); it is asked not to check sizes (:data:`NON_STRICT_MIX_ORDER`:
+  it fuses at every length, as it did above its threshold), and the token dimension stays
+  *backed*, so inductor sizes its kernels from a real length. Unbacked, the norm and
+  elementwise kernels took 1.6x as long (71 against 44 ms in a loop step of the 0.5B shape
+  on an H200, 2026-11-27) for the same absence of recompiles;
+- on the CPU the C++ backend's float-sum helper guards ``N > 4096`` and has no such switch,
+  so there the token dimension is *unbacked* (``mark_unbacked``: no guard can be placed on
+  it; :data:`UNBACKED_TOKENS`).
+The longest sequence, a host int the varlen kernel takes, is dynamic from the first
+compile too (:data:`DYNAMIC_INTS`; static, it recompiled at its first new value); torch's
+kernel choice still branches on it (whether it is ``<= 128``).
 
 A module whose compiled forward raises falls back to its eager forward for good (a whole
 layer to its blocks compiled one by one, as without ``attention``, attention module
@@ -73,31 +76,39 @@ class CompiledOrEager(compiling.CompiledOrEager):
         warnings.warn(message, stacklevel=3)
 
 
-# False: the token dimension backed dynamic and Triton's mix-order reduction checking
-# sizes, which lets the layers recompile (bench/train_fsdp.py --backed-tokens, for A/Bs)
-UNBACKED_TOKENS = True
+# Whether the token dimension is unbacked: None, on the CPU only (the module docstring);
+# True or False everywhere (bench/train_fsdp.py --unbacked-tokens / --backed-tokens, for A/Bs)
+UNBACKED_TOKENS: bool | None = None
+# False: Triton's mix-order reduction checks sizes, guarding on the token count
+# (bench/train_fsdp.py --strict-mix-order, for A/Bs)
+NON_STRICT_MIX_ORDER = True
 
 
 def _mark_tokens_dynamic(args: tuple, kwargs: dict) -> None:
     """Dim 1 (the tokens) of every ``[1, N]`` or ``[1, N, D]`` tensor argument, also inside
-    tuples (rotary ``(cos, sin)``), and the packed layout's token dimensions are unbacked:
-    one graph serves every micro-batch length, and nothing guards on it (the module
-    docstring). 4-D arguments (Hugging Face's empty mask ``[1, 1, 0, 0]``) have no token
-    dimension. The sequence count (the boundaries' length) is dynamic, backed: a kernel
-    standing in for the varlen one may read the boundaries back (``tolist``)."""
-    mark = torch._dynamo.decorators.mark_unbacked
-    if not UNBACKED_TOKENS:
-        mark = torch._dynamo.maybe_mark_dynamic
+    tuples (rotary ``(cos, sin)``), and the packed layout's token dimensions are dynamic
+    from the first call, unbacked on the CPU (the module docstring). 4-D arguments (Hugging
+    Face's empty mask ``[1, 1, 0, 0]``) have no token dimension. The sequence count (the
+    boundaries' length) is dynamic, backed: a kernel standing in for the varlen one may
+    read the boundaries back (``tolist``)."""
     for value in (*args, *kwargs.values()):
         for tensor in value if isinstance(value, tuple) else (value,):
             if isinstance(tensor, torch.Tensor) and tensor.dim() in (2, 3):
-                mark(tensor, 1)
+                _mark_tokens(tensor, 1)
     layout = kwargs.get("rl_layout")
     if layout is not None:
         for tensor, dim in layout.token_dims():
-            mark(tensor, dim)
+            _mark_tokens(tensor, dim)
         for tensor, dim in layout.dynamic_dims():
             torch._dynamo.maybe_mark_dynamic(tensor, dim)
+
+
+def _mark_tokens(tensor: torch.Tensor, dim: int) -> None:
+    unbacked = UNBACKED_TOKENS if UNBACKED_TOKENS is not None else tensor.device.type == "cpu"
+    if unbacked:
+        torch._dynamo.decorators.mark_unbacked(tensor, dim)
+    else:
+        torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
 
 # Host ints that vary between micro-batches, dynamic from the first compile: entries of
@@ -122,7 +133,7 @@ def mark_ints_dynamic(sources=DYNAMIC_INTS) -> None:
 
 def inductor_options(backend) -> dict | None:
     """:data:`INDUCTOR_OPTIONS` this torch has, for the inductor backend (None otherwise)."""
-    if backend != "inductor" or not UNBACKED_TOKENS:
+    if backend != "inductor" or not NON_STRICT_MIX_ORDER:
         return None
     from torch._inductor import config
 
