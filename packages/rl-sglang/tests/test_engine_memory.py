@@ -47,6 +47,20 @@ def test_kept_tensors_come_back_and_the_rest_comes_back_zeroed():
         memory.take((1024,), torch.float32)
 
 
+def test_dropped_contents_come_back_zeroed_without_a_host_copy():
+    memory = StableMemory(HostRegion(4 * ALIGN))
+    weight = memory.adopt(torch.arange(6, dtype=torch.float32).view(2, 3))
+    memory.keep_contents()
+    cache = memory.take((5,), torch.bfloat16).fill_(7)
+    memory.release(keep=False)
+    assert memory.released and memory.host is None  # nothing was copied out
+    memory.restore()
+    assert not weight.any() and not cache.any()
+    memory.release()  # a later release keeps them again
+    memory.restore()
+    assert not weight.any() and memory.host is not None
+
+
 def test_a_refused_restore_leaves_the_memory_released_for_another_try():
     memory = StableMemory(HostRegion(2 * ALIGN))
     weight = memory.adopt(torch.full((4,), 3.0))
@@ -102,6 +116,15 @@ def test_static_runner_keeps_its_tensors_across_a_release(tiny_dir, monkeypatch)
     assert [p.data_ptr() for p in model.parameters()] == addresses
     assert [runner.keys[0], runner.values[-1], runner.layers[0].qkv[0]] == tensors
     assert all(t.abs().sum() == 0 for t in runner.keys + runner.values)  # zeroed, not NaN
+    assert torch.equal(_greedy(runner, [[1, 2, 3], [9] * 11]), expected)
+    saved = [p.detach().clone() for p in model.parameters()]
+    runner.release(keep_weights=False)  # dropped: back zeroed, refilled by the caller
+    runner.resume()
+    assert [p.data_ptr() for p in model.parameters()] == addresses
+    assert all(not p.any() for p in model.parameters())
+    with torch.no_grad():
+        for param, value in zip(model.parameters(), saved, strict=True):
+            param.copy_(value)
     assert torch.equal(_greedy(runner, [[1, 2, 3], [9] * 11]), expected)
     assert stable_memory.VirtualRegion  # the real region the stand-in replaces
 

@@ -116,7 +116,9 @@ def test_embedded_engine_on_cuda_matches_teacher_forcing(model_dir, runner):
 def test_stable_memory_is_given_back_and_keeps_the_graphs(model_dir):
     """A release unmaps the weights and KV cache (the device gets the bytes back), a
     resume maps them at the same addresses: the graphs are not captured again, greedy
-    outputs are unchanged, and an update while released is refused, not a device fault."""
+    outputs are unchanged, and an update while released is refused, not a device fault.
+    A release that drops the weights brings them back zeroed and refuses generation
+    until an update has refilled them."""
     from rl_sglang.engine.core import Engine, load_model
 
     model, tokenizer = load_model(str(model_dir), device="cuda", dtype="bfloat16")
@@ -141,9 +143,21 @@ def test_stable_memory_is_given_back_and_keeps_the_graphs(model_dir):
         after = [
             o["output_ids"] for o in asyncio.run(_run_all(engine, engine.make_requests(body)[0]))
         ]
+        # weights dropped (a release naming them): zeroed at the resume, generation refused
+        # until an update has refilled them, then the same outputs
+        saved = [(name, t.detach().clone()) for name, t in model.state_dict().items()]
+        engine.scheduler.call(lambda: engine.release_memory(keep_weights=False)).result()
+        engine.scheduler.call(engine.resume_memory).result()
+        assert weight.data_ptr() == address and not weight.any()
+        with pytest.raises(ValueError, match="dropped its weights"):
+            engine.make_requests(body)
+        engine.scheduler.call(lambda: engine.apply_update(saved, {})).result()
+        refilled = [
+            o["output_ids"] for o in asyncio.run(_run_all(engine, engine.make_requests(body)[0]))
+        ]
     finally:
         engine.scheduler.stop()
-    assert after == before
+    assert after == before and refilled == before
 
 
 def _run_all(engine, groups):

@@ -78,7 +78,7 @@ async def health(request: web.Request) -> web.Response:
 @routes.get("/health_generate")
 async def health_generate(request: web.Request) -> web.Response:
     engine = _engine(request)
-    if engine.scheduler.paused:  # alive, deliberately not generating
+    if engine.scheduler.paused or engine.weights_dropped:  # alive, deliberately not generating
         return web.Response(text="")
     groups, _ = engine.make_requests({"input_ids": [0], "sampling_params": {"max_new_tokens": 1}})
     await asyncio.wait_for(engine.run(groups[0]), timeout=30)
@@ -200,9 +200,12 @@ def _empty_cuda_cache() -> None:
 
 @routes.post("/release_memory_occupation")
 async def release_memory_occupation(request: web.Request) -> web.Response:
-    engine = _engine(request)
+    engine, body = _engine(request), await _body(request)
     request.app[HELD_KEY].drop()  # the sender's memory (its GPU blocks) goes back with ours
-    await engine.on_scheduler(engine.release_memory)
+    # weights named in the tags are dropped, as SGLang drops them (no CPU backup): a
+    # colocated trainer syncs all of them before the next rollout; without tags they stay
+    keep = "weights" not in (body.get("tags") or ())
+    await engine.on_scheduler(lambda: engine.release_memory(keep_weights=keep))
     return web.json_response({"success": True, "message": "memory released"})
 
 

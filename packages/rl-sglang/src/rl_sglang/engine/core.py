@@ -133,6 +133,7 @@ class Engine:
             self.scheduler.routes = routes
         self.weight_receivers: dict[str, weights.WeightReceiver] = {}
         self.memory_released = False
+        self.weights_dropped = False  # released without their contents, not updated since
         self._parked_runner = None  # the runner while memory is released
         self._weight_targets: dict | None = None  # state_dict() for updates, reset on moves
 
@@ -190,6 +191,11 @@ class Engine:
     def make_requests(self, body: dict[str, Any]) -> tuple[list[list[Request]], bool]:
         """Requests of a /generate body, grouped per prompt (n samples each), and whether
         the body was a batch."""
+        if self.weights_dropped:
+            raise ValueError(
+                "the engine dropped its weights at a memory release naming 'weights'; update "
+                "them (/update_weights_from_tensor, _from_distributed or _from_disk) first"
+            )
         prompts, is_batch = normalize_prompts(body)
         params_list = body.get("sampling_params") or {}
         if not isinstance(params_list, list):
@@ -340,6 +346,7 @@ class Engine:
         """Abort if asked, copy the tensors, bump the version (runs on the scheduler thread,
         so no decode step sees half-updated weights)."""
         self.check_weights_resident()
+        self.weights_dropped = False  # a sync after a release that dropped them refills all
         num_in_flight = self.scheduler.num_running
         if body.get("abort_all_requests"):
             self.scheduler.abort_now(None, message="aborted for a weight update")
@@ -381,20 +388,25 @@ class Engine:
         self.scheduler.weight_version = version
         return {"success": True, "message": f"weight_version {version}", "new_version": version}
 
-    def release_memory(self) -> None:
+    def release_memory(self, *, keep_weights: bool = True) -> None:
         """Retract running requests, then on GPU free the KV cache (the runner) and move the
         weights to host memory; on CPU nothing is freed. A runner in stable memory unmaps
-        it instead: the parameters keep their addresses (and the weight copy plans)."""
+        it instead: the parameters keep their addresses (and the weight copy plans), and
+        with ``keep_weights=False`` their contents are dropped, not copied to the host: they
+        come back zeroed, and generation is refused until a weight update (SGLang's
+        behaviour for released weights without a CPU backup)."""
         self.scheduler.pause_now("retract")
         if self.device.type == "cuda" and self.scheduler.runner is not None:
             start = time.perf_counter()
             self._parked_runner, self.scheduler.runner = self.scheduler.runner, None
+            drop = not keep_weights and self._weights_stay()
             if hasattr(self._parked_runner, "release"):  # static: its caches and graphs
-                self._parked_runner.release()
+                self._parked_runner.release(keep_weights=not drop)
             if not self._weights_stay():
                 self._weight_targets = None  # the parameters get new storage
                 self.model.to("cpu")
             torch.cuda.empty_cache()
+            self.weights_dropped = self.weights_dropped or drop
             self._log_memory("released", start)
         self.memory_released = True
 
@@ -433,7 +445,11 @@ class Engine:
             "memory %s in %.1f ms (%s; %.2f GiB of device memory free)",
             what,
             (time.perf_counter() - start) * 1e3,
-            "stable: mapped at the same addresses"
+            (
+                "stable: weights dropped, the next update refills them"
+                if self.weights_dropped
+                else "stable: mapped at the same addresses"
+            )
             if stable
             else "weights moved to the host and back",
             torch.cuda.mem_get_info(self.device)[0] / 2**30,

@@ -185,6 +185,7 @@ class StableMemory:
     def __init__(self, region):
         self.region, self.used, self.kept_bytes = region, 0, 0
         self.host: torch.Tensor | None = None  # the kept bytes while released
+        self.contents_kept = True  # whether the last release kept them (restore copies back)
 
     @classmethod
     def for_bytes(cls, nbytes: int, device: torch.device) -> "StableMemory | None":
@@ -226,22 +227,29 @@ class StableMemory:
     def released(self) -> bool:
         return not self.region.mapped
 
-    def release(self) -> None:
+    def release(self, *, keep: bool = True) -> None:
+        """Unmap the memory. With ``keep`` the kept bytes (the weights) wait in pinned host
+        memory for :meth:`restore`; without it they are dropped, and come back zeroed, for
+        a caller about to overwrite them (a weight update): no copy either way."""
         if self.released:
             return
-        kept = self.region.bytes[: self.kept_bytes]
-        if self.host is None:
-            pinned = self.region.bytes.is_cuda  # pinned: the copies back run at full speed
-            self.host = torch.empty(self.kept_bytes, dtype=torch.uint8, pin_memory=pinned)
-        self.host.copy_(kept)
+        if keep:
+            kept = self.region.bytes[: self.kept_bytes]
+            if self.host is None:
+                pinned = self.region.bytes.is_cuda  # pinned: the copies back run at full speed
+                self.host = torch.empty(self.kept_bytes, dtype=torch.uint8, pin_memory=pinned)
+            self.host.copy_(kept)
+        self.contents_kept = keep
         self.region.unmap()
 
     def restore(self) -> None:
         if not self.released:
             return
         self.region.map()
-        self.region.bytes[: self.kept_bytes].copy_(self.host, non_blocking=True)
-        self.region.bytes[self.kept_bytes :].zero_()
+        start = self.kept_bytes if self.contents_kept else 0
+        if start:
+            self.region.bytes[:start].copy_(self.host, non_blocking=True)
+        self.region.bytes[start:].zero_()
 
     @property
     def nbytes(self) -> int:

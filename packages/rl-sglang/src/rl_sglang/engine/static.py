@@ -242,15 +242,16 @@ class StaticRunner:
             return torch.zeros(shape, dtype=like.dtype, device=like.device)
         return empty(shape, like.dtype).zero_()
 
-    def release(self) -> None:
+    def release(self, *, keep_weights: bool = True) -> None:
         """Drop every device tensor this runner owns (caches, graphs and their memory
         pool; the fused projections are the model's own weights) so the model can leave
         the device; :meth:`resume` rebuilds them. With stable memory, unmap it instead
-        (the weights wait in pinned host memory; the graphs, their pool and the small
-        tensors stay). Running rows must have been retracted first."""
+        (the weights wait in pinned host memory, or with ``keep_weights=False`` are
+        dropped and come back zeroed; the graphs, their pool and the small tensors stay).
+        Running rows must have been retracted first."""
         assert self.size == 0, "release with rows still running"
         if self.stable is not None:
-            self.stable.release()
+            self.stable.release(keep=keep_weights)
             return
         self.graphs = self.caches = self.keys = self.values = self.layers = None
         self.lengths = self.rotary_table = self.columns_T = self.mask_values = None
