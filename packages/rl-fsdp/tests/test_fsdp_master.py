@@ -195,6 +195,34 @@ def test_log_probs_resume_and_export_without_fsdp(world_of_one, tmp_path):
         assert torch.equal(exported[name], param.detach()), name
 
 
+def test_an_export_in_the_compute_dtype_sends_the_compute_copy(world_of_one, tmp_path):
+    """Exported in bf16 (what engines of a bf16 run get), the tensors are the compute copy's
+    views, no cast of their own, holding the float32 masters cast: after training steps,
+    an offload and onload, and a checkpoint load into a fresh backend."""
+
+    def exported(backend):
+        buckets = backend.export_weights(bucket_bytes=1 << 20)
+        return {name: tensor for bucket in buckets for name, tensor in bucket}
+
+    def check(backend):
+        compute = backend.master.compute.untyped_storage().data_ptr()
+        for name, tensor in exported(backend).items():
+            param = dict(backend.model.named_parameters())[name]
+            assert tensor.untyped_storage().data_ptr() == compute, name
+            assert torch.equal(tensor, param.detach().to(torch.bfloat16)), name
+
+    backend, _ = _train(world_of_one, steps=2, fsdp_on_one_rank=False, export_dtype="bf16")
+    check(backend)
+    backend.offload()
+    backend.onload()
+    check(backend)
+    backend.save_checkpoint(tmp_path / "ckpt")
+    fresh, _ = _train(world_of_one, steps=0, fsdp_on_one_rank=False, export_dtype="bf16", seed=7)
+    fresh.load_checkpoint(tmp_path / "ckpt")
+    check(fresh)
+    assert exported(fresh).keys() == exported(backend).keys()
+
+
 def test_reference_and_critic_without_fsdp(world_of_one):
     """The frozen reference is a plain module in the compute dtype (no master copy) and
     gives the actor's log-probs before any update; the critic trains on master weights

@@ -68,3 +68,33 @@ def test_only_flattened_tensor_sync_keeps_buffers():
     assert not kept_buffers(HOW | {"buffer": "fresh"})
     assert not kept_buffers(HOW | {"flatten": False})
     assert not kept_buffers(HOW | {"transport": "distributed"})
+
+
+class StateMover:
+    """A backend's offload and onload (moving its own training state), which this test
+    does not look at: only what the training rank does with its send buffers."""
+
+    def offload(self) -> None:
+        pass
+
+    def onload(self) -> None:
+        pass
+
+
+def test_an_offloaded_rank_keeps_its_send_buffers_for_the_next_sync():
+    """A colocated turn (offload, onload) between two syncs leaves the kept buffer where it
+    was: the second sync allocates nothing and hands the engine the same storage, whose
+    handle the engine still holds open."""
+    from rl_launcher.roles.train_group import TrainWorker
+
+    worker = TrainWorker(0, 1, spec=None, run_spans_nodes=False)
+    worker.backend, worker.weights = StateMover(), EngineWeightSync(0)
+    with slow_engine() as engine:
+        worker.weights.sync(buckets(1, []), [engine.url], "v1", HOW)
+        storage = worker.weights.buffers[0].storage.data_ptr()
+        worker.offload()
+        worker.onload()
+        worker.weights.sync(buckets(1, []), [engine.url], "v2", HOW)
+    assert [b.num_allocations for b in worker.weights.buffers] == [1]
+    assert worker.weights.buffers[0].storage.data_ptr() == storage
+    worker.weights.release_buffers()

@@ -122,35 +122,46 @@ def release_and_resume(cluster):
     run(_with_clients(cluster, go))
 
 
+def sync_through(cluster, buffer, seed: int):
+    model, named = new_weights(seed)
+    version = f"kept-{seed}"
+    run(
+        _with_clients(
+            cluster,
+            lambda cs: transports.update_from_tensor(
+                cs, named, weight_version=version, buffer=buffer
+            ),
+        )
+    )
+    check_engines_use(cluster, model, version)
+
+
 def test_kept_buffer_is_opened_once_and_carries_every_sync(cluster, restore_weights):
-    """Three syncs through one kept buffer: each engine maps its shared-memory file once,
-    at the same address throughout (the engine holds it: torch's sharing cache rebuilds
-    the tensor on that mapping), and serves each sync's weights."""
-    release_and_resume(cluster)  # the engines let go of earlier tests' buffers
+    """Three syncs through one kept buffer, a memory release and resume between the last
+    two (a colocated turn): each engine maps its shared-memory file once, at the same
+    address throughout (the engine holds it across the release: torch's sharing cache
+    rebuilds the tensor on that mapping), and serves each sync's weights. Released by the
+    sender, the file goes once two newer buffers have pushed it out of the engines."""
     files_before = own_shm_files()
     buffer, seen = transports.SendBuffer(), []
     for seed in (505, 506, 507):
-        model, named = new_weights(seed)
-        version = f"kept-{seed}"
-        run(
-            _with_clients(
-                cluster,
-                lambda cs, named=named, version=version: transports.update_from_tensor(
-                    cs, named, weight_version=version, buffer=buffer
-                ),
-            )
-        )
-        check_engines_use(cluster, model, version)
+        if seed == 507:
+            release_and_resume(cluster)
+        sync_through(cluster, buffer, seed)
         seen.append([mappings_of(e.process.pid, shm_file(buffer)) for e in cluster.engines])
     assert buffer.num_allocations == 1
     assert all(len(ranges) == 1 for ranges in seen[0]) and seen[0] == seen[1] == seen[2]
     assert own_shm_files() - files_before == {shm_file(buffer).removeprefix("/")}
-    # released by both ends (the engines on memory release), the file is gone
     name = shm_file(buffer)
     buffer.release()
-    release_and_resume(cluster)
+    assert all(mappings_of(e.process.pid, name) for e in cluster.engines)  # still held
+    newer = [transports.SendBuffer(), transports.SendBuffer()]
+    for seed, other in zip((508, 509), newer, strict=True):
+        sync_through(cluster, other, seed)
     assert not [e for e in cluster.engines if mappings_of(e.process.pid, name)]
-    assert own_shm_files() <= files_before
+    assert name.removeprefix("/") not in own_shm_files()
+    for other in newer:
+        other.release()
 
 
 @pytest.mark.parametrize("flatten", [False, True])

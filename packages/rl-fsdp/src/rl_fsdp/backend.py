@@ -188,8 +188,20 @@ class FSDPBackend(ShardedTrainer):
         dtype = DTYPES[self.config.export_dtype] if self.config.export_dtype else None
         scaling = self.lora.scaling if self.lora is not None else None
         yield from iter_weight_buckets(
-            self.model, bucket_bytes=bucket_bytes, dtype=dtype, lora_scaling=scaling
+            self.model,
+            bucket_bytes=bucket_bytes,
+            dtype=dtype,
+            lora_scaling=scaling,
+            copies=self._export_copies(dtype, scaling),
         )
+
+    def _export_copies(self, dtype, lora_scaling) -> dict | None:
+        """A single rank's compute copy where it holds what an export in ``dtype`` sends
+        (no LoRA merge): one cast per step instead of one per parameter and sync."""
+        master = getattr(self, "master", None)
+        if master is None or lora_scaling is not None or dtype != master.compute.dtype:
+            return None
+        return master.compute_copies()
 
     def export_lora_adapter(self, path: Path) -> int:
         """The LoRA adapters alone as a PEFT directory at ``path`` (collective; rank 0

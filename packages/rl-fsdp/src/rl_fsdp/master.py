@@ -55,6 +55,15 @@ class MasterWeights:
         compute copy and the gradient buffers (not the parameters themselves)."""
         return [t for t in (self.compute, self.grads, self.pass_grads) if t is not self.master]
 
+    def compute_copies(self) -> dict[int, torch.Tensor]:
+        """Each parameter's view of the compute copy, by ``id(parameter)`` (empty when the
+        compute dtype is float32): the parameters' current values, cast, for a weight
+        export in the compute dtype (the copy is refreshed whenever the parameters change:
+        after each optimizer step, a checkpoint load, an onload)."""
+        if not self.mixed:
+            return {}
+        return {id(p): view for p, view in zip(self.params, self.views["compute"], strict=True)}
+
     def free_scratch(self) -> None:
         """Give the scratch buffers' device memory back (while offloaded): nothing in them
         needs keeping, so nothing is copied to the host."""

@@ -41,14 +41,21 @@ def iter_weight_buckets(
     bucket_bytes: int,
     dtype: torch.dtype | None = None,
     lora_scaling: float | None = None,
+    copies: dict[int, torch.Tensor] | None = None,
 ) -> Iterator[WeightBucket]:
     """Buckets ``[(hf_name, full tensor)]`` of at most ``bucket_bytes`` each (a larger
     tensor travels alone). With ``lora_scaling`` the model's LoRA adapters are merged into
     their weights (:func:`rl_fsdp.lora.merge_lora`, before the cast to ``dtype``).
+    ``copies``: by ``id(parameter)``, a tensor holding that parameter's current values
+    already in ``dtype`` (a single rank's compute copy), sent instead of casting again.
     Collective: every rank must iterate to the end."""
 
     names = checkpoint_namer(model)
-    named = ((name, full_tensor(param)) for name, param in model.named_parameters())
+    copies = copies or {}
+    named = (
+        (name, copies.get(id(param)) if id(param) in copies else full_tensor(param))
+        for name, param in model.named_parameters()
+    )
     if lora_scaling is not None:
         named = merge_lora(named, scaling=lora_scaling)
 

@@ -201,7 +201,8 @@ def _empty_cuda_cache() -> None:
 @routes.post("/release_memory_occupation")
 async def release_memory_occupation(request: web.Request) -> web.Response:
     engine, body = _engine(request), await _body(request)
-    request.app[HELD_KEY].drop()  # the sender's memory (its GPU blocks) goes back with ours
+    # held send buffers stay open: a sender keeps its buffers for the run, so the next sync
+    # reuses the mappings (they are the sender's memory, not the engine's)
     # weights named in the tags are dropped, as SGLang drops them (no CPU backup): a
     # colocated trainer syncs all of them before the next rollout; without tags they stay
     keep = "weights" not in (body.get("tags") or ())

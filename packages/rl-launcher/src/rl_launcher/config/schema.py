@@ -691,8 +691,9 @@ class EngineConfig:
     weight_buffer: str = option(
         "kept",
         help="weight_sync=tensor with weight_flatten: kept fills two send buffers per "
-        "sending rank kept for the run (2 x weight_bucket_bytes at most; freed while a "
-        "colocated trainer is offloaded), so the engine gets the same handles each sync, "
+        "sending rank kept for the run (2 x weight_bucket_bytes at most, on the device also "
+        "while a colocated trainer is offloaded), so the engine gets the same handles each "
+        "sync and opens them once, "
         "and packs the next bucket while the engine applies one; fresh allocates one per "
         "bucket.",
         choices=("kept", "fresh"),

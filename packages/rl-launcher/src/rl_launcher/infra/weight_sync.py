@@ -193,8 +193,8 @@ class EngineWeightSync:
         return self.buffers[slot]
 
     def release_buffers(self) -> None:
-        """Free the kept send buffers (the trainer gives its device memory up while the
-        colocated engines generate); the next sync allocates them again."""
+        """Free the kept send buffers (at shutdown; a later sync would allocate them
+        again). They are kept through colocated turns: the engines hold their handles."""
         for buffer in self.buffers:
             buffer.release()
 

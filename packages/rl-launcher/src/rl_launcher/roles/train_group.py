@@ -166,8 +166,9 @@ class TrainWorker(GroupMember):
     def offload(self) -> None:
         """Training state to host memory (colocated engines generate meanwhile)."""
         if not self.offloaded:
+            # kept send buffers stay (at most 2 x engine.weight_bucket_bytes): the engines
+            # keep their handles open, so the next sync opens nothing and packs in place
             self.backend.offload()
-            self.weights.release_buffers()  # kept send buffers: allocated again at the sync
             self.offloaded = True
         self.empty_cache()  # the engines need the cached blocks back
 

@@ -285,8 +285,10 @@ class HeldBuffers:
     and the bucket's views (a :class:`KeptBucket`) are reused instead of cut again.
 
     At most ``limit`` buffers, one storage each (a sender streams through two), and
-    ``layouts`` bucket layouts per buffer; a new one pushes the oldest out. :meth:`drop`
-    lets go of all: on memory release, on shutdown. A per-tensor payload (a handle per
+    ``layouts`` bucket layouts per buffer; a new one pushes the oldest out. They are held
+    across memory releases (the sender keeps them for the run: they are its memory, and
+    one it has freed stays parked only until pushed out); :meth:`drop` lets go of all, on
+    shutdown. A per-tensor payload (a handle per
     tensor, fresh at every update) is not held."""
 
     def __init__(self, limit: int = 2, layouts: int = 8):
