@@ -3,8 +3,9 @@
 FSDP2 on a world of one communicates nothing, yet every step it casts and copies each
 parameter through its gather buffers, and each gradient through its reduce buffers: on
 an H200 at 1.5B parameters about 27 ms of copy kernels and some 800 small launches per
-step (docs/benchmarks.md). :class:`MasterWeights` does the same arithmetic with four
-flat buffers, the way Megatron keeps its parameter and gradient buffers:
+step (``bench/train_fsdp.py --fsdp-on-one-rank --profile`` measures them).
+:class:`MasterWeights` does the same arithmetic with four flat buffers, the way Megatron
+keeps its parameter and gradient buffers:
 
 - the module's parameters are views of one float32 buffer (what the optimizer,
   checkpoints and weight export see, as FSDP's sharded parameters were);
