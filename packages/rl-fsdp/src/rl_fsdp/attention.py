@@ -175,10 +175,10 @@ def auto_attention(device_type: str, precision: str, *, flash_attn: bool, torch_
         return "flash_varlen"
     if precision == "bf16" and torch_varlen():
         return "torch_varlen"
-    # Measured on an H200 (bench/train_fsdp.py --attention flex): flex was slower than one SDPA per sequence
-    # (0.5b full 0.73x vs 0.94x of the plain loop), so flex stays opt-in; one SDPA per
-    # sequence left the GPU idle on RL batches of hundreds of short sequences (4 % busy in
-    # the loop), which the grouped calls fix.
+    # Measured on an H200 (bench/train_fsdp.py --attention flex): flex was slower than one
+    # SDPA per sequence (0.5b full 0.73x vs 0.94x of the plain loop), so flex stays
+    # opt-in; one SDPA per sequence left the GPU idle on RL batches of hundreds of short
+    # sequences (4 % busy in the loop), which the grouped calls fix.
     return "sdpa_grouped"
 
 

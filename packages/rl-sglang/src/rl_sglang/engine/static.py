@@ -4,9 +4,10 @@ cache and, on CUDA, one CUDA graph per batch bucket.
 Running request ``i`` owns slot ``i`` of a preallocated cache ``[S, Hkv, T_max, D]`` per
 layer (slots stay compact: a finished row's slot is refilled by moving the last one in).
 Prefill runs the same fused layer pieces over the new prompts, right-padded, and writes
-their keys/values straight into free slots (:mod:`rl_sglang.engine.prefill`); decode runs the HF layers' own modules (norms, projections, rotary, MLP) with a
-per-slot position, writes the new key/value at that position and attends over the whole
-slot with a length mask, so every shape is fixed and the step can be graph-captured.
+their keys/values straight into free slots (:mod:`rl_sglang.engine.prefill`); decode runs
+the HF layers' own modules (norms, projections, rotary, MLP) with a per-slot position,
+writes the new key/value at that position and attends over the whole slot with a length
+mask, so every shape is fixed and the step can be graph-captured.
 
 The step keeps the GPU kernel count low (see :mod:`rl_sglang.engine.layers`), builds the
 attention mask once per step, and computes the greedy token and its log-prob inside the
