@@ -83,19 +83,22 @@ def test_update_from_disk(cluster, restore_weights, tmp_path):
     check_engines_use(cluster, model, "disk-1")
 
 
-@pytest.mark.parametrize("flatten", [False, True])
-def test_update_from_tensor(cluster, restore_weights, flatten):
-    model, named = new_weights(202 + flatten)
-    version = f"tensor-{int(flatten)}"
+def sync_tensor(cluster, seed: int, version: str, **options) -> None:
+    """New weights (``seed``) into every engine by ``update_from_tensor(**options)``,
+    then each engine serves them under ``version``."""
+    model, named = new_weights(seed)
     run(
         _with_clients(
             cluster,
-            lambda cs: transports.update_from_tensor(
-                cs, named, weight_version=version, flatten=flatten
-            ),
+            lambda cs: transports.update_from_tensor(cs, named, weight_version=version, **options),
         )
     )
     check_engines_use(cluster, model, version)
+
+
+@pytest.mark.parametrize("flatten", [False, True])
+def test_update_from_tensor(cluster, restore_weights, flatten):
+    sync_tensor(cluster, 202 + flatten, f"tensor-{int(flatten)}", flatten=flatten)
 
 
 def shm_file(buffer: transports.SendBuffer) -> str:
@@ -122,20 +125,6 @@ def release_and_resume(cluster):
     run(_with_clients(cluster, go))
 
 
-def sync_through(cluster, buffer, seed: int):
-    model, named = new_weights(seed)
-    version = f"kept-{seed}"
-    run(
-        _with_clients(
-            cluster,
-            lambda cs: transports.update_from_tensor(
-                cs, named, weight_version=version, buffer=buffer
-            ),
-        )
-    )
-    check_engines_use(cluster, model, version)
-
-
 def test_kept_buffer_is_opened_once_and_carries_every_sync(cluster, restore_weights):
     """Three syncs through one kept buffer, a memory release and resume between the last
     two (a colocated turn): each engine maps its shared-memory file once, at the same
@@ -147,7 +136,7 @@ def test_kept_buffer_is_opened_once_and_carries_every_sync(cluster, restore_weig
     for seed in (505, 506, 507):
         if seed == 507:
             release_and_resume(cluster)
-        sync_through(cluster, buffer, seed)
+        sync_tensor(cluster, seed, f"kept-{seed}", buffer=buffer)
         seen.append([mappings_of(e.process.pid, shm_file(buffer)) for e in cluster.engines])
     assert buffer.num_allocations == 1
     assert all(len(ranges) == 1 for ranges in seen[0]) and seen[0] == seen[1] == seen[2]
@@ -157,7 +146,7 @@ def test_kept_buffer_is_opened_once_and_carries_every_sync(cluster, restore_weig
     assert all(mappings_of(e.process.pid, name) for e in cluster.engines)  # still held
     newer = [transports.SendBuffer(), transports.SendBuffer()]
     for seed, other in zip((508, 509), newer, strict=True):
-        sync_through(cluster, other, seed)
+        sync_tensor(cluster, seed, f"kept-{seed}", buffer=other)
     assert not [e for e in cluster.engines if mappings_of(e.process.pid, name)]
     assert name.removeprefix("/") not in own_shm_files()
     for other in newer:
