@@ -198,10 +198,9 @@ class FSDPBackend(ShardedTrainer):
     def _export_copies(self, dtype, lora_scaling) -> dict | None:
         """A single rank's compute copy where it holds what an export in ``dtype`` sends
         (no LoRA merge): one cast per step instead of one per parameter and sync."""
-        master = getattr(self, "master", None)
-        if master is None or lora_scaling is not None or dtype != master.compute.dtype:
+        if self.master is None or lora_scaling is not None or dtype != self.master.compute.dtype:
             return None
-        return master.compute_copies()
+        return self.master.compute_copies()
 
     def export_lora_adapter(self, path: Path) -> int:
         """The LoRA adapters alone as a PEFT directory at ``path`` (collective; rank 0

@@ -53,7 +53,7 @@ def iter_weight_buckets(
     names = checkpoint_namer(model)
     copies = copies or {}
     named = (
-        (name, copies.get(id(param)) if id(param) in copies else full_tensor(param))
+        (name, copies[id(param)] if id(param) in copies else full_tensor(param))
         for name, param in model.named_parameters()
     )
     if lora_scaling is not None:

@@ -399,10 +399,11 @@ class Engine:
         if self.device.type == "cuda" and self.scheduler.runner is not None:
             start = time.perf_counter()
             self._parked_runner, self.scheduler.runner = self.scheduler.runner, None
-            drop = not keep_weights and self._weights_stay()
+            stay = self._weights_stay()
+            drop = not keep_weights and stay
             if hasattr(self._parked_runner, "release"):  # static: its caches and graphs
                 self._parked_runner.release(keep_weights=not drop)
-            if not self._weights_stay():
+            if not stay:
                 self._weight_targets = None  # the parameters get new storage
                 self.model.to("cpu")
             torch.cuda.empty_cache()

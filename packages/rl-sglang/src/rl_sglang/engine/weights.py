@@ -288,8 +288,8 @@ class HeldBuffers:
     ``layouts`` bucket layouts per buffer; a new one pushes the oldest out. They are held
     across memory releases (the sender keeps them for the run: they are its memory, and
     one it has freed stays parked only until pushed out); :meth:`drop` lets go of all, on
-    shutdown. A per-tensor payload (a handle per
-    tensor, fresh at every update) is not held."""
+    shutdown. A per-tensor payload (a handle per tensor, fresh at every update) is not
+    held."""
 
     def __init__(self, limit: int = 2, layouts: int = 8):
         self.limit, self.layouts = limit, layouts
