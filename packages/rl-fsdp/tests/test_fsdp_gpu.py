@@ -12,6 +12,8 @@ import pytest
 import torch
 from fsdp_tiny import padded_log_probs, plain_model, tokens_batch
 
+from rl_fsdp.offload import optimizer_state_tensors
+
 pytestmark = pytest.mark.gpu
 GPU_MODEL = {
     "model_type": "qwen2",
@@ -96,6 +98,8 @@ def _train_then_offload(backend) -> None:
     assert last["loss/total"] < first["loss/total"]
     assert 0 < last["perf/mfu"] < 1
     before = {k: _local(v).clone() for k, v in backend.model.state_dict().items()}
+    state_before = [_local(t).clone() for t in optimizer_state_tensors(backend.optimizer)]
+    log_probs = backend.compute_log_probs(batch)
     held = torch.cuda.memory_allocated()
     backend.offload()  # storages emptied in place; their bytes wait in pinned host memory
     local = [_local(p) for p in backend.model.parameters()]
@@ -103,8 +107,15 @@ def _train_then_offload(backend) -> None:
     assert held - torch.cuda.memory_allocated() >= state_bytes  # weights + 2 AdamW moments
     assert _local(next(backend.model.parameters())).untyped_storage().nbytes() == 0
     backend.onload()
+    assert backend._update_stash._restoring is not None  # the rest comes on a side stream
+    # a forward pass reads only what came back first
+    assert torch.equal(backend.compute_log_probs(batch), log_probs)
+    backend._update_stash.ready()  # what the optimizer step does before it reads the rest
     for name, value in backend.model.state_dict().items():
         assert torch.equal(_local(value), before[name]), name
+    state = [_local(t) for t in optimizer_state_tensors(backend.optimizer)]
+    assert len(state) == len(state_before)
+    assert all(torch.equal(got, want) for got, want in zip(state, state_before, strict=True))
     assert torch.isfinite(torch.tensor(backend.train_step(batch)["loss/total"]))
 
 

@@ -85,25 +85,29 @@ def test_master_weights_by_hand():
     assert all(p.grad is None for p in model.parameters())  # no backward: no gradients
 
 
-def test_scratch_buffers_freed_and_rebuilt_for_offload():
-    """Offloaded, only the float32 parameters keep their bytes; back, the compute copy is
-    rebuilt from them, the per-pass gradients are zero and no gradient is held."""
+def test_offload_keeps_weights_and_compute_copy_and_rebuilds_gradients():
+    """Offloaded, the compute copy (what forward passes read first) and the float32
+    parameters (what only the update reads) keep their bytes; the gradient buffers are
+    freed, and back they hold zero per-pass gradients and no step's sum."""
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 8)
     master = MasterWeights(model, torch.bfloat16, CPU)
     with master.computing():
         model(torch.randn(2, 8).bfloat16()).float().sum().backward()
         master.accumulate()
+    assert master.stashed() == ([master.compute], [master.master])
     kept = master.master.clone()
-    master.free_scratch()
-    assert [t.untyped_storage().nbytes() for t in master.scratch()] == [0, 0, 0]
+    master.free_gradients()
+    assert [t.untyped_storage().nbytes() for t in master.gradient_buffers()] == [0, 0]
     assert torch.equal(master.master, kept)
-    master.restore_scratch()
-    assert torch.equal(master.compute, kept.bfloat16())
+    master.restore_gradients()
     assert not master.pass_grads.any() and not master.has_grads
     with master.computing():
         assert torch.equal(model.weight, kept[:64].view(8, 8).bfloat16())
     assert model.weight.grad is None
+    float32 = MasterWeights(torch.nn.Linear(4, 4), torch.float32, CPU)
+    assert float32.stashed() == ([float32.master], [])  # the compute copy is the master
+    assert float32.gradient_buffers() == [float32.grads]
 
 
 def test_gradients_sum_over_passes_without_zeroing_the_float32_buffer():

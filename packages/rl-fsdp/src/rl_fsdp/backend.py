@@ -97,7 +97,7 @@ class FSDPBackend(ShardedTrainer):
                 "update_reference needs a separate reference model: an objective with "
                 "kl_coef or reward_kl_coef > 0, and no LoRA (whose reference is the base)"
             )
-        self.onload()
+        self.onload_all()
         ref_params = dict(self.ref_model.named_parameters())
         for name, param in self.model.named_parameters():
             ref_params[name].copy_(param.detach())
@@ -184,7 +184,7 @@ class FSDPBackend(ShardedTrainer):
     def export_weights(self, *, bucket_bytes: int):
         """Buckets of ``(hf_name, full tensor)``, at most ``bucket_bytes`` each (collective);
         with LoRA the base's names with the adapters merged in (what any engine loads)."""
-        self.onload()
+        self.onload_all()
         dtype = DTYPES[self.config.export_dtype] if self.config.export_dtype else None
         scaling = self.lora.scaling if self.lora is not None else None
         yield from iter_weight_buckets(
@@ -210,7 +210,7 @@ class FSDPBackend(ShardedTrainer):
 
         if self.lora is None:
             raise ValueError("export_lora_adapter needs a model with LoRA (FSDPConfig.lora)")
-        self.onload()
+        self.onload_all()
         dtype = DTYPES[self.config.export_dtype] if self.config.export_dtype else None
         return write_peft_adapter(
             self.model, self.lora, Path(path), base_model=self.config.model_path, dtype=dtype

@@ -38,7 +38,7 @@ from rl_fsdp.modeling import (
     reshard_after_backward,
     shard_model,
 )
-from rl_fsdp.offload import HostStash, training_tensors
+from rl_fsdp.offload import HostStash, optimizer_state_tensors
 from rl_fsdp.optim import build_optimizer
 
 
@@ -83,7 +83,10 @@ class ShardedTrainer:
         self.optimizer, self.scheduler = build_optimizer(self.model, config)
         self.step = 0
         self.offloaded = False
-        self._stash = HostStash()  # pinned host copies while offloaded (colocated turns)
+        # pinned host copies while offloaded (colocated turns): what forward passes read,
+        # and what only the update reads, which comes back on a side stream (onload)
+        self._forward_stash, self._update_stash = HostStash(), HostStash()
+        self._onload_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     @property
     def data_rank(self) -> int:
@@ -154,6 +157,7 @@ class ShardedTrainer:
         sums = self._accumulate(batch)
         grad_norm = self.clip_gradients()
         flag = faults.nonfinite_flag(sums, grad_norm, self.device)
+        self._update_stash.ready()  # the master weights and moments the onload sent last
         faults.guarded_step(self.optimizer, flag)
         if self.master is not None:
             self.master.refresh()  # unchanged values when the step was skipped
@@ -206,7 +210,7 @@ class ShardedTrainer:
     def save_checkpoint(self, path: Path) -> None:
         """Model, optimizer and schedule; with LoRA only the adapters and their optimizer
         state, plus ``adapter.json`` (base model and spec) to rebuild the model from."""
-        self.onload()
+        self.onload_all()
         checkpoint.save(
             Path(path),
             self.model,
@@ -218,7 +222,7 @@ class ShardedTrainer:
         )
 
     def load_checkpoint(self, path: Path) -> None:
-        self.onload()
+        self.onload_all()
         self.step = checkpoint.load(
             Path(path), self.model, self.optimizer, self.scheduler, adapter=self.adapter_info()
         )
@@ -243,22 +247,43 @@ class ShardedTrainer:
         return {"base": {**base, "seed": self.config.seed}, "lora": self.lora.to_dict()}
 
     def offload(self) -> None:
-        """Parameters and optimizer state to pinned host memory, freeing their device
-        memory (:mod:`rl_fsdp.offload`; a no-op on a CPU run). The finished step's
-        gradients are dropped (the next step starts from zero)."""
+        """Training state to pinned host memory, freeing its device memory
+        (:mod:`rl_fsdp.offload`; a no-op on a CPU run). The finished step's gradients are
+        dropped (the next step starts from zero)."""
         if self.device.type != "cpu" and not self.offloaded:
             # not self.zero_grad(): the master's gradient buffers are freed below, not zeroed
             self.optimizer.zero_grad(set_to_none=True)
-            tensors = training_tensors(self.model, self.optimizer)
-            self._stash.release(t for t in tensors if t.device.type == "cuda")
+            forward, update = self._stashed()
+            self._forward_stash.release(t for t in forward if t.device.type == "cuda")
+            self._update_stash.release(t for t in update if t.device.type == "cuda")
             if self.master is not None:
-                self.master.free_scratch()  # rebuilt from the parameters on onload
+                self.master.free_gradients()  # zero-filled again on onload
             torch.cuda.empty_cache()
         self.offloaded = True
 
+    def _stashed(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """What an offload keeps: what forward passes read (the compute copy, or the
+        parameters) and what only the optimizer step reads (master weights, moments)."""
+        state = list(optimizer_state_tensors(self.optimizer))
+        if self.master is not None:
+            forward, update = self.master.stashed()
+            return forward, update + state
+        return list(self.model.parameters()), state
+
     def onload(self) -> None:
-        if self._stash.released:
-            self._stash.restore()
+        """Back from :meth:`offload`: what forward passes read first (the host waits for
+        it), then the rest on a side stream while the host goes on (a colocated step's
+        log-prob pass hides it); the optimizer step waits for it on the device."""
+        if self._forward_stash.released:
+            self._forward_stash.restore()
             if self.master is not None:
-                self.master.restore_scratch()
+                self.master.restore_gradients()
+        if self._update_stash.released:
+            self._update_stash.restore(stream=self._onload_stream)
         self.offloaded = False
+
+    def onload_all(self) -> None:
+        """:meth:`onload`, with the current stream waiting for all of it (what reads the
+        master weights or the optimizer state outside a training step)."""
+        self.onload()
+        self._update_stash.ready()

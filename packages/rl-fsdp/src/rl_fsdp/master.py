@@ -22,8 +22,9 @@ keeps its parameter and gradient buffers:
   backward, their float32 gradients.
 
 With ``compute_dtype`` float32 (CPU runs) there is no copy: compute and master are one.
-Offloaded (colocated turns), only the float32 parameters travel to the host; the other
-buffers are freed and rebuilt (:meth:`free_scratch`, :meth:`restore_scratch`).
+Offloaded (colocated turns), the float32 parameters and the compute copy travel to the
+host (:meth:`stashed`); the gradient buffers are freed and rebuilt
+(:meth:`free_gradients`, :meth:`restore_gradients`).
 Every trainable parameter gets a gradient (zero where a step did not use it).
 """
 
@@ -51,32 +52,36 @@ class MasterWeights:
         self.active = False
         self.has_grads = False  # a backward was accumulated since zero_grads
 
-    def scratch(self) -> list[torch.Tensor]:
-        """The buffers derived from the float32 parameters or reset every step: the
-        compute copy and the gradient buffers (not the parameters themselves)."""
-        return [t for t in (self.compute, self.grads, self.pass_grads) if t is not self.master]
+    def gradient_buffers(self) -> list[torch.Tensor]:
+        """The buffers reset every step: the float32 gradient sum and, with a compute
+        copy, the per-pass gradients."""
+        return [self.grads] if self.pass_grads is self.grads else [self.grads, self.pass_grads]
+
+    def stashed(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """What an offload keeps, split by when it is needed back: what forward passes
+        read (the compute copy) and what only the update reads (the float32 parameters;
+        nothing when they are the compute copy)."""
+        return [self.compute], [self.master] if self.mixed else []
 
     def compute_copies(self) -> dict[int, torch.Tensor]:
         """Each parameter's view of the compute copy, by ``id(parameter)`` (empty when the
         compute dtype is float32): the parameters' current values, cast, for a weight
         export in the compute dtype (the copy is refreshed whenever the parameters change:
-        after each optimizer step, a checkpoint load, an onload)."""
+        after each optimizer step, a checkpoint load; an offload keeps it as it was)."""
         if not self.mixed:
             return {}
         return {id(p): view for p, view in zip(self.params, self.views["compute"], strict=True)}
 
-    def free_scratch(self) -> None:
-        """Give the scratch buffers' device memory back (while offloaded): nothing in them
-        needs keeping, so nothing is copied to the host."""
-        for tensor in self.scratch():
+    def free_gradients(self) -> None:
+        """Give the gradient buffers' device memory back (while offloaded): nothing in
+        them needs keeping, so nothing is copied to the host."""
+        for tensor in self.gradient_buffers():
             tensor.untyped_storage().resize_(0)
 
-    def restore_scratch(self) -> None:
-        """Regrow the scratch buffers: the compute copy from the float32 parameters,
-        zero gradients."""
-        for tensor in self.scratch():
+    def restore_gradients(self) -> None:
+        """Regrow the gradient buffers: zero per-pass gradients, no step's sum held."""
+        for tensor in self.gradient_buffers():
             tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
-        self.refresh()
         self.zero_grads()
 
     @torch.no_grad()

@@ -8,13 +8,18 @@ host buffer kept for the run, then shrinks the device storage to zero bytes (wha
 itself does with unsharded parameters). Every tensor object, view, DTensor and optimizer
 state entry stays the same object; :meth:`HostStash.restore` regrows the storages and
 copies the bytes back. Both directions are asynchronous copies from or into pinned memory,
-ended by one synchronisation.
+ended by one synchronisation; or the restore runs on a side stream
+(``restore(stream=...)``) while the device computes something else, and :meth:`ready`
+makes the current stream wait for it before the restored tensors are read (a colocated
+trainer's optimizer state comes back during the log-prob pass: nothing reads it before
+the first optimizer step).
 
 Between :meth:`HostStash.release` and :meth:`HostStash.restore` the tensors must not be
 read: their storages hold no bytes.
 """
 
 from collections.abc import Iterable
+from contextlib import nullcontext
 
 import torch
 
@@ -26,6 +31,7 @@ class HostStash:
         self.pin = torch.cuda.is_available() if pin is None else pin
         self._host: dict[int, torch.Tensor] = {}  # storage position -> uint8 host buffer
         self._released: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
+        self._restoring: torch.cuda.Event | None = None  # end of a side-stream restore
 
     @property
     def released(self) -> bool:
@@ -35,6 +41,7 @@ class HostStash:
         """Copy the storages of ``tensors`` to host and free them; returns the bytes moved."""
         if self._released:
             raise RuntimeError("HostStash.release called twice without restore")
+        self.ready()  # a side-stream restore still writing these storages
         storages = _distinct_storages(tensors)
         # buffers are matched by position: a regrown storage has a new address
         for key, storage in enumerate(storages.values()):
@@ -46,16 +53,37 @@ class HostStash:
             storage.resize_(0)
         return sum(host.numel() for _, host in self._released)
 
-    def restore(self) -> int:
-        """Regrow every released storage and copy its bytes back; returns the bytes moved."""
-        moved = 0
-        for storage, host in self._released:
+    def restore(self, *, stream: "torch.cuda.Stream | None" = None) -> int:
+        """Regrow every released storage and copy its bytes back; returns the bytes moved.
+
+        Without ``stream`` the host waits for the copies. With a CUDA ``stream`` they are
+        queued there, after the work already queued on the current stream, and the host
+        goes on: call :meth:`ready` before reading the tensors on another stream. The
+        storages are allocated for the current stream either way, and :meth:`release` calls
+        :meth:`ready` before it frees them, so the side stream is done with them by then."""
+        for storage, host in self._released:  # allocated for the current stream
             storage.resize_(host.numel())
-            _bytes_of(storage).copy_(host, non_blocking=self.pin)
-            moved += host.numel()
-        _wait(storage for storage, _ in self._released)
+        side = stream is not None and bool(self._released)
+        if side:
+            stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream) if side else nullcontext():
+            for storage, host in self._released:
+                _bytes_of(storage).copy_(host, non_blocking=self.pin)
+        if side:
+            self._restoring = torch.cuda.Event()
+            self._restoring.record(stream)
+        moved = sum(host.numel() for _, host in self._released)
+        if stream is None:
+            _wait((storage for storage, _ in self._released), all_streams=False)
         self._released = []
         return moved
+
+    def ready(self) -> None:
+        """The current stream waits (on the device, not the host) for a side-stream
+        :meth:`restore`; a no-op when none is pending."""
+        if self._restoring is not None:
+            torch.cuda.current_stream().wait_event(self._restoring)
+            self._restoring = None
 
     def _host_buffer(self, key: int, nbytes: int) -> torch.Tensor:
         host = self._host.get(key)
@@ -82,14 +110,23 @@ def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
-def _wait(storages: Iterable[torch.UntypedStorage]) -> None:
+def _wait(storages: Iterable[torch.UntypedStorage], *, all_streams: bool = True) -> None:
+    """The host waits for the device: all its streams, or the current stream only."""
     if any(storage.device.type == "cuda" for storage in storages):
-        torch.cuda.synchronize()
+        if all_streams:
+            torch.cuda.synchronize()
+        else:  # leaves another stash's side-stream restore running
+            torch.cuda.current_stream().synchronize()
 
 
 def training_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None):
     """Parameters and optimizer state tensors (step counters included: a fused AdamW keeps
     them on the device). Gradients are not state: drop them before releasing."""
     yield from model.parameters()
+    yield from optimizer_state_tensors(optimizer)
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer | None):
+    """The optimizer's state tensors (moments, step counters)."""
     for state in optimizer.state.values() if optimizer is not None else ():
         yield from (value for value in state.values() if isinstance(value, torch.Tensor))
