@@ -14,6 +14,10 @@ addresses need the API key: :data:`API_KEY` is set in ``RL_SGLANG_API_KEY`` of t
 process before the nodes start, so the raylets, their workers and any ``rl-train`` started
 from here hold it, as every node of a real cluster must. Start-ups cost tens of seconds on
 a loaded 2-core machine: share one cluster per module.
+
+The head checks its nodes' health every second (Ray's default is every 3 s; a node is dead
+after 5 failed checks in a row), so a test that removes a node waits about 5 s, not 15, for
+Ray to report it dead. A check still gives a busy node Ray's default 10 s to answer.
 """
 
 import contextlib
@@ -31,8 +35,10 @@ API_KEY = "simulated-cluster-key"
 
 
 def node_address(index: int) -> str:
-    """Worker node ``index``'s address (0-based): 127.0.0.2, 127.0.0.3, ..."""
-    return f"127.0.0.{index + 2}"
+    """Worker node ``index``'s address (0-based): 127.0.0.2, 127.0.0.3, ...; in pytest-xdist's
+    worker ``gwN`` 127.0.N.2, ..., so that clusters of two workers never share an address."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    return f"127.0.{worker}.{index + 2}"
 
 
 @contextlib.contextmanager
@@ -41,7 +47,8 @@ def simulated_cluster(num_nodes: int, cpus_per_node: float = 2) -> Iterator[Clus
     temp_dir = tempfile.mkdtemp(prefix="rlc", dir="/tmp")  # short: Ray's socket paths
     previous_key = os.environ.get(API_KEY_ENV)
     os.environ[API_KEY_ENV] = API_KEY  # before any raylet starts: they all inherit it
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "temp_dir": temp_dir})
+    head = {"num_cpus": 0, "temp_dir": temp_dir, "_system_config": {"health_check_period_ms": 1000}}
+    cluster = Cluster(initialize_head=True, head_node_args=head)
     try:
         _forget_default_address(cluster)
         for index in range(num_nodes):
