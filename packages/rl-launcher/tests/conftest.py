@@ -24,14 +24,3 @@ def ray_cluster():
         import ray
 
         ray.shutdown()
-
-
-def pytest_collection_modifyitems(config, items):
-    """In pytest-xdist's workers (tox's launcher env, ``--no-loadscope-reorder``) the files
-    with integration tests are handed out first: each takes tens of seconds, so one started
-    last would keep its worker running long after the others ran out of files; the many
-    quick files fill the end instead. A stable sort: each file keeps its own order."""
-    if "PYTEST_XDIST_WORKER" not in os.environ:
-        return
-    slow = {item.path for item in items if item.get_closest_marker("integration")}
-    items.sort(key=lambda item: item.path not in slow)
