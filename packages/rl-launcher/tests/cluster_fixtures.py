@@ -35,10 +35,8 @@ API_KEY = "simulated-cluster-key"
 
 
 def node_address(index: int) -> str:
-    """Worker node ``index``'s address (0-based): 127.0.0.2, 127.0.0.3, ...; in pytest-xdist's
-    worker ``gwN`` 127.0.N.2, ..., so that clusters of two workers never share an address."""
-    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
-    return f"127.0.{worker}.{index + 2}"
+    """Worker node ``index``'s address (0-based): 127.0.0.2, 127.0.0.3, ..."""
+    return f"127.0.0.{index + 2}"
 
 
 @contextlib.contextmanager
