@@ -8,6 +8,9 @@
 #   bash bench/ab.sh run ARGS...            # on the GPU machine: for each ab/<REV> and the
 #                                           # working tree ("head"), twice in turn,
 #                                           # python bench/train_fsdp.py ARGS
+#   bash bench/ab.sh loop ARGS...           # the same with rl-train: python3 -m
+#                                           # rl_launcher.cli ARGS (a loop config), then
+#                                           # bench/e2e_summary.py over every run
 # `run` prints one line per run (variant, exit status, rl-fsdp and plain-loop tokens/s; with
 # --profile the profiled step's busy share, idle gaps and attention time; the graph breaks
 # and graphs where the variant's bench reports them) and writes each run's JSON report to
@@ -15,7 +18,14 @@
 # VARIANT_ARGS="exp_cuda-graphs:--fill-micro-batches --compile-mode reduce-overhead" adds
 # arguments for one variant only (entries separated by ';'; flags only its bench knows).
 # BENCH=bench/train_megatron.py switches the bench, ROUNDS=N the number of rounds (2),
-# LIMIT_S the seconds one run may take (150), PYTHON the interpreter (python3).
+# LIMIT_S the seconds one run may take (150), PYTHON the interpreter (python3). Even rounds
+# run the variants in the reverse order: in one call the run that goes first is often
+# slower (colder caches and clocks), so each variant goes first once in two rounds.
+# `loop` runs each variant's packages with the working tree's examples/; its runs go to
+# $RUNS/<variant>_<round> (RUNS defaults to /tmp/ab_runs), their metrics.jsonl to
+# $OUT/loop_<variant>_<round>.metrics.jsonl and the summary to $OUT/loop_summary.json. A
+# loop run spends about two minutes starting on a fresh GPU machine (model, trainer,
+# engine compile): budget LIMIT_S for that plus the steps.
 set -u
 here=$(cd "$(dirname "$0")/.." && pwd)
 cmd=${1:?usage: bash bench/ab.sh export REV... | run ARGS...}
@@ -76,23 +86,63 @@ print(line)
 EOF
 }
 
+variants() {  # variants ROUND: "name root" lines, the working tree first in odd rounds
+  local lines dir
+  lines="head $here"
+  for dir in "$here"/ab/*/; do
+    [ -d "$dir" ] && lines+=$'\n'"$(basename "$dir") ${dir%/}"
+  done
+  if [ $(($1 % 2)) -eq 0 ]; then echo "$lines" | tac; else echo "$lines"; fi
+}
+
+run_loop() {  # run_loop NAME ROOT ROUND ARGS...: one rl-train run of ROOT's packages
+  local name=$1 root=$2 round=$3 start=$SECONDS
+  shift 3
+  local dir="$RUNS/${name}_$round"
+  rm -rf "$dir"
+  (cd "$here" && PYTHONPATH=$(pythonpath "$root") timeout -k 20 "${LIMIT_S:-150}" \
+    "${PYTHON:-python3}" -m rl_launcher.cli "$@" --logging.run_dir "$dir" \
+    > "$OUT/loop_${name}_$round.log" 2>&1)
+  echo "$name round $round: exit $?, $((SECONDS - start)) s"
+  cp "$dir/metrics.jsonl" "$OUT/loop_${name}_$round.metrics.jsonl" 2>/dev/null
+  LOOP_RUNS+=("$dir")
+}
+
+loop_summary() {  # the steady-state medians of every run, one line each
+  PYTHONPATH=$(pythonpath "$here") "${PYTHON:-python3}" "$here/bench/e2e_summary.py" \
+    "${LOOP_RUNS[@]}" --skip 3 > "$OUT/loop_summary.json" || return 0
+  python3 - "$OUT/loop_summary.json" <<'EOF'
+import json, sys
+for name, run in json.load(open(sys.argv[1]))["runs"].items():
+    t, perf = run.get("time_median_s", {}), run.get("perf_median", {})
+    keys = ("step", "rollout", "log_probs", "train", "sync", "overhead")
+    parts = " ".join(f"{k} {t[k]:.3f}" for k in keys if t.get(k) is not None)
+    print(f"{name}: {run.get('steps')} steps, {parts}, overhead "
+          f"{100 * (perf.get('time/overhead_frac') or 0):.1f} %, GPU busy "
+          f"{run.get('gpu_median', {}).get('gpu/util/0')}")
+EOF
+}
+
 case $cmd in
 export)
   [ $# -gt 0 ] || { echo "name at least one commit" >&2; exit 2; }
   for rev in "$@"; do export_rev "$rev"; done
   ;;
-run)
-  OUT=${OUT:-runs/ab}
-  mkdir -p "$OUT"
+run | loop)
+  OUT=${OUT:-runs/ab} RUNS=${RUNS:-/tmp/ab_runs}
+  # absolute: a loop runs from the repo root
+  OUT=$(mkdir -p "$OUT" && cd "$OUT" && pwd) RUNS=$(mkdir -p "$RUNS" && cd "$RUNS" && pwd)
+  LOOP_RUNS=()
   for round in $(seq "${ROUNDS:-2}"); do
-    run_one head "$here" "$round" "$@"
-    for dir in "$here"/ab/*/; do
-      [ -d "$dir" ] && run_one "$(basename "$dir")" "${dir%/}" "$round" "$@"
-    done
+    while read -r name root; do
+      if [ "$cmd" = run ]; then run_one "$name" "$root" "$round" "$@"
+      else run_loop "$name" "$root" "$round" "$@"; fi
+    done < <(variants "$round")
   done
+  if [ "$cmd" = loop ]; then loop_summary; fi
   ;;
 *)
-  echo "unknown command $cmd (export or run)" >&2
+  echo "unknown command $cmd (export, run or loop)" >&2
   exit 2
   ;;
 esac
