@@ -7,7 +7,7 @@ import torch
 from fsdp_tiny import CONFIGS, tokens_batch
 
 from rl_fsdp import FSDPConfig
-from rl_fsdp.offload import HostStash, training_tensors
+from rl_fsdp.offload import HostStash, optimizer_state_tensors
 
 
 def test_views_share_one_buffer_and_come_back_in_place():
@@ -83,7 +83,7 @@ def test_fsdp_state_round_trip_leaves_training_unchanged(world_of_one):
     plain, stashed, batch = _backend(world_of_one), _backend(world_of_one), _rl_batch()
     expected = [plain.train_step(batch)["loss/total"] for _ in range(2)]
     first = stashed.train_step(batch)["loss/total"]
-    tensors = list(training_tensors(stashed.model, stashed.optimizer))
+    tensors = [*stashed.model.parameters(), *optimizer_state_tensors(stashed.optimizer)]
     stash = HostStash(pin=False)
     moved = stash.release(tensors)
     params = sum(p.to_local().numel() * 4 for p in stashed.model.parameters())

@@ -119,13 +119,6 @@ def _wait(storages: Iterable[torch.UntypedStorage], *, all_streams: bool = True)
             torch.cuda.current_stream().synchronize()
 
 
-def training_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None):
-    """Parameters and optimizer state tensors (step counters included: a fused AdamW keeps
-    them on the device). Gradients are not state: drop them before releasing."""
-    yield from model.parameters()
-    yield from optimizer_state_tensors(optimizer)
-
-
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer | None):
     """The optimizer's state tensors (moments, step counters)."""
     for state in optimizer.state.values() if optimizer is not None else ():
