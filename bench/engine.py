@@ -132,6 +132,12 @@ def run_sglang(model, prompts_by_batch, new_tokens, args) -> dict:
     return results
 
 
+def _attention_used(engine) -> str | None:
+    """The static runner's decode attention ("triton" or "sdpa"); None for the dynamic one."""
+    fused = getattr(engine.scheduler.runner, "fused_attention", None)
+    return None if fused is None else "triton" if fused else "sdpa"
+
+
 def greedy_agreement(args, batch: int = 8, new_tokens: int = 32) -> dict:
     """Fraction of prompts whose greedy engine output equals ``generate``'s, in float32
     (CUDA graphs of the eager layer: a second compile would cost minutes of the run)."""
@@ -143,6 +149,7 @@ def greedy_agreement(args, batch: int = 8, new_tokens: int = 32) -> dict:
         runner=args.runner,
         max_context=args.prompt_len + new_tokens + 8,
         compile=False,
+        decode_attention=args.decode_attention,
     )
     prompts = make_prompts(batch, args.prompt_len, model.config.vocab_size, seed=7)
     try:
@@ -240,6 +247,12 @@ def main() -> None:
         default=DEFAULT_MULTI_STEP,
         help="greedy decode steps per round (1 = one step per round)",
     )
+    parser.add_argument(
+        "--decode-attention",
+        default="auto",
+        choices=["auto", "triton", "sdpa"],
+        help="the static runner's decode attention (auto: Triton kernels on CUDA)",
+    )
     parser.add_argument("--with-sglang", action="store_true")
     parser.add_argument("--out", help="also write the JSON here, after each phase")
     parser.add_argument("--skip-float32-check", action="store_true")
@@ -257,6 +270,7 @@ def main() -> None:
         max_context=max_context,
         compile=args.compile,
         multi_step=args.multi_step,
+        decode_attention=args.decode_attention,
     )
     startup_s = time.perf_counter() - start
     warm = make_prompts(2, args.prompt_len, model.config.vocab_size, seed=99)
@@ -295,6 +309,7 @@ def main() -> None:
         "runner": engine.runner_kind,
         "compiled": compiled,
         "multi_step": getattr(engine.scheduler.runner, "multi_step", 1),
+        "decode_attention": _attention_used(engine),
         "prefill": "fused layers into slots" if engine.runner_kind == "static" else "HF forward",
         "engine_startup_s": round(startup_s, 1),
         "dtype": args.dtype,

@@ -74,7 +74,9 @@ class Engine:
     graphs again (:mod:`rl_sglang.engine.stable_memory`); ``None``: on with CUDA.
     ``mem_fraction`` (static runner on CUDA): the share of the device's memory the engine
     may hold (weights, KV slots, graphs), as SGLang's ``--mem-fraction-static``;
-    ``max_batch_size`` is lowered to the slots that fit. ``None``: no bound."""
+    ``max_batch_size`` is lowered to the slots that fit. ``None``: no bound.
+    ``decode_attention`` (static runner): ``"triton"``, ``"sdpa"`` or ``"auto"`` (Triton
+    on CUDA), see :class:`~rl_sglang.engine.static.StaticRunner`."""
 
     def __init__(
         self,
@@ -93,6 +95,7 @@ class Engine:
         enable_return_routed_experts=False,
         stable_memory=None,
         mem_fraction=None,
+        decode_attention="auto",
     ):
         self.model, self.tokenizer, self.model_path = model, tokenizer, model_path
         self.device = next(model.parameters()).device
@@ -115,6 +118,7 @@ class Engine:
             )
         self.multi_step = int(multi_step)
         self.stable_memory = self.device.type == "cuda" if stable_memory is None else stable_memory
+        self.decode_attention = decode_attention
         if mem_fraction is not None and self.runner_kind == "static":
             max_batch_size = self._slots_within(max_batch_size, mem_fraction)
         routes = RouteRecorder(model if enable_return_routed_experts else None)
@@ -179,6 +183,7 @@ class Engine:
                 compile=self.compile,
                 multi_step=self.multi_step,
                 stable_memory=self.stable_memory,
+                attention=self.decode_attention,
             )
         pad = self.model.config.pad_token_id
         return ModelRunner(self.model, pad_token_id=pad if pad is not None else 0)

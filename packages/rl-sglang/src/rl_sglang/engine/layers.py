@@ -3,8 +3,10 @@
 A decode step of a small model is bound by kernel launches, not FLOPs, so: q/k/v and
 gate/up each run as one GEMM over concatenated weights, RMSNorm is torch's fused
 ``rms_norm``, rotary embeddings rotate queries and keys together, and grouped-query
-attention runs as plain SDPA with the query heads of each KV head laid out as query
-positions (no repeated K/V, so the fused attention kernels apply).
+attention runs as two Triton kernels that read only each row's length
+(:mod:`rl_sglang.engine.decode_attention`) or, without them, as plain SDPA with a length
+mask and the query heads of each KV head laid out as query positions (no repeated K/V, so
+the fused attention kernels apply).
 
 Shapes: ``B`` rows, ``H`` hidden, ``Hq``/``Hkv`` query/KV heads, ``G = Hq / Hkv``,
 ``D`` head dim, ``T`` cache length.
@@ -15,6 +17,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from rl_sglang.engine.decode_attention import decode_attention
 
 # SDPA's kernels for a prefill on CUDA: cuDNN's fused attention, which SDPA picks first on
 # Hopper, builds a plan per new shape (58-93 ms on an H100 for each new prompt count, 0.2 ms
@@ -73,7 +77,8 @@ def decode_layer(
     """One decoder layer for one new token per row; writes the row's key/value at its
     position in slot ``row`` of the cache ``[S, Hkv, T, D]``. A pure function of tensors
     (``weights`` from :meth:`LayerWeights.tensors`), so one ``torch.compile`` serves every
-    layer. ``cos``/``sin`` ``[B, 1, D]``."""
+    layer. ``cos``/``sin`` ``[B, 1, D]``; ``mask_B11T`` None: attention by
+    :func:`decode_attention` (rows' lengths from ``positions_B``), else SDPA with it."""
     in_norm, post_norm, qkv_w, qkv_b, o_w, o_b, gate_up_w, gate_up_b, down_w, down_b = weights
     batch = hidden_BH.shape[0]
     x_BH = in_norm * F.rms_norm(hidden_BH, (hidden_BH.shape[-1],), eps=eps)
@@ -82,7 +87,10 @@ def decode_layer(
     qk = rotate(qkv[:, :qk_width].view(batch, -1, head_dim), cos, sin)
     keys_SKTD[rows_B, :, positions_B] = qk[:, num_heads:]
     values_SKTD[rows_B, :, positions_B] = qkv[:, qk_width:].view(batch, -1, head_dim)
-    attn_BQ = attend(qk[:, :num_heads], keys_SKTD[:batch], values_SKTD[:batch], mask_B11T)
+    if mask_B11T is None:
+        attn_BQ = decode_attention(qk[:, :num_heads], keys_SKTD, values_SKTD, positions_B)
+    else:
+        attn_BQ = attend(qk[:, :num_heads], keys_SKTD[:batch], values_SKTD[:batch], mask_B11T)
     hidden_BH = hidden_BH + F.linear(attn_BQ, o_w, o_b)
     x_BH = post_norm * F.rms_norm(hidden_BH, (hidden_BH.shape[-1],), eps=eps)
     gate, up = F.linear(x_BH, gate_up_w, gate_up_b).chunk(2, dim=-1)

@@ -6,11 +6,12 @@ layer (slots stay compact: a finished row's slot is refilled by moving the last 
 Prefill runs the same fused layer pieces over the new prompts, right-padded, and writes
 their keys/values straight into free slots (:mod:`rl_sglang.engine.prefill`); decode runs
 the HF layers' own modules (norms, projections, rotary, MLP) with a per-slot position,
-writes the new key/value at that position and attends over the whole slot with a length
-mask, so every shape is fixed and the step can be graph-captured.
+writes the new key/value at that position and attends over the slot's positions up to the
+row's length (fused Triton kernels on CUDA; elsewhere SDPA over the whole slot with a
+length mask built once per step), so every shape is fixed and the step can be
+graph-captured.
 
-The step keeps the GPU kernel count low (see :mod:`rl_sglang.engine.layers`), builds the
-attention mask once per step, and computes the greedy token and its log-prob inside the
+The step keeps the GPU kernel count low (see :mod:`rl_sglang.engine.layers`) and computes the greedy token and its log-prob inside the
 step, so an all-greedy batch needs no kernel outside the graph but two small copies.
 """
 
@@ -19,6 +20,7 @@ import math
 
 import torch
 
+from rl_sglang.engine.decode_attention import fused_decode_available, triton
 from rl_sglang.engine.graphs import GraphCache
 from rl_sglang.engine.layers import (
     LayerWeights,
@@ -131,6 +133,17 @@ def rotary_table(rotary: torch.nn.Module, max_len: int, like: torch.Tensor):
     return cos[0].contiguous(), signed_sin(sin)[0].contiguous()
 
 
+def _fused_attention(choice: str, device: torch.device) -> bool:
+    """Whether the decode step runs :func:`~rl_sglang.engine.decode_attention.decode_attention`
+    (``"triton"``; ``"auto"``: where :func:`fused_decode_available`) or SDPA with a
+    length mask (``"sdpa"``)."""
+    if choice not in ("auto", "triton", "sdpa"):
+        raise ValueError(f"decode attention {choice!r} is not one of auto, triton, sdpa")
+    if choice == "triton" and triton is None:
+        raise ValueError("decode attention 'triton' needs the triton package")
+    return choice == "triton" or (choice == "auto" and fused_decode_available(device))
+
+
 class StaticBatch:
     """Handle of the running rows (row i = slot i); the runner owns the tensors."""
 
@@ -145,6 +158,10 @@ class StaticRunner:
     :func:`decode_layer` (fusing its elementwise kernels; the same compiled code serves all
     layers), and the greedy pick through another, before the graphs are captured; if that
     fails the eager functions are kept.
+
+    ``attention``: the decode step's attention, ``"triton"`` (two kernels reading each
+    row's length, :mod:`rl_sglang.engine.decode_attention`), ``"sdpa"`` (SDPA over the
+    whole slot with a length mask) or ``"auto"`` (Triton on CUDA where it is installed).
 
     ``stable_memory=True`` (CUDA) puts the weights (q/k/v and gate/up fused) and the
     slot caches in address-stable memory (:mod:`rl_sglang.engine.stable_memory`): a
@@ -163,6 +180,7 @@ class StaticRunner:
         compile: bool = False,
         multi_step: int = 1,
         stable_memory: bool = False,
+        attention: str = "auto",
     ):
         if (reason := static_unsupported_reason(model, max_len)) is not None:
             raise ValueError(f"static decoding cannot take this model: {reason}")
@@ -178,6 +196,7 @@ class StaticRunner:
         self.compiled = compile
         self.use_graphs = next(model.parameters()).is_cuda if cuda_graphs is None else cuda_graphs
         self.multi_step = multi_step
+        self.fused_attention = _fused_attention(attention, next(model.parameters()).device)
         self.keys = None  # set by resume()
         self.stable = self._stable_memory() if stable_memory else None
         self.resume()
@@ -356,8 +375,10 @@ class StaticRunner:
         else:
             cos, sin = inner.rotary_emb(hidden_BH[:, None, :], positions_B[:, None])
             sin = signed_sin(sin)  # cos, sin: [B, 1, D]
-        hidden_BT = self.columns_T[None, :] > positions_B[:, None]
-        mask_B11T = torch.where(hidden_BT, *self.mask_values)[:, None, None, :]  # 0 or -inf
+        mask_B11T = None  # the fused kernels read each row's length from positions_B
+        if not self.fused_attention:
+            hidden_BT = self.columns_T[None, :] > positions_B[:, None]
+            mask_B11T = torch.where(hidden_BT, *self.mask_values)[:, None, None, :]  # 0, -inf
         rows_B = torch.arange(tokens_B.shape[0], device=self.device)
         for index, layer in enumerate(self.layers):
             hidden_BH = self.layer_fn(
