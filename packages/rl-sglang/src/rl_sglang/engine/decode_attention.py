@@ -50,7 +50,7 @@ def decode_attention(q_BQD, keys_SKTD, values_SKTD, positions_B) -> torch.Tensor
         *q_BQD.stride(),
         *keys_SKTD.stride(),
         *values_SKTD.stride(),
-        head_dim**-0.5,
+        SCALE=head_dim**-0.5,  # a constant: a float argument reaches Inductor's kernels as fp64
         NUM_HEADS=num_heads,
         GROUP=num_heads // num_kv,
         BLOCK_G=max(16, triton.next_power_of_2(num_heads // num_kv)),
@@ -71,8 +71,8 @@ if triton is not None:
     @triton.jit
     def _chunk_kernel(
         Q, K, V, Positions, Parts, Stats,
-        sq_b, sq_h, sq_d, sk_s, sk_h, sk_t, sk_d, sv_s, sv_h, sv_t, sv_d, scale,
-        NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+        sq_b, sq_h, sq_d, sk_s, sk_h, sk_t, sk_d, sv_s, sv_h, sv_t, sv_d,
+        SCALE: tl.constexpr, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
         SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
@@ -102,7 +102,7 @@ if triton is not None:
             mask = t_ok[:, None] & d_ok[None, :]
             k = tl.load(k_row + t[:, None] * sk_t + d[None, :] * sk_d, mask=mask, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-            s = tl.where(t_ok[None, :], s * scale, float("-inf"))
+            s = tl.where(t_ok[None, :], s * SCALE, float("-inf"))
             new_top = tl.maximum(top, tl.max(s, 1))
             p = tl.exp(s - new_top[:, None])
             keep = tl.exp(top - new_top)
