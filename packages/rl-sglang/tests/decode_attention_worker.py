@@ -19,6 +19,7 @@ CASES = [
     (2, 9, 3, 64, 48, [17, 48]),  # SmolLM2-135M's grouping
     (4, 4, 4, 16, 32, [1, 2, 31, 32]),  # no grouping, head dim 16
     (1, 8, 1, 32, 640, [513]),  # one KV head, chunks longer than one block
+    (2, 20, 1, 48, 80, [33, 80]),  # 20 query heads a KV head, head dim not a power of two
 ]
 
 
