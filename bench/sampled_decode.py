@@ -5,7 +5,11 @@ the rollout's case (rl-train gives every sample a ``sampling_seed``) at a rollou
 
 A random Qwen2.5-0.5B-shaped model (bench/engine.py's), prompts of ``--prompt-len`` tokens,
 ``ignore_eos``; each mode runs once untimed (graph capture, warm-up), then timed. Prints one
-JSON line: tokens/s per mode and the seeded / unseeded ratio.
+JSON line: tokens/s per mode and the seeded / unseeded ratio. ``--sampled-multi-step`` also
+times seeded decoding on a second engine whose sampled rounds run K steps each
+(``Engine(sampled_multi_step=True)``), against the single-step rounds of the first.
+
+    python bench/sampled_decode.py --device cuda --batch 256 --new-tokens 128 --sampled-multi-step
 """
 
 import argparse
@@ -46,12 +50,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--sampled-multi-step", action="store_true")
     args = parser.parse_args()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     model = make_model(args.shape, args.device, dtype)
-    engine = Engine(
-        model, None, max_batch_size=args.batch, max_context=args.prompt_len + args.new_tokens + 8
-    )
+    context = args.prompt_len + args.new_tokens + 8
+    engine = Engine(model, None, max_batch_size=args.batch, max_context=context)
     prompts = make_prompts(args.batch, args.prompt_len, model.config.vocab_size, seed=0)
     result = {
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
@@ -67,6 +71,18 @@ def main() -> None:
     result["seeded_over_unseeded"] = round(
         result["seeded_tokens_per_s"] / result["unseeded_tokens_per_s"], 3
     )
+    if args.sampled_multi_step:
+        engine.scheduler.stop()
+        engine = Engine(
+            model, None, max_batch_size=args.batch, max_context=context, sampled_multi_step=True
+        )
+        run_batch(engine, prompts, args.new_tokens, True)  # untimed: capture and warm-up
+        seconds = run_batch(engine, prompts, args.new_tokens, True)
+        result["seeded_multi_step_tokens_per_s"] = round(args.batch * args.new_tokens / seconds)
+        result["multi_step_over_single_step"] = round(
+            result["seeded_multi_step_tokens_per_s"] / result["seeded_tokens_per_s"], 3
+        )
+    engine.scheduler.stop()
     print(json.dumps(result))
 
 

@@ -127,3 +127,105 @@ def test_rounds_stay_within_each_rows_length_limit(engines):
     assert [len(o["output_ids"]) for o in outs] == [7, 12]
     assert seen and all(min(rooms) >= steps for steps, rooms in seen)
     assert seen[0] == (5, [6, 11])  # the prefill gave each row its first token
+
+
+@pytest.fixture(scope="module")
+def sampled_engine(tiny_dir):
+    from rl_sglang.engine.core import load_model
+
+    model, tokenizer = load_model(str(tiny_dir))
+    engine = Engine(
+        model,
+        tokenizer,
+        max_batch_size=4,
+        runner="static",
+        max_context=64,
+        multi_step=5,
+        sampled_multi_step=True,
+    )
+    yield engine
+    engine.scheduler.stop()
+
+
+def test_sampled_rounds_give_seeded_rows_the_single_step_tokens(
+    engines, sampled_engine, monkeypatch
+):
+    """Seeded sampling (temperatures, top-k, top-p, min-p, a greedy row), stops by token,
+    string and budget, rows joining a full batch: the same tokens and log-probs with
+    5-step sampled rounds as with single steps; sampled rounds of 5 really ran."""
+    prompts = [[1, 2, 3], [9] * 11, [5], [7, 8], [100, 101, 102, 103, 104], [42] * 30]
+    params = [
+        {"temperature": 0.9, "max_new_tokens": 30, "stop_token_ids": [101, 102, 103]},
+        {"temperature": 1.0, "max_new_tokens": 17, "top_k": 20},
+        {"temperature": 0.7, "max_new_tokens": 23, "stop": ["a", "e"], "top_p": 0.8},
+        {"temperature": 0.0, "max_new_tokens": 9},
+        {"temperature": 1.2, "max_new_tokens": 40, "min_p": 0.05},
+        {"temperature": 1.0, "max_new_tokens": 34},  # 30 prompt tokens + 34 = the context
+    ]
+    body = {
+        "input_ids": prompts,
+        "return_logprob": True,
+        "sampling_params": [{**p, "sampling_seed": 11 + i} for i, p in enumerate(params)],
+    }
+    runner = sampled_engine.scheduler.runner
+    rounds = []
+    decode_sampled = runner.decode_sampled
+    monkeypatch.setattr(
+        runner,
+        "decode_sampled",
+        lambda *a, **k: rounds.append(a[-1]) or decode_sampled(*a, **k),
+    )
+    single, many = run(engines[1], body), run(sampled_engine, body)
+    assert rounds and set(rounds) == {5}
+    for one, other in zip(single, many, strict=True):
+        assert other["output_ids"] == one["output_ids"]
+        assert other["meta_info"]["finish_reason"] == one["meta_info"]["finish_reason"]
+        assert (
+            other["meta_info"]["output_token_logprobs"] == one["meta_info"]["output_token_logprobs"]
+        )
+    assert [len(o["output_ids"]) for o in many][3:] == [9, 40, 34]
+    unseeded = {**body, "sampling_params": params}  # runs; its draws are its own
+    assert [len(o["output_ids"]) for o in run(sampled_engine, unseeded)][3:] == [9, 40, 34]
+
+
+def test_sampled_rounds_are_refused_where_off(engines):
+    runner = engines[5].scheduler.runner
+    assert runner.sampled_multi_step is False
+    with pytest.raises(ValueError, match="sampled multi-step rounds"):
+        runner.decode_sampled(None, torch.zeros(1, dtype=torch.long), None, None, 5)
+
+
+@pytest.mark.gpu
+def test_sampled_rounds_in_cuda_graphs_match_single_steps():
+    """On CUDA (compiled step, CUDA graphs): seeded rows get the same tokens from the
+    sampled K-step graphs as from single steps, with and without truncation."""
+    from rl_sglang.tiny import random_model, tiny_config
+
+    model = random_model(tiny_config(num_hidden_layers=4), seed=2).cuda()
+    body = {
+        "input_ids": [[3 + i] * (4 + 7 * i) for i in range(6)],
+        "return_logprob": True,
+        "sampling_params": [
+            {
+                "temperature": 1.0,
+                "max_new_tokens": 40,
+                "sampling_seed": i,
+                "top_p": 0.9 if i % 2 else 1.0,
+            }
+            for i in range(6)
+        ],
+    }
+    outs = {}
+    for sampled in (False, True):
+        engine = Engine(
+            model, None, max_batch_size=8, max_context=128, multi_step=5, sampled_multi_step=sampled
+        )
+        outs[sampled] = run(engine, body)
+        if sampled:
+            assert {truncates for _, truncates in engine.scheduler.runner.graphs.sampled} == {True}
+        engine.scheduler.stop()
+    for one, other in zip(outs[False], outs[True], strict=True):
+        assert other["output_ids"] == one["output_ids"]
+        got = [lp for lp, *_ in other["meta_info"]["output_token_logprobs"]]
+        want = [lp for lp, *_ in one["meta_info"]["output_token_logprobs"]]
+        assert got == pytest.approx(want, abs=1e-5)

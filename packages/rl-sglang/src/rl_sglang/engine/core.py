@@ -63,7 +63,10 @@ class Engine:
     ``compile`` (static runner only): ``torch.compile`` the decode layer before the CUDA
     graphs are captured; ``None`` turns it on with CUDA (it costs start-up time once).
     ``multi_step`` (static runner only): greedy decode rounds of that many steps when no
-    row can finish by length and nothing waits within them (outputs are unchanged).
+    row can finish by length and nothing waits within them (outputs are unchanged);
+    ``sampled_multi_step`` (static runner): such rounds for sampled batches too, each draw
+    inside the round (a seeded row's tokens are unchanged; off by default until measured
+    on a GPU).
     ``enable_lora``: serve LoRA adapters per request (:mod:`rl_sglang.engine.lora`) on the
     Linears named by ``lora_targets``, of rank up to ``max_lora_rank`` (None: any); the
     adapters' hooks run in the model's own modules, so the runner is the dynamic one.
@@ -89,6 +92,7 @@ class Engine:
         max_context=None,
         compile=None,
         multi_step=DEFAULT_MULTI_STEP,
+        sampled_multi_step=False,
         enable_lora=False,
         max_lora_rank=None,
         lora_targets=(ALL_TARGETS,),
@@ -117,6 +121,7 @@ class Engine:
                 f"multi_step must be >= 1 (1 = one decode step per round), got {multi_step}"
             )
         self.multi_step = int(multi_step)
+        self.sampled_multi_step = bool(sampled_multi_step)
         self.stable_memory = self.device.type == "cuda" if stable_memory is None else stable_memory
         self.decode_attention = decode_attention
         if mem_fraction is not None and self.runner_kind == "static":
@@ -182,6 +187,7 @@ class Engine:
                 max_len=self.max_context,
                 compile=self.compile,
                 multi_step=self.multi_step,
+                sampled_multi_step=self.sampled_multi_step,
                 stable_memory=self.stable_memory,
                 attention=self.decode_attention,
             )

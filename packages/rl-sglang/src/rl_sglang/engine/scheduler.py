@@ -259,7 +259,7 @@ class Scheduler:
     def _step(self) -> None:
         """Decode rounds for the running batch (a round is one step, or K greedy steps in
         one go when the runner has ``multi_step`` K and no row can reach its length limit
-        within them). While nothing else waits (no task, abort or admissible request),
+        within them; K sampled steps too with the runner's ``sampled_multi_step``). While nothing else waits (no task, abort or admissible request),
         round ``r + 1`` is queued on the device before the host reads round ``r``'s tokens,
         so the host's bookkeeping overlaps the GPU's work. Rows that stop in round ``r``
         leave the batch while ``r + 1`` is in flight (their tokens of ``r + 1`` are
@@ -297,14 +297,23 @@ class Scheduler:
                 out = self.runner.decode(self._state, tokens_B, greedy=True, steps=steps)
                 self.routes.after_decode(self._running)
                 return Launched(*out) if steps > 1 else Launched(out[0][None], out[1][None])
+            positions_B = self._table.positions(pending)
+            if getattr(self.runner, "sampled_multi_step", False):  # draws inside the round
+                steps = self._round_steps(pending)
+                if steps > 1:
+                    out = self.runner.decode_sampled(
+                        self._state, tokens_B, rows, positions_B, steps
+                    )
+                    self.routes.after_decode(self._running)
+                    return Launched(*out)
             logits_BV = self.runner.decode(self._state, tokens_B)
             self.routes.after_decode(self._running)
-            tokens_B, logprobs_B = sample_next(logits_BV, rows, self._table.positions(pending))
+            tokens_B, logprobs_B = sample_next(logits_BV, rows, positions_B)
             return Launched(tokens_B[None], logprobs_B[None])
 
     def _round_steps(self, pending: int) -> int:
-        """The runner's ``multi_step`` K when K greedy steps cannot pass any row's length
-        limit nor keep anything waiting, else 1."""
+        """The runner's ``multi_step`` K when K steps cannot pass any row's length limit
+        nor keep anything waiting, else 1."""
         steps = getattr(self.runner, "multi_step", 1)
         if steps > 1 and self._quiet() and self._table.rooms(pending).min() >= steps:
             return steps

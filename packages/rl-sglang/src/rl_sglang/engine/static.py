@@ -34,7 +34,7 @@ from rl_sglang.engine.layers import (
 )
 from rl_sglang.engine.prefill import prefill_into_slots
 from rl_sglang.engine.rows import on_device
-from rl_sglang.engine.sampling import greedy_pick
+from rl_sglang.engine.sampling import RowParams, greedy_pick, sample_next
 from rl_sglang.engine.stable_memory import StableMemory
 
 logger = logging.getLogger(__name__)
@@ -159,6 +159,9 @@ class StaticRunner:
     layers), and the greedy pick through another, before the graphs are captured; if that
     fails the eager functions are kept.
 
+    ``sampled_multi_step``: sampled rounds of ``multi_step`` K steps too (each step's draw
+    inside the round, :meth:`decode_sampled`), not only greedy ones.
+
     ``attention``: the decode step's attention, ``"triton"`` (two kernels reading each
     row's length, :mod:`rl_sglang.engine.decode_attention`), ``"sdpa"`` (SDPA over the
     whole slot with a length mask) or ``"auto"`` (Triton on CUDA where it is installed).
@@ -179,6 +182,7 @@ class StaticRunner:
         cuda_graphs: bool | None = None,
         compile: bool = False,
         multi_step: int = 1,
+        sampled_multi_step: bool = False,
         stable_memory: bool = False,
         attention: str = "auto",
     ):
@@ -196,6 +200,7 @@ class StaticRunner:
         self.compiled = compile
         self.use_graphs = next(model.parameters()).is_cuda if cuda_graphs is None else cuda_graphs
         self.multi_step = multi_step
+        self.sampled_multi_step = sampled_multi_step and multi_step > 1
         self.fused_attention = _fused_attention(attention, next(model.parameters()).device)
         self.keys = None  # set by resume()
         self.stable = self._stable_memory() if stable_memory else None
@@ -359,6 +364,46 @@ class StaticRunner:
             _, next_B, logprob_B = self.step(tokens_B, self.lengths[:size])
             tokens_B.copy_(next_B)
             self.lengths[:size] += 1
+            tokens.append(next_B)
+            logprobs.append(logprob_B)
+        return torch.stack(tokens), torch.stack(logprobs)
+
+    @torch.inference_mode()
+    def decode_sampled(
+        self, state: StaticBatch, tokens_B: torch.Tensor, rows: RowParams, positions_B, steps: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``steps`` = K (:attr:`multi_step`) sampled decode steps of the running rows, each
+        drawing by :func:`sample_next` with ``rows``' parameters and feeding its token to the
+        next; ``positions_B``: the response index of each row's first draw (None: no row is
+        seeded). The tokens and log-probs ``[K, B]``: what K single steps, each followed by
+        :func:`sample_next`, give a seeded row (an unseeded row draws other numbers)."""
+        if steps != self.multi_step or not self.sampled_multi_step:
+            raise ValueError(
+                f"sampled multi-step rounds need sampled_multi_step and {self.multi_step} steps"
+            )
+        size = state.size
+        if max(self.host_lengths) + steps - 1 >= self.max_len:
+            raise ValueError(f"a request outgrew max_len {self.max_len}; raise --max-context")
+        if self.graphs is not None:
+            outputs = self.graphs.run_sampled(tokens_B, size, rows, positions_B)
+        else:
+            positions_B = None if positions_B is None else positions_B.clone()
+            tokens_B = tokens_B.to(self.device, copy=True)
+            outputs = self.sampled_steps(tokens_B, size, steps, rows, positions_B)
+        self.host_lengths = [n + steps for n in self.host_lengths]
+        return outputs
+
+    def sampled_steps(self, tokens_B, size: int, steps: int, rows: RowParams, positions_B):
+        """:meth:`greedy_steps` with each token drawn by :func:`sample_next` (in place in
+        ``tokens_B``; ``positions_B`` advanced after each draw). Captured whole on CUDA."""
+        tokens, logprobs = [], []
+        for _ in range(steps):
+            logits_BV = self.step(tokens_B, self.lengths[:size])[0]
+            next_B, logprob_B = sample_next(logits_BV, rows, positions_B)
+            tokens_B.copy_(next_B)
+            self.lengths[:size] += 1
+            if positions_B is not None:
+                positions_B += 1
             tokens.append(next_B)
             logprobs.append(logprob_B)
         return torch.stack(tokens), torch.stack(logprobs)
