@@ -363,6 +363,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(weights, KV slots, graphs); --max-batch-size is lowered to the slots that fit "
         "(default: no bound)",
     )
+    parser.add_argument(
+        "--decode-attention",
+        default="auto",
+        choices=["auto", "triton", "sdpa"],
+        help="static runner: the decode step's attention (auto: Triton kernels on CUDA)",
+    )
+    parser.add_argument(
+        "--sampled-multi-step",
+        action="store_true",
+        help="static runner: sampled batches decode in rounds of several steps as greedy "
+        "ones do, each draw inside the round (a seeded row's tokens are unchanged)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="init seed for a bare config")
     parser.add_argument(
         "--enable-lora", action="store_true", help="serve LoRA adapters (/load_lora_adapter)"
@@ -422,6 +434,8 @@ def main(argv: list[str] | None = None) -> None:
         enable_return_routed_experts=args.enable_return_routed_experts,
         stable_memory=args.stable_memory,
         mem_fraction=args.mem_fraction,
+        decode_attention=args.decode_attention,
+        sampled_multi_step=args.sampled_multi_step,
     )
     engine.scheduler.weight_version = args.weight_version
     print(

@@ -671,6 +671,17 @@ class EngineConfig:
         above=0,
         high=1,
     )
+    decode_attention: str = option(
+        "auto",
+        help="Embedded engine: the decode step's attention; auto = Triton kernels that read "
+        "each row's own length on CUDA, SDPA with a length mask elsewhere.",
+        choices=("auto", "triton", "sdpa"),
+    )
+    sampled_multi_step: bool = option(
+        False,
+        help="Embedded engine: sampled batches decode in rounds of several steps (each draw "
+        "inside the round), as greedy ones do; a seeded sample's tokens are unchanged.",
+    )
     weight_sync: str = option(
         "auto",
         help="Weight transport; auto picks tensor (colocated) or distributed (disaggregated).",

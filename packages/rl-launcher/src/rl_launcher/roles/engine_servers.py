@@ -125,6 +125,9 @@ def engine_process(
     extra = [] if context is None else ["--max-context", str(context)]
     if device == "cuda":
         extra += ["--mem-fraction", str(config.engine.mem_fraction)]
+    extra += ["--decode-attention", config.engine.decode_attention]
+    if config.engine.sampled_multi_step:
+        extra.append("--sampled-multi-step")
     extra += embedded_lora_args(config)
     if config.algorithm.routing_replay:
         extra.append("--enable-return-routed-experts")
