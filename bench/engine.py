@@ -234,6 +234,13 @@ def main() -> None:
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        help="the engine's KV slot size (default: prompt + new tokens + 8); a larger one "
+        "shows what each decode step pays for room a row does not use",
+    )
     parser.add_argument("--runner", default="auto", choices=["auto", "dynamic", "static"])
     parser.add_argument(
         "--compile",
@@ -260,7 +267,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     model = make_model(args.shape, args.device, dtype)
     batches = [int(b) for b in args.batches.split(",")]
-    max_context = args.prompt_len + args.new_tokens + 8
+    max_context = args.max_context or args.prompt_len + args.new_tokens + 8
     start = time.perf_counter()
     engine = Engine(
         model,
@@ -315,6 +322,7 @@ def main() -> None:
         "dtype": args.dtype,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
+        "max_context": max_context,
         "results": rows,
         "decode_step_ms": step_ms,
         "multi_step_identical": multi_same,
