@@ -21,7 +21,9 @@
 # LIMIT_S the seconds one run may take (150), PYTHON the interpreter (python3). Even rounds
 # run the variants in the reverse order: in one call the run that goes first is often
 # slower (colder caches and clocks), so each variant goes first once in two rounds.
-# `loop` runs each variant's packages with the working tree's examples/; its runs go to
+# `loop` runs each variant's packages with the working tree's examples/ (VARIANT_ARGS applies
+# too: `export HEAD` and VARIANT_ARGS="HEAD:--engine.decode_attention sdpa" A/B an option on
+# the same code); its runs go to
 # $RUNS/<variant>_<round> (RUNS defaults to /tmp/ab_runs), their metrics.jsonl to
 # $OUT/loop_<variant>_<round>.metrics.jsonl and the summary to $OUT/loop_summary.json. A
 # loop run spends about two minutes starting on a fresh GPU machine (model, trainer,
@@ -98,6 +100,8 @@ variants() {  # variants ROUND: "name root" lines, the working tree first in odd
 run_loop() {  # run_loop NAME ROOT ROUND ARGS...: one rl-train run of ROOT's packages
   local name=$1 root=$2 round=$3 start=$SECONDS
   shift 3
+  # shellcheck disable=SC2046  # the extra arguments split on spaces on purpose
+  set -- "$@" $(variant_args "$name")
   local dir="$RUNS/${name}_$round"
   rm -rf "$dir"
   (cd "$here" && PYTHONPATH=$(pythonpath "$root") timeout -k 20 "${LIMIT_S:-150}" \
