@@ -36,7 +36,9 @@ def test_engine_log_has_a_line_per_start_up_phase(cluster):
         loaded = log.index("embedded engine: model loaded in ")
         assert "s (cpu, float32); preparing the runner" in log[loaded:]
         ready = log.index(f"embedded engine ready on {engine.url} (static runner, float32, ")
-        assert loaded < ready and "runner prepared in " in log[ready:].splitlines()[0]
+        line = log[ready:].splitlines()[0]
+        assert loaded < ready and "runner prepared in " in line
+        assert ", decode attention sdpa;" in line  # the CPU's attention, no sampled rounds
         assert "TF32" not in log
 
 

@@ -440,14 +440,24 @@ def main(argv: list[str] | None = None) -> None:
     engine.scheduler.weight_version = args.weight_version
     print(
         f"embedded engine ready on http://{args.host}:{args.port} ({engine.runner_kind} "
-        f"runner, {dtype}, context {engine.max_context}; runner prepared in "
-        f"{time.perf_counter() - start:.1f}s)",
+        f"runner, {dtype}, context {engine.max_context}{_decode_mode(engine)}; runner prepared "
+        f"in {time.perf_counter() - start:.1f}s)",
         flush=True,
     )
     web.run_app(
         make_app(engine, args.api_key), host=args.host, port=args.port, print=None, access_log=None
     )
     exit_now()
+
+
+def _decode_mode(engine: Engine) -> str:
+    """The static runner's decode attention and sampled rounds, for the ready line."""
+    runner = engine.scheduler.runner
+    fused = getattr(runner, "fused_attention", None)
+    mode = "" if fused is None else f", decode attention {'triton' if fused else 'sdpa'}"
+    if getattr(runner, "sampled_multi_step", False):
+        mode += f", sampled rounds of {runner.multi_step} steps"
+    return mode
 
 
 def exit_now() -> None:
