@@ -139,6 +139,15 @@ def test_embedded_engines_get_the_runs_context_bound_and_dtype(tmp_path):
     )
     command = server.command()
     assert command[command.index("--mem-fraction") + 1] == "0.45"
+    assert command[command.index("--decode-attention") + 1] == "auto"
+    assert "--sampled-multi-step" not in command  # off unless asked for
+    config.engine.decode_attention, config.engine.sampled_multi_step = "sdpa", True
+    (server,) = engine_processes(
+        config, model_dir=tmp_path, log_dir=tmp_path, gpus=[[0]], max_batch_size=8
+    )
+    command = server.command()
+    assert command[command.index("--decode-attention") + 1] == "sdpa"
+    assert "--sampled-multi-step" in command
     config.cluster.device = "cpu"
     config.rollout.function = "my_pkg.agent:generate"  # turns may grow the context
     assert engine_max_context(config) is None
