@@ -92,7 +92,7 @@ def check_engine_serves_the_fp8_of_the_trainer(run, tmp_path) -> None:
     assert got == pytest.approx(expected, abs=LOGPROB_TOL)
 
 
-def test_megatron_tp2_takes_turns_with_the_engine_and_syncs_weights(ray_cluster, tmp_path):
+def test_megatron_tp2_takes_turns_with_the_engine_and_syncs_weights(tmp_path):
     config, _ = load_config(
         shrunk(
             tmp_path / "run",
@@ -128,7 +128,7 @@ def test_megatron_tp2_takes_turns_with_the_engine_and_syncs_weights(ray_cluster,
     assert turns.log == ["offload trainer", *train_then_sync, *generate, *train_then_sync]
 
 
-def test_disaggregated_fp8_run_syncs_over_a_gloo_weight_update_group(ray_cluster, tmp_path):
+def test_disaggregated_fp8_run_syncs_over_a_gloo_weight_update_group(tmp_path):
     """Also FP8 rollout (engine.quantization=fp8, with TIS): the engine starts from the
     converted checkpoint and every sync sends FP8 weights and their scales."""
     # one training bundle, one engine bundle; auto picks the distributed transport

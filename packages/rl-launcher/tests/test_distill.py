@@ -176,7 +176,7 @@ def test_a_teacher_path_without_a_model_is_refused_before_anything_starts(tmp_pa
 
 
 @pytest.mark.integration
-def test_rl_train_distils_from_an_embedded_teacher(ray_cluster, tmp_path):
+def test_rl_train_distils_from_an_embedded_teacher(tmp_path):
     """Two steps with a teacher engine started from a local directory: the dumped samples
     carry the teacher's teacher-forced log-probs, and each step's opd/reverse_kl is their
     mean gap to the rollout log-probs."""

@@ -109,7 +109,7 @@ def test_config_refuses_what_dpo_cannot_do_before_ray(options, message):
 
 
 @pytest.mark.integration
-def test_example_raises_margin_and_accuracy_and_lowers_the_loss(ray_cluster, tmp_path):
+def test_example_raises_margin_and_accuracy_and_lowers_the_loss(tmp_path):
     from rl_launcher.cli import main
     from rl_launcher.infra.run_log import read_metrics
 

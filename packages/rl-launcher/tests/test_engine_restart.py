@@ -46,7 +46,7 @@ async def weight_version(url: str) -> str:
         return await client.weight_version()
 
 
-def test_killed_engine_is_restarted_and_the_run_goes_on(ray_cluster, tmp_path):
+def test_killed_engine_is_restarted_and_the_run_goes_on(tmp_path):
     extra = (
         "--engine.num_engines",
         "2",

@@ -26,7 +26,7 @@ ADAPTED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 NUM_ADAPTER = 2 * 8 * (2 * (64 + 64) + 2 * (64 + 32) + 3 * (64 + 128))
 
 
-def test_lora_run_syncs_adapters_and_checkpoints_only_adapters(ray_cluster, tmp_path):
+def test_lora_run_syncs_adapters_and_checkpoints_only_adapters(tmp_path):
     run_dir = tmp_path / "run"
     args = [
         "--config",

@@ -97,7 +97,7 @@ def test_probe_on_a_node_without_the_drivers_files(tmp_path):
 
 
 @pytest.mark.integration
-def test_ranks_meet_on_loopback_and_a_bad_interface_is_one_error(ray_cluster):
+def test_ranks_meet_on_loopback_and_a_bad_interface_is_one_error():
     import ray
 
     class Member(rendezvous.GroupMember):
@@ -118,17 +118,17 @@ def test_ranks_meet_on_loopback_and_a_bad_interface_is_one_error(ray_cluster):
             dist.all_reduce(total)
             return int(total)
 
-    member = ray.remote(num_cpus=0)(Member)
-    ranks = [member.remote(rank, 2) for rank in range(2)]
-    # over nodes rank 0 looks up the interface its node's environment names
-    env = {"env_vars": {"GLOO_SOCKET_IFNAME": "nosuch9"}}
-    lost = [member.options(runtime_env=env).remote(rank, 2) for rank in range(2)]
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
+        member = ray.remote(num_cpus=0)(Member)
+        ranks = [member.remote(rank, 2) for rank in range(2)]
         host, port = rendezvous.meet(ranks, spans_nodes=False)  # one node: loopback
         assert host == "127.0.0.1" and port > 0
         assert ray.get([r.rank_sum.remote() for r in ranks]) == [1, 1]
+        # over nodes rank 0 looks up the interface its node's environment names
+        env = {"env_vars": {"GLOO_SOCKET_IFNAME": "nosuch9"}}
+        lost = [member.options(runtime_env=env).remote(rank, 2) for rank in range(2)]
         with pytest.raises(ValueError, match=r"^GLOO_SOCKET_IFNAME='nosuch9': node "):
             rendezvous.meet(lost, spans_nodes=True)
-    finally:  # the Ray is the suite's (conftest.py): leave it empty
-        for actor in ranks + lost:
-            ray.kill(actor)
+    finally:
+        ray.shutdown()

@@ -153,9 +153,7 @@ def test_skipped_failures_add_to_those_the_rollout_counted():
 
 
 @pytest.mark.integration
-def test_rl_train_with_a_reward_that_hangs_on_some_samples_finishes_and_counts_them(
-    ray_cluster, tmp_path
-):
+def test_rl_train_with_a_reward_that_hangs_on_some_samples_finishes_and_counts_them(tmp_path):
     """The user's case: a custom reward looping for good on some samples, a 1 s limit and
     on_reward_error=skip; two steps of the quickstart with real Ray, engine and trainer."""
     data = tmp_path / "data.jsonl"
