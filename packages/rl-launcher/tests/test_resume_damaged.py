@@ -1,5 +1,5 @@
-"""``--resume`` after the newest checkpoint was damaged on disk, end to end: real Ray (the
-suite's shared one), an rl-fsdp training actor, an embedded engine behind the real
+"""``--resume`` after the newest checkpoint was damaged on disk, end to end: real Ray (one
+start for the module), an rl-fsdp training actor, an embedded engine behind the real
 sglang-router; the quickstart config shrunk to a few steps of the one-step-async loop
 (whose checkpoints also carry the prompts of the rollout in flight).
 
@@ -14,6 +14,7 @@ import time
 
 import pytest
 from test_kill_resume import arguments, uninterrupted_order
+from test_train_faults import ray_started  # noqa: F401 (the module's one Ray)
 
 from rl_launcher.cli import main
 from rl_launcher.infra import checkpoints, data_order
@@ -29,7 +30,7 @@ def truncate_largest_shard(step_dir) -> str:
     return shard.relative_to(step_dir).as_posix()
 
 
-def test_resume_skips_a_damaged_newest_checkpoint_and_continues(tmp_path, capsys, ray_cluster):
+def test_resume_skips_a_damaged_newest_checkpoint_and_continues(tmp_path, capsys, ray_started):  # noqa: F811
     run_dir = tmp_path / "run"
     every_step = ("--checkpoint.interval", "1")
     assert main(arguments(run_dir, "--num_steps", "3", *every_step)) == 0

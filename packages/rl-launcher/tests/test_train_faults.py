@@ -1,6 +1,6 @@
-"""Training faults end to end: real Ray (the suite's shared one, see conftest.py), two
-rl-fsdp ranks in one gloo group, an embedded engine behind the real sglang-router; the
-quickstart config shrunk to three steps.
+"""Training faults end to end: real Ray (started once for the module), two rl-fsdp ranks in
+one gloo group, an embedded engine behind the real sglang-router; the quickstart config
+shrunk to three steps.
 
 One run meets the faults in turn: step 2's batch holds a NaN advantage on rank 0 only (both
 ranks skip the update, the step is recorded as skipped); then training rank 1 is SIGKILLed
@@ -31,6 +31,18 @@ from rl_launcher.roles.train_group import TrainGroup
 
 pytestmark = pytest.mark.integration
 STOP_BOUND_S = 60.0  # from the SIGKILL to rl-train's return, cleanup included
+
+
+@pytest.fixture(scope="module")
+def ray_started():
+    """One local Ray for the module (runs attach to it and leave it running)."""
+    import ray
+
+    from rl_launcher.infra.ray_cluster import connect
+
+    assert connect(num_cpus=max(os.cpu_count() or 1, 4)) == "started"
+    yield
+    ray.shutdown()
 
 
 def poison_step(monkeypatch, bad_step: int) -> None:
@@ -77,7 +89,7 @@ def _kill_when_writing(partial: Path, pid: int, killed_at: list) -> None:
 
 
 @pytest.fixture(scope="module")
-def faulty_run(ray_cluster, tmp_path_factory):
+def faulty_run(ray_started, tmp_path_factory):
     """The run with the faults, then its resume: what each left behind."""
     run_dir = tmp_path_factory.mktemp("faults") / "run"
     argv = shrunk(run_dir, "--cluster.devices_per_node", "2", "--checkpoint.interval", "1")
