@@ -359,14 +359,7 @@ class StaticRunner:
         """``steps`` greedy decode steps of rows ``0..size-1``, each fed the previous
         argmax (in place in ``tokens_B``), ``lengths`` advanced after each; the tokens and
         log-probs ``[K, B]``. Captured whole as one graph on CUDA."""
-        tokens, logprobs = [], []
-        for _ in range(steps):
-            _, next_B, logprob_B = self.step(tokens_B, self.lengths[:size])
-            tokens_B.copy_(next_B)
-            self.lengths[:size] += 1
-            tokens.append(next_B)
-            logprobs.append(logprob_B)
-        return torch.stack(tokens), torch.stack(logprobs)
+        return self._steps(tokens_B, size, steps, lambda outputs: outputs[1:])
 
     @torch.inference_mode()
     def decode_sampled(
@@ -396,14 +389,24 @@ class StaticRunner:
     def sampled_steps(self, tokens_B, size: int, steps: int, rows: RowParams, positions_B):
         """:meth:`greedy_steps` with each token drawn by :func:`sample_next` (in place in
         ``tokens_B``; ``positions_B`` advanced after each draw). Captured whole on CUDA."""
+
+        def draw(outputs):
+            drawn = sample_next(outputs[0], rows, positions_B)
+            if positions_B is not None:
+                positions_B.add_(1)  # in place: the captured graph advances it
+            return drawn
+
+        return self._steps(tokens_B, size, steps, draw)
+
+    def _steps(self, tokens_B, size: int, steps: int, pick):
+        """``steps`` decode steps, each step's outputs (logits, greedy token, log-prob) turned
+        into the next token and its log-prob by ``pick``, fed back in place in ``tokens_B``;
+        the tokens and log-probs ``[K, B]``."""
         tokens, logprobs = [], []
         for _ in range(steps):
-            logits_BV = self.step(tokens_B, self.lengths[:size])[0]
-            next_B, logprob_B = sample_next(logits_BV, rows, positions_B)
+            next_B, logprob_B = pick(self.step(tokens_B, self.lengths[:size]))
             tokens_B.copy_(next_B)
             self.lengths[:size] += 1
-            if positions_B is not None:
-                positions_B += 1
             tokens.append(next_B)
             logprobs.append(logprob_B)
         return torch.stack(tokens), torch.stack(logprobs)
